@@ -1,0 +1,300 @@
+"""MXNet RecordIO (.rec + .idx), written and read natively, byte for byte as mxnet 1.9.1 does.
+
+Framing (dmlc-core recordio): each part is ``uint32 magic, uint32 lrec, data, zero pad to 4``
+with ``lrec = cflag << 29 | length``. A payload holding the magic word at a 4-byte-aligned offset
+is cut there into parts (cflag 1 first, 2 middle, 3 last) and the magic itself is dropped; readers
+put it back. Only the last part is padded: the cut points are aligned, so earlier parts already are.
+
+Payload = IRHeader ``'<IfQQ'`` (flag, label, id, id2) + [flag float32 labels] + image bytes.
+The ``.idx`` is text, ``key\\toffset\\n`` per record, offset of the record's first magic word.
+"""
+from __future__ import annotations
+
+import bisect
+import numbers
+import os
+import struct
+from collections import namedtuple
+from typing import Callable, Iterator
+
+MAGIC = 0xCED7230A
+MAGIC_BYTES = struct.pack("<I", MAGIC)
+_FRAME = struct.Struct("<II")
+_LENGTH_MASK = (1 << 29) - 1
+MAX_PAYLOAD = 1 << 29  # dmlc refuses records of 2**29 bytes or more
+
+IRHeader = namedtuple("IRHeader", "flag label id id2")
+_IR = struct.Struct("<IfQQ")
+IR_SIZE = _IR.size  # 24
+
+
+class RecordIOError(ValueError):
+    """A .rec/.idx pair that is not valid RecordIO; the message names the byte offset."""
+
+
+def pack_record(header: IRHeader, image_bytes: bytes) -> bytes:
+    """Payload for one record, as ``mxnet.recordio.pack``.
+
+    A scalar label goes in the header (flag forced to 0); a sequence of labels is stored as
+    ``flag`` float32 values after the header, with the header label 0.
+    """
+    header = IRHeader(*header)
+    if isinstance(header.label, numbers.Number):
+        return _IR.pack(0, header.label, header.id, header.id2) + bytes(image_bytes)
+    labels = [float(x) for x in header.label]
+    extra = struct.pack(f"<{len(labels)}f", *labels)
+    return _IR.pack(len(labels), 0.0, header.id, header.id2) + extra + bytes(image_bytes)
+
+
+def unpack_record(payload: bytes) -> tuple[IRHeader, bytes]:
+    """Split a payload into (IRHeader, image bytes); label is a tuple of floats when flag > 0."""
+    if len(payload) < IR_SIZE:
+        raise RecordIOError(f"payload of {len(payload)} bytes is shorter than the {IR_SIZE}-byte IRHeader")
+    header = IRHeader(*_IR.unpack_from(payload, 0))
+    body = IR_SIZE
+    if header.flag > 0:
+        end = body + 4 * header.flag
+        if end > len(payload):
+            raise RecordIOError(f"IRHeader says {header.flag} float labels but the payload has only "
+                                f"{len(payload) - body} bytes after the header")
+        header = header._replace(label=struct.unpack_from(f"<{header.flag}f", payload, body))
+        body = end
+    return header, payload[body:]
+
+
+def _aligned_magic_positions(data: bytes) -> Iterator[int]:
+    """Offsets of the magic word at 4-byte-aligned positions (only those split a record)."""
+    pos = data.find(MAGIC_BYTES)
+    while pos != -1:
+        if pos % 4 == 0:
+            yield pos
+            pos = data.find(MAGIC_BYTES, pos + 4)
+        else:
+            pos = data.find(MAGIC_BYTES, pos + 1)
+
+
+def frame_payload(payload: bytes) -> bytes:
+    """The on-disk bytes of one record (all its parts and padding), as dmlc's WriteRecord."""
+    n = len(payload)
+    if n >= MAX_PAYLOAD:
+        raise RecordIOError(f"a record of {n} bytes is too large: RecordIO records must be < 2**29 bytes")
+    out = []
+    start = 0
+    for cut in _aligned_magic_positions(payload):
+        out.append(_FRAME.pack(MAGIC, (1 if start == 0 else 2) << 29 | (cut - start)))
+        out.append(payload[start:cut])
+        start = cut + 4
+    out.append(_FRAME.pack(MAGIC, (3 if start else 0) << 29 | (n - start)))
+    out.append(payload[start:])
+    out.append(b"\0" * (-n % 4))
+    return b"".join(out)
+
+
+class RecordWriter:
+    """Writes a .rec and its .idx, as ``mxnet.recordio.MXIndexedRecordIO(idx, rec, 'w')``."""
+
+    def __init__(self, rec_path: str | os.PathLike, idx_path: str | os.PathLike):
+        self.rec_path, self.idx_path = os.fspath(rec_path), os.fspath(idx_path)
+        self._rec = open(self.rec_path, "wb", buffering=1 << 20)
+        self._idx = open(self.idx_path, "w", buffering=1 << 16, newline="\n")
+        self._pos = 0
+        self.count = 0
+
+    def write(self, key: int, payload: bytes) -> int:
+        """Append one record under ``key``; returns its byte offset."""
+        offset = self._pos
+        framed = frame_payload(payload)
+        self._rec.write(framed)
+        self._idx.write(f"{int(key)}\t{offset}\n")
+        self._pos += len(framed)
+        self.count += 1
+        return offset
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self, sync: bool = False) -> None:
+        """Flush both files; ``sync`` also forces them to disk (before a rename that publishes them)."""
+        for f in (self._rec, self._idx):
+            if f.closed:
+                continue
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+            f.close()
+
+    def __enter__(self) -> "RecordWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_idx(idx_path: str | os.PathLike) -> list[tuple[int, int]]:
+    """(key, offset) pairs of an .idx file, in the file's line order."""
+    pairs = []
+    with open(idx_path, "r", newline="") as f:
+        for lineno, line in enumerate(f, 1):
+            fields = line.rstrip("\n").split("\t")
+            try:
+                key, offset = int(fields[0]), int(fields[1])
+            except (ValueError, IndexError):
+                raise RecordIOError(f"{idx_path}:{lineno}: expected 'key<TAB>offset', got {line!r}") from None
+            pairs.append((key, offset))
+    return pairs
+
+
+def _parse_record(read: Callable[[int, int], bytes], offset: int, file_size: int, where: str) -> tuple[bytes, int]:
+    """Decode the record starting at ``offset``; returns (payload, offset just past it).
+
+    ``read(off, n)`` returns up to n bytes at off. Every check names the byte offset of the part
+    that fails, so a corrupt file points at itself instead of yielding garbage.
+    """
+    parts = []
+    pos = offset
+    first = True
+    while True:
+        if pos + 8 > file_size:
+            raise RecordIOError(f"{where}: record header at byte offset {pos} runs past the end of the "
+                                f"file ({file_size} bytes): truncated .rec or wrong .idx offset")
+        magic, lrec = _FRAME.unpack(read(pos, 8))
+        if magic != MAGIC:
+            raise RecordIOError(f"{where}: bad magic 0x{magic:08x} at byte offset {pos} (expected "
+                                f"0x{MAGIC:08x}): corrupt .rec or an .idx that does not belong to it")
+        cflag, length = lrec >> 29, lrec & _LENGTH_MASK
+        if cflag > 3:
+            raise RecordIOError(f"{where}: invalid continuation flag {cflag} at byte offset {pos}")
+        if first and cflag not in (0, 1):
+            raise RecordIOError(f"{where}: record at byte offset {pos} starts with continuation flag "
+                                f"{cflag} (a middle/last part): the offset is not a record start")
+        if not first and cflag not in (2, 3):
+            raise RecordIOError(f"{where}: part at byte offset {pos} has flag {cflag}, expected a "
+                                f"continuation (2 or 3) of the split record at byte offset {offset}")
+        padded = length + (-length % 4)
+        data_at = pos + 8
+        if data_at + padded > file_size:
+            raise RecordIOError(f"{where}: record part at byte offset {pos} claims {length} bytes but the "
+                                f"file ends at {file_size}: truncated .rec")
+        chunk = read(data_at, padded)
+        if len(chunk) != padded:
+            raise RecordIOError(f"{where}: short read of {len(chunk)}/{padded} bytes at byte offset {data_at}")
+        if padded != length and any(chunk[length:]):
+            bad = next(i for i in range(length, padded) if chunk[i])
+            raise RecordIOError(f"{where}: non-zero padding at byte offset {data_at + bad}")
+        parts.append(chunk[:length])
+        pos = data_at + padded
+        if cflag in (0, 3):
+            break
+        parts.append(MAGIC_BYTES)
+        first = False
+    return (parts[0] if len(parts) == 1 else b"".join(parts)), pos
+
+
+def scan_records(rec_path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
+    """(offset, payload) for every record of a .rec in file order, without an .idx."""
+    rec_path = os.fspath(rec_path)
+    with open(rec_path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf, buf_start = b"", 0
+        chunk = 8 << 20
+
+        def read(off: int, n: int) -> bytes:
+            nonlocal buf, buf_start
+            if off < buf_start or off + n > buf_start + len(buf):
+                buf, buf_start = os.pread(f.fileno(), max(n, chunk), off), off
+            return buf[off - buf_start: off - buf_start + n]
+
+        pos = 0
+        while pos < size:
+            payload, nxt = _parse_record(read, pos, size, rec_path)
+            yield pos, payload
+            pos = nxt
+
+
+class IndexedRecordReader:
+    """Random access to a .rec through its .idx.
+
+    Reads with ``os.pread`` (no shared file position, page-cache friendly). The descriptor is
+    opened lazily in each process, so one reader can be handed to DataLoader workers (fork or
+    spawn) and each worker gets its own.
+    """
+
+    def __init__(self, rec_path: str | os.PathLike, idx_path: str | os.PathLike):
+        self.rec_path, self.idx_path = os.fspath(rec_path), os.fspath(idx_path)
+        pairs = read_idx(self.idx_path)
+        self._offsets = {}
+        for key, offset in pairs:
+            if key in self._offsets:
+                raise RecordIOError(f"{self.idx_path}: key {key} appears twice")
+            self._offsets[key] = offset
+        pairs.sort(key=lambda kv: kv[1])
+        self.keys = [k for k, _ in pairs]
+        self._sorted_offsets = [o for _, o in pairs]
+        self._file_size = os.stat(self.rec_path).st_size
+        self._fd = None
+        self._pid = None
+
+    def _descriptor(self) -> int:
+        if self._fd is None or self._pid != os.getpid():
+            self._fd = os.open(self.rec_path, os.O_RDONLY)
+            self._pid = os.getpid()
+        return self._fd
+
+    def _pread(self, off: int, n: int) -> bytes:
+        return os.pread(self._descriptor(), n, off)
+
+    def read_at(self, offset: int) -> bytes:
+        """Payload of the record whose magic word is at ``offset``."""
+        # One read covers the whole record when the next record's offset is known.
+        i = bisect.bisect_right(self._sorted_offsets, offset)
+        end = self._sorted_offsets[i] if i < len(self._sorted_offsets) else self._file_size
+        if not 0 <= offset < end:
+            return _parse_record(self._pread, offset, self._file_size, self.rec_path)[0]
+        block = self._pread(offset, end - offset)
+
+        def read(off: int, n: int) -> bytes:
+            rel = off - offset
+            if rel + n <= len(block):
+                return block[rel: rel + n]
+            return self._pread(off, n)
+
+        return _parse_record(read, offset, self._file_size, self.rec_path)[0]
+
+    def offset(self, key: int) -> int:
+        try:
+            return self._offsets[key]
+        except KeyError:
+            raise KeyError(f"record key {key} is not in {self.idx_path}") from None
+
+    def read(self, key: int) -> bytes:
+        return self.read_at(self.offset(key))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        """(key, payload) in file order."""
+        for key, offset in zip(self.keys, self._sorted_offsets):
+            yield key, self.read_at(offset)
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_fd"] = state["_pid"] = None
+        return state
+
+    def __enter__(self) -> "IndexedRecordReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
