@@ -1,0 +1,50 @@
+# One-command set-up: `make test` and `make report` build .venv when it is missing or stale.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MXVENV ?= .venv-mxnet
+MXSTAMP := $(MXVENV)/.installed
+CORES ?= $(shell nproc)
+PYTEST_ARGS ?=
+# Jobs started by Snakemake find this interpreter first.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: test report dryrun lint env mxnet-env clean
+
+env: $(STAMP)
+
+$(STAMP): envs/requirements.txt envs/requirements-common.txt pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -r envs/requirements.txt
+	$(PY) -m pip install -q -e . --no-deps
+	@touch $@
+
+# mxnet 1.9.1 imports only with numpy 1.23.x: it lives in its own small env (format authority).
+mxnet-env: $(MXSTAMP)
+
+$(MXSTAMP): envs/mxnet-interop.txt
+	@test -x $(MXVENV)/bin/python || python3 -m venv $(MXVENV)
+	$(MXVENV)/bin/python -m pip install -q -r envs/mxnet-interop.txt
+	@touch $@
+
+test: $(STAMP) $(MXSTAMP)
+	@# pytest exit code 5 means no test ran: that is a failure here, not a pass.
+	$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(VENV)/bin/snakemake -n results/report.html
+	$(VENV)/bin/snakemake --lint
+
+report: $(STAMP)
+	$(VENV)/bin/snakemake --cores $(CORES) results/report.html
+	@echo "report: $(abspath results/report.html)"
+
+dryrun: $(STAMP)
+	$(VENV)/bin/snakemake -n results/report.html
+
+lint: $(STAMP)
+	$(VENV)/bin/snakemake --lint
+
+clean:
+	rm -rf results/demo results/fast_storage logs benchmarks .snakemake results/report.html

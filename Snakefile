@@ -1,0 +1,28 @@
+# rectrain: raw ImageNet -> RecordIO on fast storage -> DDP training fed by DALI -> evaluation -> report.
+#
+#   snakemake --cores 8 results/report.html    # the whole chain, or only what is out of date
+#   snakemake -n                               # dry-run: what would run, and why
+#
+# Each stage reads only its own config block (params:), so editing train.* reruns training and what
+# follows it, nothing before.
+from snakemake.utils import min_version
+
+min_version("9.11")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/demo.smk"
+include: "workflow/rules/index.smk"
+include: "workflow/rules/pack.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        "results/report.html",

@@ -1,0 +1,91 @@
+"""Config validation that fails before any job runs, naming the key and the bad value.
+
+Snakemake's `validate` fills the schema defaults; when it rejects a config we re-walk the same
+schema with jsonschema (the library Snakemake uses) only to turn its errors into one line per key,
+because the raw message buries the key under a dump of the schema.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value the pipeline cannot run with; the message names key, value and fix."""
+
+
+def _key(path) -> str:
+    return ".".join(str(p) for p in path) or "<top level>"
+
+
+def describe_errors(config: dict, schema: dict) -> list[str]:
+    """One readable line per schema violation: 'pack.resize = -3: -3 is less than the minimum of 0'."""
+    validator = jsonschema.Draft202012Validator(schema)
+    lines = []
+    for err in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path))):
+        path = list(err.absolute_path)
+        if err.validator == "additionalProperties":
+            allowed = sorted(err.schema.get("properties", {}))
+            extra = sorted(set(err.instance) - set(allowed))
+            for name in extra:
+                lines.append(f"unknown config key '{_key(path + [name])}' (allowed here: {', '.join(allowed)})")
+            continue
+        if err.validator == "oneOf" and err.context:
+            reasons = "; or ".join(sorted({c.message for c in err.context}))
+            lines.append(f"config key '{_key(path)}' = {err.instance!r} is invalid: {reasons}")
+            continue
+        lines.append(f"config key '{_key(path)}' = {err.instance!r} is invalid: {err.message}")
+    return lines
+
+
+def check_paths(config: dict, workdir: Path) -> list[str]:
+    """Paths that must exist (raw) or be creatable and writable (fast_storage)."""
+    problems = []
+    raw = config.get("raw")
+    if raw is not None:
+        raw_path = (workdir / raw) if not os.path.isabs(raw) else Path(raw)
+        if not raw_path.is_dir():
+            problems.append(
+                f"config key 'raw' = {raw!r}: no such directory. Point it at the ImageNet root "
+                "(holding train/ and val/, or ILSVRC2012_img_train.tar), or set raw: null for the demo set."
+            )
+    fast = config["pack"]["fast_storage"]
+    fast_path = (workdir / fast) if not os.path.isabs(fast) else Path(fast)
+    existing = fast_path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        problems.append(f"config key 'pack.fast_storage' = {fast!r}: {existing} is a file, not a directory.")
+    elif not os.access(existing, os.W_OK):
+        problems.append(
+            f"config key 'pack.fast_storage' = {fast!r}: {existing} is not writable; "
+            "choose a directory on an SSD you can write to."
+        )
+    return problems
+
+
+def load_schema(schema_path) -> dict:
+    with open(schema_path) as fh:
+        return yaml.safe_load(fh)
+
+
+def check_config(config: dict, schema_path, workdir=".") -> dict:
+    """Validate and fill defaults in place; raise ConfigError listing every problem."""
+    from snakemake.utils import validate
+
+    try:
+        validate(config, str(schema_path), set_default=True)
+    except Exception as exc:  # WorkflowError; re-described below key by key
+        lines = describe_errors(config, load_schema(schema_path)) or [str(exc)]
+        raise ConfigError(_format(lines)) from None
+    problems = check_paths(config, Path(workdir))
+    if problems:
+        raise ConfigError(_format(problems))
+    return config
+
+
+def _format(lines: list[str]) -> str:
+    return "invalid configuration (nothing was run):\n" + "\n".join(f"  - {line}" for line in lines)
