@@ -1,0 +1,152 @@
+"""Each diagnosis rule fires on telemetry made to show its condition, with the right ranks and numbers,
+and stays silent on a healthy run."""
+import pandas as pd
+
+from rectrain.diagnosis import Finding, data_wait_share_by_rank, diagnose
+from synthetic_run import REPORT_CFG, make_manifest, make_run, make_steps, make_system
+
+HEALTHY_GPUS = {0: (95.0, 7000.0, 11264.0), 1: (94.0, 7100.0, 11264.0)}
+PROBLEM_IDS = {"input_bound", "rank_imbalance", "rec_on_rotational", "high_iowait", "gpu_memory_high",
+               "gpu_memory_headroom", "low_gpu_util", "images_skipped"}
+
+
+def run_diag(wait=None, iowait=2.0, gpus=HEALTHY_GPUS, run=None, manifests=None) -> dict[str, Finding]:
+    steps = make_steps(wait or {0: 0.02, 1: 0.03})
+    system = make_system(iowait=iowait, gpus=gpus)
+    found = diagnose(steps, system, run or make_run(gpus=len(gpus or {})),
+                     manifests if manifests is not None else {"train": make_manifest("train")}, REPORT_CFG)
+    ids = [f.id for f in found]
+    assert len(ids) == len(set(ids)), f"duplicate findings: {ids}"
+    return {f.id: f for f in found}
+
+
+def test_healthy_run_reports_no_problems_with_its_numbers():
+    found = run_diag()
+    assert set(found) == {"no_problems"}
+    f = found["no_problems"]
+    assert f.title == "No problems found"
+    assert "data wait 2.5 %" in f.measured and "compute-bound" in f.measured
+
+
+def test_rank_starving_for_data_is_named_with_both_ranks_and_shares():
+    found = run_diag(wait={0: 0.02, 1: 0.60})
+    f = found["rank_imbalance"]
+    assert "rank 1" in f.title and "rank 0" in f.title
+    assert "rank 1 waits on data 60.0 %" in f.measured
+    assert "rank 0 2.0 %" in f.measured and "30.0x" in f.measured
+    assert "report.imbalance_ratio = 3x" in f.threshold
+    assert "pack.fast_storage" in f.fix
+    # the starving rank also makes the job input-bound, and that finding names rank 1 as the worst
+    assert "rank 1 waits most" in found["input_bound"].measured
+    assert "no_problems" not in found
+
+
+def test_small_waits_are_not_called_imbalance_even_at_a_large_ratio():
+    found = run_diag(wait={0: 0.001, 1: 0.01})
+    assert "rank_imbalance" not in found
+
+
+def test_input_bound_uses_the_configured_share():
+    found = run_diag(wait={0: 0.35, 1: 0.30})
+    f = found["input_bound"]
+    assert "32.5 % of step time" in f.measured and "rank 0: 35.0 %" in f.measured
+    assert "report.data_wait_share = 20.0 %" in f.threshold
+    assert "rank_imbalance" not in found
+
+
+def test_first_step_of_each_epoch_is_excluded_from_data_wait():
+    steps = make_steps({0: 0.0})
+    steps.loc[steps["step"] == 0, "data_wait_s"] = steps.loc[steps["step"] == 0, "wall_s"]
+    assert data_wait_share_by_rank(steps)[0] == 0.0
+
+
+def test_high_iowait_reports_mean_and_p90_and_the_seed_fix():
+    f = run_diag(iowait=45.0)["high_iowait"]
+    assert "iowait mean 45.0 %, p90 45.0 %" in f.measured
+    assert "report.iowait_percent = 20 %" in f.threshold
+    assert "pack.fast_storage" in f.fix and "47 % iowait" in f.fix
+
+
+def test_rec_on_rotational_disk_from_manifest_or_run_json():
+    from_manifest = run_diag(manifests={"train": make_manifest("train", rotational=True)})
+    f = from_manifest["rec_on_rotational"]
+    assert "train.rec" in f.measured and "/dev/sdb" in f.measured
+    assert "pack.fast_storage" in f.fix and "SSD" in f.fix
+    from_run = run_diag(run=make_run(rotational=True))
+    assert "training read results/fast_storage/demo/train.rec" in from_run["rec_on_rotational"].measured
+
+
+def test_gpu_memory_near_limit_suggests_half_batch_with_accumulation():
+    f = run_diag(gpus={0: (95.0, 10927.0, 11264.0), 1: (95.0, 7000.0, 11264.0)})["gpu_memory_high"]
+    assert "GPU 0: 10.7 of 11.0 GB (97.0 %)" in f.measured
+    assert "train.batch_size: 64 with train.grad_accum: 2 keeps the global batch of 256" in f.fix
+    assert "illegal memory access" in f.fix
+
+
+def test_unused_gpu_memory_suggests_a_larger_batch():
+    f = run_diag(gpus={0: (95.0, 3379.0, 11264.0), 1: (95.0, 3379.0, 11264.0)})["gpu_memory_headroom"]
+    assert "(30.0 %)" in f.measured
+    assert "train.batch_size: 384 (now 128)" in f.fix
+    assert "report.gpu_mem_low = 50.0 %" in f.threshold
+
+
+def test_low_gpu_util_without_data_wait_suggests_only_what_is_off():
+    gpus = {0: (40.0, 7000.0, 11264.0), 1: (40.0, 7000.0, 11264.0)}
+    found = run_diag(wait={0: 0.01, 1: 0.01}, gpus=gpus)
+    f = found["low_gpu_util"]
+    assert "mean GPU util 40 %" in f.measured and "data wait 1.0 %" in f.measured
+    assert "train.compile: true" in f.fix
+    assert "channels_last" not in f.fix and "precision" not in f.fix  # already on in run.json
+    all_on = run_diag(wait={0: 0.01, 1: 0.01}, gpus=gpus,
+                      run=make_run(compile=True, channels_last=True, precision="fp32"))["low_gpu_util"]
+    assert "train.precision: bf16" in all_on.fix and "train.compile" not in all_on.fix
+
+
+def test_low_gpu_util_with_high_data_wait_is_input_bound_not_a_compute_tip():
+    gpus = {0: (40.0, 7000.0, 11264.0), 1: (40.0, 7000.0, 11264.0)}
+    found = run_diag(wait={0: 0.5, 1: 0.5}, gpus=gpus)
+    assert "low_gpu_util" not in found and "input_bound" in found
+
+
+def test_skipped_and_repaired_images_are_reported_with_reasons():
+    skipped = [{"id": 3, "source": "train/n1/x.JPEG", "reason": "truncated JPEG"}]
+    repaired = [{"id": 5, "source": "train/n1/cmyk.JPEG", "reason": "CMYK converted to RGB"}]
+    found = run_diag(manifests={"train": make_manifest("train", skipped=skipped, repaired=repaired)})
+    assert "1 of 601 discovered images skipped" in found["images_skipped"].measured
+    assert "train/n1/x.JPEG (truncated JPEG)" in found["images_skipped"].measured
+    assert found["images_repaired"].severity == "info"
+    assert "no_problems" not in found
+
+
+def test_repaired_images_alone_still_say_no_problems():
+    repaired = [{"id": 5, "source": "cmyk.JPEG", "reason": "CMYK"}]
+    found = run_diag(manifests={"train": make_manifest("train", repaired=repaired)})
+    assert set(found) == {"images_repaired", "no_problems"}
+
+
+def test_cpu_only_run_has_no_gpu_findings():
+    found = run_diag(gpus=None, run=make_run(gpus=0))
+    assert set(found) == {"no_problems"}
+    assert "GPU" not in found["no_problems"].measured
+
+
+def test_every_problem_condition_at_once_is_sorted_most_urgent_first():
+    gpus = {0: (40.0, 10927.0, 11264.0), 1: (40.0, 3379.0, 11264.0)}
+    skipped = [{"id": 3, "source": "x.JPEG", "reason": "zero bytes"}]
+    steps = make_steps({0: 0.02, 1: 0.60})
+    found = diagnose(steps, make_system(iowait=45.0, gpus=gpus), make_run(rotational=True),
+                     {"train": make_manifest(rotational=True, skipped=skipped)}, REPORT_CFG)
+    ids = [f.id for f in found]
+    assert {"rank_imbalance", "input_bound", "high_iowait", "rec_on_rotational", "gpu_memory_high",
+            "images_skipped"} <= set(ids)
+    order = [f.severity for f in found]
+    assert order == sorted(order, key=["critical", "warning", "info", "ok"].index)
+    for f in found:
+        assert f.measured and f.threshold and f.fix and any(ch.isdigit() for ch in f.measured)
+
+
+def test_empty_telemetry_does_not_crash():
+    cols = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
+    found = diagnose(pd.DataFrame(columns=cols), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {},
+                     REPORT_CFG)
+    assert [f.id for f in found] == ["no_problems"]

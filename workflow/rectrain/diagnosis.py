@@ -1,0 +1,376 @@
+"""Turn training telemetry and pack manifests into plain-words findings, each with its fix.
+
+Pure functions: inputs are the parsed telemetry tables (steps.csv, system.csv), run.json and the pack
+manifests; thresholds come from the `report` config block. Nothing here reads files or plots, so every
+rule can be tested with synthetic numbers.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Iterable, Mapping
+
+import pandas as pd
+
+# Severity order, most urgent first; "ok" is only used by the single no-problems statement.
+SEVERITIES = ("critical", "warning", "info", "ok")
+
+# Below this data-wait share a rank is not called starved even if it waits N times another rank:
+# 0.4 % vs 0.1 % is a big ratio of nothing.
+MIN_STARVED_SHARE = 0.05
+
+_GPU_COLUMN = re.compile(r"^gpu(\d+)_(util|mem_used_mb|mem_total_mb)$")
+
+
+@dataclass(frozen=True)
+class Finding:
+    id: str
+    severity: str
+    title: str
+    measured: str
+    threshold: str
+    fix: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.1f} %"
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers the rules (and the report) share
+
+
+def steady_steps(steps: pd.DataFrame) -> pd.DataFrame:
+    """Steps without the first one of every (rank, epoch): that one includes pipeline start-up
+    (reader prefetch, worker spawn), which is not a steady-state input stall."""
+    if steps.empty:
+        return steps
+    first = steps.groupby(["rank", "epoch"])["step"].transform("min")
+    rest = steps[steps["step"] != first]
+    return rest if not rest.empty else steps
+
+
+def data_wait_share_by_rank(steps: pd.DataFrame) -> pd.Series:
+    """Share of step wall time each rank spent waiting for its next batch (index: rank)."""
+    s = steady_steps(steps)
+    if s.empty:
+        return pd.Series(dtype=float)
+    sums = s.groupby("rank")[["data_wait_s", "wall_s"]].sum()
+    share = sums["data_wait_s"] / sums["wall_s"].where(sums["wall_s"] > 0)
+    return share.dropna().clip(lower=0.0, upper=1.0)
+
+
+def overall_data_wait_share(steps: pd.DataFrame) -> float | None:
+    s = steady_steps(steps)
+    total = float(s["wall_s"].sum()) if not s.empty else 0.0
+    if total <= 0:
+        return None
+    return min(1.0, max(0.0, float(s["data_wait_s"].sum()) / total))
+
+
+def gpu_indices(system: pd.DataFrame) -> list[int]:
+    """GPU indices that have telemetry columns; empty on CPU-only hosts (the columns are absent)."""
+    found = {int(m.group(1)) for c in system.columns if (m := _GPU_COLUMN.match(c))}
+    return sorted(found)
+
+
+def gpu_memory_peak(system: pd.DataFrame) -> dict[int, tuple[float, float]]:
+    """GPU index -> (peak used MB, total MB)."""
+    out = {}
+    for i in gpu_indices(system):
+        used, total = system.get(f"gpu{i}_mem_used_mb"), system.get(f"gpu{i}_mem_total_mb")
+        if used is None or total is None or used.dropna().empty or total.dropna().empty:
+            continue
+        out[i] = (float(used.max()), float(total.max()))
+    return out
+
+
+def gpu_util_mean(system: pd.DataFrame) -> dict[int, float]:
+    out = {}
+    for i in gpu_indices(system):
+        col = system.get(f"gpu{i}_util")
+        if col is not None and not col.dropna().empty:
+            out[i] = float(col.mean())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules: each returns a Finding or None
+
+
+def input_bound(steps: pd.DataFrame, cfg: Mapping) -> Finding | None:
+    shares = data_wait_share_by_rank(steps)
+    limit = float(cfg["data_wait_share"])
+    if shares.empty or shares.max() <= limit:
+        return None
+    overall = overall_data_wait_share(steps)
+    per_rank = ", ".join(f"rank {r}: {_pct(v)}" for r, v in shares.items())
+    worst = int(shares.idxmax())
+    return Finding(
+        id="input_bound",
+        severity="critical" if shares.max() > 2 * limit else "warning",
+        title="Training is input-bound: the model waits for data",
+        measured=(f"data wait is {_pct(overall)} of step time over all ranks ({per_rank}); "
+                  f"rank {worst} waits most"),
+        threshold=f"report.data_wait_share = {_pct(limit)} of step time",
+        fix=("Feed the model faster: keep the .rec on an SSD (pack.fast_storage), decode on the GPU "
+             "(train.loader: dali, train.gpu_decode: true), add decode threads (train.workers), or "
+             "pre-shrink the images once (pack.resize, e.g. 160 for image_size 128)."),
+    )
+
+
+def rank_imbalance(steps: pd.DataFrame, system: pd.DataFrame, cfg: Mapping) -> Finding | None:
+    shares = data_wait_share_by_rank(steps)
+    if len(shares) < 2:
+        return None
+    ratio_limit = float(cfg["imbalance_ratio"])
+    hi_rank, lo_rank = int(shares.idxmax()), int(shares.idxmin())
+    hi, lo = float(shares[hi_rank]), float(shares[lo_rank])
+    ratio = hi / lo if lo > 0 else float("inf")
+    if hi < MIN_STARVED_SHARE or ratio < ratio_limit:
+        return None
+    ratio_txt = f"{ratio:.1f}x as much" if lo > 0 else "it never waits"
+    util = gpu_util_mean(system)
+    util_txt = ""
+    if len(util) >= 2:
+        util_txt = "; mean GPU util " + ", ".join(f"GPU {i}: {u:.0f} %" for i, u in util.items())
+    return Finding(
+        id="rank_imbalance",
+        severity="critical",
+        title=f"Rank imbalance: rank {hi_rank} starves for data while rank {lo_rank} does not",
+        measured=(f"rank {hi_rank} waits on data {_pct(hi)} of its step time, rank {lo_rank} "
+                  f"{_pct(lo)} ({ratio_txt}){util_txt}. In DDP every rank waits for the "
+                  f"slowest, so the whole job runs at rank {hi_rank}'s pace"),
+        threshold=(f"report.imbalance_ratio = {ratio_limit:g}x (and the starved rank above "
+                   f"{_pct(MIN_STARVED_SHARE)} data wait)"),
+        fix=(f"Rank {hi_rank}'s reader is slower: this is the signature of a .rec read from a hard disk "
+             "once the page cache is exhausted (the seed user's one GPU at 100 %, the other at 0-10 %). "
+             "Move the .rec to an SSD (pack.fast_storage) or stage it to node-local storage "
+             "(pack.stage_to_local: true); check that nothing else competes for that rank's CPU cores."),
+    )
+
+
+def _rotational_sources(run: Mapping, manifests: Mapping[str, Mapping]) -> list[str]:
+    found = []
+    for split, man in sorted(manifests.items()):
+        st = (man or {}).get("storage") or {}
+        if st.get("rotational") is True:
+            found.append(f"{split}.rec at {st.get('path') or man.get('rec')} (device {st.get('device') or '?'})")
+    dev = (run or {}).get("rec_device") or {}
+    if dev.get("rotational") is True:
+        found.append(f"training read {dev.get('path')} (device {dev.get('device') or '?'})")
+    return found
+
+
+SEED_LESSON = ("The seed user's run slowed from 70 s to 5 min per 500 steps at 47 % iowait once the page "
+               "cache ran out; moving the .rec to the SSD fixed it.")
+
+
+def rec_on_rotational(run: Mapping, manifests: Mapping[str, Mapping]) -> Finding | None:
+    where = _rotational_sources(run, manifests)
+    if not where:
+        return None
+    return Finding(
+        id="rec_on_rotational",
+        severity="warning",
+        title="The .rec file is on a rotational disk (HDD)",
+        measured="; ".join(where) + " - the device reports rotational = 1",
+        threshold="any .rec on a device with rotational = 1",
+        fix=("Set pack.fast_storage to a directory on an SSD/NVMe and rerun (only pack and the stages "
+             "after it rerun). " + SEED_LESSON),
+    )
+
+
+def high_iowait(system: pd.DataFrame, cfg: Mapping) -> Finding | None:
+    if "iowait_percent" not in system or system["iowait_percent"].dropna().empty:
+        return None
+    io = system["iowait_percent"].dropna()
+    mean, p90 = float(io.mean()), float(io.quantile(0.9))
+    limit = float(cfg["iowait_percent"])
+    if max(mean, p90) <= limit:
+        return None
+    read_txt = ""
+    if "disk_read_mb_s" in system and not system["disk_read_mb_s"].dropna().empty:
+        read_txt = f"; the .rec device read {system['disk_read_mb_s'].mean():.1f} MB/s on average"
+    return Finding(
+        id="high_iowait",
+        severity="critical" if mean > limit else "warning",
+        title="The CPUs wait on disk I/O",
+        measured=f"iowait mean {mean:.1f} %, p90 {p90:.1f} % over {len(io)} samples{read_txt}",
+        threshold=f"report.iowait_percent = {limit:g} % (mean or p90)",
+        fix=("Reads of the .rec are too slow for the loader: move the .rec to an SSD (pack.fast_storage), "
+             "stage it to local storage (pack.stage_to_local: true), or shrink it (pack.resize) so it fits "
+             "in the page cache. " + SEED_LESSON),
+    )
+
+
+def _batch_txt(run: Mapping) -> tuple[int | None, int, int | None]:
+    batch = run.get("batch_size")
+    batch = int(batch) if isinstance(batch, (int, float)) else None
+    accum = int(run.get("grad_accum") or 1)
+    gb = run.get("global_batch")
+    return batch, accum, int(gb) if isinstance(gb, (int, float)) else None
+
+
+def gpu_memory(system: pd.DataFrame, run: Mapping, cfg: Mapping) -> list[Finding]:
+    peaks = gpu_memory_peak(system)
+    if not peaks:
+        return []
+    high, low = float(cfg["gpu_mem_high"]), float(cfg["gpu_mem_low"])
+    batch, accum, gb = _batch_txt(run or {})
+    shares = {i: used / total for i, (used, total) in peaks.items() if total > 0}
+    detail = ", ".join(f"GPU {i}: {peaks[i][0] / 1024:.1f} of {peaks[i][1] / 1024:.1f} GB ({_pct(s)})"
+                       for i, s in shares.items())
+    out = []
+    hot = {i: s for i, s in shares.items() if s > high}
+    if hot:
+        if batch and batch > 1:
+            keep = f" keeps the global batch of {gb}" if gb else " keeps the global batch"
+            suggestion = (f"train.batch_size: {max(1, batch // 2)} with train.grad_accum: {accum * 2}"
+                          f"{keep}")
+        else:
+            suggestion = "a lower train.batch_size with a higher train.grad_accum"
+        out.append(Finding(
+            id="gpu_memory_high",
+            severity="warning",
+            title="GPU memory is near its limit: risk of out-of-memory",
+            measured=f"peak memory use {detail}",
+            threshold=f"report.gpu_mem_high = {_pct(high)} of GPU memory",
+            fix=(f"Use {suggestion}, or train.batch_size: auto. An out-of-memory on the GPU can surface "
+                 "as 'CUDA error: an illegal memory access' instead of an OOM message (the seed user's "
+                 "batch 128 on 11 GB cards)."),
+        ))
+    if shares and max(shares.values()) < low:
+        if batch:
+            factor = max(2, int(high / max(max(shares.values()), 1e-6)))
+            factor = min(factor, 4)  # memory does not scale linearly with batch; stay conservative
+            suggestion = f"train.batch_size: {batch * factor} (now {batch})"
+        else:
+            suggestion = "a larger train.batch_size"
+        out.append(Finding(
+            id="gpu_memory_headroom",
+            severity="info",
+            title="GPU memory is mostly unused",
+            measured=f"peak memory use {detail}",
+            threshold=f"report.gpu_mem_low = {_pct(low)} of GPU memory",
+            fix=(f"Try {suggestion} or train.batch_size: auto for more images per step; train.lr is "
+                 "scaled linearly with the global batch."),
+        ))
+    return out
+
+
+def low_gpu_util(steps: pd.DataFrame, system: pd.DataFrame, run: Mapping, cfg: Mapping) -> Finding | None:
+    util = gpu_util_mean(system)
+    if not util:
+        return None
+    mean_util = sum(util.values()) / len(util)
+    wait = overall_data_wait_share(steps)
+    util_limit, wait_limit = float(cfg["gpu_util_low"]), float(cfg["data_wait_share"])
+    if mean_util >= util_limit or wait is None or wait > wait_limit:
+        return None
+    run = run or {}
+    tips = []
+    if not run.get("compile"):
+        tips.append("train.compile: true (torch.compile fuses kernels)")
+    if not run.get("channels_last"):
+        tips.append("train.channels_last: true (faster convolutions on tensor cores)")
+    if str(run.get("precision", "fp32")) == "fp32":
+        tips.append("train.precision: bf16 (or fp16 on GPUs without bf16 such as the RTX 2080 Ti)")
+    if tips:
+        fix = "The GPU is not kept busy by the model itself. Turn on " + "; ".join(tips) + "."
+    else:
+        fix = ("compile, channels_last and mixed precision are already on: raise train.batch_size "
+               "so each kernel does more work, or check for host-side work in the step (logging, syncs).")
+    per_gpu = ", ".join(f"GPU {i}: {u:.0f} %" for i, u in util.items())
+    return Finding(
+        id="low_gpu_util",
+        severity="warning",
+        title="GPUs are underused although data arrives in time",
+        measured=f"mean GPU util {mean_util:.0f} % ({per_gpu}) with data wait {_pct(wait)} of step time",
+        threshold=(f"report.gpu_util_low = {util_limit:g} % with data wait at most "
+                   f"report.data_wait_share = {_pct(wait_limit)}"),
+        fix=fix,
+    )
+
+
+def _examples(entries: Iterable[Mapping], limit: int = 3) -> str:
+    items = [f"{e.get('source')} ({e.get('reason')})" for e in list(entries)[:limit]]
+    return "; ".join(items)
+
+
+def pack_quality(manifests: Mapping[str, Mapping]) -> list[Finding]:
+    skipped, repaired, total = [], [], 0
+    for split, man in sorted(manifests.items()):
+        man = man or {}
+        skipped += man.get("skipped_files") or []
+        repaired += man.get("repaired") or []
+        total += int(man.get("discovered") or 0)
+    out = []
+    if skipped:
+        out.append(Finding(
+            id="images_skipped",
+            severity="warning",
+            title=f"{len(skipped)} image(s) could not be packed and are not in the .rec",
+            measured=(f"{len(skipped)} of {total} discovered images skipped, e.g. {_examples(skipped)}"),
+            threshold="any skipped image",
+            fix=("See the Data section for every skipped file and its reason; replace or remove them in "
+                 "the raw dataset (the `raw` config key) and rerun, or accept the loss if they are junk."),
+        ))
+    if repaired:
+        out.append(Finding(
+            id="images_repaired",
+            severity="info",
+            title=f"{len(repaired)} image(s) were repaired while packing",
+            measured=f"{len(repaired)} of {total} discovered images re-encoded, e.g. {_examples(repaired)}",
+            threshold="any repaired image",
+            fix="Nothing to do: they were re-encoded as RGB JPEG so every loader can decode them.",
+        ))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _healthy(steps: pd.DataFrame, system: pd.DataFrame) -> Finding:
+    parts = []
+    wait = overall_data_wait_share(steps)
+    if wait is not None:
+        parts.append(f"data wait {_pct(wait)} of step time (compute-bound)")
+    if "iowait_percent" in system and not system["iowait_percent"].dropna().empty:
+        parts.append(f"iowait mean {system['iowait_percent'].mean():.1f} %")
+    peaks = gpu_memory_peak(system)
+    if peaks:
+        parts.append("peak GPU memory " + ", ".join(
+            f"GPU {i}: {_pct(u / t)}" for i, (u, t) in peaks.items() if t > 0))
+    util = gpu_util_mean(system)
+    if util:
+        parts.append("mean GPU util " + ", ".join(f"GPU {i}: {u:.0f} %" for i, u in util.items()))
+    return Finding(
+        id="no_problems",
+        severity="ok",
+        title="No problems found",
+        measured="; ".join(parts) or "no telemetry rows",
+        threshold="all report.* thresholds",
+        fix="Nothing to change.",
+    )
+
+
+def diagnose(steps: pd.DataFrame, system: pd.DataFrame, run: Mapping | None,
+             manifests: Mapping[str, Mapping] | None, cfg: Mapping) -> list[Finding]:
+    """All findings, most urgent first. Exactly one 'no_problems' finding when no rule flags a problem
+    (informational findings such as repaired images may accompany it)."""
+    run, manifests = run or {}, manifests or {}
+    found: list[Finding] = []
+    for f in (input_bound(steps, cfg), rank_imbalance(steps, system, cfg),
+              rec_on_rotational(run, manifests), high_iowait(system, cfg),
+              low_gpu_util(steps, system, run, cfg)):
+        if f is not None:
+            found.append(f)
+    found += gpu_memory(system, run, cfg)
+    found += pack_quality(manifests)
+    if not any(f.severity in ("critical", "warning") for f in found):
+        found.append(_healthy(steps, system))
+    return sorted(found, key=lambda f: SEVERITIES.index(f.severity))
