@@ -1,0 +1,347 @@
+"""Generate the embedded demo ImageNet: a small, deterministic, ImageNet-shaped dataset.
+
+The same images are written in every layout a real user has, so the indexer can be shown to give
+the same rows for each of them:
+
+    train/<wnid>/<wnid>_<n>.JPEG                       extracted train
+    val/<wnid>/ILSVRC2012_val_XXXXXXXX.JPEG            foldered val
+    val_flat/ILSVRC2012_val_XXXXXXXX.JPEG              flat val (labels below)
+    LOC_val_solution.csv, LOC_synset_mapping.txt       Kaggle label files
+    devkit/ILSVRC2012_validation_ground_truth.txt      devkit ground truth (1-based ILSVRC2012_ID per line)
+    devkit/meta.csv                                    ILSVRC2012_ID,WNID,words (the devkit keeps this in
+                                                       meta.mat, a MATLAB file; the indexer reads either)
+    archives/ILSVRC2012_img_train.tar                  one <wnid>.tar per class, like the official download
+    archives/ILSVRC2012_img_val.tar                    flat val JPEGs
+    archives/ILSVRC2012_devkit_t12.tar.gz              ILSVRC2012_devkit_t12/data/{ground truth, meta.csv}
+    archives/LOC_val_solution.csv, archives/LOC_synset_mapping.txt
+    defects.json                                       the planted bad files and what the packer must do
+    .done                                              written last: the rule's output
+
+Every class is a colour palette plus a texture drawn at a random phase, angle jitter and scale,
+with a blob of a third colour and pixel noise: a small CNN learns it in a few CPU epochs at 64 px
+after random-resized-crop and flip, so end-to-end accuracy proves the labels stayed aligned.
+
+Determinism: each image has its own RNG seeded by (seed, split, class, number); PIL's JPEG encoder
+is deterministic for fixed settings; tar headers carry no time, owner or mode from the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import colorsys
+import csv
+import gzip
+import io
+import json
+import math
+import shutil
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+# The first ImageNet-1k classes (sorted wnids, as in LOC_synset_mapping.txt), so the demo looks
+# like the real thing; further classes get synthetic wnids that sort after every real one.
+REAL_CLASSES = [
+    ("n01440764", "tench, Tinca tinca"),
+    ("n01443537", "goldfish, Carassius auratus"),
+    ("n01484850", "great white shark, white shark, man-eater, man-eating shark, Carcharodon carcharias"),
+    ("n01491361", "tiger shark, Galeocerdo cuvieri"),
+    ("n01494475", "hammerhead, hammerhead shark"),
+    ("n01496331", "electric ray, crampfish, numbfish, torpedo"),
+    ("n01498041", "stingray"),
+    ("n01514668", "cock"),
+    ("n01514859", "hen"),
+    ("n01518878", "ostrich, Struthio camelus"),
+    ("n01530575", "brambling, Fringilla montifringilla"),
+    ("n01531178", "goldfinch, Carduelis carduelis"),
+    ("n01532829", "house finch, linnet, Carpodacus mexicanus"),
+    ("n01534433", "junco, snowbird"),
+    ("n01537544", "indigo bunting, indigo finch, indigo bird, Passerina cyanea"),
+    ("n01558993", "robin, American robin, Turdus migratorius"),
+    ("n01560419", "bulbul"),
+    ("n01580077", "jay"),
+    ("n01582220", "magpie"),
+    ("n01592084", "chickadee"),
+]
+
+# ImageNet photos are mostly landscape 4:3, some portrait and square.
+ASPECTS = (4 / 3, 4 / 3, 4 / 3, 3 / 2, 1.0, 3 / 4, 2 / 3, 16 / 9)
+PATTERNS = ("stripes", "checker", "rings", "dots")
+SPLIT_TRAIN, SPLIT_VAL = 1, 2
+TRAIN_TAR, VAL_TAR = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"
+DEVKIT_TGZ, DEVKIT_DIR = "ILSVRC2012_devkit_t12.tar.gz", "ILSVRC2012_devkit_t12/data"
+GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
+# Top-level entries this generator owns; removed before a run so stale files never survive.
+OWNED = ("train", "val", "val_flat", "devkit", "archives", "LOC_val_solution.csv",
+         "LOC_synset_mapping.txt", "defects.json", ".done")
+
+# Planted defects: (kind, expected packer action, why). Order fixes which class gets which.
+DEFECTS = (
+    ("cmyk", "repair", "CMYK JPEG (22 in real ImageNet train, e.g. n01739381_1309.JPEG): convert to RGB"),
+    ("png", "repair", "PNG named .JPEG (real: n02105855_2933.JPEG): re-encode as JPEG"),
+    ("grayscale", "repair", "single-channel JPEG: convert to 3-channel RGB"),
+    ("truncated", "skip", "JPEG cut off half-way: cannot be decoded completely"),
+    ("zero_byte", "skip", "empty file"),
+    ("not_image", "skip", "text file named .JPEG"),
+    ("exif_rotated", "repair", "EXIF orientation 6: apply the rotation, drop the tag"),
+    ("progressive", "repair", "progressive JPEG: re-encode baseline (GPU decoders fall back to the CPU)"),
+)
+STRAY_NAME = "Thumbs.db"  # a file real users' class folders carry; the indexer must list, not pack it
+
+
+@dataclass(frozen=True)
+class ClassStyle:
+    bg: tuple[float, float, float]
+    fg: tuple[float, float, float]
+    blob: tuple[float, float, float]
+    pattern: str
+    angle: float  # radians
+    period: float  # texture period as a fraction of the shorter side
+
+
+def log(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+def class_list(n: int) -> list[tuple[str, str]]:
+    """(wnid, name) for n classes, sorted by wnid."""
+    synthetic = [(f"n9{k:07d}", f"synthetic class {k}") for k in range(n - len(REAL_CLASSES))]
+    return (REAL_CLASSES + synthetic)[:n]
+
+
+def _rgb(h: float, s: float, v: float) -> tuple[float, float, float]:
+    return tuple(255.0 * c for c in colorsys.hsv_to_rgb(h % 1.0, s, v))
+
+
+def class_style(seed: int, k: int, n_classes: int) -> ClassStyle:
+    """Hues are spread evenly around the wheel so palettes stay apart; pattern/angle add shape cues."""
+    rng = np.random.default_rng([seed, 0, k])
+    hue = (k + rng.uniform(-0.15, 0.15)) / n_classes
+    return ClassStyle(
+        bg=_rgb(hue + 0.5 + rng.uniform(-0.08, 0.08), rng.uniform(0.25, 0.5), rng.uniform(0.35, 0.6)),
+        fg=_rgb(hue, rng.uniform(0.75, 1.0), rng.uniform(0.8, 1.0)),
+        blob=_rgb(hue + 0.25, rng.uniform(0.6, 0.9), rng.uniform(0.5, 0.9)),
+        pattern=PATTERNS[k % len(PATTERNS)],
+        angle=(k * 0.61803 * math.pi + rng.uniform(-0.2, 0.2)) % math.pi,
+        period=rng.uniform(0.12, 0.3),
+    )
+
+
+def image_size(rng: np.random.Generator, min_size: int, max_size: int) -> tuple[int, int]:
+    """(width, height): shorter side >= min_size, longer side <= max_size, ImageNet-like aspect."""
+    aspect = ASPECTS[rng.integers(len(ASPECTS))]
+    longer = int(rng.integers(min_size, max_size + 1))
+    shorter = max(min_size, min(longer, round(longer / max(aspect, 1 / aspect))))
+    return (longer, shorter) if aspect >= 1 else (shorter, longer)
+
+
+def draw(style: ClassStyle, rng: np.random.Generator, size: tuple[int, int]) -> tuple[Image.Image, tuple]:
+    """One RGB image of the class and the blob's bounding box (x1, y1, x2, y2)."""
+    w, h = size
+    short = min(w, h)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    # Scale and phase jitter keep the texture recognisable under random-resized-crop, not memorisable.
+    period = style.period * short * rng.uniform(0.75, 1.33)
+    angle = style.angle + rng.uniform(-0.15, 0.15)
+    u = (x * math.cos(angle) + y * math.sin(angle)) / period + rng.uniform(0, 1)
+    v = (-x * math.sin(angle) + y * math.cos(angle)) / period + rng.uniform(0, 1)
+    if style.pattern == "stripes":
+        mask = 0.5 + 0.5 * np.sin(2 * math.pi * u)
+    elif style.pattern == "checker":
+        mask = ((np.floor(u) + np.floor(v)) % 2).astype(np.float32)
+    elif style.pattern == "rings":
+        cx, cy = rng.uniform(0, w), rng.uniform(0, h)
+        mask = 0.5 + 0.5 * np.sin(2 * math.pi * np.hypot(x - cx, y - cy) / period)
+    else:  # dots
+        mask = ((u % 1 - 0.5) ** 2 + (v % 1 - 0.5) ** 2 < 0.09).astype(np.float32)
+    mask = mask[..., None]
+    bright = rng.uniform(0.85, 1.15)
+    img = (np.array(style.bg) * (1 - mask) + np.array(style.fg) * mask) * bright
+    # The blob: an ellipse at a random place and scale, like an object on a background.
+    rx, ry = short * rng.uniform(0.12, 0.3), short * rng.uniform(0.12, 0.3)
+    cx, cy = rng.uniform(rx, w - rx), rng.uniform(ry, h - ry)
+    inside = ((x - cx) / rx) ** 2 + ((y - cy) / ry) ** 2 <= 1.0
+    img[inside] = np.array(style.blob) * bright
+    img += rng.normal(0.0, 10.0, img.shape)
+    pixels = np.clip(img, 0, 255).astype(np.uint8)
+    box = (int(cx - rx), int(cy - ry), int(math.ceil(cx + rx)), int(math.ceil(cy + ry)))
+    return Image.fromarray(pixels, "RGB"), box
+
+
+def jpeg_bytes(img: Image.Image, quality: int, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=quality, **kwargs)
+    return buf.getvalue()
+
+
+def defect_bytes(kind: str, img: Image.Image, quality: int) -> bytes:
+    """The planted defect's file content, built from a normal image of the class."""
+    if kind == "cmyk":
+        return jpeg_bytes(img.convert("CMYK"), quality)
+    if kind == "png":
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        return buf.getvalue()
+    if kind == "grayscale":
+        return jpeg_bytes(img.convert("L"), quality)
+    if kind == "truncated":
+        data = jpeg_bytes(img, quality)
+        return data[: len(data) // 2]
+    if kind == "zero_byte":
+        return b""
+    if kind == "not_image":
+        return b"This is not an image. It is a text file that somebody saved with a .JPEG name.\n"
+    if kind == "exif_rotated":
+        # Orientation 6 = "rotate 90 degrees clockwise to display": store the pixels rotated the other way.
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        return jpeg_bytes(img.transpose(Image.Transpose.ROTATE_90), quality, exif=exif.tobytes())
+    if kind == "progressive":
+        return jpeg_bytes(img, quality, progressive=True)
+    raise ValueError(f"unknown defect kind {kind!r}")
+
+
+def tar_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """Add a regular file whose header depends only on name and size (no time, owner or mode)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+def tar_bytes(files: list[tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in files:
+            tar_member(tar, name, data)
+    return buf.getvalue()
+
+
+def write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def check_config(cfg: dict) -> None:
+    for key in ("classes", "train_per_class", "val_per_class", "min_size", "max_size", "quality", "seed", "bad_files"):
+        if key not in cfg:
+            raise SystemExit(f"demo config: missing key demo.{key} (config/schema.yaml gives its default)")
+    if cfg["min_size"] > cfg["max_size"]:
+        raise SystemExit(f"demo config: demo.min_size ({cfg['min_size']}) is larger than demo.max_size "
+                         f"({cfg['max_size']}); make min_size <= max_size")
+
+
+def generate(cfg: dict, out: Path) -> dict:
+    """Write the whole demo tree under out; returns a summary. .done is written last."""
+    check_config(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OWNED:
+        target = out / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+
+    seed, quality, n_classes = cfg["seed"], cfg["quality"], cfg["classes"]
+    classes = class_list(n_classes)
+    styles = [class_style(seed, k, n_classes) for k in range(n_classes)]
+
+    def make(split: int, k: int, n: int) -> tuple[Image.Image, tuple]:
+        rng = np.random.default_rng([seed, split, k, n])
+        return draw(styles[k], rng, image_size(rng, cfg["min_size"], cfg["max_size"]))
+
+    # Defects go to distinct classes spread over the class list (round-robin when there are fewer).
+    defects_by_class: dict[int, list[int]] = {}
+    if cfg["bad_files"]:
+        for i in range(len(DEFECTS)):
+            defects_by_class.setdefault(i * n_classes // len(DEFECTS) if n_classes >= len(DEFECTS) else i % n_classes, []).append(i)
+
+    (out / "archives").mkdir()
+    manifest = []
+    n_train = 0
+    with tarfile.open(out / "archives" / TRAIN_TAR, mode="w", format=tarfile.USTAR_FORMAT) as train_tar:
+        for k, (wnid, _) in enumerate(classes):
+            files: list[tuple[str, bytes]] = []
+            for n in range(1, cfg["train_per_class"] + 1):
+                files.append((f"{wnid}_{n}.JPEG", jpeg_bytes(make(SPLIT_TRAIN, k, n)[0], quality)))
+            for j, i in enumerate(defects_by_class.get(k, [])):
+                kind, action, why = DEFECTS[i]
+                n = cfg["train_per_class"] + 1 + j
+                name = f"{wnid}_{n}.JPEG"
+                files.append((name, defect_bytes(kind, make(SPLIT_TRAIN, k, n)[0], quality)))
+                manifest.append({"kind": kind, "expected": action, "why": why, "wnid": wnid,
+                                 "source": f"train/{wnid}/{name}",
+                                 "archive_source": f"archives/{TRAIN_TAR}::{wnid}.tar::{name}"})
+            if cfg["bad_files"] and k == 0:
+                files.append((STRAY_NAME, b"\x00" * 64))
+                manifest.append({"kind": "stray", "expected": "unclassified",
+                                 "why": "not an image extension: the indexer lists it in unclassified.tsv",
+                                 "wnid": wnid, "source": f"train/{wnid}/{STRAY_NAME}",
+                                 "archive_source": f"archives/{TRAIN_TAR}::{wnid}.tar::{STRAY_NAME}"})
+            files.sort()
+            for name, data in files:
+                write(out / "train" / wnid / name, data)
+            tar_member(train_tar, f"{wnid}.tar", tar_bytes(files))
+            n_train += len(files)
+            log(f"train {k + 1}/{n_classes} {wnid}: {len(files)} files")
+
+    # Val: classes interleaved in a fixed random order, numbered 1..N like ILSVRC2012_val_XXXXXXXX.
+    val_labels = np.repeat(np.arange(n_classes), cfg["val_per_class"])
+    np.random.default_rng([seed, 3]).shuffle(val_labels)
+    # ILSVRC2012_IDs are a permutation of 1..C that differs from wnid order, as in the real devkit.
+    ilsvrc_id = np.random.default_rng([seed, 4]).permutation(n_classes) + 1
+    solution, truth = [], []
+    with tarfile.open(out / "archives" / VAL_TAR, mode="w", format=tarfile.USTAR_FORMAT) as val_tar:
+        for i, k in enumerate(val_labels.tolist(), start=1):
+            wnid = classes[k][0]
+            stem = f"ILSVRC2012_val_{i:08d}"
+            img, (x1, y1, x2, y2) = make(SPLIT_VAL, k, i)
+            data = jpeg_bytes(img, quality)
+            write(out / "val" / wnid / f"{stem}.JPEG", data)
+            write(out / "val_flat" / f"{stem}.JPEG", data)
+            tar_member(val_tar, f"{stem}.JPEG", data)
+            solution.append((stem, f"{wnid} {x1} {y1} {x2} {y2} "))
+            truth.append(int(ilsvrc_id[k]))
+    log(f"val: {len(val_labels)} images")
+
+    solution_csv = "ImageId,PredictionString\n" + "".join(f"{a},{b}\n" for a, b in solution)
+    mapping_txt = "".join(f"{wnid} {name}\n" for wnid, name in classes)
+    truth_txt = "".join(f"{t}\n" for t in truth)
+    meta = io.StringIO()
+    writer = csv.writer(meta, lineterminator="\n")
+    writer.writerow(["ILSVRC2012_ID", "WNID", "words"])
+    for k in np.argsort(ilsvrc_id).tolist():
+        writer.writerow([int(ilsvrc_id[k]), *classes[k]])
+    for folder in (out, out / "archives"):
+        write(folder / "LOC_val_solution.csv", solution_csv.encode())
+        write(folder / "LOC_synset_mapping.txt", mapping_txt.encode())
+    write(out / "devkit" / GROUND_TRUTH, truth_txt.encode())
+    write(out / "devkit" / "meta.csv", meta.getvalue().encode())
+    devkit = tar_bytes([(f"{DEVKIT_DIR}/{GROUND_TRUTH}", truth_txt.encode()),
+                        (f"{DEVKIT_DIR}/meta.csv", meta.getvalue().encode())])
+    with open(out / "archives" / DEVKIT_TGZ, "wb") as raw, \
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+        gz.write(devkit)
+
+    write(out / "defects.json", (json.dumps({"seed": seed, "defects": manifest}, indent=2) + "\n").encode())
+    summary = {"classes": n_classes, "train_files": n_train, "val_images": int(len(val_labels)),
+               "defects": len(manifest)}
+    write(out / ".done", (json.dumps(summary, sort_keys=True) + "\n").encode())
+    log(f"done: {summary}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config-json", required=True, help="the config's demo block as JSON")
+    parser.add_argument("--out", required=True, type=Path, help="raw root to write (results/demo/raw)")
+    args = parser.parse_args(argv)
+    generate(json.loads(args.config_json), args.out)
+
+
+if __name__ == "__main__":
+    main()
