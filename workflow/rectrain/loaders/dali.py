@@ -1,0 +1,78 @@
+"""DALI loader from the .rec: fn.readers.mxnet sharded by rank, decode on the GPU ("mixed") when there
+is one and on the CPU otherwise, random-resized-crop + flip + normalise in the pipeline.
+
+Train pipelines are rebuilt each epoch with shard (rank + epoch) % world and a seed from
+(seed, epoch, rank): every record once per epoch across ranks, shards rotate like DALI's default,
+and a resumed run replays exactly the epochs it missed.  Last batch: FILL for train (equal full
+batches on every rank, padding repeats the shard's last record and is counted), PARTIAL for eval
+(padding dropped, every record exactly once).
+"""
+from __future__ import annotations
+
+import torch
+from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+from rectrain.loaders import (CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, epoch_seed,
+                              train_batches_per_epoch, train_padding)
+from rectrain.recordio import read_idx
+
+
+@pipeline_def
+def _pipeline(rec: str, idx: str, shard_id: int, num_shards: int, train: bool, image_size: int,
+              eval_resize: int, decode_device: str):
+    jpegs, labels = fn.readers.mxnet(path=rec, index_path=idx, shard_id=shard_id, num_shards=num_shards,
+                                     random_shuffle=train, pad_last_batch=True, stick_to_shard=True,
+                                     name="Reader")
+    images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB)
+    if train:
+        images = fn.random_resized_crop(images, size=[image_size, image_size], random_area=list(CROP_SCALE),
+                                        random_aspect_ratio=list(CROP_RATIO))
+        mirror = fn.random.coin_flip(probability=0.5)
+    else:
+        images = fn.resize(images, resize_shorter=eval_resize)
+        mirror = False
+    images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+                                      crop=[image_size, image_size], mean=list(IMAGENET_MEAN),
+                                      std=list(IMAGENET_STD), mirror=mirror)
+    return images, labels
+
+
+class DaliLoader:
+    kind = "dali"
+
+    def __init__(self, spec: LoaderSpec):
+        self.spec = spec
+        self.size = len(read_idx(spec.idx))
+        w, b = spec.world_size, spec.batch_size
+        self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
+        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
+        self._eval_iter = None
+
+    def _iterator(self, epoch: int) -> DALIGenericIterator:
+        s = self.spec
+        gpu = s.on_gpu
+        device_id = (torch.device(s.device).index or 0) if gpu else None
+        pipe = _pipeline(rec=s.rec, idx=s.idx, shard_id=(s.rank + epoch) % s.world_size if s.train else s.rank,
+                         num_shards=s.world_size, train=s.train, image_size=s.image_size,
+                         eval_resize=s.eval_resize, decode_device="mixed" if gpu and s.gpu_decode else "cpu",
+                         batch_size=s.batch_size, num_threads=max(1, s.workers), device_id=device_id,
+                         seed=epoch_seed(s.seed, epoch, s.rank))
+        pipe.build()
+        return DALIGenericIterator(pipe, ["images", "labels"], reader_name="Reader",
+                                   last_batch_policy=LastBatchPolicy.FILL if s.train else LastBatchPolicy.PARTIAL,
+                                   auto_reset=not s.train)
+
+    def epoch(self, epoch: int):
+        """Iterator of (images, labels) for one epoch."""
+        if self.spec.train:
+            it = self._iterator(epoch)
+        else:
+            self._eval_iter = self._eval_iter or self._iterator(0)
+            it = self._eval_iter
+        device = torch.device(self.spec.device)
+        for batch in it:
+            images, labels = batch[0]["images"], batch[0]["labels"]
+            if images.shape[0] == 0:
+                continue  # eval only: a rank whose shard ended on a batch boundary
+            yield images.to(device, non_blocking=True), labels.view(-1).to(device, torch.int64, non_blocking=True)

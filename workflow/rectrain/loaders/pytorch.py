@@ -1,0 +1,141 @@
+"""Pure-PyTorch loader from the same .rec: the fallback when DALI is unavailable, and the baseline.
+
+A map-style Dataset over rectrain.recordio.IndexedRecordReader (its file descriptor opens lazily in
+each worker).  Workers decode with PIL and crop/flip with torchvision transforms v2, returning uint8
+so little crosses the process boundary; the float conversion and normalisation happen once per
+batch on the target device.  On a GPU with gpu_decode, workers only read bytes and the batch is
+decoded by torchvision.io.decode_jpeg(device="cuda").
+Sharding (ShardSampler): one permutation of all records per epoch, seeded by (seed, epoch), the same
+on every rank; rank r takes every world-th record starting at r, like DistributedSampler.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision.transforms import v2
+
+from rectrain.loaders import (CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, epoch_seed,
+                              train_batches_per_epoch, train_padding)
+from rectrain.recordio import IndexedRecordReader, unpack_record
+
+
+def _label(header) -> int:
+    label = header.label
+    return int(label[0] if isinstance(label, tuple) else label)
+
+
+def augment(spec: LoaderSpec):
+    """The PIL/tensor -> uint8 CHW transform matching the DALI pipeline's semantics."""
+    if spec.train:
+        return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(spec.image_size, scale=CROP_SCALE,
+                                                                   ratio=CROP_RATIO, antialias=True),
+                           v2.RandomHorizontalFlip()])
+    return v2.Compose([v2.PILToTensor(), v2.Resize(spec.eval_resize, antialias=True),
+                       v2.CenterCrop(spec.image_size)])
+
+
+class RecordDataset(Dataset):
+    """Records of a .rec in .idx file order -> (uint8 CHW image or raw bytes, label, record id)."""
+
+    def __init__(self, rec: str, idx: str, transform=None, decode: bool = True):
+        self.reader = IndexedRecordReader(rec, idx)
+        self.keys = list(self.reader.keys)
+        self.transform, self.decode = transform, decode
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int):
+        header, data = unpack_record(self.reader.read(self.keys[i]))
+        if not self.decode:
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8), _label(header), header.id
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        return (self.transform(image) if self.transform else image), _label(header), header.id
+
+
+class ShardSampler(Sampler[int]):
+    """Indices of one rank's share of an epoch.
+
+    train (pad_to_batch): every rank gets ceil(ceil(N/world)/batch) full batches, the permutation
+    padded from its start as DistributedSampler pads; eval: every index exactly once, no padding."""
+
+    def __init__(self, n: int, rank: int, world_size: int, batch_size: int, shuffle: bool, seed: int,
+                 pad_to_batch: bool):
+        self.n, self.rank, self.world, self.batch = n, rank, world_size, batch_size
+        self.shuffle, self.seed, self.pad = shuffle, seed, pad_to_batch
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch, 0))
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __iter__(self):
+        order = self._order()
+        if self.pad:
+            total = self.world * train_batches_per_epoch(self.n, self.world, self.batch) * self.batch
+            order = (order * math.ceil(total / self.n))[:total]
+        return iter(order[self.rank::self.world])
+
+    def __len__(self) -> int:
+        if self.pad:
+            return train_batches_per_epoch(self.n, self.world, self.batch) * self.batch
+        return len(range(self.rank, self.n, self.world))
+
+
+def _collate_bytes(batch):
+    data, labels, ids = zip(*batch)
+    return list(data), torch.tensor(labels, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64)
+
+
+class TorchLoader:
+    kind = "torch"
+
+    def __init__(self, spec: LoaderSpec, decode_on_device: bool | None = None):
+        self.spec = spec
+        # Batch decode on the device (GPU by default when there is one; forcing it on CPU is for tests).
+        self.decode_on_device = spec.on_gpu and spec.gpu_decode if decode_on_device is None else decode_on_device
+        self.transform = augment(spec)
+        self.dataset = RecordDataset(spec.rec, spec.idx, None if self.decode_on_device else self.transform,
+                                     decode=not self.decode_on_device)
+        self.size = len(self.dataset)
+        w, b = spec.world_size, spec.batch_size
+        self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
+        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
+        self.sampler = ShardSampler(self.size, spec.rank, w, b, shuffle=spec.train, seed=spec.seed,
+                                    pad_to_batch=spec.train)
+        device = torch.device(spec.device)
+        self._mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+        self._std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+
+    def batches(self, epoch: int):
+        """(uint8 images or raw bytes, labels, record ids) batches of one epoch, before normalisation."""
+        s = self.spec
+        self.sampler.set_epoch(epoch)
+        loader = DataLoader(self.dataset, batch_size=s.batch_size, sampler=self.sampler, num_workers=s.workers,
+                            pin_memory=s.on_gpu, drop_last=False,
+                            collate_fn=_collate_bytes if self.decode_on_device else None,
+                            prefetch_factor=4 if s.workers else None,
+                            generator=torch.Generator().manual_seed(epoch_seed(s.seed, epoch, s.rank)))
+        return iter(loader)
+
+    def _decode_batch(self, data: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        from torchvision.io import ImageReadMode, decode_jpeg
+        images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        return torch.stack([self.transform(img) for img in images])
+
+    def epoch(self, epoch: int):
+        device = torch.device(self.spec.device)
+        for images, labels, _ids in self.batches(epoch):
+            if self.decode_on_device:
+                images = self._decode_batch(images, device)
+            images = images.to(device, non_blocking=True).float().sub_(self._mean).div_(self._std)
+            yield images, labels.to(device, non_blocking=True)
