@@ -168,7 +168,7 @@ def draw(style: ClassStyle, rng: np.random.Generator, size: tuple[int, int]) -> 
     img += rng.normal(0.0, 10.0, img.shape)
     pixels = np.clip(img, 0, 255).astype(np.uint8)
     box = (int(cx - rx), int(cy - ry), int(math.ceil(cx + rx)), int(math.ceil(cy + ry)))
-    return Image.fromarray(pixels, "RGB"), box
+    return Image.fromarray(pixels), box
 
 
 def jpeg_bytes(img: Image.Image, quality: int, **kwargs) -> bytes:
