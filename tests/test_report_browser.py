@@ -1,0 +1,71 @@
+"""A real browser (headless Chromium) opens the report from disk: it renders, its images decode, the
+diagnosis is in the DOM, and data names stay text."""
+import base64
+import io
+import re
+import shutil
+import subprocess
+
+import pytest
+from PIL import Image, ImageStat
+
+from rectrain.report import build, load
+from synthetic_run import REPORT_CFG, write_run
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "
+                                "(apt-get install -y chromium; .ci/run installs it)")
+# Offline and hermetic: no first-run UI, no background network, a fresh profile per run.
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--disable-quic", "--hide-scrollbars"]
+
+
+def chromium(tmp_path, *args, timeout=120):
+    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
+    proc = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def report_file(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("browser")
+    paths = write_run(tmp, gpus={0: (90.0, 10927.0, 11264.0), 1: (40.0, 7000.0, 11264.0)},
+                      wait_share={0: 0.02, 1: 0.60}, iowait=45.0)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    html = build(data, {"dataset": "demo", "report": dict(REPORT_CFG)}, repo=tmp)
+    out = tmp / "report.html"
+    out.write_text(html, encoding="utf-8")
+    return out
+
+
+def test_screenshot_of_the_report_is_not_blank(report_file, tmp_path):
+    shot = tmp_path / "shot.png"
+    chromium(tmp_path, "--window-size=1280,4000", f"--screenshot={shot}", report_file.as_uri())
+    img = Image.open(shot).convert("L")
+    assert img.size == (1280, 4000)
+    stat = ImageStat.Stat(img)
+    assert stat.stddev[0] > 20, f"screenshot looks blank (pixel stddev {stat.stddev[0]:.1f})"
+    # dark header band at the top, light page below: the CSS was applied, not just raw text
+    assert ImageStat.Stat(img.crop((0, 0, 1280, 40))).mean[0] < 100
+    assert ImageStat.Stat(img.crop((0, 200, 1280, 400))).mean[0] > 180
+
+
+def test_rendered_dom_has_the_diagnosis_and_escaped_names(report_file, tmp_path):
+    dom = chromium(tmp_path, "--dump-dom", report_file.as_uri()).stdout
+    assert '<section id="diagnosis">' in dom
+    assert 'id="finding-rank_imbalance"' in dom and 'id="finding-high_iowait"' in dom
+    assert 'id="finding-gpu_memory_high"' in dom
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in dom
+    assert "<script" not in dom.lower()  # the class name did not become an element
+
+
+def test_every_embedded_image_decodes(report_file, tmp_path):
+    dom = chromium(tmp_path, "--dump-dom", report_file.as_uri()).stdout
+    uris = re.findall(r'<img[^>]+src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
+    assert len(uris) == 7
+    for b64 in uris:
+        img = Image.open(io.BytesIO(base64.b64decode(b64)))
+        img.load()
+        assert ImageStat.Stat(img.convert("L")).stddev[0] > 5  # a plot, not an empty canvas

@@ -1,0 +1,145 @@
+"""Assemble the report: numbers from the stage outputs, seaborn plots, diagnosis, rendered through
+an autoescaping Jinja2 template (class names and paths are user data)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jinja2
+import pandas as pd
+import yaml
+
+from rectrain.diagnosis import (data_wait_share_by_rank, diagnose, gpu_memory_peak, gpu_util_mean,
+                                steady_steps)
+from rectrain.report import plots, provenance
+from rectrain.report.inputs import RunData
+
+TEMPLATES = Path(__file__).parent / "templates"
+WORST_CLASSES = 10
+
+
+def num(value, spec: str = ".1f", missing: str = "-") -> str:
+    """Format a number for the tables; None/NaN/non-numbers show as `missing`."""
+    if value is None or isinstance(value, str):
+        return missing if value in (None, "") else value
+    try:
+        if math.isnan(float(value)):
+            return missing
+    except (TypeError, ValueError):
+        return missing
+    return format(value, spec)
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
+                             undefined=jinja2.ChainableUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = num
+    return env
+
+
+def _span_s(steps: pd.DataFrame) -> float:
+    return float(steps["time"].max() - (steps["time"] - steps["wall_s"]).min())
+
+
+def training_rates(steps: pd.DataFrame) -> dict:
+    """img/s of the whole job and per rank, from the step telemetry (all steps, wall clock)."""
+    if steps.empty:
+        return {"total": None, "per_rank": []}
+    span = _span_s(steps)
+    shares = data_wait_share_by_rank(steps)
+    per_rank = []
+    for rank, g in steps.groupby("rank"):
+        s = steady_steps(g)
+        per_rank.append({
+            "rank": int(rank), "steps": len(g), "images": int(g["images"].sum()),
+            "img_s": g["images"].sum() / _span_s(g) if _span_s(g) > 0 else None,
+            "step_ms": 1000 * s["wall_s"].mean(), "wait_ms": 1000 * s["data_wait_s"].mean(),
+            "compute_ms": 1000 * s["compute_s"].mean(),
+            "wait_share": 100 * shares.get(rank, float("nan")),
+        })
+    return {"total": steps["images"].sum() / span if span > 0 else None, "per_rank": per_rank}
+
+
+def utilization(system: pd.DataFrame) -> dict:
+    peaks, util = gpu_memory_peak(system), gpu_util_mean(system)
+    gpus = [{"index": i, "util": util.get(i), "mem_used_gb": peaks[i][0] / 1024 if i in peaks else None,
+             "mem_total_gb": peaks[i][1] / 1024 if i in peaks else None} for i in sorted(set(peaks) | set(util))]
+
+    def stat(col, fn):
+        return fn(system[col].dropna()) if col in system and not system[col].dropna().empty else None
+    return {
+        "gpus": gpus, "samples": len(system),
+        "cpu_mean": stat("cpu_percent", pd.Series.mean),
+        "iowait_mean": stat("iowait_percent", pd.Series.mean),
+        "iowait_p90": stat("iowait_percent", lambda s: s.quantile(0.9)),
+        "read_mean": stat("disk_read_mb_s", pd.Series.mean),
+        "read_max": stat("disk_read_mb_s", pd.Series.max),
+        "rss_max": stat("rss_mb", pd.Series.max),
+    }
+
+
+def worst_classes(per_class: pd.DataFrame, classes: pd.DataFrame, n: int = WORST_CLASSES) -> pd.DataFrame:
+    if per_class.empty:
+        return per_class
+    pc = per_class.copy()
+    pc["accuracy"] = pd.to_numeric(pc["accuracy"], errors="coerce")
+    names = dict(zip(classes["wnid"].astype(str), classes["name"].astype(str))) if not classes.empty else {}
+    pc["most_confused_name"] = pc["most_confused_wnid"].astype(str).map(names).fillna("")
+    return pc.sort_values(["accuracy", "label"]).head(n)
+
+
+def summary(data: RunData, config: dict, rates: dict) -> dict:
+    run, metrics, bench = data.run, data.metrics, data.benchmarks
+    devices = run.get("devices") or []
+    return {
+        "dataset": config.get("dataset"),
+        "model": run.get("model"),
+        "devices": ", ".join(map(str, devices)) or "-",
+        "world_size": run.get("world_size"), "nodes": run.get("nodes"),
+        "loader": run.get("loader"), "precision": run.get("precision"),
+        "batch_size": run.get("batch_size"), "grad_accum": run.get("grad_accum"),
+        "global_batch": run.get("global_batch"), "image_size": run.get("image_size"),
+        "epochs": run.get("epochs", len(data.epochs)),
+        "top1": 100 * metrics["top1"] if metrics.get("top1") is not None else None,
+        "top5": 100 * metrics["top5"] if metrics.get("top5") is not None else None,
+        "eval_images": metrics.get("images"), "eval_loader": metrics.get("loader"),
+        "eval_img_s": metrics.get("images_per_s"),
+        "train_img_s": rates["total"],
+        "total_wall_s": float(bench["s"].sum()) if not bench.empty and "s" in bench else None,
+        "stages": [(r["rule"], r.get("s")) for r in bench.to_dict("records")],
+    }
+
+
+def build(data: RunData, config: dict, repo: Path | str = ".") -> str:
+    """The report as one self-contained HTML string."""
+    report_cfg = config["report"]
+    findings = diagnose(data.steps, data.system, data.run, data.manifests, report_cfg)
+    t0 = plots.start_time(data.steps, data.system)
+    rates = training_rates(data.steps)
+    worst = worst_classes(data.per_class, data.classes)
+    context = {
+        "title": report_cfg.get("title", "rectrain report"),
+        "summary": summary(data, config, rates),
+        "findings": findings,
+        "rates": rates,
+        "util": utilization(data.system),
+        "epochs": data.epochs.sort_values("epoch").to_dict("records") if not data.epochs.empty else [],
+        "worst": worst.to_dict("records"),
+        "n_classes": len(data.per_class),
+        "manifests": data.manifests,
+        "stages": data.benchmarks.to_dict("records"),
+        "plots": {
+            "throughput": plots.throughput_plot(data.steps, t0),
+            "step_split": plots.step_split_plot(data.steps, t0),
+            "gpu": plots.gpu_plot(data.system, t0),
+            "cpu_io": plots.cpu_io_plot(data.system, t0),
+            "learning": plots.learning_plot(data.epochs),
+            "worst": plots.worst_classes_plot(worst),
+            "stages": plots.stages_plot(data.benchmarks),
+        },
+        "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=False),
+        "prov": provenance.collect(data.run, repo),
+        "run": data.run,
+        "paths": data.paths,
+    }
+    return environment().get_template("report.html.j2").render(**context)

@@ -1,0 +1,98 @@
+"""Read every stage's outputs (CONTRACTS formats) into one RunData for the report.
+
+Missing optional pieces (a CPU-only run has no GPU columns, a run too short for the sampler has an
+empty system.csv) become empty tables, never errors; missing required files name the stage to rerun.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+STEP_COLUMNS = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
+SYSTEM_COLUMNS = ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb"]
+EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_top1", "val_top5", "images_per_s", "wall_s"]
+# Snakemake writes "NA" when the job ended before its first sample and "-" for None.
+BENCH_NA = ["NA", "-"]
+
+
+@dataclass
+class RunData:
+    steps: pd.DataFrame
+    system: pd.DataFrame
+    epochs: pd.DataFrame
+    run: dict
+    metrics: dict
+    per_class: pd.DataFrame
+    manifests: dict[str, dict]
+    classes: pd.DataFrame
+    benchmarks: pd.DataFrame  # one row per rule: rule, s, max_rss, io_in, io_out, cpu_time, mean_load
+    paths: dict[str, str] = field(default_factory=dict)
+
+
+def _csv(path: Path, columns: list[str], stage: str, **kw) -> pd.DataFrame:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: rerun the {stage} stage (snakemake ... --forcerun {stage})")
+    if path.stat().st_size == 0:
+        return pd.DataFrame(columns=columns)
+    return pd.read_csv(path, **kw)
+
+
+def _json(path: Path, stage: str) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: rerun the {stage} stage (snakemake ... --forcerun {stage})")
+    return json.loads(path.read_text())
+
+
+def benchmark_files(paths: list[Path | str], dataset: str) -> list[Path]:
+    """Expand the CLI's --benchmarks arguments: files as given, a directory to its <rule>/<dataset>.tsv."""
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(p.glob(f"*/{dataset}.tsv"))
+        elif p.exists():
+            out.append(p)
+    return out
+
+
+def read_benchmarks(files: list[Path]) -> pd.DataFrame:
+    """One row per rule (the benchmark file's folder name); repeated measurements are averaged."""
+    rows = []
+    for f in files:
+        df = pd.read_csv(f, sep="\t", na_values=BENCH_NA)
+        if df.empty:
+            continue
+        numeric = df.drop(columns=["h:m:s"], errors="ignore").select_dtypes("number").mean()
+        rows.append({"rule": f.parent.name, **numeric.to_dict()})
+    cols = ["rule", "s", "max_rss", "max_vms", "max_uss", "max_pss", "io_in", "io_out", "mean_load", "cpu_time"]
+    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=cols)
+
+
+def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: str) -> RunData:
+    train_dir, eval_dir, pack_dir, index_dir = map(Path, (train_dir, eval_dir, pack_dir, index_dir))
+    manifests = {}
+    for split in ("train", "val"):
+        p = pack_dir / f"{split}.manifest.json"
+        if p.exists():
+            manifests[split] = json.loads(p.read_text())
+    if not manifests:
+        raise FileNotFoundError(f"no pack manifests in {pack_dir}: rerun the pack stage")
+    # keep_default_na=False: a class called "NA" or "null" is a name, not a missing value
+    classes = _csv(index_dir / "classes.tsv", ["label", "wnid", "name"], "index_raw", sep="\t",
+                   keep_default_na=False, dtype={"wnid": str, "name": str})
+    per_class = _csv(eval_dir / "per_class.csv", [], "evaluate", keep_default_na=False,
+                     dtype={"wnid": str, "name": str, "most_confused_wnid": str})
+    return RunData(
+        steps=_csv(train_dir / "steps.csv", STEP_COLUMNS, "train"),
+        system=_csv(train_dir / "system.csv", SYSTEM_COLUMNS, "train"),
+        epochs=_csv(train_dir / "epochs.csv", EPOCH_COLUMNS, "train"),
+        run=_json(train_dir / "run.json", "train"),
+        metrics=_json(eval_dir / "metrics.json", "evaluate"),
+        per_class=per_class,
+        manifests=manifests,
+        classes=classes,
+        benchmarks=read_benchmarks(benchmark_files(benchmarks, dataset)),
+        paths={"train": str(train_dir), "eval": str(eval_dir), "pack": str(pack_dir), "index": str(index_dir)},
+    )
