@@ -1,0 +1,185 @@
+"""Copy a .rec/.idx pair to node-local storage once per node before training reads it.
+
+On a cluster the packed pair usually sits on a shared network filesystem; every epoch re-reading it
+from there is the seed lesson (data on slow storage starves the GPUs) made worse, so with
+`pack.stage_to_local: true` each node copies the pair to its local SSD first.
+
+Every rank may call `stage_pair`: an exclusive file lock in the local directory makes the first
+caller on a node copy while the others wait, then find an identical pair and skip.  A copy is
+written to a temporary name, its sha256 compared with the source's (hashed while copying), and only
+then renamed into place, so a crash never leaves a half-copied pair that looks finished.  A stamp
+next to the copy records the source's size, mtime and hash; a later call skips only when the source
+is unchanged and the local files still hash to the stamped value (catches a corrupted local copy).
+
+    python -m rectrain.stage --rec F/train.rec --idx F/train.idx --local-dir /local/rectrain/demo
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import getpass
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+CHUNK = 16 * 1024 * 1024
+STAMP_SUFFIX = ".stage.json"
+LOCK_NAME = ".stage.lock"
+
+
+class StageError(RuntimeError):
+    """Staging could not produce a verified local copy; the message says why and what to do."""
+
+
+def default_local_dir(pack_cfg: dict, dataset: str, env=None) -> Path:
+    """pack.local_storage, else $TMPDIR (what SLURM sites point at node-local disk), else
+    /tmp/rectrain-<user>; one sub-directory per dataset so two datasets never collide."""
+    env = os.environ if env is None else env
+    base = pack_cfg.get("local_storage") or env.get("TMPDIR") or f"/tmp/rectrain-{getpass.getuser()}"
+    return Path(base) / dataset
+
+
+def sha256_file(path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _copy_hashing(src: Path, dst: Path) -> str:
+    """Copy src to dst and return the sha256 of the bytes read from src (one pass over the source,
+    which may be on a slow network filesystem)."""
+    digest = hashlib.sha256()
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while chunk := fin.read(CHUNK):
+            digest.update(chunk)
+            fout.write(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return digest.hexdigest()
+
+
+def _stamp_path(local: Path) -> Path:
+    return local.with_name(local.name + STAMP_SUFFIX)
+
+
+def _source_id(src: Path) -> dict:
+    st = src.stat()
+    return {"source": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _is_current(src: Path, local: Path) -> bool:
+    """True when `local` is a verified copy of the unchanged `src`."""
+    stamp_file = _stamp_path(local)
+    if not local.is_file() or not stamp_file.is_file():
+        return False
+    try:
+        stamp = json.loads(stamp_file.read_text())
+    except (OSError, ValueError):
+        return False
+    want = _source_id(src)
+    if any(stamp.get(k) != v for k, v in want.items()):
+        return False
+    if local.stat().st_size != want["size"]:
+        return False
+    return sha256_file(local) == stamp.get("sha256")
+
+
+def _stage_file(src: Path, local: Path) -> None:
+    """Copy, verify against the source hash, then publish atomically (copy first, stamp last)."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{local.name}.", suffix=".part", dir=local.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        source = _source_id(src)
+        src_hash = _copy_hashing(src, tmp)
+        if _source_id(src) != source:
+            raise StageError(f"{src} changed while it was being copied to {local}; "
+                             "wait for the pack step writing it to finish, then start training again")
+        local_hash = sha256_file(tmp)
+        if local_hash != src_hash:
+            raise StageError(f"copy of {src} to {tmp} does not match the source (sha256 {local_hash} != "
+                             f"{src_hash}): the local disk returned different bytes; check it, or set "
+                             "pack.local_storage to another node-local directory")
+        _stamp_path(local).unlink(missing_ok=True)
+        os.replace(tmp, local)
+        stamp = {**source, "sha256": src_hash, "staged": time.time()}
+        stamp_tmp = _stamp_path(local).with_suffix(".part")
+        stamp_tmp.write_text(json.dumps(stamp, indent=1))
+        os.replace(stamp_tmp, _stamp_path(local))
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_room(sources: list[Path], local_dir: Path) -> None:
+    need = sum(s.stat().st_size for s in sources)
+    free = shutil.disk_usage(local_dir).free
+    if need > free:
+        raise StageError(f"node-local staging directory {local_dir} has {free} bytes free but the pair needs "
+                         f"{need}; free space there, point pack.local_storage at a larger local disk, or set "
+                         "pack.stage_to_local: false to read the pair from shared storage")
+
+
+@contextmanager
+def _node_lock(local_dir: Path):
+    """One stager per node directory; other ranks (and other jobs) block here until it is done."""
+    with open(local_dir / LOCK_NAME, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
+    """Make a verified copy of the `rec`/`idx` pair in `local_dir`.
+
+    Returns (rec_local, idx_local, copied); copied is False when an identical verified pair was
+    already there.  Safe to call from every rank at once.
+    """
+    sources = [Path(rec), Path(idx)]
+    for src in sources:
+        if not src.is_file():
+            raise StageError(f"cannot stage {src}: no such file (run the pack step first, or fix "
+                             "pack.fast_storage so it points where the pair was written)")
+    local_dir = Path(local_dir)
+    local_dir.mkdir(parents=True, exist_ok=True)
+    targets = [local_dir / s.name for s in sources]
+    copied = False
+    with _node_lock(local_dir):
+        stale = [(s, t) for s, t in zip(sources, targets) if not _is_current(s, t)]
+        if stale:
+            _check_room([s for s, _ in stale], local_dir)
+        for src, target in stale:
+            started = time.time()
+            print(f"[stage] copying {src} -> {target}", file=sys.stderr, flush=True)
+            _stage_file(src, target)
+            took = max(time.time() - started, 1e-9)
+            mb = target.stat().st_size / 1e6
+            print(f"[stage] {target}: {mb:.1f} MB verified in {took:.1f} s ({mb / took:.0f} MB/s)",
+                  file=sys.stderr, flush=True)
+            copied = True
+    return targets[0], targets[1], copied
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rec", required=True)
+    ap.add_argument("--idx", required=True)
+    ap.add_argument("--local-dir", required=True)
+    args = ap.parse_args(argv)
+    try:
+        rec, idx, copied = stage_pair(args.rec, args.idx, args.local_dir)
+    except StageError as err:
+        print(f"[stage] error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps({"rec": str(rec), "idx": str(idx), "copied": copied}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
