@@ -102,8 +102,11 @@ class RecordWriter:
 
     def write(self, key: int, payload: bytes) -> int:
         """Append one record under ``key``; returns its byte offset."""
+        return self.write_framed(key, frame_payload(payload))
+
+    def write_framed(self, key: int, framed: bytes) -> int:
+        """Append a record already framed by ``frame_payload`` (lets worker processes do the framing)."""
         offset = self._pos
-        framed = frame_payload(payload)
         self._rec.write(framed)
         self._idx.write(f"{int(key)}\t{offset}\n")
         self._pos += len(framed)

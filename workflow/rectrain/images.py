@@ -1,0 +1,173 @@
+"""Decide, by content, what the packer stores for one source file.
+
+- a clean JPEG (baseline/extended/progressive Huffman, 8-bit, grayscale or YCbCr, complete, no EXIF
+  rotation) is stored byte for byte when no resize is needed: no decode, no quality loss;
+- CMYK/YCCK, other formats behind a .JPEG name (PNG, GIF, BMP...), EXIF-rotated or otherwise odd
+  JPEGs are decoded, fixed and re-encoded as RGB JPEG, and reported as repaired with the reason;
+- empty, truncated and non-image files are skipped with the reason.
+
+The pass-through check reads only the JPEG marker segments: a full decode of every image would cost
+as much as resizing it. Truncation, the failure real data has, shows as a missing end-of-image
+marker after the scan data; the pack's verification step still decodes a sample of the output.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# Very large photos are legitimate input here (the user's own data); JPEG draft decoding keeps their
+# memory down. The limit still stops a decompression bomb (1 gigapixel ~ 3 GB as RGB).
+Image.MAX_IMAGE_PIXELS = 1 << 30
+
+# Huffman-coded sequential (C0, C1) and progressive (C2) frames: what every JPEG decoder reads,
+# DALI/nvJPEG included. Lossless, hierarchical and arithmetic-coded frames get re-encoded.
+_PLAIN_SOF = {0xC0: "baseline", 0xC1: "extended sequential", 0xC2: "progressive"}
+_ALL_SOF = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_STANDALONE = {0x01, 0xD8} | set(range(0xD0, 0xD8))
+
+
+class Skip(Exception):
+    """The file cannot be packed; str() is the reason recorded in the manifest."""
+
+
+@dataclass
+class JpegInfo:
+    sof: int | None = None
+    bits: int = 8
+    width: int = 0
+    height: int = 0
+    components: int = 0
+    adobe_transform: int | None = None
+    exif: bytes | None = None
+    complete: bool = False  # an end-of-image marker follows the first scan
+
+
+def read_jpeg_header(data: bytes) -> JpegInfo | None:
+    """Marker segments up to the first scan; None when the bytes are not a JPEG at all."""
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    info = JpegInfo()
+    pos, n = 2, len(data)
+    while True:
+        if pos + 4 > n:
+            raise Skip(f"truncated JPEG: file ends at byte {n} inside the header")
+        if data[pos] != 0xFF:
+            raise Skip(f"corrupt JPEG: expected a marker at byte {pos}")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if marker in _STANDALONE:
+            pos += 2
+            continue
+        if marker == 0xD9:
+            raise Skip("corrupt JPEG: end-of-image marker before any image data")
+        seglen = int.from_bytes(data[pos + 2:pos + 4], "big")
+        seg = data[pos + 4:pos + 2 + seglen]
+        if marker in _ALL_SOF and info.sof is None and len(seg) >= 6:
+            info.sof, info.bits, info.components = marker, seg[0], seg[5]
+            info.height, info.width = int.from_bytes(seg[1:3], "big"), int.from_bytes(seg[3:5], "big")
+        elif marker == 0xE1 and seg.startswith(b"Exif\0\0") and info.exif is None:
+            info.exif = seg
+        elif marker == 0xEE and seg.startswith(b"Adobe") and len(seg) >= 12:
+            info.adobe_transform = seg[11]
+        elif marker == 0xDA:
+            scan_start = pos + 2 + seglen
+            info.complete = data.rfind(b"\xff\xd9", scan_start) != -1
+            return info
+        pos += 2 + seglen
+
+
+def exif_orientation(exif_segment: bytes | None) -> int:
+    if not exif_segment:
+        return 1
+    exif = Image.Exif()
+    try:
+        exif.load(exif_segment)
+    except Exception:
+        return 1  # unreadable EXIF: decoders ignore it as well
+    return int(exif.get(0x0112, 1) or 1)
+
+
+def _jpeg_problems(info: JpegInfo) -> list[str]:
+    """Why this JPEG cannot be stored as is (empty when it is clean)."""
+    problems = []
+    if info.sof not in _PLAIN_SOF:
+        kind = f"SOF marker 0x{info.sof:02X}" if info.sof is not None else "no frame header"
+        problems.append(f"JPEG with an unusual coding ({kind}) re-encoded as baseline")
+    if info.components == 4:
+        problems.append("CMYK JPEG converted to RGB")
+    elif info.components not in (1, 3):
+        problems.append(f"JPEG with {info.components} colour components converted to RGB")
+    elif info.components == 3 and info.adobe_transform == 0:
+        problems.append("JPEG stored as raw RGB (Adobe transform 0) re-encoded as YCbCr")
+    orientation = exif_orientation(info.exif)
+    if orientation not in (0, 1):
+        problems.append(f"EXIF orientation {orientation} applied to the pixels")
+    return problems
+
+
+def _target_size(width: int, height: int, resize: int) -> tuple[int, int]:
+    """Shorter side = resize, aspect kept; never larger than the source."""
+    short = min(width, height)
+    if resize <= 0 or short <= resize:
+        return width, height
+    scale = resize / short
+    if width <= height:
+        return resize, max(1, round(height * scale))
+    return max(1, round(width * scale)), resize
+
+
+def _encode(data: bytes, resize: int, quality: int, is_jpeg: bool) -> bytes:
+    """Decode, orient, convert to RGB, shrink and encode as JPEG."""
+    try:
+        im = Image.open(io.BytesIO(data))
+        if resize and is_jpeg:
+            # DCT-domain downscale while decoding (1/2, 1/4, 1/8): most of the resize for free.
+            w, h = _target_size(im.width, im.height, resize)
+            im.draft("RGB", (w, h))
+        im.load()
+        im = ImageOps.exif_transpose(im)
+        if im.mode in ("P", "PA", "LA"):
+            im = im.convert("RGBA")  # palette/alpha images convert to RGB correctly only via RGBA
+        if im.mode != "RGB":
+            im = im.convert("RGB")
+        size = _target_size(im.width, im.height, resize)
+        if size != im.size:
+            # Pillow's bilinear filter widens its support when shrinking, so it antialiases properly.
+            im = im.resize(size, Image.Resampling.BILINEAR)
+        buf = io.BytesIO()
+        im.save(buf, "JPEG", quality=quality)
+        return buf.getvalue()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise Skip(f"cannot decode: {err}") from None
+
+
+def prepare(data: bytes, resize: int, quality: int) -> tuple[bytes, str | None]:
+    """The JPEG bytes to store for one source and the repair reason (None when nothing was wrong).
+
+    Raises Skip when the file cannot become a usable image.
+    """
+    if not data:
+        raise Skip("empty file (0 bytes)")
+    info = read_jpeg_header(data)
+    if info is not None:
+        if not info.complete:
+            raise Skip("truncated JPEG: no end-of-image marker after the scan data")
+        if info.bits != 8:
+            raise Skip(f"{info.bits}-bit JPEG: 8-bit decoders (DALI, PIL) cannot read it")
+        problems = _jpeg_problems(info)
+        if not problems and _target_size(info.width, info.height, resize) == (info.width, info.height):
+            return data, None
+        return _encode(data, resize, quality, is_jpeg=True), "; ".join(problems) or None
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            fmt = probe.format
+    except UnidentifiedImageError:
+        head = data[:16]
+        raise Skip(f"not an image: unrecognised content (starts with {head!r})") from None
+    except (OSError, SyntaxError, ValueError) as err:
+        raise Skip(f"cannot decode: {err}") from None
+    return _encode(data, resize, quality, is_jpeg=False), f"{fmt} content named as JPEG re-encoded as JPEG"
