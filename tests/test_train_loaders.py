@@ -1,40 +1,10 @@
 """Both loaders read the packed .rec, agree with the index, and shard every record once per epoch."""
-import io
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from rectrain.loaders import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, build_loader, train_padding
+from rectrain.loaders import LoaderSpec, build_loader, train_padding
 from rectrain.loaders.pytorch import TorchLoader
-from rectrain.recordio import IRHeader, RecordWriter, pack_record
-
-PALETTE = [(230, 25, 25), (25, 230, 25), (25, 25, 230), (230, 230, 25), (25, 230, 230)]
-
-
-def write_rec(path, labels, size=(40, 30), seed=0):
-    """A .rec/.idx whose record k holds a JPEG of colour PALETTE[labels[k] % 5] (with noise) and label
-    labels[k]; records are written in a shuffled order, as the packer does."""
-    rng = np.random.default_rng(seed)
-    rec, idx = path / "data.rec", path / "data.idx"
-    with RecordWriter(rec, idx) as w:
-        for key in rng.permutation(len(labels)):
-            colour = np.array(PALETTE[labels[key] % len(PALETTE)], np.int16)
-            pixels = np.clip(colour + rng.integers(-10, 10, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
-            buf = io.BytesIO()
-            Image.fromarray(pixels).save(buf, "JPEG", quality=90)
-            w.write(int(key), pack_record(IRHeader(0, float(labels[key]), int(key), 0), buf.getvalue()))
-    return str(rec), str(idx)
-
-
-def colour_class(images):
-    """Nearest PALETTE entry of each normalised image's mean colour."""
-    mean = torch.tensor(IMAGENET_MEAN).view(1, 3)
-    std = torch.tensor(IMAGENET_STD).view(1, 3)
-    rgb = images.float().mean(dim=(2, 3)) * std + mean
-    return torch.cdist(rgb, torch.tensor(PALETTE, dtype=torch.float)).argmin(dim=1)
-
+from train_data import colour_class, write_rec
 
 @pytest.fixture(scope="module")
 def colour_rec(tmp_path_factory):

@@ -43,7 +43,10 @@ class CsvLog:
 
 
 def _fmt(v):
-    return f"{v:.6g}" if isinstance(v, float) else v
+    # 6 significant digits for measurements; timestamps keep milliseconds.
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) >= 1e6 else f"{v:.6g}"
+    return v
 
 
 def step_log(out_dir: Path, rank: int, start_epoch: int) -> CsvLog:
@@ -137,7 +140,7 @@ class SystemSampler(threading.Thread):
         self._w = csv.DictWriter(self._f, fieldnames=self.columns)
         if fresh:
             self._w.writeheader()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def _read_bytes(self) -> int | None:
         if not self.rec_device:
@@ -163,7 +166,7 @@ class SystemSampler(threading.Thread):
     def run(self) -> None:
         psutil.cpu_times_percent(interval=None)  # prime: the first call has no reference interval
         last_t, last_b = time.time(), self._read_bytes()
-        while not self._stop.wait(self.interval):
+        while not self._halt.wait(self.interval):
             now, b = time.time(), self._read_bytes()
             cpu = psutil.cpu_times_percent(interval=None)
             iowait = getattr(cpu, "iowait", 0.0)
@@ -175,7 +178,7 @@ class SystemSampler(threading.Thread):
             last_t, last_b = now, b
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5 * self.interval + 5)
         self._f.close()
 

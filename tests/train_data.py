@@ -1,0 +1,61 @@
+"""Tiny packed datasets for the training tests: class k is an image of colour PALETTE[k] plus noise,
+so a label can be checked against its image after decoding and augmentation, and a model can learn."""
+import io
+import json
+
+import numpy as np
+import torch
+from PIL import Image
+
+from rectrain.loaders import IMAGENET_MEAN, IMAGENET_STD
+from rectrain.recordio import IRHeader, RecordWriter, pack_record
+
+PALETTE = [(230, 25, 25), (25, 230, 25), (25, 25, 230), (230, 230, 25), (25, 230, 230)]
+
+
+def write_rec(path, labels, size=(40, 30), seed=0, name="data"):
+    """A .rec/.idx whose record k holds a JPEG of colour PALETTE[labels[k] % 5] (with noise) and label
+    labels[k]; records are written in a shuffled order, as the packer does."""
+    rng = np.random.default_rng(seed)
+    rec, idx = path / f"{name}.rec", path / f"{name}.idx"
+    with RecordWriter(rec, idx) as w:
+        for key in rng.permutation(len(labels)):
+            colour = np.array(PALETTE[labels[key] % len(PALETTE)], np.int16)
+            pixels = np.clip(colour + rng.integers(-40, 40, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+            buf = io.BytesIO()
+            Image.fromarray(pixels).save(buf, "JPEG", quality=90)
+            w.write(int(key), pack_record(IRHeader(0, float(labels[key]), int(key), 0), buf.getvalue()))
+    return str(rec), str(idx)
+
+
+def colour_class(images):
+    """Nearest PALETTE entry of each normalised image's mean colour."""
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3)
+    std = torch.tensor(IMAGENET_STD).view(1, 3)
+    rgb = images.float().mean(dim=(2, 3)) * std + mean
+    return torch.cdist(rgb, torch.tensor(PALETTE, dtype=torch.float)).argmin(dim=1)
+
+
+def packed_dataset(path, n_train=45, n_val=15, classes=5):
+    """train/val .rec + classes.tsv under path; returns the train CLI's data arguments."""
+    path.mkdir(parents=True, exist_ok=True)
+    rec, idx = write_rec(path, [i % classes for i in range(n_train)], seed=1, name="train")
+    vrec, vidx = write_rec(path, [i % classes for i in range(n_val)], seed=2, name="val")
+    tsv = path / "classes.tsv"
+    tsv.write_text("label\twnid\tname\n" + "".join(f"{k}\tn{k:08d}\tcolour {k}\n" for k in range(classes)))
+    return ["--rec", rec, "--idx", idx, "--val-rec", vrec, "--val-idx", vidx, "--classes", str(tsv)]
+
+
+def tiny_train_config(**overrides):
+    """The schema's train defaults, shrunk to seconds on a CPU."""
+    cfg = {"devices": "cpu", "cpu_processes": 2, "nodes": 1, "loader": "dali", "model": "resnet18",
+           "image_size": 32, "epochs": 2, "batch_size": 8, "global_batch": None, "grad_accum": 1, "lr": 0.1,
+           "momentum": 0.9, "nesterov": True, "weight_decay": 5e-05, "label_smoothing": 0.1, "warmup_epochs": 1,
+           "precision": "bf16", "channels_last": True, "compile": False, "seed": 0, "workers": 1,
+           "gpu_decode": True, "sample_interval_s": 0.2, "collective_timeout_s": 60}
+    cfg.update(overrides)
+    return cfg
+
+
+def config_json(**overrides):
+    return json.dumps(tiny_train_config(**overrides))
