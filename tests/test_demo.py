@@ -106,7 +106,7 @@ def test_defects_are_in_distinct_classes_and_same_bytes_in_folder_and_archive(ra
     image_defects = [d for d in planted.values() if d["kind"] != "stray"]
     assert len({d["wnid"] for d in image_defects}) == len(image_defects)
     for d in planted.values():
-        assert d["expected"] in ("repair", "skip", "unclassified")
+        assert d["expected"] in ("repair", "skip", "keep", "unclassified")
         assert open_source(raw, d["source"]) == open_source(raw, d["archive_source"])
 
 
@@ -187,3 +187,15 @@ def test_classes_are_learnable_by_nearest_centroid_far_above_chance(raw):
     chance = 1 / len(wnids)
     print(f"nearest-centroid accuracy {accuracy:.2f}")
     assert accuracy >= 3 * chance, f"nearest-centroid accuracy {accuracy:.2f} vs chance {chance:.2f}"
+
+
+def test_packer_treats_each_planted_defect_as_the_manifest_says(raw):
+    from rectrain.images import Skip, prepare
+
+    for d in defects(raw).values():
+        try:
+            _, repaired = prepare((raw / d["source"]).read_bytes(), 0, 90)
+            action = "repair" if repaired else "keep"
+        except Skip:
+            action = "skip"
+        assert action == {"unclassified": "skip"}.get(d["expected"], d["expected"]), d

@@ -79,15 +79,16 @@ OWNED = ("train", "val", "val_flat", "devkit", "archives", "LOC_val_solution.csv
          "LOC_synset_mapping.txt", "defects.json", ".done")
 
 # Planted defects: (kind, expected packer action, why). Order fixes which class gets which.
+# Actions: repair (decode, fix, re-encode), skip (listed, not packed), keep (stored byte for byte).
 DEFECTS = (
     ("cmyk", "repair", "CMYK JPEG (22 in real ImageNet train, e.g. n01739381_1309.JPEG): convert to RGB"),
     ("png", "repair", "PNG named .JPEG (real: n02105855_2933.JPEG): re-encode as JPEG"),
-    ("grayscale", "repair", "single-channel JPEG: convert to 3-channel RGB"),
+    ("grayscale", "keep", "single-channel JPEG: valid as is (decoders output it as RGB)"),
     ("truncated", "skip", "JPEG cut off half-way: cannot be decoded completely"),
     ("zero_byte", "skip", "empty file"),
     ("not_image", "skip", "text file named .JPEG"),
     ("exif_rotated", "repair", "EXIF orientation 6: apply the rotation, drop the tag"),
-    ("progressive", "repair", "progressive JPEG: re-encode baseline (GPU decoders fall back to the CPU)"),
+    ("progressive", "keep", "progressive JPEG: valid as is (GPU decoders fall back to the CPU for it)"),
 )
 STRAY_NAME = "Thumbs.db"  # a file real users' class folders carry; the indexer must list, not pack it
 
