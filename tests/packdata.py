@@ -1,0 +1,125 @@
+"""Tiny raw datasets for the pack tests: clean JPEGs of every kind plus each defect, with an index."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def photo(w: int, h: int, seed: int) -> Image.Image:
+    """A smooth gradient with noise: compresses like a photo, and orientation is visible."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) * 127 // max(w + h - 2, 1)], -1)
+    noise = rng.integers(0, 24, size=(h, w, 3))
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+def jpeg(img: Image.Image, quality: int = 90, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=quality, **kw)
+    return buf.getvalue()
+
+
+def kinds(seed: int = 0) -> dict[str, bytes]:
+    """Content for each case the packer must handle, keyed by kind."""
+    img = photo(120, 90, seed)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    png = io.BytesIO()
+    img.save(png, "PNG")
+    whole = jpeg(img)
+    return {
+        "baseline": whole,
+        "progressive": jpeg(img, progressive=True),
+        "grayscale": jpeg(img.convert("L")),
+        "cmyk": jpeg(img.convert("CMYK")),
+        "png": png.getvalue(),
+        "exif_rotated": jpeg(img.transpose(Image.Transpose.ROTATE_90), exif=exif.tobytes()),
+        "truncated": whole[: len(whole) // 2],
+        "zero_byte": b"",
+        "not_image": b"just some text, saved as .JPEG\n",
+    }
+
+
+EXPECTED = {"baseline": "pass", "progressive": "pass", "grayscale": "pass", "cmyk": "repair",
+            "png": "repair", "exif_rotated": "repair", "truncated": "skip", "zero_byte": "skip",
+            "not_image": "skip"}
+
+
+def write_dataset(root: Path, files: list[tuple[str, int, bytes]], classes: int) -> tuple[Path, Path]:
+    """Write raw files and an index like rectrain.index does; files = (source, label, bytes).
+    Returns (raw_root, index_dir)."""
+    raw, index = root / "raw", root / "index"
+    index.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for source, _, data in files:
+        if source not in written:
+            path = raw / source
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            written[source] = True
+    wnids = [f"n{k:08d}" for k in range(classes)]
+    with open(index / "train.tsv", "w", newline="") as f:
+        w = csv.writer(f, delimiter="\t", lineterminator="\n")
+        w.writerow(["id", "source", "label", "wnid"])
+        for i, (source, label, _) in enumerate(files):
+            w.writerow([i, source, label, wnids[label]])
+    with open(index / "classes.tsv", "w", newline="") as f:
+        w = csv.writer(f, delimiter="\t", lineterminator="\n")
+        w.writerow(["label", "wnid", "name"])
+        for k, wnid in enumerate(wnids):
+            w.writerow([k, wnid, f"class {k}"])
+    return raw, index
+
+
+def kinds_dataset(root: Path) -> tuple[Path, Path, dict[int, str]]:
+    """One file per kind, plus clean fillers so the shuffle is visible; returns (raw, index, id->kind)."""
+    files, kind_of = [], {}
+    for kind, data in kinds().items():
+        kind_of[len(files)] = kind
+        files.append((f"train/c{len(files) % 3}/{kind}.JPEG", len(files) % 3, data))
+    for n in range(12):
+        files.append((f"train/c{n % 3}/clean_{n}.JPEG", n % 3, jpeg(photo(64 + n, 48 + n, 100 + n))))
+    raw, index = write_dataset(root, files, classes=3)
+    return raw, index, kind_of
+
+
+def run_pack(raw: Path, index: Path, out: Path, cfg: dict | None = None, threads: int = 2,
+             env: dict | None = None, split: str = "train", **popen) -> subprocess.CompletedProcess:
+    """`python -m rectrain.pack` as the rule runs it; outputs under out/."""
+    cfg = {"resize": 0, "quality": 90, "shuffle_seed": 0, **(cfg or {})}
+    cmd = [sys.executable, "-m", "rectrain.pack", "--config-json", json.dumps(cfg), "--index", str(index),
+           "--raw", str(raw), "--split", split, "--rec", str(out / "fast" / f"{split}.rec"),
+           "--idx", str(out / "fast" / f"{split}.idx"), "--manifest", str(out / "pack" / f"{split}.manifest.json"),
+           "--threads", str(threads)]
+    full_env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"), **(env or {}))
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300, **popen)
+
+
+def fake_sysfs(root: Path, path: Path, rotational: bool, partition: bool = True) -> Path:
+    """A sysfs tree in which ``path``'s st_dev is a partition of disk 'sdz' with the given rotational."""
+    st = os.stat(path)
+    disk = root / "devices" / "pci0000:00" / "block" / "sdz"
+    (disk / "queue").mkdir(parents=True, exist_ok=True)
+    (disk / "queue" / "rotational").write_text("1\n" if rotational else "0\n")
+    target = disk
+    if partition:
+        target = disk / "sdz1"
+        target.mkdir(exist_ok=True)
+        (target / "partition").write_text("1\n")
+    link = root / "dev" / "block" / f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(os.path.relpath(target, link.parent))
+    return root

@@ -1,0 +1,211 @@
+"""The packer: shuffled ids/labels, pass-through bytes, repairs and skips, resize, verification,
+atomic publishing under SIGKILL, storage warnings and the space preflight."""
+import io
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from PIL import Image
+
+from packdata import EXPECTED, fake_sysfs, jpeg, kinds, kinds_dataset, photo, run_pack, write_dataset
+from rectrain import pack, storage
+from rectrain.images import Skip, prepare, read_jpeg_header
+from rectrain.recordio import IndexedRecordReader, read_idx, unpack_record
+from rectrain.verify import main as verify_main
+
+
+def _records(out):
+    reader = IndexedRecordReader(out / "fast" / "train.rec", out / "fast" / "train.idx")
+    return reader, {key: unpack_record(payload) for key, payload in reader}
+
+
+def _manifest(out):
+    return json.loads((out / "pack" / "train.manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kinds")
+    raw, index, kind_of = kinds_dataset(root)
+    proc = run_pack(raw, index, root / "out")
+    assert proc.returncode == 0, proc.stderr
+    return root / "out", raw, index, kind_of, proc.stderr
+
+
+def test_every_index_row_is_packed_or_skipped_and_counts_add_up(packed):
+    out, _, index, kind_of, _ = packed
+    m = _manifest(out)
+    n_rows = len((index / "train.tsv").read_text().splitlines()) - 1
+    assert m["discovered"] == n_rows == m["packed"] + m["skipped"]
+    reader, records = _records(out)
+    skipped = {s["id"] for s in m["skipped_files"]}
+    assert set(reader.keys) | skipped == set(range(n_rows)) and not set(reader.keys) & skipped
+    assert m["bytes_written"] == os.path.getsize(out / "fast" / "train.rec")
+    assert m["images_per_s"] > 0 and m["mb_per_s"] > 0 and m["wall_s"] > 0
+
+
+def test_records_carry_index_ids_and_labels_in_shuffled_order(packed):
+    out, _, index, _, _ = packed
+    labels = {int(line.split("\t")[0]): int(line.split("\t")[2])
+              for line in (index / "train.tsv").read_text().splitlines()[1:]}
+    reader, records = _records(out)
+    for key, (header, _) in records.items():
+        assert header.id == key and header.flag == 0 and header.label == labels[key]
+    assert reader.keys != sorted(reader.keys), "records must be written in shuffled order"
+
+
+def test_same_seed_gives_identical_files_and_another_seed_another_order(packed, tmp_path):
+    out, raw, index, _, _ = packed
+    again = run_pack(raw, index, tmp_path / "same")
+    other = run_pack(raw, index, tmp_path / "other", cfg={"shuffle_seed": 1})
+    assert again.returncode == 0 and other.returncode == 0
+    assert (tmp_path / "same/fast/train.rec").read_bytes() == (out / "fast/train.rec").read_bytes()
+    assert (tmp_path / "same/fast/train.idx").read_bytes() == (out / "fast/train.idx").read_bytes()
+    order = [k for k, _ in read_idx(out / "fast/train.idx")]
+    assert [k for k, _ in read_idx(tmp_path / "other/fast/train.idx")] != order
+
+
+def test_clean_jpegs_pass_through_byte_for_byte(packed):
+    out, _, _, kind_of, _ = packed
+    _, records = _records(out)
+    content = kinds()
+    for rid, kind in kind_of.items():
+        if EXPECTED[kind] == "pass":
+            assert records[rid][1] == content[kind], f"{kind} was re-encoded"
+
+
+def test_defects_are_repaired_as_rgb_or_skipped_with_reasons(packed):
+    out, _, _, kind_of, log = packed
+    m = _manifest(out)
+    _, records = _records(out)
+    repaired = {r["id"]: r["reason"] for r in m["repaired"]}
+    skipped = {s["id"]: s["reason"] for s in m["skipped_files"]}
+    by_kind = {kind: rid for rid, kind in kind_of.items()}
+    assert set(repaired) == {by_kind[k] for k, v in EXPECTED.items() if v == "repair"}
+    assert set(skipped) == {by_kind[k] for k, v in EXPECTED.items() if v == "skip"}
+    assert "CMYK" in repaired[by_kind["cmyk"]]
+    assert "PNG" in repaired[by_kind["png"]]
+    assert "EXIF orientation 6" in repaired[by_kind["exif_rotated"]]
+    assert "truncated" in skipped[by_kind["truncated"]]
+    assert "empty" in skipped[by_kind["zero_byte"]]
+    assert "not an image" in skipped[by_kind["not_image"]]
+    for rid in repaired:
+        with Image.open(io.BytesIO(records[rid][1])) as im:
+            assert im.format == "JPEG" and im.mode == "RGB"
+    # orientation 6 stored a 90x120 rotated image: applied, it is the original 120x90 again
+    assert Image.open(io.BytesIO(records[by_kind["exif_rotated"]][1])).size == (120, 90)
+    for rid, reason in {**repaired, **skipped}.items():
+        assert f"id {rid} " in log and reason in log
+
+
+def test_resize_sets_the_shorter_side_and_never_upscales(tmp_path):
+    big_wide, big_tall, small = photo(200, 150, 1), photo(150, 300, 2), photo(50, 40, 3)
+    files = [("a/wide.JPEG", 0, jpeg(big_wide)), ("a/tall.JPEG", 1, jpeg(big_tall)),
+             ("a/small.JPEG", 0, jpeg(small)), ("a/cmyk_small.JPEG", 1, jpeg(small.convert("CMYK")))]
+    raw, index = write_dataset(tmp_path, files, classes=2)
+    proc = run_pack(raw, index, tmp_path / "out", cfg={"resize": 64, "quality": 80})
+    assert proc.returncode == 0, proc.stderr
+    _, records = _records(tmp_path / "out")
+    sizes = {rid: Image.open(io.BytesIO(img)).size for rid, (_, img) in records.items()}
+    assert sizes == {0: (85, 64), 1: (64, 128), 2: (50, 40), 3: (50, 40)}
+    assert records[2][1] == files[2][2], "a clean JPEG already small enough is stored as is"
+    assert Image.open(io.BytesIO(records[3][1])).mode == "RGB"
+    assert _manifest(tmp_path / "out")["resize"] == 64
+
+
+def test_jpeg_header_checks_do_not_decode():
+    data = kinds()["progressive"]
+    info = read_jpeg_header(data)
+    assert info.sof == 0xC2 and info.components == 3 and info.complete and (info.width, info.height) == (120, 90)
+    assert read_jpeg_header(b"\x89PNG\r\n\x1a\n") is None
+    with pytest.raises(Skip, match="inside the header"):
+        prepare(data[:40], 0, 90)
+    assert prepare(data, 0, 90) == (data, None)
+
+
+def test_verify_cli_names_the_record_whose_label_disagrees_with_the_index(packed, tmp_path, capsys):
+    out, _, index, _, _ = packed
+    rows = (index / "train.tsv").read_text().splitlines()
+    first = next(k for k, _ in read_idx(out / "fast/train.idx"))
+    fields = rows[first + 1].split("\t")
+    fields[2] = str((int(fields[2]) + 1) % 3)
+    rows[first + 1] = "\t".join(fields)
+    bad_index = tmp_path / "index"
+    bad_index.mkdir()
+    (bad_index / "train.tsv").write_text("\n".join(rows) + "\n")
+    (bad_index / "classes.tsv").write_bytes((index / "classes.tsv").read_bytes())
+    args = ["--rec", str(out / "fast/train.rec"), "--idx", str(out / "fast/train.idx"), "--split", "train",
+            "--manifest", str(out / "pack/train.manifest.json")]
+    assert verify_main(args + ["--index", str(index)]) == 0
+    assert verify_main(args + ["--index", str(bad_index)]) == 1
+    assert f"record id {first}: label" in capsys.readouterr().err
+
+
+def test_rotational_fast_storage_is_warned_in_log_and_manifest(tmp_path):
+    raw, index = write_dataset(tmp_path, [("a/x.JPEG", 0, jpeg(photo(40, 30, 0)))], classes=1)
+    (tmp_path / "out").mkdir()
+    hdd = fake_sysfs(tmp_path / "sys_hdd", tmp_path / "out", rotational=True)
+    ssd = fake_sysfs(tmp_path / "sys_ssd", tmp_path / "out", rotational=False)
+    proc = run_pack(raw, index, tmp_path / "out", env={storage.SYSFS_ENV: str(hdd)})
+    assert proc.returncode == 0, proc.stderr
+    m = _manifest(tmp_path / "out")
+    assert m["storage"]["rotational"] is True and m["storage"]["device"] == "sdz"
+    assert "rotational" in m["storage"]["warning"] and "iowait" in m["storage"]["warning"]
+    assert m["storage"]["warning"] in proc.stderr
+    proc = run_pack(raw, index, tmp_path / "out", env={storage.SYSFS_ENV: str(ssd)})
+    assert proc.returncode == 0, proc.stderr
+    m = _manifest(tmp_path / "out")
+    assert m["storage"]["rotational"] is False and m["storage"]["warning"] is None
+    assert "WARNING" not in proc.stderr
+
+
+def test_space_preflight_fails_before_writing_anything(tmp_path, monkeypatch, capsys):
+    raw, index = write_dataset(tmp_path, [("a/x.JPEG", 0, jpeg(photo(40, 30, 0)))], classes=1)
+    real = storage.shutil.disk_usage
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: real(p)._replace(free=100))
+    out = tmp_path / "out"
+    rc = pack.main(["--config-json", "{}", "--index", str(index), "--raw", str(raw), "--split", "train",
+                    "--rec", str(out / "fast/train.rec"), "--idx", str(out / "fast/train.idx"),
+                    "--manifest", str(out / "pack/train.manifest.json"), "--threads", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "has 100 B (100 bytes) free but this pack needs about" in err and "pack.fast_storage" in err
+    assert not list((out / "fast").iterdir()) and not (out / "pack").exists()
+
+
+def test_sigkill_mid_pack_leaves_no_trusted_pair_and_rerun_verifies(tmp_path):
+    # Many rows over a few sources, with resize, so the pack takes seconds on one worker.
+    sources = [(f"a/img{i}.JPEG", i % 2, jpeg(photo(480, 360, i))) for i in range(4)]
+    files = [sources[i % 4] for i in range(1500)]
+    raw, index = write_dataset(tmp_path, files, classes=2)
+    out = tmp_path / "out"
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "rectrain.pack", "--config-json", '{"resize": 96}', "--index", str(index),
+           "--raw", str(raw), "--split", "train", "--rec", str(out / "fast/train.rec"),
+           "--idx", str(out / "fast/train.idx"), "--manifest", str(out / "pack/train.manifest.json"),
+           "--threads", "1"]
+    env = dict(os.environ, PYTHONPATH=str(pack.__file__).rsplit("/rectrain/", 1)[0])
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    partial = out / "fast" / "train.rec.partial"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (partial.exists() and partial.stat().st_size > 0):
+        time.sleep(0.01)
+    assert partial.exists(), "pack never started writing"
+    workers = psutil.Process(proc.pid).children()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "fast/train.rec").exists() and not (out / "fast/train.idx").exists()
+    assert not (out / "pack/train.manifest.json").exists()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, "pack workers outlived the killed parent"
+
+    rerun = run_pack(raw, index, out, cfg={"resize": 96}, threads=2)
+    assert rerun.returncode == 0, rerun.stderr
+    assert not partial.exists()
+    reader = IndexedRecordReader(out / "fast/train.rec", out / "fast/train.idx")
+    assert len(reader) == 1500 and sorted(reader.keys) == list(range(1500))
+    assert _manifest(out)["packed"] == 1500 and "verified and published" in rerun.stderr
