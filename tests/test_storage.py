@@ -88,7 +88,7 @@ def test_preflight_refuses_an_impossible_size_naming_both_numbers(tmp_path):
         storage.preflight(tmp_path / "fast", 10 ** 18)
     reported = int(re.search(r"\((\d+) bytes\) free", str(err.value)).group(1))
     assert abs(reported - free) < 1 << 30  # other writers share the disk
-    assert "needs about 888.2 TiB (1000000000000000000 bytes)" in str(err.value)
+    assert "needs about 888.2 PiB (1000000000000000000 bytes)" in str(err.value)
     assert not (tmp_path / "fast").exists()
 
 
