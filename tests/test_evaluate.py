@@ -1,0 +1,203 @@
+"""Evaluation of a checkpoint on a val .rec agrees with an independent computation, across loaders
+and across process counts, and writes the contracted metrics.json / per_class.csv."""
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+from rectrain.evaluate import EvalSpec, main as evaluate_main, per_class, run
+from rectrain.recordio import IRHeader, IndexedRecordReader, RecordWriter, pack_record, unpack_record
+
+COLOURS = [(220, 30, 30), (30, 200, 30), (30, 30, 220), (220, 220, 30)]
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
+STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+CROP, RESIZE = 16, 19
+N_RECORDS = 31  # not a multiple of the batch (8) nor of 2 ranks
+
+
+def colour_image(rng, label, size=(40, 30)):
+    colour = np.array(COLOURS[label], np.int16)
+    return np.clip(colour + rng.integers(-25, 25, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+
+
+def normalise(batch_uint8):
+    return (batch_uint8.float() - MEAN) / STD
+
+
+def train_colour_model(seed=0):
+    """resnet18 taught to tell the four colours apart (a few seconds on CPU), so its predictions
+    depend on image content and not on resize details that differ between DALI and torchvision."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = torchvision.models.get_model("resnet18", num_classes=len(COLOURS))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    def batch():
+        labels = rng.integers(0, len(COLOURS), 32)
+        x = torch.stack([torch.from_numpy(colour_image(rng, int(y), (CROP, CROP))).permute(2, 0, 1) for y in labels])
+        return normalise(x), torch.from_numpy(labels)
+    model.train()
+    for _ in range(12):
+        x, y = batch()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    # 12 steps are too few for BatchNorm's running averages: recompute them for the final weights
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.reset_running_stats()
+            m.momentum = None
+    with torch.no_grad():
+        for _ in range(4):
+            model(batch()[0])
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def val_set(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    rng = np.random.default_rng(1)
+    labels = [i % len(COLOURS) for i in range(N_RECORDS)]
+    # a mislabelled record (label 1, red image) gives class 1 a known confusion with class 0
+    images = [colour_image(rng, 0 if k == 5 else lab) for k, lab in enumerate(labels)]
+    labels[5] = 1
+    rec, idx = tmp / "val.rec", tmp / "val.idx"
+    with RecordWriter(rec, idx) as w:
+        for key in rng.permutation(N_RECORDS):
+            buf = io.BytesIO()
+            Image.fromarray(images[key]).save(buf, "JPEG", quality=95)
+            w.write(int(key), pack_record(IRHeader(0, float(labels[key]), int(key), 0), buf.getvalue()))
+    classes = pd.DataFrame({"label": range(4), "wnid": [f"n0000000{i}" for i in range(4)],
+                            "name": ["red", "<script>alert(1)</script>", "blue", "NA"]})
+    classes.to_csv(tmp / "classes.tsv", sep="\t", index=False)
+    model = train_colour_model()
+    ckpt = tmp / "model.pt"
+    torch.save({"model": model.state_dict(), "model_name": "resnet18", "num_classes": 4, "image_size": CROP,
+                "epoch": 3, "config": {"loader": "dali", "devices": "cpu", "precision": "bf16",
+                                       "gpu_decode": True, "cpu_processes": 2}}, ckpt)
+    return {"dir": tmp, "rec": str(rec), "idx": str(idx), "classes": str(tmp / "classes.tsv"),
+            "ckpt": str(ckpt), "labels": labels, "model": model}
+
+
+def cfg(loader, **kw):
+    return {"loader": loader, "batch_size": 8, "resize": RESIZE, "crop": None, "workers": 1, **kw}
+
+
+def manual_predictions(vs):
+    """Independent of the loaders: read every record, decode with PIL, resize + centre crop with
+    torchvision's functional API, run the model one image at a time."""
+    import torchvision.transforms.functional as TF
+    reader = IndexedRecordReader(vs["rec"], vs["idx"])
+    truth, pred = [], []
+    with torch.inference_mode():
+        for key in reader.keys:
+            header, data = unpack_record(reader.read(key))
+            img = TF.center_crop(TF.resize(Image.open(io.BytesIO(data)).convert("RGB"), RESIZE), CROP)
+            x = normalise(TF.pil_to_tensor(img)[None])
+            pred.append(int(vs["model"](x).argmax()))
+            truth.append(int(header.label))
+    return np.array(truth), np.array(pred)
+
+
+def evaluate(vs, loader, out):
+    return run(cfg(loader), vs["ckpt"], vs["rec"], vs["idx"], vs["classes"], str(out))
+
+
+def test_torch_loader_top1_matches_a_manual_pil_loop(val_set, tmp_path):
+    m = evaluate(val_set, "torch", tmp_path)
+    truth, pred = manual_predictions(val_set)
+    assert m["images"] == N_RECORDS
+    assert m["top1"] == pytest.approx((truth == pred).mean())
+    assert 0.9 < m["top1"] < 1.0  # the mislabelled record is always wrong
+    table = pd.read_csv(tmp_path / "per_class.csv", keep_default_na=False)
+    for label in range(4):
+        rows = truth == label
+        assert table.loc[label, "images"] == rows.sum()
+        assert table.loc[label, "correct"] == (pred[rows] == label).sum()
+
+
+def test_dali_and_torch_loaders_agree_on_the_same_checkpoint(val_set, tmp_path):
+    dali = evaluate(val_set, "dali", tmp_path / "dali")
+    torch_m = evaluate(val_set, "torch", tmp_path / "torch")
+    assert dali["images"] == torch_m["images"] == N_RECORDS
+    assert dali["top1"] == torch_m["top1"] and dali["top5"] == torch_m["top5"]
+    assert dali["loss"] == pytest.approx(torch_m["loss"], rel=0.2, abs=0.02)
+    a = pd.read_csv(tmp_path / "dali" / "per_class.csv", keep_default_na=False)
+    b = pd.read_csv(tmp_path / "torch" / "per_class.csv", keep_default_na=False)
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_outputs_follow_the_contract(val_set, tmp_path):
+    evaluate(val_set, "torch", tmp_path)
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(m) == {"top1", "top5", "loss", "images", "images_per_s", "loader", "checkpoint"}
+    assert m["loader"] == "torch" and m["checkpoint"] == val_set["ckpt"] and m["images_per_s"] > 0
+    table = pd.read_csv(tmp_path / "per_class.csv", keep_default_na=False)
+    assert list(table.columns) == ["label", "wnid", "name", "images", "correct", "accuracy", "most_confused_label",
+                                   "most_confused_wnid", "most_confused_count"]
+    assert table.loc[3, "name"] == "NA" and table.loc[1, "name"] == "<script>alert(1)</script>"
+    # the mislabelled red record: class 1's images were mistaken for class 0 once
+    assert str(table.loc[1, "most_confused_label"]) == "0" and table.loc[1, "most_confused_wnid"] == "n00000000"
+    assert table.loc[1, "most_confused_count"] >= 1
+
+
+def test_per_class_most_confused_from_a_known_confusion_matrix():
+    conf = torch.tensor([[5, 3, 1], [0, 4, 0], [2, 0, 0]])
+    classes = pd.DataFrame({"label": [0, 1, 2], "wnid": ["a", "b", "c"], "name": ["A", "B", "C"]})
+    t = per_class(conf, classes)
+    assert t["images"].tolist() == [9, 4, 2] and t["correct"].tolist() == [5, 4, 0]
+    assert t["most_confused_wnid"].tolist() == ["b", "", "a"]
+    assert t["most_confused_count"].tolist() == [3, 0, 2]
+    assert t["accuracy"].tolist() == pytest.approx([5 / 9, 1.0, 0.0])
+
+
+def test_evaluate_resize_setting_overrides_the_default():
+    spec = EvalSpec("r", "i", batch_size=8, image_size=224, train=False)
+    assert spec.eval_resize == 256
+    assert EvalSpec("r", "i", batch_size=8, image_size=224, train=False, resize=288).eval_resize == 288
+
+
+def test_class_count_mismatch_names_the_fix(val_set, tmp_path):
+    bad = tmp_path / "classes.tsv"
+    pd.read_csv(val_set["classes"], sep="\t").head(3).to_csv(bad, sep="\t", index=False)
+    with pytest.raises(ValueError, match="rerun train"):
+        run(cfg("torch"), val_set["ckpt"], val_set["rec"], val_set["idx"], str(bad), str(tmp_path / "o"))
+
+
+def test_checkpoint_with_pickled_code_is_refused(val_set, tmp_path):
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": torch.nn.Linear(2, 2), "model_name": "resnet18"}, evil)  # a pickled module object
+    with pytest.raises(Exception, match="[Ww]eights only load failed|weights_only"):
+        run(cfg("torch"), str(evil), val_set["rec"], val_set["idx"], val_set["classes"], str(tmp_path / "o"))
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_equal_one_pass(val_set, tmp_path):
+    single = tmp_path / "single"
+    evaluate_main(["--config-json", json.dumps(cfg("torch")), "--checkpoint", val_set["ckpt"],
+                   "--rec", val_set["rec"], "--idx", val_set["idx"], "--classes", val_set["classes"],
+                   "--out", str(single)])
+    two = tmp_path / "two"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "rectrain.evaluate", "--config-json", json.dumps(cfg("torch", workers=0)),
+         "--checkpoint", val_set["ckpt"], "--rec", val_set["rec"], "--idx", val_set["idx"],
+         "--classes", val_set["classes"], "--out", str(two)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1/2" in proc.stderr
+    a, b = json.loads((single / "metrics.json").read_text()), json.loads((two / "metrics.json").read_text())
+    assert a["images"] == b["images"] == N_RECORDS
+    assert a["top1"] == b["top1"] and a["top5"] == b["top5"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    pd.testing.assert_frame_equal(pd.read_csv(single / "per_class.csv"), pd.read_csv(two / "per_class.csv"))
