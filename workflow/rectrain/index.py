@@ -226,18 +226,18 @@ class SourceReader:
 
 @lru_cache(maxsize=8)
 def _reader(raw_root: str) -> SourceReader:
-    return SourceReader(raw_root)
+    return SourceReader(Path(raw_root).resolve())
 
 
 def open_source(raw_root: str | os.PathLike, source: str) -> bytes:
     """Bytes of one index source; member tables are cached per process and raw root."""
-    return _reader(str(Path(raw_root).resolve())).read(source)
+    return _reader(os.fspath(raw_root)).read(source)
 
 
 def iter_sources(raw_root: str | os.PathLike, sources: Iterable[str],
                  storage_order: bool = False) -> Iterator[tuple[str, bytes]]:
     """(source, bytes) for each source; storage_order=True reads in on-disk order (sequential I/O)."""
-    reader = _reader(str(Path(raw_root).resolve()))
+    reader = _reader(os.fspath(raw_root))
     sources = list(sources)
     if storage_order:
         sources.sort(key=lambda s: reader.locate(s)[:2])
