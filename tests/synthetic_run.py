@@ -107,8 +107,8 @@ def make_classes(n: int = 4, evil: bool = True) -> pd.DataFrame:
 
 
 def write_run(root: Path, *, wait_share=None, iowait=2.0, gpus=None, run_overrides=None,
-              rotational=False, skipped=None, repaired=None, evil=True, stages=("index_raw", "pack",
-                                                                                 "train", "evaluate"),
+              rotational=False, skipped=None, repaired=None, evil=True, stages=("index_raw", "pack/train",
+                                                                                 "pack/val", "train", "evaluate"),
               ds: str = "demo") -> dict:
     """Write every stage output of a finished run under root; return the paths (report CLI args)."""
     wait_share = wait_share or {0: 0.02, 1: 0.03}
@@ -139,9 +139,11 @@ def write_run(root: Path, *, wait_share=None, iowait=2.0, gpus=None, run_overrid
     (ev / "metrics.json").write_text(json.dumps({
         "top1": 0.575, "top5": 0.95, "loss": 1.1, "images": 40, "images_per_s": 400.0,
         "loader": "dali", "checkpoint": str(train / "model.pt")}))
-    for i, rule in enumerate(stages):
+    for i, stage in enumerate(stages):  # "rule" -> rule/<ds>.tsv, "rule/part" -> rule/<ds>_<part>.tsv
+        rule, _, part = stage.partition("/")
         (bench / rule).mkdir(exist_ok=True)
         row = [10.0 * (i + 1), f"0:00:{10 * (i + 1):02d}", 500.0 + i, 900.0, 450.0, 470.0, 12.5, 3.25,
                95.0, 8.0]
-        pd.DataFrame([row], columns=BENCH_COLUMNS).to_csv(bench / rule / f"{ds}.tsv", sep="\t", index=False)
+        name = f"{ds}_{part}.tsv" if part else f"{ds}.tsv"
+        pd.DataFrame([row], columns=BENCH_COLUMNS).to_csv(bench / rule / name, sep="\t", index=False)
     return {"train": train, "eval": ev, "pack": pack, "index": index, "benchmarks": bench, "run": run}

@@ -97,7 +97,8 @@ def test_diagnosis_shows_each_finding_with_numbers(problem_report):
 def test_summary_data_and_stage_numbers(problem_report):
     assert "57.5 %" in problem_report and "95.0 %" in problem_report  # metrics.json top-1 / top-5
     assert "cuda:0, cuda:1" in problem_report
-    assert "pack 20.0 s" in problem_report and "100 s" in problem_report  # per stage and total
+    assert "pack train 20.0 s" in problem_report and "pack val 30.0 s" in problem_report  # per stage
+    assert "150 s" in problem_report  # pipeline total
     assert "NVIDIA GeForce RTX 2080 Ti" in problem_report and "535.54.03" in problem_report
     assert "truncated JPEG" in problem_report and "CMYK converted to RGB" in problem_report
     assert "<b>yes (HDD)</b>" in problem_report
@@ -120,7 +121,8 @@ def test_benchmark_na_values_and_missing_system_rows_are_tolerated(tmp_path):
         "0.4100\t0:00:00.41\tNA\tNA\tNA\tNA\tNA\tNA\tNA\tNA\n")
     (paths["train"] / "system.csv").write_text("time,cpu_percent,iowait_percent,disk_read_mb_s,rss_mb\n")
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    assert set(data.benchmarks["rule"]) == {"demo_data", "index_raw", "pack", "train", "evaluate"}
+    assert set(data.benchmarks["rule"]) == {"demo_data", "index_raw", "pack train", "pack val", "train",
+                                                 "evaluate"}
     html = build(data, config(), repo=tmp_path)
     assert "demo_data 0.4 s" in html
 

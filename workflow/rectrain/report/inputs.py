@@ -47,25 +47,32 @@ def _json(path: Path, stage: str) -> dict:
 
 
 def benchmark_files(paths: list[Path | str], dataset: str) -> list[Path]:
-    """Expand the CLI's --benchmarks arguments: files as given, a directory to its <rule>/<dataset>.tsv."""
+    """Expand the CLI's --benchmarks arguments: files as given; a folder to its <rule>/<dataset>.tsv
+    and <rule>/<dataset>_<part>.tsv files (pack writes one per split)."""
     out = []
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted(p.glob(f"*/{dataset}.tsv"))
+            out += sorted({*p.glob(f"*/{dataset}.tsv"), *p.glob(f"*/{dataset}_*.tsv")})
         elif p.exists():
             out.append(p)
     return out
 
 
-def read_benchmarks(files: list[Path]) -> pd.DataFrame:
-    """One row per rule (the benchmark file's folder name); repeated measurements are averaged."""
+def stage_name(path: Path, dataset: str) -> str:
+    """benchmarks/pack/demo_train.tsv -> 'pack train'; benchmarks/train/demo.tsv -> 'train'."""
+    part = path.stem[len(dataset):].lstrip("_") if path.stem.startswith(dataset) else path.stem
+    return f"{path.parent.name} {part}".strip()
+
+
+def read_benchmarks(files: list[Path], dataset: str = "") -> pd.DataFrame:
+    """One row per benchmark file (stage); repeated measurements in one file are averaged."""
     rows = []
     for f in files:
         df = pd.read_csv(f, sep="\t", na_values=BENCH_NA)
         if df.empty:
             continue
         numeric = df.drop(columns=["h:m:s"], errors="ignore").select_dtypes("number").mean()
-        rows.append({"rule": f.parent.name, **numeric.to_dict()})
+        rows.append({"rule": stage_name(f, dataset), **numeric.to_dict()})
     cols = ["rule", "s", "max_rss", "max_vms", "max_uss", "max_pss", "io_in", "io_out", "mean_load", "cpu_time"]
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=cols)
 
@@ -93,6 +100,6 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
         per_class=per_class,
         manifests=manifests,
         classes=classes,
-        benchmarks=read_benchmarks(benchmark_files(benchmarks, dataset)),
+        benchmarks=read_benchmarks(benchmark_files(benchmarks, dataset), dataset),
         paths={"train": str(train_dir), "eval": str(eval_dir), "pack": str(pack_dir), "index": str(index_dir)},
     )

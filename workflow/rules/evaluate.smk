@@ -1,0 +1,29 @@
+# evaluate: the final checkpoint on the val .rec -> top-1/top-5, loss and per-class accuracy.
+# Model, classes and image size come from the checkpoint, so params carry only the evaluate block
+# (editing train.* reruns evaluate through the new checkpoint, not through params). With several
+# training GPUs the job runs one process per GPU under torchrun; see workflow/rectrain/evaluate.py.
+
+
+rule evaluate:
+    input:
+        checkpoint=f"results/{DS}/train/model.pt",
+        rec=f"{FAST}/val.rec",
+        idx=f"{FAST}/val.idx",
+        classes=f"results/{DS}/index/classes.tsv",
+    output:
+        metrics=f"results/{DS}/eval/metrics.json",
+        per_class=f"results/{DS}/eval/per_class.csv",
+    params:
+        cfg=cfg_json("evaluate"),
+        out=lambda wildcards, output: os.path.dirname(output.metrics),
+    threads: workflow.cores
+    log:
+        f"logs/evaluate/{DS}.log",
+    benchmark:
+        f"benchmarks/evaluate/{DS}.tsv"
+    conda:
+        ENV
+    shell:
+        "python -m rectrain.evaluate --config-json {params.cfg:q} --checkpoint {input.checkpoint:q}"
+        " --rec {input.rec:q} --idx {input.idx:q} --classes {input.classes:q} --out {params.out:q}"
+        " > {log:q} 2>&1"

@@ -1,0 +1,41 @@
+# report: results/report.html, one self-contained page (plots embedded) on how fast, how good and
+# what held the run back, with a plain-words diagnosis; see workflow/rectrain/report/.
+# Inputs are every stage's outputs plus their Snakemake benchmark files (Snakemake treats a rule's
+# benchmark file as one of its outputs, so they are valid inputs here). The report's own benchmark
+# cannot be among them.
+
+
+rule report:
+    input:
+        train=expand(f"results/{DS}/train/{{name}}", name=["steps.csv", "epochs.csv", "system.csv", "run.json"]),
+        eval=rules.evaluate.output,
+        manifests=expand(f"results/{DS}/pack/{{split}}.manifest.json", split=SPLITS),
+        classes=f"results/{DS}/index/classes.tsv",
+        # every covered stage's benchmark file, in pipeline order, taken from the rules themselves
+        benchmarks=[
+            *([str(rules.demo_data.benchmark)] if config["raw"] is None else []),
+            str(rules.index_raw.benchmark),
+            *expand(str(rules.pack.benchmark), split=SPLITS),
+            str(rules.train.benchmark),
+            str(rules.evaluate.benchmark),
+        ],
+    output:
+        "results/report.html",
+    params:
+        # The whole config: the report shows it under Provenance and takes its thresholds from
+        # config["report"]; a change anywhere reruns only this cheap job.
+        cfg=json.dumps(config, sort_keys=True),
+        train=lambda wildcards, input: os.path.dirname(input.train[0]),
+        eval=lambda wildcards, input: os.path.dirname(input.eval[0]),
+        pack=lambda wildcards, input: os.path.dirname(input.manifests[0]),
+        index=lambda wildcards, input: os.path.dirname(input.classes),
+    log:
+        f"logs/report/{DS}.log",
+    benchmark:
+        f"benchmarks/report/{DS}.tsv"
+    conda:
+        ENV
+    shell:
+        "python -m rectrain.report --config-json {params.cfg:q} --train-dir {params.train:q}"
+        " --eval-dir {params.eval:q} --pack-dir {params.pack:q} --index-dir {params.index:q}"
+        " --benchmarks {input.benchmarks:q} --out {output:q} > {log:q} 2>&1"
