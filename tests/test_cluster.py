@@ -75,3 +75,19 @@ def test_train_rule_resources_book_one_task_per_node():
     assert train_rule_resources(1) == {"nodes": 1}
     res = train_rule_resources(4)
     assert res["nodes"] == 4 and res["tasks"] == 4 and res["mpi"]
+
+
+def test_gpu_request_per_node_from_environment():
+    from rectrain.cluster import gpu_gres
+    assert gpu_gres({}) == "gpu:1"
+    assert gpu_gres({"RECTRAIN_GPUS_PER_NODE": "8"}) == "gpu:8"
+    assert gpu_gres({"RECTRAIN_GPUS_PER_NODE": "0"}) == ""
+    with pytest.raises(ClusterError, match="RECTRAIN_GPUS_PER_NODE='all'"):
+        gpu_gres({"RECTRAIN_GPUS_PER_NODE": "all"})
+
+
+def test_cpus_booked_per_node_scale_with_gpus():
+    from rectrain.cluster import cpus_per_node
+    assert cpus_per_node({}) == 8
+    assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "4", "RECTRAIN_CPUS_PER_GPU": "12"}) == 48
+    assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "0"}) == 0      # the rule's threads decide

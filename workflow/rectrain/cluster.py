@@ -13,6 +13,7 @@ injected `run` (scontrol), so the decisions are unit-tested without a cluster.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import dataclass
 
@@ -110,3 +111,33 @@ def train_rule_resources(nodes: int) -> dict:
     if nodes <= 1:
         return {"nodes": 1}
     return {"nodes": nodes, "tasks": nodes, "mpi": "srun", "tasks_per_gpu": 0}
+
+
+GPUS_ENV = "RECTRAIN_GPUS_PER_NODE"
+CPUS_PER_GPU_ENV = "RECTRAIN_CPUS_PER_GPU"
+DEFAULT_CPUS_PER_GPU = 8      # DALI decode threads plus the rank itself
+
+
+def _count(env, name: str, default: int) -> int:
+    raw = str(env.get(name, default)).strip()
+    if not raw.isdigit():
+        raise ClusterError(f"{name}={raw!r}: expected a whole number (0 for none)")
+    return int(raw)
+
+
+def gpu_gres(env=None) -> str:
+    """The slurm profile's GPU request for train/evaluate: 'gpu:<RECTRAIN_GPUS_PER_NODE>' per node
+    (default 1), or '' for 0 so CPU-only clusters request no GPU."""
+    gpus = _count(os.environ if env is None else env, GPUS_ENV, 1)
+    return f"gpu:{gpus}" if gpus else ""
+
+
+def cpus_per_node(env=None) -> int:
+    """CPUs the train/evaluate job books per node: RECTRAIN_CPUS_PER_GPU (default 8) per GPU.
+
+    Booked as cpus_per_task rather than cpus_per_gpu because the SLURM job step that runs the rule
+    is sized by cpus_per_task; with cpus_per_gpu the ranks would be confined to the rule's threads.
+    0 (no GPUs) leaves the count to the rule's `threads`.
+    """
+    env = os.environ if env is None else env
+    return _count(env, GPUS_ENV, 1) * _count(env, CPUS_PER_GPU_ENV, DEFAULT_CPUS_PER_GPU)
