@@ -100,6 +100,11 @@ def test_low_gpu_util_without_data_wait_suggests_only_what_is_off():
     all_on = run_diag(wait={0: 0.01, 1: 0.01}, gpus=gpus,
                       run=make_run(compile=True, channels_last=True, precision="fp32"))["low_gpu_util"]
     assert "train.precision: bf16" in all_on.fix and "train.compile" not in all_on.fix
+    # rectrain.train keeps compile / channels_last in run.json's copy of the train block
+    nested = make_run(config={"compile": True, "channels_last": False})
+    del nested["compile"], nested["channels_last"]
+    tip = run_diag(wait={0: 0.01, 1: 0.01}, gpus=gpus, run=nested)["low_gpu_util"].fix
+    assert "train.channels_last: true" in tip and "train.compile" not in tip
 
 
 def test_low_gpu_util_with_high_data_wait_is_input_bound_not_a_compute_tip():

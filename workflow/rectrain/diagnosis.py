@@ -207,6 +207,12 @@ def high_iowait(system: pd.DataFrame, cfg: Mapping) -> Finding | None:
     )
 
 
+def train_setting(run: Mapping | None, key: str):
+    """A training setting as the run used it: run.json's own field, else its copy of the train block."""
+    run = run or {}
+    return run[key] if key in run else (run.get("config") or {}).get(key)
+
+
 def _batch_txt(run: Mapping) -> tuple[int | None, int, int | None]:
     batch = run.get("batch_size")
     batch = int(batch) if isinstance(batch, (int, float)) else None
@@ -271,13 +277,12 @@ def low_gpu_util(steps: pd.DataFrame, system: pd.DataFrame, run: Mapping, cfg: M
     util_limit, wait_limit = float(cfg["gpu_util_low"]), float(cfg["data_wait_share"])
     if mean_util >= util_limit or wait is None or wait > wait_limit:
         return None
-    run = run or {}
     tips = []
-    if not run.get("compile"):
+    if not train_setting(run, "compile"):
         tips.append("train.compile: true (torch.compile fuses kernels)")
-    if not run.get("channels_last"):
+    if not train_setting(run, "channels_last"):
         tips.append("train.channels_last: true (faster convolutions on tensor cores)")
-    if str(run.get("precision", "fp32")) == "fp32":
+    if str(train_setting(run, "precision") or "fp32") == "fp32":
         tips.append("train.precision: bf16 (or fp16 on GPUs without bf16 such as the RTX 2080 Ti)")
     if tips:
         fix = "The GPU is not kept busy by the model itself. Turn on " + "; ".join(tips) + "."
