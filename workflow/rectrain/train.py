@@ -45,6 +45,8 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 RESUME_INDEPENDENT_KEYS = {"sample_interval_s", "workers", "collective_timeout_s", "compile"}
 # Test hook: simulate `kill -9` right after the checkpoint of this epoch (kill-and-resume test).
 KILL_AFTER_EPOCH_ENV = "RECTRAIN_KILL_AFTER_EPOCH"
+# Test hook: this rank raises as training starts while its peers wait in an all-reduce (crash test).
+FAIL_RANK_ENV = "RECTRAIN_FAIL_RANK"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -379,6 +381,8 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
         if rng_states is not None:
             ckpt.set_rng_state(rng_states[d.rank])
         for epoch in range(start_epoch, cfg["epochs"]):
+            if os.environ.get(FAIL_RANK_ENV) == str(d.rank):
+                raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={d.rank})")
             stats = train_one_epoch(epoch, net, train_loader, loss_fn, optimizer, scheduler, scaler, cfg, accum, d,
                                     steps_log)
             val = evaluate(model, val_loader, loss_fn, cfg, d, len(classes))

@@ -1,0 +1,126 @@
+"""The training entry point end to end on CPU: started without a launcher, under torchrun with 2 gloo
+ranks (telemetry), killed and resumed, and with a crashing rank."""
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from rectrain.checkpoint import load
+from rectrain.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
+from train_data import config_json, packed_dataset
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return packed_dataset(tmp_path_factory.mktemp("packed"))
+
+
+def run_train(data, out, env_extra=None, timeout=240, extra=(), **cfg):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "rectrain.train", "--config-json", config_json(**cfg), *data,
+                           "--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_path):
+    """Plain `python -m rectrain.train` (no RANK): relaunches as 2 gloo ranks, says so, no KeyError."""
+    out = tmp_path / "train"
+    proc = run_train(data, out, cpu_processes=2, epochs=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "KeyError" not in proc.stderr
+    assert "relaunching through torchrun with 2 processes" in proc.stderr
+    for name in ("model.pt", "steps.csv", "epochs.csv", "system.csv", "run.json", "checkpoints/last.pt"):
+        assert (out / name).exists(), name
+
+    steps = rows(out / "steps.csv")
+    assert list(steps[0]) == STEP_COLUMNS
+    assert {r["rank"] for r in steps} == {"0", "1"}
+    per_rank_epoch = defaultdict(list)
+    for r in steps:
+        wall, wait, compute = float(r["wall_s"]), float(r["data_wait_s"]), float(r["compute_s"])
+        assert wall > 0 and wait >= 0 and compute > 0
+        assert abs(wait + compute - wall) <= 0.03 * wall + 1e-4, r
+        per_rank_epoch[r["rank"], r["epoch"]].append(r)
+    counts = {k: len(v) for k, v in per_rank_epoch.items()}
+    assert len(set(counts.values())) == 1, f"ranks ran different step counts: {counts}"
+
+    epochs = rows(out / "epochs.csv")
+    assert list(epochs[0]) == EPOCH_COLUMNS and [e["epoch"] for e in epochs] == ["0", "1"]
+    for e in epochs:
+        steps_wall = sum(float(r["wall_s"]) for r in per_rank_epoch["0", e["epoch"]])
+        assert steps_wall == pytest.approx(float(e["wall_s"]), rel=0.05), "step times must account for the epoch"
+        assert 0 <= float(e["val_top1"]) <= 1 and float(e["images_per_s"]) > 0
+
+    system = rows(out / "system.csv")
+    assert list(system[0]) == SYSTEM_BASE_COLUMNS, "no GPU here: GPU columns must be absent"
+    assert len(system) >= 2 and all(0 <= float(s["cpu_percent"]) <= 100 for s in system)
+
+    info = json.loads((out / "run.json").read_text())
+    assert info["world_size"] == 2 and info["backend"] == "gloo" and info["loader"] == "dali"
+    assert info["padding_per_epoch"] == 2 * 3 * 8 - 45 and info["finished"]
+    model = load(out / "model.pt")
+    assert model["epoch"] == 1 and model["num_classes"] == 5 and model["model_name"] == "resnet18"
+
+
+def test_direct_run_single_process_says_so(data, tmp_path):
+    proc = run_train(data, tmp_path / "t", epochs=1, extra=["--single-process"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "running as a single process (rank 0 of 1) because --single-process was given" in proc.stderr
+    assert json.loads((tmp_path / "t" / "run.json").read_text())["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_at_next_epoch_and_matches_uninterrupted(data, tmp_path):
+    """Exact equality holds because every random choice is either restored from the checkpoint (torch,
+    numpy, python RNG per rank) or a pure function of (seed, epoch, rank) (the loader's order and crops)."""
+    single = ["--single-process"]
+    ref = run_train(data, tmp_path / "ref", epochs=2, extra=single)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    out = tmp_path / "resumed"
+    killed = run_train(data, out, env_extra={"RECTRAIN_KILL_AFTER_EPOCH": "0"}, epochs=2, extra=single)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert load(out / "checkpoints" / "last.pt")["epoch"] == 0 and not (out / "model.pt").exists()
+
+    resumed = run_train(data, out, epochs=2, extra=single)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "continuing at epoch 1" in resumed.stderr
+    assert [e["epoch"] for e in rows(out / "epochs.csv")] == ["0", "1"]
+    assert {r["epoch"] for r in rows(out / "steps.csv")} == {"0", "1"}
+
+    a, b = load(tmp_path / "ref" / "model.pt"), load(out / "model.pt")
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"{k} differs after resume"
+    assert a["optimizer"]["state"][0]["momentum_buffer"].equal(b["optimizer"]["state"][0]["momentum_buffer"])
+
+
+def test_changed_config_does_not_resume_an_old_checkpoint(data, tmp_path):
+    out = tmp_path / "t"
+    assert run_train(data, out, epochs=1, extra=["--single-process"]).returncode == 0
+    proc = run_train(data, out, epochs=1, lr=0.05, extra=["--single-process"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not resuming" in proc.stderr and "the train config changed (lr)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_crashed_rank_ends_the_job_naming_rank_and_cause(data, tmp_path):
+    t0 = time.monotonic()
+    proc = run_train(data, tmp_path / "t", env_extra={"RECTRAIN_FAIL_RANK": "1"}, cpu_processes=2, epochs=1,
+                     timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 failed: RuntimeError: injected failure" in proc.stderr
+    assert time.monotonic() - t0 < 90, "a dead rank must not leave the job hanging"
