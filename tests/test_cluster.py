@@ -91,3 +91,62 @@ def test_cpus_booked_per_node_scale_with_gpus():
     assert cpus_per_node({}) == 8
     assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "4", "RECTRAIN_CPUS_PER_GPU": "12"}) == 48
     assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "0"}) == 0      # the rule's threads decide
+
+
+# --- rectrain.launch wired to the allocation (print-only: nothing is started) --------------------
+
+def _launch_print(monkeypatch, capsys, env, cfg, extra=()):
+    import json
+
+    from rectrain import launch
+    for var in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NODELIST", STEP_ENV,
+                "RECTRAIN_RDZV_ENDPOINT", "RECTRAIN_RDZV_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(launch, "visible_gpu_count", lambda: 0)
+    launch.main(["--config-json", json.dumps(cfg), "--print-only", *extra, "--out", "o"])
+    return capsys.readouterr().err
+
+
+def test_launch_in_multi_node_batch_script_execs_srun_per_node(monkeypatch, capsys):
+    err = _launch_print(monkeypatch, capsys, {"SLURM_JOB_ID": "4321"}, {"nodes": 2, "devices": "cpu", "cpu_processes": 1})
+    line = next(l for l in err.splitlines() if "one launcher per node" in l)
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in line and "-m rectrain.launch" in line
+    assert "torch.distributed.run" not in err
+
+
+def test_launch_in_per_node_task_uses_head_node_rendezvous(monkeypatch, capsys):
+    from rectrain import cluster
+    monkeypatch.setattr(cluster, "hostnames", lambda nodelist, run=None: ["gpu07", "gpu08"])
+    err = _launch_print(monkeypatch, capsys,
+                        {"SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "gpu[07-08]", STEP_ENV: "1"},
+                        {"nodes": 2, "devices": "cpu", "cpu_processes": 1})
+    cmd = err.strip().splitlines()[-1]
+    assert "--nnodes=2" in cmd and "--rdzv_backend=c10d" in cmd
+    assert "--rdzv_endpoint=gpu07:29821" in cmd and "--rdzv_id=rectrain-4321" in cmd
+    assert "--standalone" not in cmd
+
+
+def test_launch_single_node_is_standalone_inside_slurm(monkeypatch, capsys):
+    err = _launch_print(monkeypatch, capsys, {"SLURM_JOB_ID": "4321"}, {"nodes": 1, "devices": "cpu", "cpu_processes": 1})
+    assert "--standalone" in err and "srun" not in err
+
+
+def test_launch_multi_node_without_slurm_fails_with_the_fix(monkeypatch, capsys):
+    with pytest.raises(SystemExit, match="not a SLURM job"):
+        _launch_print(monkeypatch, capsys, {}, {"nodes": 2, "devices": "cpu", "cpu_processes": 1})
+
+
+def test_launch_stages_pairs_before_torchrun(monkeypatch, capsys, tmp_path):
+    fast = tmp_path / "fast" / "demo"
+    fast.mkdir(parents=True)
+    for name in ("train.rec", "train.idx"):
+        (fast / name).write_bytes(b"x" * 1000)
+    err = _launch_print(monkeypatch, capsys, {}, {"nodes": 1, "devices": "cpu", "cpu_processes": 1},
+                        ["--stage-to-local", str(tmp_path / "local"), "--rec", str(fast / "train.rec"),
+                         "--idx", str(fast / "train.idx")])
+    cmd = err.strip().splitlines()[-1]
+    assert f"--rec {tmp_path / 'local' / 'demo' / 'train.rec'}" in cmd
+    assert "--stage-to-local" not in cmd
+    assert (tmp_path / "local" / "demo" / "train.idx").is_file()

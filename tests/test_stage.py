@@ -94,7 +94,21 @@ def test_concurrent_ranks_on_one_node_copy_once(pair, tmp_path):
     assert sorted(copied) == [False, False, True]
 
 
-def test_default_local_dir_prefers_config_then_tmpdir(tmp_path):
-    assert str(default_local_dir({"local_storage": "/scratch/x"}, "demo", env={"TMPDIR": "/t"})) == "/scratch/x/demo"
-    assert str(default_local_dir({"local_storage": None}, "demo", env={"TMPDIR": "/t"})) == "/t/demo"
-    assert str(default_local_dir({}, "demo", env={})).startswith("/tmp/rectrain-")
+def test_default_local_dir_prefers_config_then_tmpdir():
+    assert str(default_local_dir("/scratch/x", "demo", env={"TMPDIR": "/t"})) == "/scratch/x/demo"
+    assert str(default_local_dir(None, "demo", env={"TMPDIR": "/t"})) == "/t/demo"
+    assert str(default_local_dir(None, "demo", env={})).startswith("/tmp/rectrain-")
+
+
+def test_stage_argv_rewrites_both_pairs_to_local_copies(tmp_path):
+    fast = tmp_path / "fast" / "demo"
+    fast.mkdir(parents=True)
+    for name in ("train.rec", "train.idx", "val.rec", "val.idx"):
+        (fast / name).write_bytes(name.encode() * 100)
+    argv = ["--config-json", "{}", "--rec", str(fast / "train.rec"), f"--idx={fast / 'train.idx'}",
+            "--val-rec", str(fast / "val.rec"), "--val-idx", str(fast / "val.idx"), "--out", "o"]
+    out = stage.stage_argv(argv, str(tmp_path / "local"))
+    local = tmp_path / "local" / "demo"
+    assert out == ["--config-json", "{}", "--rec", str(local / "train.rec"), f"--idx={local / 'train.idx'}",
+                   "--val-rec", str(local / "val.rec"), "--val-idx", str(local / "val.idx"), "--out", "o"]
+    assert (local / "val.idx").read_bytes() == (fast / "val.idx").read_bytes()

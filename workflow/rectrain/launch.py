@@ -14,6 +14,8 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+from rectrain import cluster, stage
+
 DEFAULT_PORT = 29500
 # How long the elastic agent waits for the other ranks to exit after one failed.  Bounded so a
 # crashed rank ends the whole job promptly instead of leaving its peers blocked in a collective.
@@ -94,11 +96,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--rdzv-endpoint", default=os.environ.get("RECTRAIN_RDZV_ENDPOINT"))
     ap.add_argument("--print-only", action="store_true", help="print the torchrun command, start nothing")
+    ap.add_argument("--stage-to-local", metavar="DIR",
+                    help="copy the .rec/.idx pairs to node-local DIR first ('auto': $TMPDIR); pack.stage_to_local")
     own, _ = ap.parse_known_args(argv)
     train_argv = [a for a in argv if a != "--print-only"]
-    train_argv = _drop_option(train_argv, "--rdzv-endpoint")
+    train_argv = _drop_option(_drop_option(train_argv, "--rdzv-endpoint"), "--stage-to-local")
     cfg = json.loads(own.config_json)
-    cmd, env, plan = torchrun_command(cfg, train_argv, visible_gpu_count(), rdzv_endpoint=own.rdzv_endpoint)
+    # train.nodes > 1 under SLURM: re-run this launcher once per node (srun); each then finds the
+    # rendezvous from the allocation.  One node: nothing changes (--standalone).
+    env_now = dict(os.environ, **({cluster.ENDPOINT_ENV: own.rdzv_endpoint} if own.rdzv_endpoint else {}))
+    try:
+        node = cluster.plan_node_launch(int(cfg.get("nodes", 1)), env_now)
+    except cluster.ClusterError as err:
+        raise SystemExit(f"[launch] error: {err}") from None
+    if node.relaunch:
+        cmd = [*node.relaunch, sys.executable, "-m", "rectrain.launch", *argv]
+        print("[launch] one launcher per node: " + shlex.join(cmd), file=sys.stderr, flush=True)
+        if not own.print_only:
+            os.execvp(cmd[0], cmd)
+        return
+    if own.stage_to_local:
+        train_argv = stage.stage_argv(train_argv, None if own.stage_to_local == "auto" else own.stage_to_local)
+    cmd, env, plan = torchrun_command(cfg, train_argv, visible_gpu_count(),
+                                      rdzv_endpoint=own.rdzv_endpoint or node.rdzv_endpoint, run_id=node.run_id)
     print(f"[launch] {plan.reason}", file=sys.stderr)
     if plan.cuda_visible_devices:
         print(f"[launch] CUDA_VISIBLE_DEVICES={plan.cuda_visible_devices}", file=sys.stderr)

@@ -37,11 +37,12 @@ class StageError(RuntimeError):
     """Staging could not produce a verified local copy; the message says why and what to do."""
 
 
-def default_local_dir(pack_cfg: dict, dataset: str, env=None) -> Path:
+def default_local_dir(local_storage: str | None, dataset: str, env=None) -> Path:
     """pack.local_storage, else $TMPDIR (what SLURM sites point at node-local disk), else
-    /tmp/rectrain-<user>; one sub-directory per dataset so two datasets never collide."""
+    /tmp/rectrain-<user>; one sub-directory per dataset so two datasets never collide.  Resolved
+    on the node that trains, since $TMPDIR differs between the submit host and the nodes."""
     env = os.environ if env is None else env
-    base = pack_cfg.get("local_storage") or env.get("TMPDIR") or f"/tmp/rectrain-{getpass.getuser()}"
+    base = local_storage or env.get("TMPDIR") or f"/tmp/rectrain-{getpass.getuser()}"
     return Path(base) / dataset
 
 
@@ -164,6 +165,49 @@ def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
                   file=sys.stderr, flush=True)
             copied = True
     return targets[0], targets[1], copied
+
+
+# Training's pair options (rectrain.train's CLI); each pair is staged together.
+PAIR_OPTIONS = (("--rec", "--idx"), ("--val-rec", "--val-idx"))
+
+
+def _option_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _replace_option(argv: list[str], name: str, value: str) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            out.append(value)
+            skip = False
+        elif arg == name:
+            out.append(arg)
+            skip = True
+        elif arg.startswith(name + "="):
+            out.append(f"{name}={value}")
+        else:
+            out.append(arg)
+    return out
+
+
+def stage_argv(argv: list[str], local_storage: str | None = None, env=None) -> list[str]:
+    """Stage every .rec/.idx pair named in a training command line and return the command line
+    pointing at the node-local copies.  The dataset name is the pair's directory
+    (<fast_storage>/<dataset>/train.rec)."""
+    for rec_opt, idx_opt in PAIR_OPTIONS:
+        rec, idx = _option_value(argv, rec_opt), _option_value(argv, idx_opt)
+        if rec is None or idx is None:
+            continue
+        local_dir = default_local_dir(local_storage, Path(rec).resolve().parent.name, env)
+        rec_l, idx_l, _ = stage_pair(rec, idx, local_dir)
+        argv = _replace_option(_replace_option(argv, rec_opt, str(rec_l)), idx_opt, str(idx_l))
+    return argv
 
 
 def main(argv=None) -> int:
