@@ -1,10 +1,13 @@
 """Training telemetry for the report: per-rank step times, per-epoch metrics, a system sampler.
 
-Files (columns are a contract with the report, see CONTRACTS):
-  steps_rank<r>.csv  written by rank r while training; rank 0 merges them into steps.csv at the end
+Files (columns are a contract with the report, see CONTRACTS), written live under <out>/telemetry/:
+  steps_rank<r>.csv  written by rank r while training; rank 0 merges them into <out>/steps.csv at the end
   epochs.csv         rank 0, one row per epoch
   system.csv         local rank 0 of each node, one row per sample interval (GPU columns only with NVML)
-On resume, rows from the interrupted epoch onwards are dropped so every (rank, epoch, step) is unique.
+The finished run copies them next to model.pt (the rule's outputs).  The live copies sit outside the
+rule's outputs because Snakemake deletes outputs before a rerun, and a resumed run must keep the rows
+of the epochs it does not redo; rows from the interrupted epoch onwards are dropped on resume so
+every (rank, epoch, step) is unique.
 """
 from __future__ import annotations
 
@@ -57,19 +60,16 @@ def epoch_log(out_dir: Path, start_epoch: int) -> CsvLog:
     return CsvLog(out_dir / "epochs.csv", EPOCH_COLUMNS, keep_before_epoch=start_epoch)
 
 
-def merge_steps(out_dir: Path, world_size: int) -> Path:
-    """Concatenate steps_rank*.csv (rank order) into steps.csv; the per-rank files are removed."""
-    dest = out_dir / "steps.csv"
-    tmp = dest.with_suffix(".csv.tmp")
+def merge_steps(src_dir: Path, dest: Path, world_size: int) -> Path:
+    """Concatenate src_dir/steps_rank*.csv (rank order) into dest, atomically."""
+    tmp = dest.with_name(dest.name + ".tmp")
     with open(tmp, "w", newline="") as out:
         w = csv.DictWriter(out, fieldnames=STEP_COLUMNS)
         w.writeheader()
         for r in range(world_size):
-            with open(out_dir / f"steps_rank{r}.csv", newline="") as f:
+            with open(src_dir / f"steps_rank{r}.csv", newline="") as f:
                 w.writerows(csv.DictReader(f))
     os.replace(tmp, dest)
-    for r in range(world_size):
-        (out_dir / f"steps_rank{r}.csv").unlink()
     return dest
 
 

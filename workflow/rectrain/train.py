@@ -8,8 +8,8 @@ and WORLD_SIZE set).  Started without a launcher - plain `python -m rectrain.tra
 Run button - this module relaunches itself through torchrun when the config asks for more than one
 process, or runs as a single process, and says which; it never dies on a missing RANK.
 
-Outputs in --out: checkpoints/epoch_<k>.pt + last.pt (every epoch, atomic), model.pt (written last),
-steps.csv, epochs.csv, system.csv, run.json (see rectrain.telemetry and CONTRACTS).
+Outputs in --out: checkpoints/epoch_<k>.pt + last.pt (every epoch, atomic), telemetry/ (live CSVs),
+and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -368,12 +369,14 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
             f"@{cfg['image_size']}px, batch {batch} x accum {accum} x {d.world_size} = {global_batch}, "
             f"{train_loader.size} train images ({train_loader.padding_per_epoch} padded per epoch), "
             f"preflight: {preflight}")
-    steps_log = telemetry.step_log(out, d.rank, start_epoch)
-    epochs_log = telemetry.epoch_log(out, start_epoch) if d.master else None
+    live = out / "telemetry"
+    live.mkdir(parents=True, exist_ok=True)
+    steps_log = telemetry.step_log(live, d.rank, start_epoch)
+    epochs_log = telemetry.epoch_log(live, start_epoch) if d.master else None
     sampler = None
     if d.local_rank == 0:
         from rectrain.storage import block_device_for
-        sampler = telemetry.SystemSampler(out / "system.csv", cfg["sample_interval_s"], block_device_for(args.rec),
+        sampler = telemetry.SystemSampler(live / "system.csv", cfg["sample_interval_s"], block_device_for(args.rec),
                                           telemetry.job_processes(), append=start_epoch > 0)
         sampler.start()
 
@@ -412,7 +415,9 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
     barrier(d)
     if d.master:
         epochs_log.close()
-        telemetry.merge_steps(out, d.world_size)
+        telemetry.merge_steps(live, out / "steps.csv", d.world_size)
+        for name in ("epochs.csv", "system.csv"):
+            shutil.copyfile(live / name, out / name)
         info["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         write_json(out / "run.json", info)
         ckpt.save_atomic(ckpt.load(last), out / "model.pt")  # last: the rule's output marks a finished run

@@ -1,0 +1,58 @@
+# train: the packed .rec/.idx -> a trained model, with per-rank telemetry for the report.
+# The rule execs torchrun (rectrain.launch) with one process per GPU, or train.cpu_processes CPU
+# processes when there is none.  params carry only the train block, and the training code itself is
+# an input, so editing train.* or the training modules reruns training and what follows, nothing before.
+# A killed run resumes from results/<ds>/train/checkpoints/last.pt (not a declared output, so
+# Snakemake keeps it); the outputs below are written only when all epochs are done.
+import glob
+
+_TRAIN_SRC = Path(workflow.basedir) / "workflow" / "rectrain"
+TRAIN_CODE = sorted(
+    [str(_TRAIN_SRC / f"{m}.py") for m in ("train", "launch", "memory", "telemetry", "checkpoint")]
+    + glob.glob(str(_TRAIN_SRC / "loaders" / "*.py"))
+)
+
+
+def train_gpu_count():
+    """GPUs the train job will hold, for `resources: gpus` (scheduling only; torchrun decides for real)."""
+    devices = config["train"]["devices"]
+    if isinstance(devices, list):
+        return len(devices)
+    if devices == "cpu":
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip()])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+rule train:
+    input:
+        rec=f"{FAST}/train.rec",
+        idx=f"{FAST}/train.idx",
+        val_rec=f"{FAST}/val.rec",
+        val_idx=f"{FAST}/val.idx",
+        classes=f"results/{DS}/index/classes.tsv",
+        code=TRAIN_CODE,
+    output:
+        model=f"results/{DS}/train/model.pt",
+        steps=f"results/{DS}/train/steps.csv",
+        epochs=f"results/{DS}/train/epochs.csv",
+        system=f"results/{DS}/train/system.csv",
+        run=f"results/{DS}/train/run.json",
+    params:
+        cfg=cfg_json("train"),
+        out=lambda wildcards, output: os.path.dirname(output.model),
+    threads: workflow.cores
+    resources:
+        gpus=train_gpu_count(),
+    log:
+        f"logs/train/{DS}.log",
+    benchmark:
+        f"benchmarks/train/{DS}.tsv"
+    conda:
+        ENV
+    shell:
+        "python -m rectrain.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}"
+        " --val-rec {input.val_rec:q} --val-idx {input.val_idx:q} --classes {input.classes:q}"
+        " --out {params.out:q} --threads {threads} > {log:q} 2>&1"
