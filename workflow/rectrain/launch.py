@@ -36,6 +36,17 @@ def visible_gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def scheduled_gpus(devices) -> int:
+    """GPUs the train job will hold, for the rule's `resources: gpus`.  Uses NVML, not torch, so the
+    Snakefile parses fast; torchrun's process count is still decided by plan_processes at run time."""
+    if isinstance(devices, list):
+        return len(devices)
+    if devices == "cpu":
+        return 0
+    from rectrain.telemetry import gpu_inventory
+    return len(gpu_inventory())
+
+
 def plan_processes(train_cfg: dict, gpu_count: int) -> ProcessPlan:
     devices = train_cfg.get("devices", "auto")
     cpu_n = int(train_cfg.get("cpu_processes", 2))

@@ -6,24 +6,13 @@
 # Snakemake keeps it); the outputs below are written only when all epochs are done.
 import glob
 
+from rectrain.launch import scheduled_gpus
+
 _TRAIN_SRC = Path(workflow.basedir) / "workflow" / "rectrain"
 TRAIN_CODE = sorted(
     [str(_TRAIN_SRC / f"{m}.py") for m in ("train", "launch", "memory", "telemetry", "checkpoint")]
     + glob.glob(str(_TRAIN_SRC / "loaders" / "*.py"))
 )
-
-
-def train_gpu_count():
-    """GPUs the train job will hold, for `resources: gpus` (scheduling only; torchrun decides for real)."""
-    devices = config["train"]["devices"]
-    if isinstance(devices, list):
-        return len(devices)
-    if devices == "cpu":
-        return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([v for v in visible.split(",") if v.strip()])
-    return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 rule train:
@@ -45,7 +34,7 @@ rule train:
         out=lambda wildcards, output: os.path.dirname(output.model),
     threads: workflow.cores
     resources:
-        gpus=train_gpu_count(),
+        gpus=scheduled_gpus(config["train"]["devices"]),
     log:
         f"logs/train/{DS}.log",
     benchmark:
