@@ -127,6 +127,9 @@ def build(data: RunData, config: dict, repo: Path | str = ".") -> str:
         "worst": worst.to_dict("records"),
         "n_classes": len(data.per_class),
         "manifests": data.manifests,
+        # both splits usually share one storage warning: say it once
+        "storage_warnings": list(dict.fromkeys(w for m in data.manifests.values()
+                                               if (w := (m.get("storage") or {}).get("warning")))),
         "stages": data.benchmarks.to_dict("records"),
         "plots": {
             "throughput": plots.throughput_plot(data.steps, t0),

@@ -47,15 +47,29 @@ def _bin_width(span_s: float) -> float:
     return max(1.0, span_s / 60.0)
 
 
+def _rank_order(labels) -> list[str]:
+    return sorted(set(labels), key=lambda s: (s != "total", int(s.split()[-1]) if s[-1].isdigit() else -1))
+
+
+def _rank_palette(labels) -> dict[str, tuple]:
+    """The same colour for a rank in every plot; 'total' gets the first."""
+    colours = sns.color_palette("tab10", 10)
+    return {name: colours[0] if name == "total" else colours[(int(name.split()[-1]) + 1) % 10]
+            for name in set(labels)}
+
+
 def throughput_over_time(steps: pd.DataFrame, t0: float) -> pd.DataFrame:
-    """img/s per time bin, per rank and in total (column 'series')."""
-    t = steps["time"] - t0
-    width = _bin_width(float(t.max()))
-    binned = steps.assign(bin=(t // width) * width + width / 2)
-    per_rank = binned.groupby(["bin", "rank"])["images"].sum().div(width).reset_index(name="img_s")
-    per_rank["series"] = "rank " + per_rank["rank"].astype(str)
-    total = per_rank.groupby("bin")["img_s"].sum().reset_index().assign(series="total")
-    return pd.concat([total, per_rank.drop(columns="rank")], ignore_index=True)
+    """img/s per step of each rank, and their sum per (epoch, step) as 'total' (DDP ranks step in
+    lockstep), smoothed over ~1/60 of the run so long runs stay readable."""
+    s = steps.sort_values(["rank", "epoch", "step"]).assign(
+        img_s=steps["images"] / steps["wall_s"].where(steps["wall_s"] > 0), t=steps["time"] - t0)
+    window = max(1, s.groupby("rank").size().max() // 60)
+    per_rank = s.assign(series="rank " + s["rank"].astype(str))
+    total = s.groupby(["epoch", "step"]).agg(img_s=("img_s", "sum"), t=("t", "max")).reset_index()
+    total["series"] = "total"
+    data = pd.concat([total, per_rank], ignore_index=True)[["series", "t", "img_s"]].sort_values(["series", "t"])
+    data["img_s"] = data.groupby("series")["img_s"].transform(lambda v: v.rolling(window, min_periods=1).mean())
+    return data
 
 
 def throughput_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
@@ -63,8 +77,9 @@ def throughput_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
         return None
     data = throughput_over_time(steps, t0)
     fig, ax = plt.subplots(figsize=WIDE)
-    sns.lineplot(data=data, x="bin", y="img_s", hue="series", marker="o", markersize=3, ax=ax)
-    ax.set(xlabel="time since start (s)", ylabel="images / s", title="Training throughput")
+    sns.lineplot(data=data, x="t", y="img_s", hue="series", hue_order=_rank_order(data["series"]),
+                 palette=_rank_palette(data["series"]), marker="o", markersize=3, ax=ax)
+    ax.set(xlabel="time since start (s)", ylabel="images / s", ylim=(0, None), title="Training throughput")
     return to_data_uri(fig)
 
 
@@ -79,14 +94,17 @@ def step_split_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
     means.index = [f"rank {r}" for r in means.index]
     means.plot.bar(stacked=True, ax=left, color=sns.color_palette()[3:1:-1], rot=0)
     left.set(ylabel="ms per step", title="Step time split")
-    left.legend(["data wait", "compute"], fontsize="small")
+    left.legend(["data wait", "compute"], fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12),
+                ncol=2)
     t = s["time"] - t0
     width = _bin_width(float(t.max()))
     binned = s.assign(bin=(t // width) * width + width / 2).groupby(["bin", "rank"])[
         ["data_wait_s", "wall_s"]].sum().reset_index()
     binned["share"] = 100 * binned["data_wait_s"] / binned["wall_s"].where(binned["wall_s"] > 0)
     binned["rank"] = "rank " + binned["rank"].astype(str)
-    sns.lineplot(data=binned, x="bin", y="share", hue="rank", marker="o", markersize=3, ax=right)
+    sns.lineplot(data=binned, x="bin", y="share", hue="rank", hue_order=_rank_order(binned["rank"]),
+                 palette=_rank_palette(binned["rank"]), marker="o",
+                 markersize=3, ax=right)
     right.set(xlabel="time since start (s)", ylabel="data wait (% of step)", ylim=(0, 100),
               title="Data wait over time")
     fig.tight_layout()
