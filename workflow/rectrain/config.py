@@ -6,7 +6,9 @@ because the raw message buries the key under a dump of the schema.
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -89,3 +91,15 @@ def check_config(config: dict, schema_path, workdir=".") -> dict:
 
 def _format(lines: list[str]) -> str:
     return "invalid configuration (nothing was run):\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def block_json(config: dict, block: str) -> str:
+    """A config block as canonical JSON: the `params:` of the rule that reads it."""
+    return json.dumps(config[block], sort_keys=True)
+
+
+def prepare_job_env(package_dir) -> None:
+    """Make jobs' `python -m rectrain.<stage>` find this package and, unless a conda env is
+    activated for the job, the interpreter Snakemake itself runs in (an unactivated .venv)."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(package_dir), os.environ.get("PYTHONPATH")) if p)
+    os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))

@@ -1,17 +1,16 @@
 # Shared set-up for every stage: config validation, names and paths all rules agree on.
+import functools
 import json
 import os
 import sys
 from pathlib import Path
 
-# The rules run `python -m rectrain.<stage>`: make the package importable (also in conda envs,
-# where it is not pip-installed) and make jobs use this interpreter unless a conda env is active.
-_PKG_DIR = str(Path(workflow.basedir) / "workflow")
-sys.path.insert(0, _PKG_DIR)
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_DIR, os.environ.get("PYTHONPATH")) if p)
-os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
+# The package the rules call lives in workflow/; importable here even when not pip-installed.
+sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
-from rectrain.config import ConfigError, check_config
+from rectrain.config import ConfigError, block_json, check_config, prepare_job_env
+
+prepare_job_env(Path(workflow.basedir) / "workflow")
 
 try:
     check_config(config, Path(workflow.basedir) / "config" / "schema.yaml")
@@ -25,8 +24,5 @@ RAW_ROOT = config["raw"] or DEMO_ROOT
 FAST = f"{config['pack']['fast_storage'].rstrip('/')}/{DS}"
 SPLITS = ["train", "val"]
 ENV = "../../envs/rectrain.yaml"
-
-
-def cfg_json(block):
-    """The config block a rule depends on, as its params: a change here reruns that rule only."""
-    return json.dumps(config[block], sort_keys=True)
+# A rule's params: carry only its own block, so a change there reruns that rule and its dependents.
+cfg_json = functools.partial(block_json, config)
