@@ -214,9 +214,9 @@ def distributed_env() -> tuple[int, int, int] | None:
     return None
 
 
-def relaunch_command(ckpt: dict, argv: list[str]) -> tuple[list[str], dict] | None:
+def relaunch_command(ckpt: dict, argv: list[str], gpu_count: int) -> tuple[list[str], dict] | None:
     """(torchrun argv, env) that run this evaluation on every training GPU, or None to run in-process."""
-    plan = plan_processes(ckpt.get("config") or {}, visible_gpu_count())
+    plan = plan_processes(ckpt.get("config") or {}, gpu_count)
     if plan.kind != "gpu" or plan.nproc < 2:
         return None
     env = dict(os.environ)
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if distributed_env() is None and not args.single_process:
-        relaunch = relaunch_command(load_checkpoint(args.checkpoint), argv)
+        relaunch = relaunch_command(load_checkpoint(args.checkpoint), argv, visible_gpu_count())
         if relaunch:
             cmd, env = relaunch
             print("[evaluate] one process per training GPU: " + " ".join(cmd), file=sys.stderr, flush=True)
