@@ -6,13 +6,14 @@ import os
 import signal
 import time
 
+import numpy as np
 import psutil
 import pytest
 from PIL import Image
 
 from packdata import EXPECTED, fake_sysfs, jpeg, kinds, kinds_dataset, photo, run_pack, write_dataset
 from rectrain import pack, storage
-from rectrain.images import Skip, prepare, read_jpeg_header
+from rectrain.images import Skip, prepare, read_jpeg_header, shrink
 from rectrain.recordio import IndexedRecordReader, read_idx, unpack_record
 from rectrain.verify import main as verify_main
 
@@ -116,6 +117,14 @@ def test_resize_sets_the_shorter_side_and_never_upscales(tmp_path):
     assert _manifest(tmp_path / "out")["resize"] == 64
 
 
+def test_fast_shrink_matches_pillow_bilinear_within_one_level():
+    im = photo(500, 375, 7)
+    fast = np.asarray(shrink(im, (341, 256)), dtype=int)
+    pillow = np.asarray(im.resize((341, 256), Image.Resampling.BILINEAR), dtype=int)
+    assert fast.shape == pillow.shape == (256, 341, 3)
+    assert np.abs(fast - pillow).max() <= 1
+
+
 def test_jpeg_header_checks_do_not_decode():
     data = kinds()["progressive"]
     info = read_jpeg_header(data)
@@ -177,14 +186,14 @@ def test_space_preflight_fails_before_writing_anything(tmp_path, monkeypatch, ca
 
 
 def test_sigkill_mid_pack_leaves_no_trusted_pair_and_rerun_verifies(tmp_path):
-    # Many rows over a few sources, with resize, so the pack takes seconds on one worker.
-    sources = [(f"a/img{i}.JPEG", i % 2, jpeg(photo(480, 360, i))) for i in range(4)]
-    files = [sources[i % 4] for i in range(1500)]
+    # Many rows over a few CMYK sources (each one re-encoded), so the pack takes seconds on one worker.
+    sources = [(f"a/img{i}.JPEG", i % 2, jpeg(photo(320, 240, i).convert("CMYK"))) for i in range(4)]
+    files = [sources[i % 4] for i in range(800)]
     raw, index = write_dataset(tmp_path, files, classes=2)
     out = tmp_path / "out"
     import subprocess
     import sys
-    cmd = [sys.executable, "-m", "rectrain.pack", "--config-json", '{"resize": 96}', "--index", str(index),
+    cmd = [sys.executable, "-m", "rectrain.pack", "--config-json", "{}", "--index", str(index),
            "--raw", str(raw), "--split", "train", "--rec", str(out / "fast/train.rec"),
            "--idx", str(out / "fast/train.idx"), "--manifest", str(out / "pack/train.manifest.json"),
            "--threads", "1"]
@@ -203,9 +212,9 @@ def test_sigkill_mid_pack_leaves_no_trusted_pair_and_rerun_verifies(tmp_path):
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, "pack workers outlived the killed parent"
 
-    rerun = run_pack(raw, index, out, cfg={"resize": 96}, threads=2)
+    rerun = run_pack(raw, index, out, threads=2)
     assert rerun.returncode == 0, rerun.stderr
     assert not partial.exists()
     reader = IndexedRecordReader(out / "fast/train.rec", out / "fast/train.idx")
-    assert len(reader) == 1500 and sorted(reader.keys) == list(range(1500))
-    assert _manifest(out)["packed"] == 1500 and "verified and published" in rerun.stderr
+    assert len(reader) == 800 and sorted(reader.keys) == list(range(800))
+    assert _manifest(out)["packed"] == 800 and "verified and published" in rerun.stderr

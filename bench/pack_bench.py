@@ -1,0 +1,151 @@
+"""Pack vs im2rec: the same images, the same cores, measured side by side in one run.
+
+    .venv/bin/python bench/pack_bench.py [--images 400] [--threads N] [--repeats 3]
+
+Generates ImageNet-like JPEGs (~500x375, q90, class folders), then packs them with
+``python -m rectrain.pack`` and with mxnet 1.9.1's ``python -m mxnet.tools.im2rec`` (from
+.venv-mxnet, `make mxnet-env`), pass-through and ``resize 256``, alternating the two tools on each
+repeat so a noisy machine affects both. Both processes are pinned to the same cores. Our time
+includes the read-back verification of every record; im2rec does none. Prints images/s of both and
+the ratio (target: >= 1.2 pass-through, >= 2.0 resize 256). A benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+MXPY = REPO / ".venv-mxnet" / "bin" / "python"
+sys.path.insert(0, str(REPO / "workflow"))
+
+from rectrain import index as rindex  # noqa: E402
+
+
+def imagenet_like(rng: np.random.Generator, w: int, h: int) -> Image.Image:
+    """A photo-like picture: smooth colour field, edges and sensor noise (compresses like ImageNet)."""
+    field = rng.uniform(0, 255, size=(rng.integers(6, 14), rng.integers(8, 18), 3)).astype(np.uint8)
+    img = np.asarray(Image.fromarray(field).resize((w, h), Image.Resampling.BICUBIC), dtype=np.float32)
+    yy, xx = np.mgrid[0:h, 0:w]
+    stripes = 40 * np.sin((xx * rng.uniform(0.02, 0.2) + yy * rng.uniform(0.02, 0.2)))[..., None]
+    img = img + stripes + rng.normal(0, 9, size=img.shape)
+    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+
+
+def make_images(raw: Path, n: int, classes: int = 10) -> None:
+    marker = raw / f".made_{n}_v2"
+    if marker.exists():
+        return
+    shutil.rmtree(raw, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        w, h = (500, 375) if i % 4 else (375, 500)
+        w, h = w + int(rng.integers(-40, 40)), h + int(rng.integers(-30, 30))
+        folder = raw / "train" / f"n{i % classes:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        imagenet_like(rng, w, h).save(folder / f"n{i % classes:08d}_{i}.JPEG", quality=90)
+    for k in range(classes):  # the indexer wants a val split too; it is not benchmarked
+        folder = raw / "val" / f"n{k:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        imagenet_like(rng, 500, 375).save(folder / f"ILSVRC2012_val_{k + 1:08d}.JPEG", quality=90)
+    marker.touch()
+
+
+def pinned(cores: list[int]):
+    return lambda: os.sched_setaffinity(0, cores)
+
+
+def timed(cmd: list[str], cores: list[int], env=None) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, preexec_fn=pinned(cores), env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd[:4]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return wall
+
+
+def run(args) -> dict:
+    out = Path(args.out).resolve()
+    raw = out / "raw"
+    make_images(raw, args.images)
+    index_dir = out / "index"
+    rindex.write_index(rindex.discover(raw), index_dir)
+    n = len((index_dir / "train.tsv").read_text().splitlines()) - 1
+    src_mb = sum(p.stat().st_size for p in (raw / "train").rglob("*.JPEG")) / 1e6
+    cores = sorted(os.sched_getaffinity(0))[: args.threads]
+    threads = len(cores)
+
+    mx = out / "im2rec"
+    shutil.rmtree(mx, ignore_errors=True)
+    mx.mkdir(parents=True)
+    subprocess.run([str(MXPY), "-m", "mxnet.tools.im2rec", "--list", "--recursive", str(mx / "train"),
+                    str(raw / "train")], check=True, capture_output=True)
+    for p in raw.rglob("*.JPEG"):  # warm the page cache for both tools
+        p.read_bytes()
+
+    env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
+    results = {}
+    for mode, resize in (("pass-through", 0), ("resize 256", 256)):
+        ours_t, mx_t = [], []
+        ours_out = out / "ours" / mode.replace(" ", "")
+        mx_flags = ["--pass-through"] if resize == 0 else ["--resize", str(resize)]
+        for rep in range(args.repeats):
+            ours_cmd = [sys.executable, "-m", "rectrain.pack", "--config-json",
+                        json.dumps({"resize": resize, "quality": 90, "shuffle_seed": 0}),
+                        "--index", str(index_dir), "--raw", str(raw), "--split", "train",
+                        "--rec", str(ours_out / "train.rec"), "--idx", str(ours_out / "train.idx"),
+                        "--manifest", str(ours_out / "train.manifest.json"), "--threads", str(threads)]
+            mx_cmd = [str(MXPY), "-m", "mxnet.tools.im2rec", "--num-thread", str(threads), "--quality", "90",
+                      *mx_flags, str(mx / "train"), str(raw / "train")]
+            pair = [("ours", ours_cmd), ("im2rec", mx_cmd)]
+            for name, cmd in (pair if rep % 2 == 0 else pair[::-1]):
+                (ours_t if name == "ours" else mx_t).append(timed(cmd, cores, env if name == "ours" else None))
+        ours_s, mx_s = statistics.median(ours_t), statistics.median(mx_t)
+        results[mode] = {"ours_img_s": n / ours_s, "im2rec_img_s": n / mx_s, "ratio": mx_s / ours_s,
+                         "ours_s": ours_t, "im2rec_s": mx_t,
+                         "ours_mb": (ours_out / "train.rec").stat().st_size / 1e6,
+                         "im2rec_mb": (mx / "train.rec").stat().st_size / 1e6}
+    return {"images": n, "source_mb": src_mb, "threads": threads, "cores": cores, "repeats": args.repeats,
+            "cpu": _cpu_name(), "results": results}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=400)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(REPO / "bench" / "out" / "pack"))
+    args = parser.parse_args()
+    if not MXPY.exists():
+        raise SystemExit(".venv-mxnet is missing: run `make mxnet-env` (mxnet 1.9.1 is the im2rec baseline)")
+    r = run(args)
+    print(f"{r['images']} images ({r['source_mb']:.1f} MB), {r['threads']} worker processes pinned to cores "
+          f"{r['cores']} ({r['cpu']}), median of {r['repeats']} alternating runs")
+    print(f"{'mode':<14}{'rectrain img/s':>16}{'im2rec img/s':>14}{'ratio':>8}{'target':>8}")
+    for mode, target in (("pass-through", 1.2), ("resize 256", 2.0)):
+        x = r["results"][mode]
+        print(f"{mode:<14}{x['ours_img_s']:>16.0f}{x['im2rec_img_s']:>14.0f}{x['ratio']:>8.2f}{target:>8.1f}")
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
