@@ -160,6 +160,23 @@ def test_val_class_missing_from_train_is_unclassified(raw, tmp_path):
     assert sum("not one of the train classes" in r["reason"] for r in tables["unclassified"]) == 2
 
 
+def test_odd_files_in_class_folders_are_listed_not_indexed(raw, tmp_path):
+    root = copy_subset(raw, tmp_path / "raw", ["train", "val"])
+    (root / "train/n01443537/._n01443537_1.JPEG").write_bytes(b"\0\5\26\7")
+    (root / "train/notes.txt").write_text("x")
+    (root / "train/n01443537/extra").mkdir()
+    (root / "train/n01443537/extra/a.JPEG").write_bytes(b"x")
+    (root / "train/.cache").mkdir()
+    (root / "train/.cache/b.JPEG").write_bytes(b"x")
+    tables = run_index(root, tmp_path / "index")
+    reasons = {r["source"]: r["reason"] for r in tables["unclassified"]}
+    assert reasons["train/n01443537/._n01443537_1.JPEG"].startswith("hidden file")
+    assert reasons["train/notes.txt"] == "outside any class directory"
+    assert reasons["train/n01443537/extra/a.JPEG"] == "nested below class directory n01443537"
+    assert reasons["train/.cache/b.JPEG"] == "hidden or unnameable class directory"
+    assert len(tables["train"]) == 4 * 3 + len(demo.DEFECTS) and len(tables["classes"]) == 4
+
+
 def test_kaggle_nested_layout_is_found(raw, tmp_path):
     root = tmp_path / "raw"
     images = root / "ILSVRC/Data/CLS-LOC"

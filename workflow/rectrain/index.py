@@ -251,6 +251,8 @@ def unclassifiable(name: str) -> str | None:
     """Why a file name cannot be an index row, or None."""
     if any(c in name for c in UNNAMEABLE):
         return "name contains a tab, newline or '::'"
+    if PurePosixPath(name).name.startswith("."):
+        return "hidden file (e.g. macOS ._ metadata)"
     suffix = PurePosixPath(name).suffix.lower()
     if suffix not in IMAGE_EXTS:
         return f"not an image extension ({suffix or 'none'}; accepted: {', '.join(IMAGE_EXTS)})"
