@@ -240,10 +240,14 @@ def archive_root(tmp_path: Path, val_members=None, class_members=None) -> Path:
     return root
 
 
-def test_handmade_archives_index_cleanly(tmp_path):
-    tables = run_index(archive_root(tmp_path), tmp_path / "index")
-    assert [r["source"] for r in tables["train"]] == ["ILSVRC2012_img_train.tar::n01440764.tar::n01440764_1.JPEG"]
-    assert open_source(tmp_path / "raw", tables["train"][0]["source"]) == b"x"
+def test_handmade_archives_with_long_names_read_by_offset(tmp_path):
+    long_name = "n01440764_" + "9" * 150 + ".JPEG"  # GNU long-name header before the data
+    root = archive_root(tmp_path, class_members=[regular("n01440764_1.JPEG", b"first"), regular(long_name, b"second")])
+    tables = run_index(root, tmp_path / "index")
+    sources = [r["source"] for r in tables["train"]]
+    assert sources == ["ILSVRC2012_img_train.tar::n01440764.tar::n01440764_1.JPEG",
+                       f"ILSVRC2012_img_train.tar::n01440764.tar::{long_name}"]
+    assert [open_source(root, s) for s in sources] == [b"first", b"second"]
 
 
 @pytest.mark.parametrize("member", ["../../x.JPEG", "/abs/x.JPEG"])
