@@ -78,7 +78,8 @@ def test_train_rule_resources_book_one_task_per_node():
 
 
 def test_gpu_request_per_node_from_environment():
-    from rectrain.cluster import gpu_gres
+    from rectrain.cluster import gpu_gres, gpus_per_node
+    assert gpus_per_node({"RECTRAIN_GPUS_PER_NODE": "4"}) == 4
     assert gpu_gres({}) == "gpu:1"
     assert gpu_gres({"RECTRAIN_GPUS_PER_NODE": "8"}) == "gpu:8"
     assert gpu_gres({"RECTRAIN_GPUS_PER_NODE": "0"}) == ""

@@ -125,10 +125,15 @@ def _count(env, name: str, default: int) -> int:
     return int(raw)
 
 
+def gpus_per_node(env=None) -> int:
+    """RECTRAIN_GPUS_PER_NODE (default 1): the GPUs each train/evaluate node books."""
+    return _count(os.environ if env is None else env, GPUS_ENV, 1)
+
+
 def gpu_gres(env=None) -> str:
     """The slurm profile's GPU request for train/evaluate: 'gpu:<RECTRAIN_GPUS_PER_NODE>' per node
     (default 1), or '' for 0 so CPU-only clusters request no GPU."""
-    gpus = _count(os.environ if env is None else env, GPUS_ENV, 1)
+    gpus = gpus_per_node(env)
     return f"gpu:{gpus}" if gpus else ""
 
 
@@ -140,4 +145,4 @@ def cpus_per_node(env=None) -> int:
     0 (no GPUs) leaves the count to the rule's `threads`.
     """
     env = os.environ if env is None else env
-    return _count(env, GPUS_ENV, 1) * _count(env, CPUS_PER_GPU_ENV, DEFAULT_CPUS_PER_GPU)
+    return gpus_per_node(env) * _count(env, CPUS_PER_GPU_ENV, DEFAULT_CPUS_PER_GPU)

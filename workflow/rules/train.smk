@@ -5,7 +5,9 @@
 # A killed run resumes from results/<ds>/train/checkpoints/last.pt (not a declared output, so
 # Snakemake keeps it); the outputs below are written only when all epochs are done.
 import glob
+import shlex
 
+from rectrain.cluster import train_rule_resources
 from rectrain.launch import scheduled_gpus
 
 _TRAIN_SRC = Path(workflow.basedir) / "workflow" / "rectrain"
@@ -13,6 +15,10 @@ TRAIN_CODE = sorted(
     [str(_TRAIN_SRC / f"{m}.py") for m in ("train", "launch", "memory", "telemetry", "checkpoint")]
     + glob.glob(str(_TRAIN_SRC / "loaders" / "*.py"))
 )
+
+# pack.stage_to_local: each node copies the pair to its local disk before training (rectrain.stage).
+STAGE_ARG = (f" --stage-to-local {shlex.quote(config['pack']['local_storage'] or 'auto')}"
+             if config["pack"]["stage_to_local"] else "")
 
 
 rule train:
@@ -32,9 +38,12 @@ rule train:
     params:
         cfg=cfg_json("train"),
         out=lambda wildcards, output: os.path.dirname(output.model),
+        stage=STAGE_ARG,
     threads: workflow.cores
     resources:
         gpus=scheduled_gpus(config["train"]["devices"]),
+        # Under SLURM: book train.nodes nodes, one launcher per node (profiles/slurm, docs/cluster.md).
+        **train_rule_resources(config["train"]["nodes"]),
     log:
         f"logs/train/{DS}.log",
     benchmark:
@@ -44,4 +53,4 @@ rule train:
     shell:
         "python -m rectrain.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}"
         " --val-rec {input.val_rec:q} --val-idx {input.val_idx:q} --classes {input.classes:q}"
-        " --out {params.out:q} --threads {threads} > {log:q} 2>&1"
+        " --out {params.out:q} --threads {threads}{params.stage} > {log:q} 2>&1"
