@@ -3,6 +3,14 @@
 # Inputs are every stage's outputs plus their Snakemake benchmark files (Snakemake treats a rule's
 # benchmark file as one of its outputs, so they are valid inputs here). The report's own benchmark
 # cannot be among them.
+import glob
+
+# The report code and template are inputs: editing them rebuilds only the report.
+REPORT_CODE = sorted(
+    [str(Path(workflow.basedir) / "workflow" / "rectrain" / "diagnosis.py")]
+    + glob.glob(str(Path(workflow.basedir) / "workflow" / "rectrain" / "report" / "*.py"))
+    + glob.glob(str(Path(workflow.basedir) / "workflow" / "rectrain" / "report" / "templates" / "*.j2"))
+)
 
 
 rule report:
@@ -11,6 +19,7 @@ rule report:
         eval=rules.evaluate.output,
         manifests=expand(f"results/{DS}/pack/{{split}}.manifest.json", split=SPLITS),
         classes=f"results/{DS}/index/classes.tsv",
+        code=REPORT_CODE,
         # every covered stage's benchmark file, in pipeline order, taken from the rules themselves
         benchmarks=[
             *([str(rules.demo_data.benchmark)] if config["raw"] is None else []),
