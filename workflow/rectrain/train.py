@@ -83,7 +83,7 @@ def relaunch_or_single(cfg: dict, argv: list[str], single: bool) -> bool:
     if plan.nproc > 1 and int(cfg.get("nodes", 1)) == 1 and not single:
         log(f"started without a launcher ({missing} not set): relaunching through torchrun with "
             f"{plan.nproc} processes because {plan.reason}")
-        if plan.cuda_visible_devices:
+        if plan.cuda_visible_devices is not None:  # "" for devices: cpu hides the GPUs from NVML too
             os.environ["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         from torch.distributed.run import main as torchrun_main
