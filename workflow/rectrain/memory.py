@@ -54,17 +54,22 @@ def largest_fitting_batch(try_step: Callable[[int], object], failed: int) -> int
 
     try_step must free its memory before returning or raising.  Binary search: ~log2(failed) tries.
     """
-    lo, hi = 0, failed           # invariant: lo fits (0 trivially), hi does not
+    return _search(try_step, failed)[0]
+
+
+def _search(try_step: Callable[[int], object], failed: int) -> tuple[int, object]:
+    """(largest fitting batch, what try_step returned for it)."""
+    lo, hi, lo_result = 0, failed, None   # invariant: lo fits (0 trivially), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
         try:
-            try_step(mid)
-            lo = mid
+            result = try_step(mid)
+            lo, lo_result = mid, result
         except Exception as exc:  # noqa: BLE001 - only OOMs are expected; anything else propagates
             if not is_oom(exc):
                 raise
             hi = mid
-    return lo
+    return lo, lo_result
 
 
 def fix_hint(batch: int, fits: int, world_size: int) -> str:
@@ -79,10 +84,9 @@ def fix_hint(batch: int, fits: int, world_size: int) -> str:
 
 
 def oom_message(gpu: GpuInfo, batch: int, fits: int, world_size: int, need_mb: float | None = None) -> str:
-    need = f" (needs more than the {gpu.total_mb / 1024:.1f} GB the card has)" if need_mb is None else \
-        f" (needs ~{need_mb / 1024:.1f} GB)"
+    need = f" (needs ~{need_mb / 1024:.1f} GB)" if need_mb else ""
     largest = f"the largest batch that fits is {fits}" if fits else "no batch fits"
-    return (f"out of GPU memory: batch {batch} per device does not fit on {gpu.label()}{need}; "
+    return (f"out of GPU memory: batch {batch} per device{need} does not fit on {gpu.label()}; "
             f"{largest}. {fix_hint(batch, fits, world_size)}")
 
 
@@ -94,8 +98,10 @@ def check_batch(try_step: Callable[[int], object], batch: int, gpu: GpuInfo, wor
     except Exception as exc:  # noqa: BLE001
         if not is_oom(exc):
             raise
-    fits = largest_fitting_batch(try_step, batch)
-    raise BatchDoesNotFit(oom_message(gpu, batch, fits, world_size))
+    fits, peak_mb = _search(try_step, batch)
+    # Activation memory grows about linearly with the batch: extrapolate from what fitted.
+    need_mb = peak_mb * batch / fits if fits and isinstance(peak_mb, (int, float)) else None
+    raise BatchDoesNotFit(oom_message(gpu, batch, fits, world_size, need_mb))
 
 
 def auto_batch(try_step: Callable[[int], object], global_batch: int, world_size: int) -> tuple[int, int]:
