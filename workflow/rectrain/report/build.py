@@ -15,6 +15,9 @@ from rectrain.report import plots, provenance
 from rectrain.report.inputs import RunData
 
 TEMPLATES = Path(__file__).parent / "templates"
+# The pipeline's own checkout (workflow/rectrain/report/ -> repo root): its commit is the code that
+# made the numbers, wherever the workdir (--directory) is.
+CODE_REPO = Path(__file__).resolve().parents[3]
 WORST_CLASSES = 10
 
 
@@ -110,7 +113,7 @@ def summary(data: RunData, config: dict, rates: dict) -> dict:
     }
 
 
-def build(data: RunData, config: dict, repo: Path | str = ".") -> str:
+def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
     """The report as one self-contained HTML string."""
     report_cfg = config["report"]
     findings = diagnose(data.steps, data.system, data.run, data.manifests, report_cfg)
