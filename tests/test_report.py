@@ -98,6 +98,9 @@ def test_summary_data_and_stage_numbers(problem_report):
     assert "cuda:0, cuda:1" in problem_report
     assert "pack train 20.0 s" in problem_report and "pack val 30.0 s" in problem_report  # per stage
     assert "150 s" in problem_report  # pipeline total
+    # rank 1 computes 32 images in 0.4 x 0.5 s (160 img/s); rank 0's compute includes waiting for it
+    assert '<td class="n">160.0</td>' in problem_report
+    assert "320.0 img/s if the model never waited" in problem_report
     assert "NVIDIA GeForce RTX 2080 Ti" in problem_report and "535.54.03" in problem_report
     assert "truncated JPEG" in problem_report and "CMYK converted to RGB" in problem_report
     assert "<b>yes (HDD)</b>" in problem_report

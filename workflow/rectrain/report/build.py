@@ -56,11 +56,17 @@ def training_rates(steps: pd.DataFrame) -> dict:
         per_rank.append({
             "rank": int(rank), "steps": len(g), "images": int(g["images"].sum()),
             "img_s": g["images"].sum() / _span_s(g) if _span_s(g) > 0 else None,
+            # DeepLearningExamples' compute_ips: the rate if the loader never made this rank wait
+            "compute_img_s": s["images"].sum() / s["compute_s"].sum() if s["compute_s"].sum() > 0 else None,
             "step_ms": 1000 * s["wall_s"].mean(), "wait_ms": 1000 * s["data_wait_s"].mean(),
             "compute_ms": 1000 * s["compute_s"].mean(),
             "wait_share": 100 * shares.get(rank, float("nan")),
         })
-    return {"total": steps["images"].sum() / span if span > 0 else None, "per_rank": per_rank}
+    compute = [r["compute_img_s"] for r in per_rank if r["compute_img_s"]]
+    return {"total": steps["images"].sum() / span if span > 0 else None, "per_rank": per_rank,
+            # a rank's compute time includes waiting in the gradient all-reduce for ranks that were
+            # still waiting on data, so the fastest rank's rate is the closest to pure compute
+            "compute_total": max(compute) * len(per_rank) if compute else None}
 
 
 def utilization(system: pd.DataFrame) -> dict:
