@@ -65,8 +65,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+_T0 = time.monotonic()
+
+
 def log(msg: str) -> None:
-    print(f"[train] {msg}", file=sys.stderr, flush=True)
+    print(f"[train {time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 # --- launcher-proof start ------------------------------------------------------------------------
