@@ -113,6 +113,10 @@ def test_resize_sets_the_shorter_side_and_never_upscales(tmp_path):
     sizes = {rid: Image.open(io.BytesIO(img)).size for rid, (_, img) in records.items()}
     assert sizes == {0: (85, 64), 1: (64, 128), 2: (50, 40), 3: (50, 40)}
     assert records[2][1] == files[2][2], "a clean JPEG already small enough is stored as is"
+    # colours survive the YCbCr decode -> shrink -> encode path
+    stored = np.asarray(Image.open(io.BytesIO(records[0][1])).convert("RGB"), dtype=float)
+    reference = np.asarray(big_wide.resize((85, 64), Image.Resampling.BILINEAR), dtype=float)
+    assert np.abs(stored - reference).mean() < 6
     assert Image.open(io.BytesIO(records[3][1])).mode == "RGB"
     assert _manifest(tmp_path / "out")["resize"] == 64
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 # Very large photos are legitimate input here (the user's own data); JPEG draft decoding keeps their
@@ -91,7 +92,7 @@ def exif_orientation(exif_segment: bytes | None) -> int:
     return int(exif.get(0x0112, 1) or 1)
 
 
-def _jpeg_problems(info: JpegInfo) -> list[str]:
+def _jpeg_problems(info: JpegInfo, orientation: int) -> list[str]:
     """Why this JPEG cannot be stored as is (empty when it is clean)."""
     problems = []
     if info.sof not in _PLAIN_SOF:
@@ -103,7 +104,6 @@ def _jpeg_problems(info: JpegInfo) -> list[str]:
         problems.append(f"JPEG with {info.components} colour components converted to RGB")
     elif info.components == 3 and info.adobe_transform == 0:
         problems.append("JPEG stored as raw RGB (Adobe transform 0) re-encoded as YCbCr")
-    orientation = exif_orientation(info.exif)
     if orientation not in (0, 1):
         problems.append(f"EXIF orientation {orientation} applied to the pixels")
     return problems
@@ -136,32 +136,34 @@ def load_fast_resizer() -> bool:
 
 
 def shrink(im: Image.Image, size: tuple[int, int]) -> Image.Image:
-    """Antialiased bilinear downscale of an RGB image.
+    """Antialiased bilinear downscale of a 3-band image (RGB or YCbCr).
 
     torch's uint8 channels-last kernel (AVX2) is ~3x faster than Pillow's plain-C resize and agrees
     with Pillow's BILINEAR within 1/255; Pillow is the fallback where torch is missing.
     """
     if not load_fast_resizer():
         return im.resize(size, Image.Resampling.BILINEAR)
-    w, h = im.size
-    x = _torch.frombuffer(bytearray(im.tobytes()), dtype=_torch.uint8).view(1, h, w, 3).permute(0, 3, 1, 2)
+    x = _torch.from_numpy(np.array(im)).unsqueeze(0).permute(0, 3, 1, 2)
     y = _torch.nn.functional.interpolate(x, size=(size[1], size[0]), mode="bilinear", antialias=True)
-    return Image.frombuffer("RGB", size, y.permute(0, 2, 3, 1).contiguous().numpy(), "raw", "RGB", 0, 1)
+    out = y.permute(0, 2, 3, 1).contiguous().numpy()
+    return Image.frombuffer(im.mode, size, out, "raw", im.mode, 0, 1)
 
 
-def _encode(data: bytes, resize: int, quality: int, is_jpeg: bool) -> bytes:
-    """Decode, orient, convert to RGB, shrink and encode as JPEG."""
+def _encode(data: bytes, resize: int, quality: int, jpeg: JpegInfo | None, orientation: int | None) -> bytes:
+    """Decode, orient, convert, shrink and encode as JPEG. ``orientation`` None = not known yet."""
     try:
         im = Image.open(io.BytesIO(data))
-        if resize and is_jpeg:
-            # DCT-domain downscale while decoding (1/2, 1/4, 1/8): most of the resize for free.
-            w, h = _target_size(im.width, im.height, resize)
-            im.draft("RGB", (w, h))
+        if jpeg is not None:
+            target = _target_size(im.width, im.height, resize)
+            # A YCbCr JPEG stays YCbCr through the resize into the encoder (no colour conversions),
+            # and draft() downscales in the DCT domain (1/2, 1/4, 1/8) while decoding.
+            im.draft("YCbCr" if im.mode == "RGB" and jpeg.adobe_transform != 0 else None, target)
         im.load()
-        im = ImageOps.exif_transpose(im)
+        if orientation not in (0, 1):
+            im = ImageOps.exif_transpose(im)
         if im.mode in ("P", "PA", "LA"):
             im = im.convert("RGBA")  # palette/alpha images convert to RGB correctly only via RGBA
-        if im.mode != "RGB":
+        if im.mode not in ("RGB", "YCbCr"):
             im = im.convert("RGB")
         size = _target_size(im.width, im.height, resize)
         if size != im.size:
@@ -186,10 +188,11 @@ def prepare(data: bytes, resize: int, quality: int) -> tuple[bytes, str | None]:
             raise Skip("truncated JPEG: no end-of-image marker after the scan data")
         if info.bits != 8:
             raise Skip(f"{info.bits}-bit JPEG: 8-bit decoders (DALI, PIL) cannot read it")
-        problems = _jpeg_problems(info)
+        orientation = exif_orientation(info.exif)
+        problems = _jpeg_problems(info, orientation)
         if not problems and _target_size(info.width, info.height, resize) == (info.width, info.height):
             return data, None
-        return _encode(data, resize, quality, is_jpeg=True), "; ".join(problems) or None
+        return _encode(data, resize, quality, info, orientation), "; ".join(problems) or None
     try:
         with Image.open(io.BytesIO(data)) as probe:
             fmt = probe.format
@@ -198,4 +201,4 @@ def prepare(data: bytes, resize: int, quality: int) -> tuple[bytes, str | None]:
         raise Skip(f"not an image: unrecognised content (starts with {head!r})") from None
     except (OSError, SyntaxError, ValueError) as err:
         raise Skip(f"cannot decode: {err}") from None
-    return _encode(data, resize, quality, is_jpeg=False), f"{fmt} content named as JPEG re-encoded as JPEG"
+    return _encode(data, resize, quality, None, None), f"{fmt} content named as JPEG re-encoded as JPEG"
