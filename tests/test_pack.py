@@ -13,7 +13,7 @@ from PIL import Image
 
 from packdata import EXPECTED, fake_sysfs, jpeg, kinds, kinds_dataset, photo, run_pack, write_dataset
 from rectrain import pack, storage
-from rectrain.images import Skip, prepare, read_jpeg_header, shrink
+from rectrain.images import Skip, prepare, read_jpeg_header
 from rectrain.recordio import IndexedRecordReader, read_idx, unpack_record
 from rectrain.verify import main as verify_main
 
@@ -119,14 +119,6 @@ def test_resize_sets_the_shorter_side_and_never_upscales(tmp_path):
     assert np.abs(stored - reference).mean() < 6
     assert Image.open(io.BytesIO(records[3][1])).mode == "RGB"
     assert _manifest(tmp_path / "out")["resize"] == 64
-
-
-def test_fast_shrink_matches_pillow_bilinear_within_one_level():
-    im = photo(500, 375, 7)
-    fast = np.asarray(shrink(im, (341, 256)), dtype=int)
-    pillow = np.asarray(im.resize((341, 256), Image.Resampling.BILINEAR), dtype=int)
-    assert fast.shape == pillow.shape == (256, 341, 3)
-    assert np.abs(fast - pillow).max() <= 1
 
 
 def test_jpeg_header_checks_do_not_decode():

@@ -30,7 +30,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from rectrain import storage
-from rectrain.images import Skip, load_fast_resizer, prepare
+from rectrain.images import Skip, prepare
 from rectrain.recordio import IRHeader, RecordIOError, RecordWriter, frame_payload, pack_record
 from rectrain.verify import VerifyError, read_tsv, verify_pair
 
@@ -61,9 +61,6 @@ def _init_worker(raw_root: str, resize: int, quality: int, parent: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
-    if resize and load_fast_resizer():
-        import torch
-        torch.set_num_threads(1)  # one image per process; the pool is the parallelism
     from rectrain.index import open_source
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
@@ -183,8 +180,6 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path
     order = list(range(n))
     random.Random(cfg.get("shuffle_seed", 0)).shuffle(order)
     threads = max(1, int(threads))
-    if resize:
-        load_fast_resizer()  # imported once here, shared by the forked workers
     progress = Progress(split, n)
     repaired, skipped = [], []
     expected = {}
@@ -220,6 +215,8 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path
         bytes_written = writer.tell()
     pack_s = time.time() - t0
     progress.update(done, bytes_written, len(skipped), len(repaired), force=True)
+    skipped.sort(key=lambda r: r["id"])
+    repaired.sort(key=lambda r: r["id"])
     for item in skipped:
         log(f"skipped id {item['id']} {item['source']}: {item['reason']}")
     for item in repaired:
@@ -234,8 +231,7 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path
     return {
         "split": split, "rec": str(rec), "idx": str(idx),
         "discovered": n, "packed": len(expected), "skipped": len(skipped),
-        "repaired": sorted(repaired, key=lambda r: r["id"]),
-        "skipped_files": sorted(skipped, key=lambda r: r["id"]),
+        "repaired": repaired, "skipped_files": skipped,
         "bytes_written": bytes_written, "wall_s": round(wall, 3), "pack_s": round(pack_s, 3),
         "verify_s": check["verify_s"], "verified_decoded": check["decoded"],
         "images_per_s": round(n / wall, 1) if wall else None,
