@@ -8,7 +8,6 @@ installed or a daemon cannot start in this environment, and the skip message say
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -117,12 +116,30 @@ def tail(path: Path, n=8) -> str:
         return f"({path} not written)"
 
 
-def stop_daemons(workdir: Path) -> None:
-    for pid_file in workdir.glob("*.pid"):
+def start_daemon(argv: list[str], log: Path, daemons: list) -> None:
+    """Start a SLURM daemon in the foreground (-D) as our child, so teardown can stop and reap it;
+    skip with its own words when it exits at once."""
+    console = log.with_suffix(".console")
+    with open(console, "w") as out:
+        proc = subprocess.Popen([*argv, "-D"], stdout=out, stderr=subprocess.STDOUT)
+    daemons.append(proc)
+    try:
+        proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        return                                   # still running: started
+    pytest.skip(f"{' '.join(argv)} cannot start here (exit {proc.returncode}): {tail(console)} {tail(log)}")
+
+
+def stop_daemons(daemons: list) -> None:
+    for proc in reversed(daemons):
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in daemons:
         try:
-            os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
-        except (OSError, ValueError):
-            pass
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -140,15 +157,11 @@ def slurm_cluster(tmp_path_factory):
         ensure_munge(workdir)
     names = node_names()
     write_conf(workdir, names, auth)
+    daemons = []
     try:
-        started = subprocess.run(["slurmctld", "-i"], capture_output=True, text=True)
-        if started.returncode != 0:
-            pytest.skip(f"slurmctld cannot start here: {started.stderr.strip()} {tail(workdir / 'slurmctld.log')}")
+        start_daemon(["slurmctld", "-i"], workdir / "slurmctld.log", daemons)
         for name in names:
-            started = subprocess.run(["slurmd", "-N", name], capture_output=True, text=True)
-            if started.returncode != 0:
-                pytest.skip(f"slurmd -N {name} cannot start here: {started.stderr.strip()} "
-                            f"{tail(workdir / f'slurmd-{name}.log')}")
+            start_daemon(["slurmd", "-N", name], workdir / f"slurmd-{name}.log", daemons)
         deadline = time.monotonic() + 60
         states = ""
         while time.monotonic() < deadline:
@@ -162,8 +175,7 @@ def slurm_cluster(tmp_path_factory):
                         f"slurmd: {tail(workdir / f'slurmd-{names[0]}.log')}")
         yield {"nodes": names, "workdir": workdir}
     finally:
-        stop_daemons(workdir)
-        time.sleep(1)
+        stop_daemons(daemons)
         if CONF.exists() and MARKER in CONF.read_text():
             CONF.unlink()
 
