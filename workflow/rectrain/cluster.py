@@ -10,6 +10,10 @@ from the job id so every node computes the same endpoint without talking to the 
 SLURM's own tools do the work: `scontrol show hostnames` expands node lists ('gpu[01-04]'),
 `srun` starts the per-node tasks, torchrun does the rest.  Everything here is pure apart from the
 injected `run` (scontrol), so the decisions are unit-tested without a cluster.
+
+The bottom half sizes the SLURM jobs: the train rule's node count (`train_rule_resources`) and the
+per-node GPU/CPU request that profiles/slurm evaluates from RECTRAIN_GPUS_PER_NODE and
+RECTRAIN_CPUS_PER_GPU, so a cluster's shape is set in the environment, not in files.
 """
 from __future__ import annotations
 
@@ -112,6 +116,8 @@ def train_rule_resources(nodes: int) -> dict:
         return {"nodes": 1}
     return {"nodes": nodes, "tasks": nodes, "mpi": "srun", "tasks_per_gpu": 0}
 
+
+# --- job sizes for profiles/slurm (its resource expressions call these) ---------------------------
 
 GPUS_ENV = "RECTRAIN_GPUS_PER_NODE"
 CPUS_PER_GPU_ENV = "RECTRAIN_CPUS_PER_GPU"
