@@ -1,6 +1,6 @@
 """DALI loader from the .rec: fn.readers.mxnet sharded by rank, decode on the GPU ("mixed") when there
-is one and on the CPU otherwise, random-resized-crop (ROI decode + resize) + flip in the pipeline, and
-normalisation in torch on the batch.
+is one and on the CPU otherwise, random-resized-crop (ROI decode + resize) + flip + normalise in the
+pipeline (crop_mirror_normalize, HWC out so torch sees channels_last without a copy).
 
 Train pipelines are rebuilt each epoch with shard (rank + epoch) % world and a seed from
 (seed, epoch, rank): every record once per epoch across ranks, shards rotate like DALI's default,
@@ -22,7 +22,7 @@ from rectrain.recordio import read_idx
 @pipeline_def
 def _pipeline(rec: str, idx: str, shard_id: int, num_shards: int, train: bool, image_size: int,
               eval_resize: int, decode_device: str):
-    """uint8 HWC images + labels; normalisation happens in torch on the batch (see DaliLoader.epoch)."""
+    """Normalised float32 HWC images + float labels, one rank's shard."""
     jpegs, labels = fn.readers.mxnet(path=rec, index_path=idx, shard_id=shard_id, num_shards=num_shards,
                                      random_shuffle=train, pad_last_batch=True, stick_to_shard=True,
                                      name="Reader")
@@ -33,11 +33,15 @@ def _pipeline(rec: str, idx: str, shard_id: int, num_shards: int, train: bool, i
         images = fn.decoders.image_random_crop(jpegs, device=decode_device, output_type=types.RGB,
                                                random_area=list(CROP_SCALE), random_aspect_ratio=list(CROP_RATIO))
         images = fn.resize(images, size=[image_size, image_size])
-        images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5))
+        mirror = fn.random.coin_flip(probability=0.5)
     else:
         images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB)
         images = fn.resize(images, resize_shorter=eval_resize)
-        images = fn.crop(images, crop=[image_size, image_size])  # centred
+        mirror = False
+    # Normalised float in HWC: viewed as NCHW in torch it is channels_last with no copy.
+    images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="HWC",
+                                      crop=[image_size, image_size], mean=list(IMAGENET_MEAN),
+                                      std=list(IMAGENET_STD), mirror=mirror)
     return images, labels
 
 
@@ -51,8 +55,6 @@ class DaliLoader:
         self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
         self._eval_iter = None
-        self._mean = torch.tensor(IMAGENET_MEAN, device=spec.device).view(1, 3, 1, 1)
-        self._std = torch.tensor(IMAGENET_STD, device=spec.device).view(1, 3, 1, 1)
 
     def _iterator(self, epoch: int) -> DALIGenericIterator:
         s = self.spec
@@ -80,7 +82,6 @@ class DaliLoader:
             images, labels = batch[0]["images"], batch[0]["labels"]
             if images.shape[0] == 0:
                 continue  # eval only: a rank whose shard ended on a batch boundary
-            # NHWC uint8 viewed as NCHW is already channels_last in memory; one vectorised pass in torch
-            # converts and normalises (cheaper on CPUs than DALI's per-sample crop_mirror_normalize).
-            images = images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()
-            yield images.sub_(self._mean).div_(self._std), labels.view(-1).to(device, torch.int64, non_blocking=True)
+            # NHWC viewed as NCHW: the layout channels_last wants, so the training loop copies nothing.
+            images = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
+            yield images, labels.view(-1).to(device, torch.int64, non_blocking=True)
