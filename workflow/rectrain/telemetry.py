@@ -3,8 +3,8 @@
 Files (columns are a contract with the report, see CONTRACTS), written live under <out>/telemetry/:
   steps_rank<r>.csv  written by rank r while training; rank 0 merges them into <out>/steps.csv at the end
   epochs.csv         rank 0, one row per epoch
-  system.csv         local rank 0 of each node, one row per sample interval (GPU columns only with NVML)
-The finished run copies them next to model.pt (the rule's outputs).  The live copies sit outside the
+  system_node<k>.csv local rank 0 of node k, one row per sample interval (GPU columns only with NVML)
+The finished run copies them next to model.pt (the rule's outputs; node 0's sampler -> system.csv).  The live copies sit outside the
 rule's outputs because Snakemake deletes outputs before a rerun, and a resumed run must keep the rows
 of the epochs it does not redo; rows from the interrupted epoch onwards are dropped on resume so
 every (rank, epoch, step) is unique.

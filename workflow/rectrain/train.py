@@ -357,7 +357,10 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
             start_epoch, rng_states = state["epoch"] + 1, state["rng"]
             log(f"resuming from {last}: epoch {state['epoch']} done, continuing at epoch {start_epoch}")
         del state
-    barrier(d)  # nobody may start writing checkpoints before every rank has read last.pt
+    starts = all_gather(start_epoch, d)  # also: nobody writes checkpoints before every rank has read last.pt
+    if len(set(starts)) > 1:
+        raise RuntimeError(f"ranks disagree on the epoch to resume from ({starts}): {ck_dir} must be on a "
+                           "filesystem every node sees (shared --out)")
 
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None) if d.world_size > 1 else model
     net = torch.compile(ddp) if cfg["compile"] else ddp
@@ -377,9 +380,10 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
     steps_log = telemetry.step_log(live, d.rank, start_epoch)
     epochs_log = telemetry.epoch_log(live, start_epoch) if d.master else None
     sampler = None
+    node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node rank
     if d.local_rank == 0:
         from rectrain.storage import block_device_for
-        sampler = telemetry.SystemSampler(live / "system.csv", cfg["sample_interval_s"], block_device_for(args.rec),
+        sampler = telemetry.SystemSampler(live / f"system_node{node}.csv", cfg["sample_interval_s"], block_device_for(args.rec),
                                           telemetry.job_processes(), append=start_epoch > 0)
         sampler.start()
 
@@ -419,8 +423,8 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
     if d.master:
         epochs_log.close()
         telemetry.merge_steps(live, out / "steps.csv", d.world_size)
-        for name in ("epochs.csv", "system.csv"):
-            shutil.copyfile(live / name, out / name)
+        shutil.copyfile(live / "epochs.csv", out / "epochs.csv")
+        shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
         info["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         write_json(out / "run.json", info)
         ckpt.save_atomic(ckpt.load(last), out / "model.pt")  # last: the rule's output marks a finished run
