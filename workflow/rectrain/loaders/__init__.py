@@ -16,14 +16,35 @@ Each epoch's order is a pure function of (seed, epoch, rank), so a resumed run s
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 EVAL_CROP_FRACTION = 0.875
+
+
+@dataclass(frozen=True)
+class DaliOptions:
+    """Knobs of DALI's mixed (GPU) decoder and pipeline; the train block's dali_* keys."""
+    hw_decoder_load: float = 0.65
+    prefetch_queue_depth: int = 2
+    device_memory_padding: int = 211025920
+    host_memory_padding: int = 140544512
+    preallocate: tuple[int, int] = (0, 0)   # (width, height) of the largest image; 0 = grow on demand
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "DaliOptions":
+        d = cls()
+        return cls(hw_decoder_load=float(cfg.get("dali_hw_decoder_load", d.hw_decoder_load)),
+                   prefetch_queue_depth=int(cfg.get("dali_prefetch_queue_depth", d.prefetch_queue_depth)),
+                   device_memory_padding=int(cfg.get("dali_device_memory_padding", d.device_memory_padding)),
+                   host_memory_padding=int(cfg.get("dali_host_memory_padding", d.host_memory_padding)),
+                   preallocate=tuple(cfg.get("dali_preallocate", d.preallocate)))
 
 
 @dataclass(frozen=True)
@@ -39,6 +60,7 @@ class LoaderSpec:
     device: str = "cpu"          # where batches land: "cpu" or "cuda:<local rank>"
     gpu_decode: bool = True      # decode JPEGs on the GPU when device is cuda
     seed: int = 0
+    dali: DaliOptions = field(default_factory=DaliOptions)
 
     @property
     def on_gpu(self) -> bool:
@@ -63,8 +85,69 @@ def epoch_seed(seed: int, epoch: int, rank: int) -> int:
     return (seed * 1_000_003 + epoch * 10_007 + rank * 101 + 1) % (2**31 - 1)
 
 
+@functools.lru_cache(maxsize=1)
+def dali_import_error() -> str | None:
+    """Why DALI cannot be used here (None when it can)."""
+    try:
+        import nvidia.dali  # noqa: F401
+        import nvidia.dali.plugin.pytorch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken install (missing libcuda, ABI) is as unusable as none
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@dataclass(frozen=True)
+class LoaderChoice:
+    kind: str              # the loader that will run: 'dali' or 'torch'
+    decode: str            # where and how JPEGs are decoded, in words (run.json, the log)
+    note: str | None = None  # why the choice differs from the request; None when it does not
+
+
+def choose_loader(requested: str, has_cuda: bool, has_dali: bool, gpu_decode: bool = True,
+                  dali_error: str | None = None) -> LoaderChoice:
+    """The loader and decoder for train.loader=`requested` on this machine (a pure decision).
+
+    DALI requested but not importable: the torch loader reads the same .rec, decoding on the GPU with
+    torchvision.io.decode_jpeg when there is one - slower than DALI's hardware decoder, never a crash."""
+    if requested not in ("dali", "torch"):
+        raise ValueError(f"unknown loader {requested!r}: set train.loader to 'dali' or 'torch'")
+    gpu = has_cuda and gpu_decode
+    note = None
+    kind = requested
+    if requested == "dali" and not has_dali:
+        kind = "torch"
+        note = (f"train.loader is 'dali' but DALI cannot be imported ({dali_error or 'not installed'}): using the "
+                f"torch loader on the same .rec instead, decoding "
+                + ("on the GPU with torchvision.io.decode_jpeg" if gpu else "on the CPU in worker processes")
+                + ". For DALI's mixed decoder install nvidia-dali-cuda<CUDA major>0 (e.g. nvidia-dali-cuda120); "
+                  "to keep the torch loader and silence this, set train.loader: torch")
+    if kind == "dali":
+        decode = ("gpu: DALI mixed decoder (nvJPEG; hardware JPEG engines take dali_hw_decoder_load of the images)"
+                  if gpu else "cpu: DALI (libjpeg-turbo) in train.workers threads")
+    else:
+        decode = ("gpu: torchvision.io.decode_jpeg, one batched call per step" if gpu
+                  else "cpu: PIL in train.workers worker processes")
+    return LoaderChoice(kind, decode, note)
+
+
+def resolve_loader(requested: str, spec: LoaderSpec) -> LoaderChoice:
+    """choose_loader for this machine and spec."""
+    error = dali_import_error() if requested == "dali" else None
+    return choose_loader(requested, spec.on_gpu, error is None, spec.gpu_decode, error)
+
+
 def build_loader(kind: str, spec: LoaderSpec):
-    """The loader `kind` ('dali' or 'torch') for spec; see the module doc for what both promise."""
+    """The loader `kind` ('dali' or 'torch') for spec; see the module doc for what both promise.
+    The loader's `.choice` (LoaderChoice) says what runs; a DALI request without DALI falls back to torch."""
+    choice = resolve_loader(kind, spec)
+    if choice.note:
+        print(f"[loaders] {choice.note}", file=sys.stderr, flush=True)
+    loader = _build(choice.kind, spec)
+    loader.choice = choice
+    return loader
+
+
+def _build(kind: str, spec: LoaderSpec):
     if kind == "dali":
         from rectrain.loaders.dali import DaliLoader
         return DaliLoader(spec)

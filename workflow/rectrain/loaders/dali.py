@@ -14,14 +14,25 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-from rectrain.loaders import (CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, epoch_seed,
-                              train_batches_per_epoch, train_padding)
+from rectrain.loaders import (CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, DaliOptions, LoaderSpec,
+                              epoch_seed, train_batches_per_epoch, train_padding)
 from rectrain.recordio import read_idx
+
+
+def decoder_args(decode_device: str, opts: DaliOptions) -> dict:
+    """Keyword arguments for DALI's image decoders: the mixed (GPU) decoder's memory and hardware-decoder
+    knobs; the CPU decoder takes none of them."""
+    if decode_device != "mixed":
+        return {}
+    width, height = opts.preallocate
+    return {"hw_decoder_load": opts.hw_decoder_load, "device_memory_padding": opts.device_memory_padding,
+            "host_memory_padding": opts.host_memory_padding, "preallocate_width_hint": width,
+            "preallocate_height_hint": height}
 
 
 @pipeline_def
 def _pipeline(rec: str, idx: str, shard_id: int, num_shards: int, train: bool, image_size: int,
-              eval_resize: int, decode_device: str):
+              eval_resize: int, decode_device: str, decoder_kwargs: dict):
     """Normalised float32 HWC images + float labels, one rank's shard."""
     jpegs, labels = fn.readers.mxnet(path=rec, index_path=idx, shard_id=shard_id, num_shards=num_shards,
                                      random_shuffle=train, pad_last_batch=True, stick_to_shard=True,
@@ -31,11 +42,12 @@ def _pipeline(rec: str, idx: str, shard_id: int, num_shards: int, train: bool, i
         # that region (libjpeg-turbo / nvJPEG ROI decode), then resize.  Same distribution as
         # fn.random_resized_crop after a full decode, and faster (bench/RESULTS.md).
         images = fn.decoders.image_random_crop(jpegs, device=decode_device, output_type=types.RGB,
-                                               random_area=list(CROP_SCALE), random_aspect_ratio=list(CROP_RATIO))
+                                               random_area=list(CROP_SCALE), random_aspect_ratio=list(CROP_RATIO),
+                                               **decoder_kwargs)
         images = fn.resize(images, size=[image_size, image_size])
         mirror = fn.random.coin_flip(probability=0.5)
     else:
-        images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB)
+        images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **decoder_kwargs)
         images = fn.resize(images, resize_shorter=eval_resize)
         mirror = False
     # Normalised float in HWC: viewed as NCHW in torch it is channels_last with no copy.
@@ -60,11 +72,13 @@ class DaliLoader:
         s = self.spec
         gpu = s.on_gpu
         device_id = (torch.device(s.device).index or 0) if gpu else None
+        decode_device = "mixed" if gpu and s.gpu_decode else "cpu"
         pipe = _pipeline(rec=s.rec, idx=s.idx, shard_id=(s.rank + epoch) % s.world_size if s.train else s.rank,
                          num_shards=s.world_size, train=s.train, image_size=s.image_size,
-                         eval_resize=s.eval_resize, decode_device="mixed" if gpu and s.gpu_decode else "cpu",
+                         eval_resize=s.eval_resize, decode_device=decode_device,
+                         decoder_kwargs=decoder_args(decode_device, s.dali),
                          batch_size=s.batch_size, num_threads=max(1, s.workers), device_id=device_id,
-                         seed=epoch_seed(s.seed, epoch, s.rank))
+                         prefetch_queue_depth=s.dali.prefetch_queue_depth, seed=epoch_seed(s.seed, epoch, s.rank))
         pipe.build()
         return DALIGenericIterator(pipe, ["images", "labels"], reader_name="Reader",
                                    last_batch_policy=LastBatchPolicy.FILL if s.train else LastBatchPolicy.PARTIAL,

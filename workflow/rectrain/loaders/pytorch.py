@@ -10,6 +10,7 @@ on every rank; rank r takes every world-th record starting at r, like Distribute
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 
@@ -134,8 +135,16 @@ class TorchLoader:
 
     def epoch(self, epoch: int):
         device = torch.device(self.spec.device)
+        # GPU decode runs on its own stream: batch k+1 decodes while step k still computes on the main
+        # stream (the training loop keeps the host a step ahead), instead of queueing behind it.
+        side = torch.cuda.Stream(device) if self.decode_on_device and device.type == "cuda" else None
         for images, labels, _ids in self.batches(epoch):
-            if self.decode_on_device:
-                images = self._decode_batch(images, device)
-            images = images.to(device, non_blocking=True).float().sub_(self._mean).div_(self._std)
+            with torch.cuda.stream(side) if side else contextlib.nullcontext():
+                if self.decode_on_device:
+                    images = self._decode_batch(images, device)
+                images = images.to(device, non_blocking=True).float().sub_(self._mean).div_(self._std)
+            if side:
+                main = torch.cuda.current_stream(device)
+                main.wait_stream(side)
+                images.record_stream(main)  # the allocator must not reuse it before the main stream is done
             yield images, labels.to(device, non_blocking=True)

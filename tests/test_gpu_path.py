@@ -1,0 +1,117 @@
+"""The GPU path's decisions and knobs, proven on CPU: config/gpu.yaml, loader dispatch without DALI,
+DALI decoder arguments, and the torch loader's raw-bytes + batched-decode train path."""
+import pytest
+import torch
+import yaml
+
+from conftest import REPO
+from rectrain import loaders
+from rectrain.config import check_config
+from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, choose_loader
+from rectrain.loaders.pytorch import TorchLoader
+from train_data import colour_class, write_rec
+
+SCHEMA = REPO / "config" / "schema.yaml"
+
+
+def gpu_config():
+    with open(REPO / "config" / "gpu.yaml") as fh:
+        return check_config(yaml.safe_load(fh), SCHEMA, workdir=REPO)
+
+
+def test_gpu_config_is_valid_and_asks_for_the_gpu_path():
+    cfg = gpu_config()
+    t = cfg["train"]
+    assert t["devices"] == "auto" and t["precision"] == "bf16" and t["channels_last"] and t["gpu_decode"]
+    assert (t["model"], t["image_size"], t["batch_size"]) == ("resnet50", 224, 256)
+    d = cfg["demo"]
+    assert 300 <= d["min_size"] <= d["max_size"] <= 600 and d["quality"] == 90
+    # Enough images to run past warm-up: at least 15 full steps of 256 per epoch.
+    assert d["classes"] * d["train_per_class"] >= 15 * 256
+
+
+def test_gpu_knobs_have_defaults_and_descriptions():
+    with open(SCHEMA) as fh:
+        train = yaml.safe_load(fh)["properties"]["train"]["properties"]
+    for key in ("cudnn_benchmark", "dali_hw_decoder_load", "dali_prefetch_queue_depth", "dali_device_memory_padding",
+                "dali_host_memory_padding", "dali_preallocate", "workers", "gpu_decode"):
+        assert "default" in train[key] and train[key].get("description"), key
+    filled = check_config({"dataset": "demo"}, SCHEMA, workdir=REPO)["train"]
+    assert DaliOptions.from_config(filled) == DaliOptions()  # the schema and the code agree on defaults
+    opts = DaliOptions.from_config(gpu_config()["train"])
+    assert opts.preallocate == (500, 500) and 0 < opts.hw_decoder_load <= 1
+
+
+def test_bad_hw_decoder_load_is_rejected_naming_the_key():
+    from rectrain.config import ConfigError
+    with pytest.raises(ConfigError, match="train.dali_hw_decoder_load"):
+        check_config({"dataset": "demo", "train": {"dali_hw_decoder_load": 1.5}}, SCHEMA, workdir=REPO)
+
+
+@pytest.mark.parametrize("has_cuda,has_dali,gpu_decode,kind,decode_on", [
+    (True, True, True, "dali", "gpu: DALI mixed"),
+    (True, True, False, "dali", "cpu: DALI"),
+    (False, True, True, "dali", "cpu: DALI"),
+    (True, False, True, "torch", "gpu: torchvision.io.decode_jpeg"),
+    (False, False, True, "torch", "cpu: PIL"),
+])
+def test_dali_request_dispatch(has_cuda, has_dali, gpu_decode, kind, decode_on):
+    choice = choose_loader("dali", has_cuda, has_dali, gpu_decode, dali_error="ImportError: no nvidia.dali")
+    assert choice.kind == kind and choice.decode.startswith(decode_on)
+    if has_dali:
+        assert choice.note is None
+    else:
+        # The fallback names the cause, what runs instead, and both fixes.
+        for fragment in ("train.loader is 'dali'", "ImportError: no nvidia.dali", "torch loader",
+                         "nvidia-dali-cuda", "train.loader: torch"):
+            assert fragment in choice.note
+
+
+@pytest.mark.parametrize("has_cuda", [True, False])
+def test_torch_request_never_needs_dali(has_cuda):
+    choice = choose_loader("torch", has_cuda, has_dali=False)
+    assert choice.kind == "torch" and choice.note is None
+    assert choice.decode.startswith("gpu" if has_cuda else "cpu")
+
+
+def test_unknown_loader_names_the_key():
+    with pytest.raises(ValueError, match="train.loader"):
+        choose_loader("ffcv", True, True)
+
+
+def test_dali_decoder_knobs_reach_only_the_mixed_decoder():
+    from rectrain.loaders.dali import decoder_args
+    opts = DaliOptions(hw_decoder_load=0.9, preallocate=(640, 480))
+    args = decoder_args("mixed", opts)
+    assert args["hw_decoder_load"] == 0.9 and args["preallocate_width_hint"] == 640
+    assert args["preallocate_height_hint"] == 480 and args["device_memory_padding"] == opts.device_memory_padding
+    assert decoder_args("cpu", opts) == {}
+
+
+@pytest.fixture(scope="module")
+def colour_rec(tmp_path_factory):
+    labels = [i % 5 for i in range(21)]
+    return write_rec(tmp_path_factory.mktemp("gpu_colour"), labels), labels
+
+
+def test_dali_missing_falls_back_to_torch_loader_with_the_reason(colour_rec, monkeypatch, capsys):
+    monkeypatch.setattr(loaders, "dali_import_error", lambda: "ImportError: simulated")
+    (rec, idx), labels = colour_rec
+    loader = build_loader("dali", LoaderSpec(rec, idx, batch_size=8, image_size=16, train=False, workers=0))
+    assert loader.kind == "torch" and "simulated" in loader.choice.note
+    assert "simulated" in capsys.readouterr().err
+    seen = [y for _, ys in loader.epoch(0) for y in ys.tolist()]
+    assert sorted(seen) == sorted(labels)
+
+
+def test_raw_bytes_train_path_matches_the_worker_decode_path(colour_rec):
+    """Workers returning raw JPEG bytes + a batched decode_jpeg later (device='cpu' here, 'cuda' on a GPU)
+    yields the same labels, shapes, dtype and colour-label pairing as decoding in the workers."""
+    (rec, idx), labels = colour_rec
+    spec = LoaderSpec(rec, idx, batch_size=8, image_size=24, train=True, workers=0, seed=3)
+    by_bytes, in_workers = TorchLoader(spec, decode_on_device=True), TorchLoader(spec, decode_on_device=False)
+    assert by_bytes.dataset.decode is False and in_workers.dataset.decode is True
+    for (xa, ya), (xb, yb) in zip(by_bytes.epoch(1), in_workers.epoch(1), strict=True):
+        assert torch.equal(ya, yb)  # same sampler order: same records in the same batches
+        assert xa.shape == xb.shape == (8, 3, 24, 24) and xa.dtype == xb.dtype == torch.float32
+        assert torch.equal(colour_class(xa), ya % 5) and torch.equal(colour_class(xb), yb % 5)
