@@ -46,6 +46,17 @@ def test_resume_is_refused_when_the_run_changed():
     assert "config changed (epochs)" in resumable(state, dict(cfg, epochs=5), {"rec_bytes": 1}, 2)
     assert ".rec/.idx changed" in resumable(state, cfg, {"rec_bytes": 2}, 2)
     assert "2 processes" in resumable(state, cfg, {"rec_bytes": 1}, 1)
+    state["code"] = {"train.py": "aa", "loaders/dali.py": "bb"}
+    assert resumable(state, cfg, {"rec_bytes": 1}, 2, dict(state["code"])) is None
+    edited = dict(state["code"], **{"loaders/dali.py": "cc"})
+    assert "training code changed (loaders/dali.py)" in resumable(state, cfg, {"rec_bytes": 1}, 2, edited)
+
+
+def test_code_fingerprint_covers_the_files_the_rule_lists():
+    from rectrain.train import code_fingerprint
+    files = set(code_fingerprint())
+    assert {"train.py", "launch.py", "memory.py", "telemetry.py", "checkpoint.py", "loaders/dali.py",
+            "loaders/pytorch.py", "loaders/__init__.py"} <= files
 
 
 def test_step_log_on_resume_drops_the_interrupted_epoch(tmp_path):

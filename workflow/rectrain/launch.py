@@ -13,10 +13,14 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from rectrain import cluster, stage
 
 DEFAULT_PORT = 29500
+# Modules whose code decides what training computes (plus loaders/*.py): the train rule lists them as
+# inputs, and a checkpoint written by other code is not resumed (rectrain.train.code_fingerprint).
+TRAINING_MODULES = ("train", "launch", "memory", "telemetry", "checkpoint")
 # How long the elastic agent waits for the other ranks to exit after one failed.  Bounded so a
 # crashed rank ends the whole job promptly instead of leaving its peers blocked in a collective.
 MONITOR_INTERVAL_S = 0.5
@@ -34,6 +38,12 @@ def visible_gpu_count() -> int:
     """GPUs this process may use (honours CUDA_VISIBLE_DEVICES); 0 without CUDA."""
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def training_sources(pkg_dir: str | os.PathLike | None = None) -> list[Path]:
+    """The training source files, in a fixed order."""
+    pkg = Path(pkg_dir) if pkg_dir else Path(__file__).resolve().parent
+    return [pkg / f"{m}.py" for m in TRAINING_MODULES] + sorted((pkg / "loaders").glob("*.py"))
 
 
 def scheduled_gpus(devices) -> int:

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import csv
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -37,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rectrain import checkpoint as ckpt
 from rectrain import memory, telemetry
-from rectrain.launch import plan_processes, torchrun_args, visible_gpu_count
+from rectrain.launch import plan_processes, torchrun_args, training_sources, visible_gpu_count
 from rectrain.loaders import LoaderSpec, build_loader
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -205,7 +206,14 @@ def data_fingerprint(rec: str, idx: str) -> dict:
     return {"rec_bytes": os.path.getsize(rec), "idx_bytes": os.path.getsize(idx)}
 
 
-def resumable(state: dict, cfg: dict, fingerprint: dict, world_size: int) -> str | None:
+def code_fingerprint() -> dict:
+    """sha256 of each training source file (the same set the train rule lists as inputs): a checkpoint
+    written by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
+    pkg = Path(__file__).resolve().parent
+    return {str(f.relative_to(pkg)): hashlib.sha256(f.read_bytes()).hexdigest() for f in training_sources(pkg)}
+
+
+def resumable(state: dict, cfg: dict, fingerprint: dict, world_size: int, code: dict | None = None) -> str | None:
     """None if the checkpoint continues this run, else why not."""
     def strip(c):
         return {k: v for k, v in c.items() if k not in RESUME_INDEPENDENT_KEYS}
@@ -215,6 +223,10 @@ def resumable(state: dict, cfg: dict, fingerprint: dict, world_size: int) -> str
         return f"the train config changed ({', '.join(changed)})"
     if state.get("data") != fingerprint:
         return "the training .rec/.idx changed"
+    if code is not None and state.get("code") != code:
+        changed = sorted(f for f in set(code) | set(state.get("code") or {})
+                         if code.get(f) != (state.get("code") or {}).get(f))
+        return f"the training code changed ({', '.join(changed)})"
     if state.get("world_size") != world_size:
         return f"it was written by {state.get('world_size')} processes, this run has {world_size}"
     return None
@@ -342,11 +354,11 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg["precision"] == "fp16")
 
     start_epoch, rng_states = 0, None
-    fingerprint = data_fingerprint(args.rec, args.idx)
+    fingerprint, code = data_fingerprint(args.rec, args.idx), code_fingerprint()
     last = ck_dir / "last.pt"
     if last.exists():
         state = ckpt.load(last)
-        why_not = resumable(state, cfg, fingerprint, d.world_size)
+        why_not = resumable(state, cfg, fingerprint, d.world_size, code)
         if why_not:
             log(f"not resuming from {last}: {why_not}; starting from epoch 0")
         else:
@@ -405,7 +417,7 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
                          "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
                          "rng": rngs, "config": cfg, "num_classes": len(classes), "model_name": cfg["model"],
                          "image_size": cfg["image_size"], "batch_size": batch, "grad_accum": accum,
-                         "world_size": d.world_size, "data": fingerprint}
+                         "world_size": d.world_size, "data": fingerprint, "code": code}
                 ckpt.save_atomic(state, ck_dir / f"epoch_{epoch}.pt")
                 ckpt.save_atomic(state, last)
                 log(f"epoch {epoch}: train loss {stats['train_loss']:.3f} acc {stats['train_acc']:.3f}, "

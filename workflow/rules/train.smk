@@ -4,17 +4,13 @@
 # an input, so editing train.* or the training modules reruns training and what follows, nothing before.
 # A killed run resumes from results/<ds>/train/checkpoints/last.pt (not a declared output, so
 # Snakemake keeps it); the outputs below are written only when all epochs are done.
-import glob
 import shlex
 
 from rectrain.cluster import train_rule_resources
-from rectrain.launch import scheduled_gpus
+from rectrain.launch import scheduled_gpus, training_sources
 
-_TRAIN_SRC = Path(workflow.basedir) / "workflow" / "rectrain"
-TRAIN_CODE = sorted(
-    [str(_TRAIN_SRC / f"{m}.py") for m in ("train", "launch", "memory", "telemetry", "checkpoint")]
-    + glob.glob(str(_TRAIN_SRC / "loaders" / "*.py"))
-)
+# Editing these reruns training; a checkpoint written by other code is not resumed.
+TRAIN_CODE = [str(p) for p in training_sources(Path(workflow.basedir) / "workflow" / "rectrain")]
 
 # pack.stage_to_local: each node copies the pair to its local disk before training (rectrain.stage).
 STAGE_ARG = (f" --stage-to-local {shlex.quote(config['pack']['local_storage'] or 'auto')}"
