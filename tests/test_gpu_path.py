@@ -115,3 +115,12 @@ def test_raw_bytes_train_path_matches_the_worker_decode_path(colour_rec):
         assert torch.equal(ya, yb)  # same sampler order: same records in the same batches
         assert xa.shape == xb.shape == (8, 3, 24, 24) and xa.dtype == xb.dtype == torch.float32
         assert torch.equal(colour_class(xa), ya % 5) and torch.equal(colour_class(xb), yb % 5)
+
+
+def test_capped_gpu_label_says_what_the_process_may_use():
+    from rectrain.memory import GpuInfo, oom_message
+    capped = GpuInfo(0, "NVIDIA H200", 11 * 1024, card_mb=140 * 1024)
+    assert capped.label() == "GPU 0 (NVIDIA H200, 11.0 GB of the card's 140.0 GB, capped for this process)"
+    assert GpuInfo(0, "RTX 2080 Ti", 11 * 1024).label() == "GPU 0 (RTX 2080 Ti, 11.0 GB)"
+    msg = oom_message(capped, 256, 96, 1, need_mb=25 * 1024)
+    assert "batch 256" in msg and "11.0 GB" in msg and "96" in msg and "grad_accum" in msg

@@ -24,19 +24,30 @@ _OOM_TEXT = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_
              "cuda_error_out_of_memory")
 
 
+def usable_bytes(device: torch.device) -> int:
+    """Memory this process may allocate on the card: its total x the per-process fraction
+    (torch.cuda.set_per_process_memory_fraction, or PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:f)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    return int(total * (fraction(device) if fraction else 1.0))
+
+
 @dataclass(frozen=True)
 class GpuInfo:
     index: int
     name: str
-    total_mb: float
+    total_mb: float                  # what this process may use
+    card_mb: float | None = None     # the whole card, when a per-process cap makes it differ
 
     @classmethod
     def of(cls, device: torch.device) -> "GpuInfo":
         p = torch.cuda.get_device_properties(device)
-        return cls(device.index or 0, p.name, p.total_memory / 2**20)
+        usable, card = usable_bytes(device) / 2**20, p.total_memory / 2**20
+        return cls(device.index or 0, p.name, usable, card if usable < 0.99 * card else None)
 
     def label(self) -> str:
-        return f"GPU {self.index} ({self.name}, {self.total_mb / 1024:.1f} GB)"
+        cap = f" of the card's {self.card_mb / 1024:.1f} GB, capped for this process" if self.card_mb else ""
+        return f"GPU {self.index} ({self.name}, {self.total_mb / 1024:.1f} GB{cap})"
 
 
 class BatchDoesNotFit(RuntimeError):
@@ -131,7 +142,7 @@ def cuda_try_step(model: torch.nn.Module, loss_fn, image_size: int, num_classes:
                   amp_dtype: torch.dtype | None, channels_last: bool,
                   headroom: float | None = None) -> Callable[[int], float]:
     """A try_step(batch) -> peak MB that runs one forward/backward on random data on `device`."""
-    total = torch.cuda.get_device_properties(device).total_memory
+    total = usable_bytes(device)
 
     def try_step(batch: int) -> float:
         x = y = loss = None
