@@ -5,12 +5,15 @@
 #
 # Each stage reads only its own config block (params:), so editing train.* reruns training and what
 # follows it, nothing before.
+from pathlib import Path
+
 from snakemake.utils import min_version
 
 min_version("9.11")
 
 
-configfile: "config/config.yaml"
+# Found from any working directory (--directory); --configfile files are merged over it.
+configfile: Path(workflow.basedir) / "config" / "config.yaml"
 
 
 include: "workflow/rules/common.smk"
