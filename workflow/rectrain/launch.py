@@ -20,7 +20,7 @@ from rectrain import cluster, stage
 DEFAULT_PORT = 29500
 # Modules whose code decides what training computes (plus loaders/*.py): the train rule lists them as
 # inputs, and a checkpoint written by other code is not resumed (rectrain.train.code_fingerprint).
-TRAINING_MODULES = ("train", "launch", "memory", "telemetry", "checkpoint")
+TRAINING_MODULES = ("train", "launch", "memory", "telemetry", "stepclock", "checkpoint")
 # How long the elastic agent waits for the other ranks to exit after one failed.  Bounded so a
 # crashed rank ends the whole job promptly instead of leaving its peers blocked in a collective.
 MONITOR_INTERVAL_S = 0.5

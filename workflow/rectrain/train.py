@@ -39,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rectrain import checkpoint as ckpt
 from rectrain import memory, telemetry
 from rectrain.launch import plan_processes, torchrun_args, training_sources, visible_gpu_count
-from rectrain.loaders import LoaderSpec, build_loader
+from rectrain.loaders import DaliOptions, LoaderSpec, build_loader
+from rectrain.stepclock import StepClock
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # Config keys that do not change the maths of a run: a checkpoint written under other values of these
@@ -232,17 +233,61 @@ def resumable(state: dict, cfg: dict, fingerprint: dict, world_size: int, code: 
     return None
 
 
+def set_backend_flags(cfg: dict, device: torch.device) -> None:
+    # Fixed training shapes: cuDNN's autotuner picks the fastest kernels once, for every later step.
+    torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cfg.get("cudnn_benchmark", True))
+
+
+def make_model(cfg: dict, num_classes: int, device: torch.device):
+    """(model on device, in channels_last when asked; the loss)."""
+    model = torchvision.models.get_model(cfg["model"], num_classes=num_classes).to(device)
+    if cfg["channels_last"]:
+        model = model.to(memory_format=torch.channels_last)
+    return model, torch.nn.CrossEntropyLoss(label_smoothing=cfg["label_smoothing"])
+
+
+def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int):
+    """(SGD with nesterov, warmup + cosine schedule, GradScaler for fp16) for the global batch."""
+    peak_lr = cfg["lr"] * global_batch / 256
+    total_steps, warmup_steps = cfg["epochs"] * opt_steps_per_epoch, round(cfg["warmup_epochs"] * opt_steps_per_epoch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=cfg["momentum"],
+                                nesterov=cfg["nesterov"] and cfg["momentum"] > 0, weight_decay=cfg["weight_decay"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
+    scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=cfg["precision"] == "fp16")
+    return optimizer, scheduler, scaler
+
+
 # --- the loop ------------------------------------------------------------------------------------
 
-def train_one_epoch(epoch, model, loader, loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log):
+def run_steps(epoch, model, batches, loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log,
+              n_batches: int | None = None, max_steps: int | None = None) -> dict:
+    """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log.
+
+    The training step itself: the epoch loop and bench/gpu_efficiency.py both run it.  No host sync per
+    step: times come from a StepClock read one step late, loss and hits stay on the device until then,
+    so the host queues step k+1 (and fetches its batch) while the GPU still computes step k."""
     model.train()
     dtype = amp_dtype(cfg["precision"])
-    n_batches = loader.batches_per_epoch
-    loss_sum = correct = seen = 0.0
-    t_epoch = t_prev = time.perf_counter()
-    step = -1
-    for step, (x, y) in enumerate(loader.epoch(epoch)):
-        t_data = time.perf_counter()
+    n_batches = n_batches or max_steps
+    clock = StepClock(d.device)
+    totals = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0}
+
+    def resolve(step, m_prev, m_data, m_end, loss, hits, n, lr):
+        clock.wait(m_end)
+        wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
+        loss_v = loss.item()
+        # Step wall time runs from the end of the previous step, so data wait + compute = wall.
+        steps_log.write(rank=d.rank, epoch=epoch, step=step, time=clock.unix_time(m_end), wall_s=wall,
+                        data_wait_s=wait, compute_s=wall - wait, images=n, loss=loss_v, lr=lr)
+        totals["loss_sum"] += loss_v * n
+        totals["correct"] += hits.item()
+        totals["seen"] += n
+        totals["steps"] += 1
+
+    pending = None
+    m_prev = clock.mark()
+    for step, (x, y) in enumerate(batches):
+        m_data = clock.mark()
         if cfg["channels_last"]:
             x = x.contiguous(memory_format=torch.channels_last)
         last_micro = (step + 1) % accum == 0 or step + 1 == n_batches
@@ -258,20 +303,29 @@ def train_one_epoch(epoch, model, loader, loss_fn, optimizer, scheduler, scaler,
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-        if d.device.type == "cuda":
-            torch.cuda.synchronize(d.device)  # compute time is only honest once the GPU has finished
-        loss_v, hits = loss.item(), (out.argmax(1) == y).sum().item()
-        now = time.perf_counter()
-        # Step wall time runs from the end of the previous step, so data wait + compute = wall.
-        steps_log.write(rank=d.rank, epoch=epoch, step=step, time=time.time(), wall_s=now - t_prev,
-                        data_wait_s=t_data - t_prev, compute_s=now - t_data, images=len(y), loss=loss_v, lr=lr)
-        loss_sum, correct, seen = loss_sum + loss_v * len(y), correct + hits, seen + len(y)
-        t_prev = now
+        hits = (out.argmax(1) == y).sum()
+        m_end = clock.mark()
+        if pending:
+            resolve(*pending)
+        pending = (step, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
+        m_prev = m_end
+        if max_steps is not None and step + 1 >= max_steps:
+            break
+    if pending:
+        resolve(*pending)
+    return totals
+
+
+def train_one_epoch(epoch, model, loader, loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log):
+    n_batches = loader.batches_per_epoch
+    t_epoch = time.perf_counter()
+    t = run_steps(epoch, model, loader.epoch(epoch), loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log,
+                  n_batches=n_batches)
     wall = time.perf_counter() - t_epoch
-    if step + 1 != n_batches:
-        raise RuntimeError(f"rank {d.rank}: the {loader.kind} loader yielded {step + 1} batches in epoch {epoch}, "
+    if t["steps"] != n_batches:
+        raise RuntimeError(f"rank {d.rank}: the {loader.kind} loader yielded {t['steps']} batches in epoch {epoch}, "
                            f"expected {n_batches} on every rank (the other ranks would wait forever)")
-    loss_sum, correct, seen = all_reduce_sum([loss_sum, correct, seen], d)
+    loss_sum, correct, seen = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"]], d)
     return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall}
 
 
@@ -333,25 +387,18 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts rank 0's)
 
     classes = read_classes(args.classes)
-    model = torchvision.models.get_model(cfg["model"], num_classes=len(classes)).to(d.device)
-    if cfg["channels_last"]:
-        model = model.to(memory_format=torch.channels_last)
-    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg["label_smoothing"])
+    set_backend_flags(cfg, d.device)
+    model, loss_fn = make_model(cfg, len(classes), d.device)
     batch, accum, preflight = choose_batch(cfg, model, loss_fn, d, len(classes))
 
     common = dict(image_size=cfg["image_size"], rank=d.rank, world_size=d.world_size, workers=cfg["workers"],
-                  device=str(d.device), gpu_decode=cfg["gpu_decode"], seed=cfg["seed"])
+                  device=str(d.device), gpu_decode=cfg["gpu_decode"], seed=cfg["seed"],
+                  dali=DaliOptions.from_config(cfg))
     train_loader = build_loader(cfg["loader"], LoaderSpec(args.rec, args.idx, batch_size=batch, train=True, **common))
     val_loader = build_loader(cfg["loader"], LoaderSpec(args.val_rec, args.val_idx, batch_size=batch, train=False,
                                                         **common))
     global_batch = batch * accum * d.world_size
-    peak_lr = cfg["lr"] * global_batch / 256
-    opt_steps = math.ceil(train_loader.batches_per_epoch / accum)
-    total_steps, warmup_steps = cfg["epochs"] * opt_steps, round(cfg["warmup_epochs"] * opt_steps)
-    optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=cfg["momentum"],
-                                nesterov=cfg["nesterov"] and cfg["momentum"] > 0, weight_decay=cfg["weight_decay"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
-    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg["precision"] == "fp16")
+    optimizer, scheduler, scaler = make_optimizer(cfg, model, global_batch, math.ceil(train_loader.batches_per_epoch / accum))
 
     start_epoch, rng_states = 0, None
     fingerprint, code = data_fingerprint(args.rec, args.idx), code_fingerprint()
@@ -381,6 +428,8 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
     info = run_info(cfg, d, train_loader.kind, batch, accum, cfg["epochs"], args.rec,
                     train_loader.padding_per_epoch, preflight, started)
     info["resumed_from_epoch"] = start_epoch if start_epoch else None
+    # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
+    info.update(loader_requested=cfg["loader"], decode=train_loader.choice.decode, loader_note=train_loader.choice.note)
     if d.master:
         write_json(out / "run.json", info)
         log(f"{d.world_size} process(es), {info['backend']}, {train_loader.kind} loader, {cfg['model']} "
