@@ -1,0 +1,230 @@
+"""Does the GPU wait for data?  Training img/s from the .rec through each loader vs the same model on
+synthetic data already on the GPU, measured side by side in one run.
+
+    python bench/gpu_efficiency.py --rec results/fast_storage/gpudemo/train.rec \
+        --idx results/fast_storage/gpudemo/train.idx --out bench/out/gpu
+
+Runs (default): ResNet-50 and ResNet-18 at 224 px from the .rec as packed, and both at 160 px from a
+copy re-encoded at shorter side 182 (what a low-resolution run would pack: decode cost is what starves
+small models).  Each run trains with the project's own step (rectrain.train.run_steps: same model
+set-up, AMP, channels_last, optimizer, step timing) for --warmup + --steps steps per source and
+reports the steady-state img/s over the last --steps, the ratio real/synthetic and the mean share of
+step time the GPU spent waiting for data.  To reach steady state inside one epoch the bench writes
+its own .rec copies with every record repeated as often as needed (content does not matter for
+throughput; the page cache holds them).
+Writes <out>/gpu_efficiency.md and .json.  Runs on CPU too with tiny settings (tests):
+    python bench/gpu_efficiency.py ... --device cpu --model resnet18 --size 64 --steps 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow"))
+
+from rectrain import train as T  # noqa: E402
+from rectrain.config import check_config  # noqa: E402
+from rectrain.images import prepare  # noqa: E402
+from rectrain.loaders import DaliOptions, LoaderSpec, build_loader  # noqa: E402
+from rectrain.recordio import IRHeader, IndexedRecordReader, RecordWriter, pack_record, unpack_record  # noqa: E402
+
+DEFAULT_RUNS = "resnet50:224,resnet18:224,resnet18:160@182,resnet50:160@182"
+LOADERS = ("dali", "torch")
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_efficiency] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_runs(text: str) -> list[tuple[str, int, int]]:
+    """'resnet50:224,resnet18:160@182' -> [(model, image size, .rec shorter side or 0 = as packed)]."""
+    runs = []
+    for item in text.split(","):
+        model, _, rest = item.strip().partition(":")
+        size, _, side = rest.partition("@")
+        if not model or not size.isdigit() or (side and not side.isdigit()):
+            raise SystemExit(f"--runs: cannot read {item!r}; write model:size or model:size@shorter_side")
+        runs.append((model, int(size), int(side or 0)))
+    return runs
+
+
+def _reencode(args: tuple[bytes, int, int]) -> bytes:
+    data, side, quality = args
+    return prepare(data, side, quality)[0]
+
+
+def bench_rec(src_rec: str, src_idx: str, dest: Path, records: int, side: int, quality: int, workers: int) -> tuple[str, str]:
+    """A .rec with at least `records` records: the source's, repeated, re-encoded at shorter side `side`
+    (0 = original bytes) with the packer's own resize (rectrain.images.prepare)."""
+    rec, idx = dest / f"bench_side{side}_{records}.rec", dest / f"bench_side{side}_{records}.idx"
+    if rec.exists() and idx.exists():
+        return str(rec), str(idx)
+    with IndexedRecordReader(src_rec, src_idx) as reader:
+        items = [unpack_record(payload) for _, payload in reader]
+    if side:
+        with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+            data = list(pool.map(_reencode, [(b, side, quality) for _, b in items], chunksize=32))
+        items = [(h, d) for (h, _), d in zip(items, data)]
+    tmp_rec, tmp_idx = rec.with_suffix(".rec.tmp"), idx.with_suffix(".idx.tmp")
+    with RecordWriter(tmp_rec, tmp_idx) as w:
+        for i in range(max(records, len(items))):
+            header, data = items[i % len(items)]
+            w.write(i, pack_record(IRHeader(header.flag, header.label, i, 0), data))
+    os.replace(tmp_rec, rec)
+    os.replace(tmp_idx, idx)
+    return str(rec), str(idx)
+
+
+class StepRows:
+    """A steps_log for run_steps that keeps the rows."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def write(self, **row) -> None:
+        self.rows.append(row)
+
+
+def steady(rows: list[dict], warmup: int) -> dict:
+    """img/s and data-wait share over the steps after warm-up."""
+    kept = [r for r in rows if r["step"] >= warmup] or rows
+    wall = sum(r["wall_s"] for r in kept)
+    return {"img_s": sum(r["images"] for r in kept) / wall, "data_wait_share": sum(r["data_wait_s"] for r in kept) / wall,
+            "steps": len(kept)}
+
+
+def train_config(args, model: str, size: int) -> dict:
+    block = {"model": model, "image_size": size, "batch_size": args.batch, "precision": args.precision,
+             "channels_last": not args.no_channels_last, "compile": args.compile, "workers": args.workers,
+             "gpu_decode": True, "dali_hw_decoder_load": args.hw_decoder_load, "epochs": 1, "warmup_epochs": 0,
+             "devices": "cpu" if args.device == "cpu" else "auto"}
+    return check_config({"dataset": "bench", "train": block}, REPO / "config" / "schema.yaml", workdir=REPO)["train"]
+
+
+def measure(cfg, d, batches, num_classes: int, steps: int) -> dict:
+    """Train `steps` steps on `batches` with the project's step; steady-state numbers after warm-up."""
+    model, loss_fn = T.make_model(cfg, num_classes, d.device)
+    optimizer, scheduler, scaler = T.make_optimizer(cfg, model, cfg["batch_size"], steps)
+    rows = StepRows()
+    T.run_steps(0, model, batches, loss_fn, optimizer, scheduler, scaler, cfg, 1, d, rows, max_steps=steps)
+    del model, optimizer
+    return rows.rows
+
+
+def synthetic(cfg, d, num_classes: int, n: int):
+    """The same batch, already on the device, n times: the ceiling no loader can beat."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(cfg["batch_size"], 3, cfg["image_size"], cfg["image_size"], generator=g).to(d.device)
+    y = torch.randint(0, num_classes, (cfg["batch_size"],), generator=g).to(d.device)
+    return ((x, y) for _ in range(n))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({len(os.sched_getaffinity(0))} cores)"
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| GPU | loader (decode) | model | px | .rec side | batch | img/s real | img/s synthetic | ratio | "
+            "data-wait share |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['gpu']} | {r['loader']} | {r['model']} | {r['image_size']} | {r['rec_side'] or 'as packed'} "
+                         f"| {r['batch']} | skipped: {r['skipped']} | {r['synthetic_img_s']:.0f} | | |")
+            continue
+        lines.append(f"| {r['gpu']} | {r['loader']} ({r['decode']}) | {r['model']} | {r['image_size']} | "
+                     f"{r['rec_side'] or 'as packed'} | {r['batch']} | {r['real_img_s']:.0f} | {r['synthetic_img_s']:.0f} | "
+                     f"{r['ratio']:.3f} | {r['data_wait_share']:.3f} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rec", required=True, help="packed train .rec (the pipeline's)")
+    ap.add_argument("--idx", required=True)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"model:size[@rec_side],... (default {DEFAULT_RUNS})")
+    ap.add_argument("--model", help="a single run: this model (with --size)")
+    ap.add_argument("--size", type=int, help="a single run: this image size")
+    ap.add_argument("--rec-side", type=int, default=0, help="a single run: re-encode the .rec at this shorter side")
+    ap.add_argument("--loaders", default=",".join(LOADERS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=40, help="measured steps per source (after warm-up)")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--no-channels-last", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--workers", type=int, default=max(1, len(os.sched_getaffinity(0)) - 2),
+                    help="DALI threads / torch worker processes (default: cores - 2)")
+    ap.add_argument("--hw-decoder-load", type=float, default=0.65)
+    ap.add_argument("--num-classes", type=int, default=1000)
+    ap.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded .rec copies")
+    args = ap.parse_args(argv)
+
+    runs = [(args.model, args.size, args.rec_side)] if args.model else parse_runs(args.runs)
+    if args.model and not args.size:
+        raise SystemExit("--model needs --size")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda but torch sees no GPU: use --device cpu (tiny settings) or a GPU machine")
+        torch.cuda.set_device(device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    d = T.Dist(0, 1, 0, 1, device)
+    gpu = device_name(device)
+    n = args.warmup + args.steps
+    # Records for one uninterrupted epoch of n steps, plus the loader's prefetch, so no epoch boundary
+    # (pipeline rebuild, drain) falls inside the measurement.
+    records = (n + 4) * args.batch
+    rows = []
+    t0 = time.monotonic()
+    for model, size, side in runs:
+        cfg = train_config(args, model, size)
+        T.set_backend_flags(cfg, device)
+        rec, idx = bench_rec(args.rec, args.idx, args.out, records, side, args.quality, args.workers)
+        log(f"{model} @{size}px (.rec {'side ' + str(side) if side else 'as packed'}): synthetic")
+        ceiling = steady(measure(cfg, d, synthetic(cfg, d, args.num_classes, n), args.num_classes, n), args.warmup)
+        log(f"  synthetic {ceiling['img_s']:.0f} img/s")
+        for kind in args.loaders.split(","):
+            row = {"gpu": gpu, "model": model, "image_size": size, "rec_side": side, "batch": args.batch,
+                   "precision": cfg["precision"], "channels_last": cfg["channels_last"], "compile": cfg["compile"],
+                   "workers": cfg["workers"], "synthetic_img_s": ceiling["img_s"]}
+            spec = LoaderSpec(rec, idx, batch_size=args.batch, image_size=size, train=True, workers=cfg["workers"],
+                              device=str(device), gpu_decode=True, seed=0, dali=DaliOptions.from_config(cfg))
+            loader = build_loader(kind, spec)
+            if loader.kind != kind:
+                rows.append({**row, "loader": kind, "skipped": loader.choice.note.split(":")[0] + " (not importable)"})
+                log(f"  {kind}: skipped, {loader.choice.note}")
+                continue
+            if loader.batches_per_epoch < n:
+                raise SystemExit(f"{rec} has {loader.batches_per_epoch} batches per epoch, fewer than {n}")
+            real = steady(measure(cfg, d, loader.epoch(0), args.num_classes, n), args.warmup)
+            rows.append({**row, "loader": kind, "decode": loader.choice.decode.split(",")[0],
+                         "real_img_s": real["img_s"], "ratio": real["img_s"] / ceiling["img_s"],
+                         "data_wait_share": real["data_wait_share"], "steps": real["steps"]})
+            log(f"  {kind}: {real['img_s']:.0f} img/s, ratio {rows[-1]['ratio']:.3f}, "
+                f"data wait {real['data_wait_share']:.1%}")
+            del loader
+    table = markdown(rows)
+    meta = {"device": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "warmup": args.warmup,
+            "steps": args.steps, "wall_s": round(time.monotonic() - t0, 1), "argv": sys.argv[1:]}
+    (args.out / "gpu_efficiency.md").write_text(table)
+    (args.out / "gpu_efficiency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
