@@ -155,3 +155,45 @@ def test_empty_telemetry_does_not_crash():
     found = diagnose(pd.DataFrame(columns=cols), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {},
                      REPORT_CFG)
     assert [f.id for f in found] == ["no_problems"]
+
+
+# --- GPU knobs: the input-bound fix names the knob of the decoder the run actually used -----------------
+
+def _input_fix(**run_fields):
+    run = make_run(gpus=2, **run_fields)
+    return run_diag(wait={0: 0.35, 1: 0.30}, run=run)["input_bound"].fix
+
+
+def test_input_bound_with_dali_gpu_decode_suggests_hw_decoder_load_and_threads():
+    fix = _input_fix(decode="gpu: DALI mixed decoder (nvJPEG)", config={"workers": 4, "dali_hw_decoder_load": 0.65,
+                                                                         "dali_prefetch_queue_depth": 2})
+    assert "train.dali_hw_decoder_load (now 0.65)" in fix and "train.workers (now 4)" in fix
+    assert "train.dali_prefetch_queue_depth (now 2)" in fix and "pack.resize" in fix
+
+
+def test_input_bound_with_cpu_decode_on_gpus_suggests_gpu_decode():
+    fix = _input_fix(decode="cpu: DALI (libjpeg-turbo) in train.workers threads", config={"workers": 2})
+    assert "train.gpu_decode: true" in fix and "train.loader: dali" in fix and "(now 2)" in fix
+
+
+def test_input_bound_after_dali_fallback_says_install_dali():
+    fix = _input_fix(decode="gpu: torchvision.io.decode_jpeg", loader="torch",
+                     loader_note="train.loader is 'dali' but DALI cannot be imported (ImportError)")
+    assert "install DALI" in fix and "hardware JPEG engines" in fix
+
+
+def test_input_bound_with_torchvision_gpu_decode_suggests_dali():
+    fix = _input_fix(decode="gpu: torchvision.io.decode_jpeg, one batched call per step", loader="torch")
+    assert "train.loader: dali" in fix and "CUDA cores" in fix
+
+
+def test_input_bound_without_decode_in_run_json_gives_the_generic_fix():
+    fix = run_diag(wait={0: 0.35, 1: 0.30})["input_bound"].fix
+    assert "train.gpu_decode: true" in fix and "pack.fast_storage" in fix
+
+
+def test_low_gpu_util_suggests_cudnn_benchmark_when_it_was_off():
+    gpus = {0: (40.0, 7000.0, 11264.0), 1: (40.0, 7000.0, 11264.0)}
+    run = make_run(gpus=2, compile=True, config={"cudnn_benchmark": False})
+    fix = run_diag(wait={0: 0.01, 1: 0.01}, gpus=gpus, run=run)["low_gpu_util"].fix
+    assert "train.cudnn_benchmark: true" in fix

@@ -101,7 +101,41 @@ def gpu_util_mean(system: pd.DataFrame) -> dict[int, float]:
 # Rules: each returns a Finding or None
 
 
-def input_bound(steps: pd.DataFrame, cfg: Mapping) -> Finding | None:
+def input_fix(run: Mapping | None) -> str:
+    """How to feed the model faster, for the decoder this run actually used (run.json's `decode`,
+    `loader_note` and its copy of the train block); the generic advice when run.json does not say."""
+    run = run or {}
+    decode = str(run.get("decode") or "")
+    on_gpu = run.get("backend") == "nccl" or bool(run.get("gpus"))
+    storage = "keep the .rec on an SSD (pack.fast_storage)"
+    shrink = "pre-shrink the images once (pack.resize, e.g. 160 for image_size 128)"
+    def now(key: str) -> str:
+        value = train_setting(run, key)
+        return f" (now {value})" if value is not None else ""
+
+    if on_gpu and run.get("loader_note"):
+        return (f"DALI was requested but not importable, so the torch loader decoded on the GPU's CUDA cores, "
+                f"competing with training: install DALI (nvidia-dali-cuda<CUDA major>0) so its mixed decoder "
+                f"uses the hardware JPEG engines; also {storage}, or {shrink}.")
+    if on_gpu and decode.startswith("cpu"):
+        return (f"JPEGs were decoded on the CPU ({decode}) while the GPUs trained: set train.gpu_decode: true "
+                f"with train.loader: dali (the mixed decoder), add decode threads (train.workers{now('workers')}), "
+                f"{storage}, or {shrink}.")
+    if decode.startswith("gpu: DALI"):
+        return (f"The GPU decoder cannot keep up: raise train.dali_hw_decoder_load{now('dali_hw_decoder_load')} "
+                f"toward 0.9 so the hardware JPEG engines take more images, add CPU threads for the decoder's "
+                f"host stage (train.workers{now('workers')}, about cores / GPUs), deepen "
+                f"train.dali_prefetch_queue_depth{now('dali_prefetch_queue_depth')}, {storage}, or {shrink}.")
+    if decode.startswith("gpu: torchvision"):
+        return (f"The torch loader decodes on the GPU's CUDA cores, competing with training: use "
+                f"train.loader: dali (hardware JPEG engines via the mixed decoder), add reader processes "
+                f"(train.workers{now('workers')}), {storage}, or {shrink}.")
+    return ("Feed the model faster: keep the .rec on an SSD (pack.fast_storage), decode on the GPU "
+            f"(train.loader: dali, train.gpu_decode: true), add decode threads (train.workers{now('workers')}), or "
+            "pre-shrink the images once (pack.resize, e.g. 160 for image_size 128).")
+
+
+def input_bound(steps: pd.DataFrame, cfg: Mapping, run: Mapping | None = None) -> Finding | None:
     shares = data_wait_share_by_rank(steps)
     limit = float(cfg["data_wait_share"])
     if shares.empty or shares.max() <= limit:
@@ -116,9 +150,7 @@ def input_bound(steps: pd.DataFrame, cfg: Mapping) -> Finding | None:
         measured=(f"data wait is {_pct(overall)} of step time over all ranks ({per_rank}); "
                   f"rank {worst} waits most"),
         threshold=f"report.data_wait_share = {_pct(limit)} of step time",
-        fix=("Feed the model faster: keep the .rec on an SSD (pack.fast_storage), decode on the GPU "
-             "(train.loader: dali, train.gpu_decode: true), add decode threads (train.workers), or "
-             "pre-shrink the images once (pack.resize, e.g. 160 for image_size 128)."),
+        fix=input_fix(run),
     )
 
 
@@ -284,6 +316,8 @@ def low_gpu_util(steps: pd.DataFrame, system: pd.DataFrame, run: Mapping, cfg: M
         tips.append("train.channels_last: true (faster convolutions on tensor cores)")
     if str(train_setting(run, "precision") or "fp32") == "fp32":
         tips.append("train.precision: bf16 (or fp16 on GPUs without bf16 such as the RTX 2080 Ti)")
+    if train_setting(run, "cudnn_benchmark") is False:
+        tips.append("train.cudnn_benchmark: true (cuDNN picks the fastest kernels for the fixed shape)")
     if tips:
         fix = "The GPU is not kept busy by the model itself. Turn on " + "; ".join(tips) + "."
     else:
@@ -369,7 +403,7 @@ def diagnose(steps: pd.DataFrame, system: pd.DataFrame, run: Mapping | None,
     (informational findings such as repaired images may accompany it)."""
     run, manifests = run or {}, manifests or {}
     found: list[Finding] = []
-    for f in (input_bound(steps, cfg), rank_imbalance(steps, system, cfg),
+    for f in (input_bound(steps, cfg, run), rank_imbalance(steps, system, cfg),
               rec_on_rotational(run, manifests), high_iowait(system, cfg),
               low_gpu_util(steps, system, run, cfg)):
         if f is not None:
