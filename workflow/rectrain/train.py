@@ -332,6 +332,11 @@ def train_one_epoch(epoch, model, loader, loss_fn, optimizer, scheduler, scaler,
 @torch.no_grad()
 def evaluate(model, loader, loss_fn, cfg, d, num_classes) -> dict:
     """Loss, top-1, top-5 over the whole val .rec (each rank its shard, summed across ranks)."""
+    # Each rank's BatchNorm statistics drifted on its own shard since the last forward; validate the
+    # weights that get checkpointed (rank 0's), or epochs.csv disagrees with the evaluate stage.
+    if d.world_size > 1:
+        for buf in ckpt.unwrap(model).buffers():
+            dist.broadcast(buf, src=0)
     model.eval()
     dtype = amp_dtype(cfg["precision"])
     k = min(5, num_classes)
