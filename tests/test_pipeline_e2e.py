@@ -51,6 +51,10 @@ def test_pipeline_produces_report_and_learns(pipeline):
     # if every stage kept each image with its own label (a shuffled label map scores ~0.10).
     assert metrics["top1"] >= 0.6, metrics
     assert metrics["images"] == 120
+    # Training's own last val pass scores the checkpointed weights on the same records.
+    last_epoch = (work / "results" / "demo" / "train" / "epochs.csv").read_text().strip().splitlines()[-1]
+    val_top1 = float(last_epoch.split(",")[4])
+    assert abs(val_top1 - metrics["top1"]) <= 1 / 120 + 1e-9, (val_top1, metrics)
 
 
 def test_unchanged_config_schedules_nothing(pipeline, tmp_path):
