@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Jobs started by Snakemake find this interpreter first.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test report dryrun lint env mxnet-env clean
+.PHONY: test report dryrun lint env mxnet-env clean gpu-check
 
 env: $(STAMP)
 
@@ -45,6 +45,10 @@ dryrun: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/snakemake --lint
+
+# On a GPU machine: pipeline with config/gpu.yaml + efficiency bench + 11 GB check (bench/GPU_RUNBOOK.md).
+gpu-check:
+	bash bench/gpu_check.sh $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf results/demo results/fast_storage logs benchmarks .snakemake results/report.html

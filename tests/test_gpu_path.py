@@ -124,3 +124,22 @@ def test_capped_gpu_label_says_what_the_process_may_use():
     assert GpuInfo(0, "RTX 2080 Ti", 11 * 1024).label() == "GPU 0 (RTX 2080 Ti, 11.0 GB)"
     msg = oom_message(capped, 256, 96, 1, need_mb=25 * 1024)
     assert "batch 256" in msg and "11.0 GB" in msg and "96" in msg and "grad_accum" in msg
+
+
+def test_gpu_config_plans_the_whole_pipeline(tmp_path):
+    """What bench/gpu_check.sh runs: the config parses, and a dry run from scratch schedules every stage."""
+    from conftest import snakemake
+    proc = snakemake("-n", "--configfile", str(REPO / "config" / "gpu.yaml"), "--directory", str(tmp_path),
+                     "results/report.html", check=True)
+    for rule in ("demo_data", "index_raw", "pack", "train", "evaluate", "report"):
+        assert f"rule {rule}:" in proc.stdout, rule
+
+
+def test_gpu_check_script_is_valid_bash_and_names_each_part():
+    import subprocess
+    script = REPO / "bench" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    for part in ("config/gpu.yaml", "bench/gpu_efficiency.py", "bench/oom_cap.py", "bench/gpu_summary.py",
+                 "--no-index --find-links .whl", "report.html", "summary.txt"):
+        assert part in text, part
