@@ -41,6 +41,8 @@ nvidia-smi -L || echo "nvidia-smi not found"
 "$PY" -c "import sys, torch, torchvision; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| torchvision', torchvision.__version__, '| GPUs', torch.cuda.device_count())" \
     || { echo "torch/torchvision missing for $PY: this check needs them preinstalled"; exit 2; }
 if [ -d .whl ]; then
+    # Many small wheels travel as one tar (a carry takes at most 8 paths).
+    for t in .whl/*.tar; do [ -e "$t" ] && tar -xf "$t" -C .whl && rm -f "$t" && echo "unpacked $t"; done
     # Wheels too large to carry in one piece arrive as <wheel>.part-aa, -ab, ... (split -b 55M): join them.
     for first in .whl/*.whl.part-aa; do
         [ -e "$first" ] || continue
