@@ -210,7 +210,11 @@ def main(argv=None) -> int:
                 continue
             if loader.batches_per_epoch < n:
                 raise SystemExit(f"{rec} has {loader.batches_per_epoch} batches per epoch, fewer than {n}")
-            real = steady(measure(cfg, d, loader.epoch(0), args.num_classes, n), args.warmup)
+            batches = loader.epoch(0)
+            try:
+                real = steady(measure(cfg, d, batches, args.num_classes, n), args.warmup)
+            finally:
+                batches.close()  # stop the loader's workers / pipeline now, not at garbage collection
             rows.append({**row, "loader": kind, "decode": loader.choice.decode.split(",")[0],
                          "real_img_s": real["img_s"], "ratio": real["img_s"] / ceiling["img_s"],
                          "data_wait_share": real["data_wait_share"], "steps": real["steps"]})

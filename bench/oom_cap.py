@@ -62,7 +62,9 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     fraction = cap_memory(device, args.cap_gb)
-    base = {"model": args.model, "image_size": args.size, "precision": args.precision, "channels_last": True}
+    # No cuDNN autotuning: the search tries many batch sizes and each would be tuned anew.
+    base = {"model": args.model, "image_size": args.size, "precision": args.precision, "channels_last": True,
+            "cudnn_benchmark": False}
     fixed = preflight({**base, "batch_size": args.batch}, device, args.num_classes)
     auto = preflight({**base, "batch_size": "auto", "global_batch": args.batch}, device, args.num_classes)
     gpu = memory.GpuInfo.of(device)

@@ -83,3 +83,17 @@ def test_step_clock_on_cpu_measures_intervals_and_unix_time():
     clock.wait(b)
     assert 0.015 < clock.seconds(a, b) < 1
     assert abs(clock.unix_time(b) - time.time()) < 0.5
+
+
+def test_oom_cap_runs_the_training_preflight_and_refuses_without_a_gpu():
+    import pytest
+    sys.path.insert(0, str(REPO / "bench"))
+    import oom_cap
+    cpu = torch.device("cpu")
+    fixed = oom_cap.preflight({"model": "resnet18", "image_size": 32, "batch_size": 256}, cpu, 10)
+    assert fixed["batch"] == 256 and "no GPU" in fixed["report"]["skipped"]
+    auto = oom_cap.preflight({"model": "resnet18", "image_size": 32, "batch_size": "auto", "global_batch": 96}, cpu, 10)
+    assert (auto["batch"], auto["grad_accum"]) == (96, 1)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a GPU"):
+            oom_cap.main(["--out", "/nonexistent"])
