@@ -121,6 +121,23 @@ def test_resize_sets_the_shorter_side_and_never_upscales(tmp_path):
     assert _manifest(tmp_path / "out")["resize"] == 64
 
 
+def test_resized_records_are_byte_identical_whatever_the_worker_count(tmp_path):
+    # draft-decoded (source >= 2x the target), directly shrunk, repaired and kept-as-is images
+    shapes = [(400, 300), (300, 520), (120, 90), (200, 150), (60, 50), (90, 160)] * 3
+    files = [(f"a/p{i:02d}.JPEG", i % 2, jpeg(photo(w, h, i))) for i, (w, h) in enumerate(shapes)]
+    files.append(("a/q_cmyk.JPEG", 1, jpeg(photo(200, 150, 9).convert("CMYK"))))
+    shorter = [min(64, w, h) for w, h in shapes] + [64]  # ids follow the sorted source names
+    raw, index = write_dataset(tmp_path, files, classes=2)
+    cfg = {"resize": 64, "quality": 85}
+    one = run_pack(raw, index, tmp_path / "one", cfg=cfg, threads=1)
+    three = run_pack(raw, index, tmp_path / "three", cfg=cfg, threads=3)
+    assert one.returncode == 0 and three.returncode == 0, one.stderr + three.stderr
+    for name in ("train.rec", "train.idx"):
+        assert (tmp_path / "one/fast" / name).read_bytes() == (tmp_path / "three/fast" / name).read_bytes()
+    _, records = _records(tmp_path / "three")
+    assert {rid: min(Image.open(io.BytesIO(img)).size) for rid, (_, img) in records.items()} == dict(enumerate(shorter))
+
+
 def test_jpeg_header_checks_do_not_decode():
     data = kinds()["progressive"]
     info = read_jpeg_header(data)

@@ -57,8 +57,32 @@ def _die_with_parent() -> None:
         pass
 
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEEP_FREED_BYTES = 64 << 20
+
+
+def _keep_freed_memory() -> None:
+    """Linux/glibc: reuse freed image buffers instead of handing them back to the kernel.
+
+    Every image needs fresh ~1 MB buffers (decode, resize, encode; in the parent, each batch of
+    records). glibc serves blocks that large with mmap, or trims them off the heap when freed, so
+    each one page-faults its memory back in: ~170 faults and ~0.4 ms of kernel time per image in a
+    worker, 10-15 % of a resize pack, and ~10 % of a pass-through pack's wall time in the parent
+    (measured on 500x375 JPEGs). Keeping up to 64 MB of freed memory in the heap bounds a process's
+    footprint by its largest images; buffers above 64 MB (huge photos) are still mapped and returned.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_FREED_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * _KEEP_FREED_BYTES)
+    except (OSError, AttributeError):
+        pass  # not glibc: the allocator's own policy applies
+
+
 def _init_worker(raw_root: str, resize: int, quality: int, parent: int) -> None:
     _die_with_parent()
+    _keep_freed_memory()
     if os.getppid() != parent:
         os._exit(1)
     from rectrain.index import open_source
@@ -260,6 +284,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="worker processes (default: pack.threads)")
     args = parser.parse_args(argv)
     cfg = json.loads(args.config_json)
+    _keep_freed_memory()  # the parent receives and writes ~0.5 MB of records per batch
     threads = args.threads or cfg.get("threads", 1)
     try:
         manifest = pack_split(cfg, args.index, args.raw, args.split, args.rec, args.idx, threads)
