@@ -1,6 +1,5 @@
 """The multi-node path on one machine: two torchrun "nodes" (one CPU process each) meeting through
 c10d rendezvous on localhost train exactly like the standalone path with two processes."""
-import csv
 import json
 import os
 import socket
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from rectrain.checkpoint import load
-from train_data import packed_dataset, tiny_train_config
+from train_data import packed_dataset, rows, tiny_train_config
 
 TELEMETRY = ["model.pt", "checkpoints/last.pt", "checkpoints/epoch_0.pt", "steps.csv", "epochs.csv",
              "system.csv", "run.json"]
@@ -38,11 +37,6 @@ def clean_env(**extra):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith(("SLURM_", "RECTRAIN_"))}
     env.update(extra)
     return env
-
-
-def rows(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.mark.slow

@@ -1,6 +1,5 @@
 """The training entry point end to end on CPU: started without a launcher, under torchrun with 2 gloo
 ranks (telemetry), killed and resumed, and with a crashing rank."""
-import csv
 import json
 import os
 import signal
@@ -14,7 +13,7 @@ import torch
 
 from rectrain.checkpoint import load
 from rectrain.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
-from train_data import config_json, packed_dataset
+from train_data import config_json, packed_dataset, rows
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +26,6 @@ def run_train(data, out, env_extra=None, timeout=240, extra=(), **cfg):
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "rectrain.train", "--config-json", config_json(**cfg), *data,
                            "--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def rows(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.mark.slow

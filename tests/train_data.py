@@ -1,5 +1,6 @@
 """Tiny packed datasets for the training tests: class k is an image of colour PALETTE[k] plus noise,
 so a label can be checked against its image after decoding and augmentation, and a model can learn."""
+import csv
 import io
 import json
 
@@ -59,3 +60,9 @@ def tiny_train_config(**overrides):
 
 def config_json(**overrides):
     return json.dumps(tiny_train_config(**overrides))
+
+
+def rows(path):
+    """A telemetry CSV as a list of dicts (column name -> string)."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
