@@ -194,6 +194,9 @@ def main() -> None:
     print(f"{'mode':<14}{'fixed s ours':>14}{'im2rec':>8}{'steady img/s ours':>19}{'im2rec':>8}{'ratio':>8}")
     for mode in ("pass-through", "resize 256"):
         x = r["results"][mode]
+        if min(x["ours_steady_img_s"], x["im2rec_steady_img_s"]) <= 0:
+            print(f"{mode:<14}  n/a: run-to-run noise exceeds the per-image time; use more --images")
+            continue
         print(f"{mode:<14}{x['ours_fixed_s']:>14.2f}{x['im2rec_fixed_s']:>8.2f}{x['ours_steady_img_s']:>19.0f}"
               f"{x['im2rec_steady_img_s']:>8.0f}{x['steady_ratio']:>8.2f}")
     print(json.dumps(r))
