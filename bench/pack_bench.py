@@ -182,7 +182,7 @@ def main() -> None:
     if not MXPY.exists():
         raise SystemExit(".venv-mxnet is missing: run `make mxnet-env` (mxnet 1.9.1 is the im2rec baseline)")
     r = run(args)
-    print(f"{r['images']} images ({r['source_mb']:.1f} MB), {r['threads']} worker processes pinned to cores "
+    print(f"{r['images']} images ({r['source_mb']:.1f} MB), {r['threads']} worker threads pinned to cores "
           f"{r['cores']} ({r['cpu']}), median of {r['repeats']} alternating runs")
     print(f"{'mode':<14}{'rectrain img/s':>16}{'im2rec img/s':>14}{'ratio':>8}{'target':>8}"
           f"{'CPU ms/img ours':>17}{'im2rec':>8}{'CPU ratio':>11}")

@@ -169,9 +169,15 @@ class SourceReader:
         return {"root": self.root, "_fds": {}, "_tables": self._tables}
 
     def _fd(self, rel: str) -> int:
-        if rel not in self._fds:
-            self._fds[rel] = os.open(self.root / _relative(rel), os.O_RDONLY)
-        return self._fds[rel]
+        # The packer's threads share one reader: if two open the same archive at once, keep one
+        # descriptor and close the other (reads are pread, so sharing it is safe).
+        fd = self._fds.get(rel)
+        if fd is None:
+            mine = os.open(self.root / _relative(rel), os.O_RDONLY)
+            fd = self._fds.setdefault(rel, mine)
+            if fd != mine:
+                os.close(mine)
+        return fd
 
     def span(self, chain: tuple[str, ...]) -> tuple[int, int, int]:
         """(fd, start, size) of an archive file or a member of one (chain = path, member, member...)."""
