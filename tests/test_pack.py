@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from packdata import EXPECTED, fake_sysfs, jpeg, kinds, kinds_dataset, photo, run_pack, write_dataset
-from rectrain import pack, storage
+from rectrain import images, pack, storage
 from rectrain.images import Skip, prepare, read_jpeg_header
 from rectrain.recordio import IndexedRecordReader, read_idx, unpack_record
 from rectrain.verify import main as verify_main
@@ -136,6 +136,50 @@ def test_resized_records_are_byte_identical_whatever_the_worker_count(tmp_path):
         assert (tmp_path / "one/fast" / name).read_bytes() == (tmp_path / "three/fast" / name).read_bytes()
     _, records = _records(tmp_path / "three")
     assert {rid: min(Image.open(io.BytesIO(img)).size) for rid, (_, img) in records.items()} == dict(enumerate(shorter))
+
+
+def _rgb(data):
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=float)
+
+
+def test_simplejpeg_resize_matches_the_pillow_path_and_decodes_reduced_when_it_can(monkeypatch):
+    pytest.importorskip("simplejpeg")
+    decoded = []
+    decode = images.simplejpeg.decode_jpeg
+
+    def spy(*args, **kwargs):
+        pixels = decode(*args, **kwargs)
+        decoded.append(pixels.shape)
+        return pixels
+    monkeypatch.setattr(images.simplejpeg, "decode_jpeg", spy)
+    # to a shorter side of 128: decoded at full size (150), 1/2 (150 of 300), 1/8 (138 of 1100), gray
+    sources = {"wide": jpeg(photo(200, 150, 4)), "tall": jpeg(photo(300, 600, 5)),
+               "big": jpeg(photo(1100, 1200, 6)), "gray": jpeg(photo(300, 200, 7).convert("L"))}
+    fast = {name: prepare(data, 128, 90) for name, data in sources.items()}
+    assert decoded == [(150, 200, 3), (300, 150, 3), (150, 138, 3), (200, 300, 3)]
+    monkeypatch.setattr(images, "simplejpeg", None)
+    pillow = {name: prepare(data, 128, 90) for name, data in sources.items()}
+    for name in sources:
+        assert fast[name][1] is None and pillow[name][1] is None, "a clean JPEG is not a repair"
+        ours, theirs = _rgb(fast[name][0]), _rgb(pillow[name][0])
+        assert ours.shape == theirs.shape and min(ours.shape[:2]) == 128, name
+        mse = np.mean((ours - theirs) ** 2)
+        assert mse < 255 ** 2 / 10 ** 3.8, f"{name}: the two decoders disagree (PSNR under 38 dB, MSE {mse:.1f})"
+
+
+def test_a_jpeg_libjpeg_turbo_refuses_strictly_takes_the_pillow_path(monkeypatch):
+    pytest.importorskip("simplejpeg")
+    data = bytearray(jpeg(photo(300, 200, 8)))
+    data[len(data) // 2:len(data) // 2 + 40] = b"\xff\x00" * 20  # damage inside the scan data, EOI kept
+    data = bytes(data)
+    def outcome():
+        try:
+            return prepare(data, 128, 90)
+        except Skip as err:
+            return str(err)
+    with_simplejpeg = outcome()
+    monkeypatch.setattr(images, "simplejpeg", None)
+    assert with_simplejpeg == outcome()
 
 
 def test_jpeg_header_checks_do_not_decode():

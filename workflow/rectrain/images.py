@@ -17,6 +17,11 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+try:  # libjpeg-turbo through a thinner wrapper: decodes 500x375 JPEGs in ~0.75 ms, Pillow ~0.92 ms
+    import simplejpeg
+except ImportError:  # Pillow's path serves every image, ~10 % slower when resizing
+    simplejpeg = None
+
 # Very large photos are legitimate input here (the user's own data); JPEG draft decoding keeps their
 # memory down. The limit still stops a decompression bomb (1 gigapixel ~ 3 GB as RGB).
 Image.MAX_IMAGE_PIXELS = 1 << 30
@@ -128,10 +133,51 @@ def shrink(im: Image.Image, size: tuple[int, int]) -> Image.Image:
     return im.resize(size, Image.Resampling.BOX)
 
 
+def _decoded_short_side(short: int, resize: int) -> int:
+    """The shorter side to decode a JPEG at: the strongest 1/8, 1/4 or 1/2 reduction still >= resize.
+
+    libjpeg-turbo also scales by m/8 (6/8 makes a 375-px side 282 px), but measured on 500x375 q90
+    JPEGs to 256 px that is no faster: its m/8 inverse DCTs have no SIMD code (decoding at 6/8 takes
+    1.10 ms against 0.75 ms at full size), and the then nearly 1:1 area-average step loses ~1 dB PSNR
+    against a reference downscale of the uncompressed image (bilinear keeps the quality, not the
+    speed). The power-of-two reductions are the ones Pillow's draft() uses, so both paths agree.
+    """
+    for denominator in (8, 4, 2):
+        if -(-short // denominator) >= resize:
+            return -(-short // denominator)
+    return short
+
+
+def _resize_clean_jpeg(data: bytes, info: JpegInfo, resize: int, quality: int) -> bytes | None:
+    """Decode (simplejpeg, RGB), shrink and encode a clean JPEG; None when libjpeg-turbo objects.
+
+    Strict decoding refuses even recoverable damage, which then takes Pillow's path as before.
+    """
+    if info.width * info.height > Image.MAX_IMAGE_PIXELS:
+        return None  # Pillow's path reports the decompression bomb
+    size = _target_size(info.width, info.height, resize)
+    # simplejpeg decodes at the strongest reduction that keeps this side: exactly the one asked for
+    if info.width <= info.height:
+        fit = {"min_width": _decoded_short_side(info.width, resize)}
+    else:
+        fit = {"min_height": _decoded_short_side(info.height, resize)}
+    try:
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", **fit)
+    except ValueError:
+        return None
+    im = Image.fromarray(pixels)
+    if im.size != size:
+        im = shrink(im, size)
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
 def _encode(data: bytes, resize: int, quality: int, jpeg: JpegInfo | None, orientation: int | None) -> bytes:
     """Decode, orient, convert, shrink and encode as JPEG. ``orientation`` None = not known yet."""
     try:
         im = Image.open(io.BytesIO(data))
+        source_size = im.size  # the output's aspect comes from it, not from a reduced decode
         if jpeg is not None:
             target = _target_size(im.width, im.height, resize)
             # A YCbCr JPEG stays YCbCr through the resize into the encoder (no colour conversions),
@@ -139,12 +185,15 @@ def _encode(data: bytes, resize: int, quality: int, jpeg: JpegInfo | None, orien
             im.draft("YCbCr" if im.mode == "RGB" and jpeg.adobe_transform != 0 else None, target)
         im.load()
         if orientation not in (0, 1):
-            im = ImageOps.exif_transpose(im)
+            upright = ImageOps.exif_transpose(im)
+            if upright.size != im.size:
+                source_size = source_size[::-1]
+            im = upright
         if im.mode in ("P", "PA", "LA"):
             im = im.convert("RGBA")  # palette/alpha images convert to RGB correctly only via RGBA
         if im.mode not in ("RGB", "YCbCr"):
             im = im.convert("RGB")
-        size = _target_size(im.width, im.height, resize)
+        size = _target_size(*source_size, resize)
         if size != im.size:
             im = shrink(im, size)
         buf = io.BytesIO()
@@ -171,6 +220,10 @@ def prepare(data: bytes, resize: int, quality: int) -> tuple[bytes, str | None]:
         problems = _jpeg_problems(info, orientation)
         if not problems and _target_size(info.width, info.height, resize) == (info.width, info.height):
             return data, None
+        if not problems and simplejpeg is not None:
+            resized = _resize_clean_jpeg(data, info, resize, quality)
+            if resized is not None:
+                return resized, None
         return _encode(data, resize, quality, info, orientation), "; ".join(problems) or None
     try:
         with Image.open(io.BytesIO(data)) as probe:
