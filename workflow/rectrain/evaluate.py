@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from rectrain.atomic import write_json
 from rectrain.checkpoint import load as load_checkpoint
 from rectrain.launch import plan_processes, torchrun_args, visible_gpu_count
 from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader
@@ -198,9 +199,7 @@ def read_classes(path: str | os.PathLike, num_classes: int) -> pd.DataFrame:
 def write_outputs(out: Path, m: dict, table: pd.DataFrame) -> None:
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "per_class.csv", index=False)
-    tmp = out / "metrics.json.tmp"
-    tmp.write_text(json.dumps(m, indent=2) + "\n")
-    tmp.replace(out / "metrics.json")  # metrics.json last: its presence means the outputs are complete
+    write_json(out / "metrics.json", m)  # last: its presence means the outputs are complete
 
 
 # ---------------------------------------------------------------------------------------------

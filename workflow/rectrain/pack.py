@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rectrain import storage
+from rectrain.atomic import write_json
 from rectrain.images import Skip, prepare
 from rectrain.index import SourceReader
 from rectrain.recordio import RecordIOError, RecordWriter, frame_payload, pack_record
@@ -155,11 +156,7 @@ def _fsync(*paths: Path) -> None:
 
 def _publish(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(final.parent)  # the rename itself is durable only once the directory is
 
 
 class Progress:
@@ -272,13 +269,6 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path
     }
 
 
-def write_manifest(manifest: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + PARTIAL)
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-json", required=True, help="the config's pack block as JSON")
@@ -302,7 +292,7 @@ def main(argv=None) -> int:
         log(f"pack {args.split}: ERROR: the written pair failed verification and was not published "
             f"(left as *{PARTIAL} for inspection): {err}")
         return 3
-    write_manifest(manifest, args.manifest)
+    write_json(args.manifest, manifest)
     log(f"pack {args.split}: manifest {args.manifest}: {manifest['packed']} packed, "
         f"{manifest['skipped']} skipped, {len(manifest['repaired'])} repaired, "
         f"{manifest['images_per_s']} img/s, {manifest['mb_per_s']} MB/s")

@@ -37,6 +37,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rectrain import checkpoint as ckpt
+from rectrain.atomic import write_json
 from rectrain import memory, telemetry
 from rectrain.launch import plan_processes, torchrun_args, training_sources, visible_gpu_count
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader
@@ -373,12 +374,6 @@ def run_info(cfg, d, loader_kind, batch, accum, epochs, rec, padding, preflight,
             "cuda": torch.version.cuda if torch.cuda.is_available() else None, "torch": torch.__version__,
             "dali": dali_version, "padding_per_epoch": padding, "started": started, "finished": None,
             "preflight": preflight, "config": cfg}
-
-
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def train(args: argparse.Namespace, cfg: dict) -> None:

@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
+from rectrain import atomic
 from rectrain.report import build, load
 
 
@@ -34,11 +34,7 @@ def main(argv=None) -> int:
     data = load(args.train_dir, args.eval_dir, args.pack_dir, args.index_dir, args.benchmarks,
                 config["dataset"])
     html = build(data, config)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(out)  # never leave a half-written report that looks complete
+    out = atomic.write_text(args.out, html)  # never a half-written report that looks complete
     print(f"report: {out} ({len(html) / 1e6:.2f} MB, {time.perf_counter() - t:.1f} s)", file=sys.stderr)
     return 0
 
