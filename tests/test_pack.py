@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import cv2
 import numpy as np
 import psutil
 import pytest
@@ -165,6 +166,19 @@ def test_simplejpeg_resize_matches_the_pillow_path_and_decodes_reduced_when_it_c
         assert ours.shape == theirs.shape and min(ours.shape[:2]) == 128, name
         mse = np.mean((ours - theirs) ** 2)
         assert mse < 255 ** 2 / 10 ** 3.8, f"{name}: the two decoders disagree (PSNR under 38 dB, MSE {mse:.1f})"
+
+
+@pytest.mark.parametrize("width", [375, 1000])  # the ratio left after a DCT reduction; a PNG's
+def test_shrink_suppresses_moire_like_an_area_average_where_bilinear_does_not(width):
+    stripes = np.zeros((200, width, 3), np.uint8)
+    stripes[:, ::2] = 255  # the finest detail an image holds: it must average out, not alias
+    size = (256, 150)
+    ours = images.shrink(stripes, size).astype(float)
+    area = cv2.resize(stripes, size, interpolation=cv2.INTER_AREA).astype(float)
+    bilinear = cv2.resize(stripes, size, interpolation=cv2.INTER_LINEAR).astype(float)
+    assert ours.shape == (150, 256, 3) and abs(ours.mean() - 127.5) < 2
+    assert ours.std() <= 1.1 * area.std() + 1, "no more moire than an area average"
+    assert ours.std() < 0.6 * bilinear.std(), "plain bilinear (im2rec's filter) aliases; ours must not"
 
 
 def test_a_jpeg_libjpeg_turbo_refuses_strictly_takes_the_pillow_path(monkeypatch):
