@@ -23,6 +23,7 @@ BAD = {
     "fast_storage_is_file": ({"pack": {"fast_storage": "/etc/hostname/ssd"}}, ["pack.fast_storage", "not a directory"]),
     "bad_devices": ({"train": {"devices": "gpu0"}}, ["train.devices", "'gpu0'"]),
     "bad_precision": ({"train": {"precision": "fp8"}}, ["train.precision", "'fp8'"]),
+    "bad_workers": ({"evaluate": {"workers": "many"}}, ["evaluate.workers", "'many'"]),
 }
 
 

@@ -171,6 +171,11 @@ def test_input_bound_with_dali_gpu_decode_suggests_hw_decoder_load_and_threads()
     assert "train.dali_prefetch_queue_depth (now 2)" in fix and "pack.resize" in fix
 
 
+def test_input_bound_quotes_the_worker_count_auto_became():
+    fix = _input_fix(decode="gpu: DALI mixed decoder (nvJPEG)", workers=6, config={"workers": "auto"})
+    assert "train.workers (now 6)" in fix
+
+
 def test_input_bound_with_cpu_decode_on_gpus_suggests_gpu_decode():
     fix = _input_fix(decode="cpu: DALI (libjpeg-turbo) in train.workers threads", config={"workers": 2})
     assert "train.gpu_decode: true" in fix and "train.loader: dali" in fix and "(now 2)" in fix

@@ -1,5 +1,7 @@
 """The GPU path's decisions and knobs, proven on CPU: config/gpu.yaml, loader dispatch without DALI,
 DALI decoder arguments, and the torch loader's raw-bytes + batched-decode train path."""
+import os
+
 import pytest
 import torch
 import yaml
@@ -7,7 +9,7 @@ import yaml
 from conftest import REPO
 from rectrain import loaders
 from rectrain.config import check_config
-from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, choose_loader
+from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, choose_loader, resolve_workers
 from rectrain.loaders.pytorch import TorchLoader
 from train_data import colour_class, write_rec
 
@@ -28,6 +30,15 @@ def test_gpu_config_is_valid_and_asks_for_the_gpu_path():
     assert 300 <= d["min_size"] <= d["max_size"] <= 600 and d["quality"] == 90
     # Enough images to run past warm-up: at least 15 full steps of 256 per epoch.
     assert d["classes"] * d["train_per_class"] >= 15 * 256
+    assert t["workers"] == cfg["evaluate"]["workers"] == "auto"
+
+
+def test_auto_workers_share_the_nodes_cores_among_its_ranks():
+    assert resolve_workers("auto", local_ranks=1, cores=16) == 16
+    assert resolve_workers("auto", local_ranks=8, cores=16) == 2  # not 8 x 12 threads on 16 cores
+    assert resolve_workers("auto", local_ranks=4, cores=2) == 1   # never zero: DALI needs a thread
+    assert resolve_workers(0, local_ranks=8, cores=16) == 0       # a number is taken as given
+    assert resolve_workers("auto", local_ranks=1) == len(os.sched_getaffinity(0))
 
 
 def test_gpu_knobs_have_defaults_and_descriptions():

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from rectrain.atomic import write_json
 from rectrain.checkpoint import load as load_checkpoint
 from rectrain.launch import plan_processes, torchrun_args, visible_gpu_count
-from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader
+from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,9 @@ def loader_kind(cfg: dict, ckpt: dict) -> str:
 def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, rank: int, world: int, device: str) -> EvalSpec:
     train_cfg = ckpt.get("config") or {}
     crop = int(cfg.get("crop") or ckpt["image_size"])
+    workers = resolve_workers(cfg.get("workers", 2), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     return EvalSpec(rec=rec, idx=idx, batch_size=int(cfg.get("batch_size", 64)), image_size=crop,
-                    train=False, rank=rank, world_size=world, workers=int(cfg.get("workers", 2)),
+                    train=False, rank=rank, world_size=world, workers=workers,
                     device=device, gpu_decode=bool(train_cfg.get("gpu_decode", True)),
                     resize=cfg.get("resize"))
 

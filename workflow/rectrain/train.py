@@ -40,7 +40,7 @@ from rectrain import checkpoint as ckpt
 from rectrain.atomic import write_json
 from rectrain import memory, telemetry
 from rectrain.launch import plan_processes, torchrun_args, training_sources, visible_gpu_count
-from rectrain.loaders import DaliOptions, LoaderSpec, build_loader
+from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_workers
 from rectrain.stepclock import StepClock
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -391,7 +391,9 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
     model, loss_fn = make_model(cfg, len(classes), d.device)
     batch, accum, preflight = choose_batch(cfg, model, loss_fn, d, len(classes))
 
-    common = dict(image_size=cfg["image_size"], rank=d.rank, world_size=d.world_size, workers=cfg["workers"],
+    workers = resolve_workers(cfg["workers"], d.local_world_size, threads)
+    log(f"rank {d.rank}: {workers} loader workers (train.workers: {cfg['workers']})")
+    common = dict(image_size=cfg["image_size"], rank=d.rank, world_size=d.world_size, workers=workers,
                   device=str(d.device), gpu_decode=cfg["gpu_decode"], seed=cfg["seed"],
                   dali=DaliOptions.from_config(cfg))
     train_loader = build_loader(cfg["loader"], LoaderSpec(args.rec, args.idx, batch_size=batch, train=True, **common))
@@ -429,7 +431,8 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
                     train_loader.padding_per_epoch, preflight, started)
     info["resumed_from_epoch"] = start_epoch if start_epoch else None
     # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
-    info.update(loader_requested=cfg["loader"], decode=train_loader.choice.decode, loader_note=train_loader.choice.note)
+    info.update(loader_requested=cfg["loader"], decode=train_loader.choice.decode, loader_note=train_loader.choice.note,
+                workers=workers)  # the count 'auto' became, which the diagnosis quotes
     if d.master:
         write_json(out / "run.json", info)
         log(f"{d.world_size} process(es), {info['backend']}, {train_loader.kind} loader, {cfg['model']} "

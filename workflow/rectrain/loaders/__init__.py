@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -69,6 +70,15 @@ class LoaderSpec:
     @property
     def eval_resize(self) -> int:
         return int(round(self.image_size / EVAL_CROP_FRACTION))
+
+
+def resolve_workers(setting: int | str, local_ranks: int, cores: int | None = None) -> int:
+    """train/evaluate ``workers``: a number as given, or 'auto' = this node's cores shared by the
+    ranks on it, so eight GPUs on 16 cores do not start 8 x 12 decode threads."""
+    if setting != "auto":
+        return int(setting)
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, cores // max(1, local_ranks))
 
 
 def train_batches_per_epoch(n: int, world_size: int, batch_size: int) -> int:
