@@ -181,6 +181,17 @@ def test_shrink_suppresses_moire_like_an_area_average_where_bilinear_does_not(wi
     assert ours.std() < 0.6 * bilinear.std(), "plain bilinear (im2rec's filter) aliases; ours must not"
 
 
+def test_without_opencv_the_pack_still_resizes_to_the_same_picture(monkeypatch):
+    sources = [jpeg(photo(300, 200, 11)), jpeg(photo(200, 150, 12).convert("CMYK"))]  # fast path, repair
+    with_cv2 = [prepare(data, 128, 90) for data in sources]
+    monkeypatch.setattr(images, "cv2", None)
+    without = [prepare(data, 128, 90) for data in sources]
+    for (ours, why), (theirs, why_too) in zip(with_cv2, without):
+        assert why == why_too and _rgb(ours).shape == _rgb(theirs).shape
+        mse = np.mean((_rgb(ours) - _rgb(theirs)) ** 2)
+        assert mse < 255 ** 2 / 10 ** 3.5, f"Pillow's antialiased bilinear differs by more than 35 dB (MSE {mse:.1f})"
+
+
 def test_a_jpeg_libjpeg_turbo_refuses_strictly_takes_the_pillow_path(monkeypatch):
     pytest.importorskip("simplejpeg")
     data = bytearray(jpeg(photo(300, 200, 8)))
