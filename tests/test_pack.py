@@ -181,6 +181,13 @@ def test_shrink_suppresses_moire_like_an_area_average_where_bilinear_does_not(wi
     assert ours.std() < 0.6 * bilinear.std(), "plain bilinear (im2rec's filter) aliases; ours must not"
 
 
+def test_shrink_leaves_an_axis_it_does_not_scale_unblurred():
+    stripes = np.zeros((300, 200, 3), np.uint8)
+    stripes[:, ::2] = 255  # detail along x only; only y shrinks
+    out = images.shrink(stripes, (200, 200))
+    assert np.array_equal(out[:, ::2], np.full((200, 100, 3), 255)) and not out[:, 1::2].any()
+
+
 def test_without_opencv_the_pack_still_resizes_to_the_same_picture(monkeypatch):
     sources = [jpeg(photo(300, 200, 11)), jpeg(photo(200, 150, 12).convert("CMYK"))]  # fast path, repair
     with_cv2 = [prepare(data, 128, 90) for data in sources]
