@@ -46,6 +46,23 @@ def test_bad_config_is_rejected_naming_the_key(name):
         assert fragment in str(info.value), f"{fragment!r} missing from: {info.value}"
 
 
+def test_numbers_snakemake_passes_as_strings_from_the_command_line_are_read_as_numbers():
+    cfg = check_config(merged({"train": {"epochs": "1", "lr": "0.05", "batch_size": "auto", "channels_last": "false",
+                                         "dali_preallocate": "[64, 48]"}}), SCHEMA, workdir=REPO)
+    t = cfg["train"]
+    assert (t["epochs"], t["lr"], t["batch_size"], t["channels_last"]) == (1, 0.05, "auto", False)
+    assert t["dali_preallocate"] == [64, 48]
+    with pytest.raises(ConfigError, match="pack.resize"):  # still no number: still refused, by key
+        check_config(merged({"pack": {"resize": "abc"}}), SCHEMA, workdir=REPO)
+
+
+def test_nested_command_line_config_reaches_the_rules(tmp_path):
+    proc = snakemake("-n", "--directory", str(tmp_path), "results/report.html",
+                     "--config", "train={epochs: 1, image_size: 32}", "demo={classes: 3}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "is not of type" not in proc.stdout + proc.stderr
+
+
 def test_demo_config_is_valid_and_defaults_are_filled():
     cfg = check_config(demo_config(), SCHEMA, workdir=REPO)
     assert cfg["train"]["precision"] in {"bf16", "fp16", "fp32"}

@@ -74,10 +74,30 @@ def load_schema(schema_path) -> dict:
         return yaml.safe_load(fh)
 
 
+def coerce_strings(config: dict, schema: dict) -> None:
+    """Snakemake's --config hands nested values over as strings (train='{epochs: 1}' gives '1'): a
+    string the schema rejects but whose YAML reading it accepts becomes that value, in place."""
+    for key, sub in schema.get("properties", {}).items():
+        value = config.get(key)
+        if isinstance(value, dict):
+            coerce_strings(value, sub)
+        elif isinstance(value, str):
+            check = jsonschema.Draft202012Validator(sub)
+            if check.is_valid(value):
+                continue
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                continue
+            if check.is_valid(parsed):
+                config[key] = parsed
+
+
 def check_config(config: dict, schema_path, workdir=".") -> dict:
     """Validate and fill defaults in place; raise ConfigError listing every problem."""
     from snakemake.utils import validate
 
+    coerce_strings(config, load_schema(schema_path))
     try:
         validate(config, str(schema_path), set_default=True)
     except Exception as exc:  # WorkflowError; re-described below key by key
