@@ -41,31 +41,45 @@ nvidia-smi -L || echo "nvidia-smi not found"
 "$PY" -c "import sys, torch, torchvision; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| torchvision', torchvision.__version__, '| GPUs', torch.cuda.device_count())" \
     || { echo "torch/torchvision missing for $PY: this check needs them preinstalled"; exit 2; }
 if [ -d .whl ]; then
-    # Many small wheels travel as one tar (a carry takes at most 8 paths).
-    for t in .whl/*.tar; do [ -e "$t" ] && tar -xf "$t" -C .whl && rm -f "$t" && echo "unpacked $t"; done
-    # Wheels too large to carry in one piece arrive as <wheel>.part-aa, -ab, ... (split -b 55M): join them.
-    for first in .whl/*.whl.part-aa; do
+    # The wheels travel as one tar split into parts, one per carry (bench/fetch_gpu_wheels.sh): join
+    # <file>.part-aa, -ab, ... back into <file>, then unpack every tar.
+    for first in .whl/*.part-aa; do
         [ -e "$first" ] || continue
         whole=${first%.part-aa}
+        echo "parts of $(basename "$whole"): $(cd .whl && ls "$(basename "$whole")".part-* | sed 's/.*part-//' | tr '\n' ' ')"
         cat "$whole".part-* > "$whole.tmp" && mv "$whole.tmp" "$whole" && rm -f "$whole".part-*
         echo "joined $whole ($(du -h "$whole" | cut -f1))"
     done
-    wanted=()
-    "$PY" -c "import snakemake" 2>/dev/null || wanted+=(snakemake)
-    "$PY" -c "import nvidia.dali" 2>/dev/null || for w in .whl/nvidia_dali_cuda*.whl; do [ -e "$w" ] && wanted+=("$w"); done
-    if [ ${#wanted[@]} -gt 0 ]; then
-        # A venv that sees the system's torch, with only the missing packages from .whl/ (no index).
+    for t in .whl/*.tar; do
+        [ -e "$t" ] || continue
+        if tar -xf "$t" -C .whl; then echo "unpacked $t"; else echo "$t is damaged or incomplete (a part missing?)"; fi
+        rm -f "$t"
+    done
+    # A venv that sees the system's torch, with what is missing from .whl/ (no index). snakemake and
+    # DALI resolve together (snakemake pins packaging < 26, DALI <= 26.3: one resolve suits both); if
+    # that fails (a lost part), snakemake alone, and the pipeline runs with the torch loader.
+    install() {  # install "<wheel folders under .whl>" <requirements...>
+        local dirs=$1 links=(--no-index) d
+        for d in $dirs; do links+=(--find-links ".whl/$d"); done
+        shift
         if [ ! -x .venv-gpu/bin/python ]; then
             "$PY" -m venv --system-site-packages .venv-gpu || rm -rf .venv-gpu
         fi
         if [ -x .venv-gpu/bin/python ]; then
-            run 150 install .venv-gpu/bin/python -m pip install -q --no-index --find-links .whl "${wanted[@]}"
-            PY=.venv-gpu/bin/python
-        else
-            # No venv module: install into a folder on PYTHONPATH instead.
-            run 150 install "$PY" -m pip install -q --no-index --find-links .whl --target .gpu-site "${wanted[@]}"
-            export PYTHONPATH="$PWD/.gpu-site:$PYTHONPATH"
+            run 150 "install from $dirs" .venv-gpu/bin/python -m pip install -q "${links[@]}" "$@" && PY=.venv-gpu/bin/python
+        else  # no venv module: a folder on PYTHONPATH instead
+            run 150 "install from $dirs" "$PY" -m pip install -q "${links[@]}" --target .gpu-site "$@" \
+                && export PYTHONPATH="$PWD/.gpu-site:$PYTHONPATH"
         fi
+    }
+    sm=() dali=()
+    "$PY" -c "import snakemake" 2>/dev/null || sm=(snakemake)
+    if ! "$PY" -c "import nvidia.dali" 2>/dev/null; then
+        for w in .whl/dali/nvidia_dali_cuda*.whl; do [ -e "$w" ] && dali=("$w"); done
+    fi
+    if [ $((${#sm[@]} + ${#dali[@]})) -gt 0 ]; then
+        # the fallback looks in sm/ only: a cut-short tar may have left a broken wheel in dali/
+        install "sm dali" "${sm[@]}" "${dali[@]}" || { [ ${#sm[@]} -gt 0 ] && [ ${#dali[@]} -gt 0 ] && install sm "${sm[@]}"; }
     fi
 fi
 "$PY" -c "import snakemake" || { echo "snakemake is not importable: put its wheels in .whl/ (bench/GPU_RUNBOOK.md)"; exit 2; }
@@ -73,7 +87,9 @@ fi
 export PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"
 
 # --- 2. the pipeline -----------------------------------------------------------------------------
-run 300 pipeline "$PY" -m snakemake --cores all --configfile config/gpu.yaml --rerun-incomplete results/report.html
+# GPU_CHECK_SNAKEMAKE_ARGS: extra arguments, e.g. --config overrides for a small CPU rehearsal.
+run 300 pipeline "$PY" -m snakemake --cores all --configfile config/gpu.yaml --rerun-incomplete \
+    results/report.html ${GPU_CHECK_SNAKEMAKE_ARGS:-}
 
 # --- 3. efficiency: loaders vs synthetic -------------------------------------------------------------
 REC=results/fast_storage/gpudemo/train.rec
