@@ -97,11 +97,12 @@ def check_config(config: dict, schema_path, workdir=".") -> dict:
     """Validate and fill defaults in place; raise ConfigError listing every problem."""
     from snakemake.utils import validate
 
-    coerce_strings(config, load_schema(schema_path))
+    schema = load_schema(schema_path)
+    coerce_strings(config, schema)
     try:
         validate(config, str(schema_path), set_default=True)
     except Exception as exc:  # WorkflowError; re-described below key by key
-        lines = describe_errors(config, load_schema(schema_path)) or [str(exc)]
+        lines = describe_errors(config, schema) or [str(exc)]
         raise ConfigError(_format(lines)) from None
     problems = check_paths(config, Path(workdir))
     if problems:
