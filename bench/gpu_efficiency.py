@@ -6,7 +6,7 @@ synthetic data already on the GPU, measured side by side in one run.
 
 Runs (default): ResNet-50 and ResNet-18 at 224 px from the .rec as packed, and both at 160 px from a
 copy re-encoded at shorter side 182 (what a low-resolution run would pack: decode cost is what starves
-small models).  Each run trains with the project's own step (rectrain.train.run_steps: same model
+small models).  Each run trains with the project's own step (rectrain.train.trainer.run_steps: same model
 set-up, AMP, channels_last, optimizer, step timing) for --warmup + --steps steps per source and
 reports the steady-state img/s over the last --steps, the ratio real/synthetic and the mean share of
 step time the GPU spent waiting for data.  To reach steady state inside one epoch the bench writes
@@ -15,11 +15,11 @@ throughput; the page cache holds them).
 Writes <out>/gpu_efficiency.md and .json.  Runs on CPU too with tiny settings (tests):
     python bench/gpu_efficiency.py ... --device cpu --model resnet18 --size 64 --steps 3
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -31,11 +31,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from rectrain import train as T  # noqa: E402
 from rectrain.config import check_config  # noqa: E402
-from rectrain.images import prepare  # noqa: E402
+from rectrain.data.images import prepare  # noqa: E402
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader  # noqa: E402
-from rectrain.recordio import IRHeader, IndexedRecordReader, RecordWriter, pack_record, unpack_record  # noqa: E402
+from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record, unpack_record  # noqa: E402
+from rectrain.train import trainer as T  # noqa: E402
 
 DEFAULT_RUNS = "resnet50:224,resnet18:224,resnet18:160@182,resnet50:160@182"
 LOADERS = ("dali", "torch")
@@ -62,9 +62,11 @@ def _reencode(args: tuple[bytes, int, int]) -> bytes:
     return prepare(data, side, quality)[0]
 
 
-def bench_rec(src_rec: str, src_idx: str, dest: Path, records: int, side: int, quality: int, workers: int) -> tuple[str, str]:
+def bench_rec(
+    src_rec: str, src_idx: str, dest: Path, records: int, side: int, quality: int, workers: int
+) -> tuple[str, str]:
     """A .rec with at least `records` records: the source's, repeated, re-encoded at shorter side `side`
-    (0 = original bytes) with the packer's own resize (rectrain.images.prepare)."""
+    (0 = original bytes) with the packer's own resize (rectrain.data.images.prepare)."""
     rec, idx = dest / f"bench_side{side}_{records}.rec", dest / f"bench_side{side}_{records}.idx"
     if rec.exists() and idx.exists():
         return str(rec), str(idx)
@@ -73,7 +75,7 @@ def bench_rec(src_rec: str, src_idx: str, dest: Path, records: int, side: int, q
     if side:
         with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
             data = list(pool.map(_reencode, [(b, side, quality) for _, b in items], chunksize=32))
-        items = [(h, d) for (h, _), d in zip(items, data)]
+        items = [(h, d) for (h, _), d in zip(items, data, strict=True)]
     tmp_rec, tmp_idx = rec.with_suffix(".rec.tmp"), idx.with_suffix(".idx.tmp")
     with RecordWriter(tmp_rec, tmp_idx) as w:
         for i in range(max(records, len(items))):
@@ -98,15 +100,28 @@ def steady(rows: list[dict], warmup: int) -> dict:
     """img/s and data-wait share over the steps after warm-up."""
     kept = [r for r in rows if r["step"] >= warmup] or rows
     wall = sum(r["wall_s"] for r in kept)
-    return {"img_s": sum(r["images"] for r in kept) / wall, "data_wait_share": sum(r["data_wait_s"] for r in kept) / wall,
-            "steps": len(kept)}
+    return {
+        "img_s": sum(r["images"] for r in kept) / wall,
+        "data_wait_share": sum(r["data_wait_s"] for r in kept) / wall,
+        "steps": len(kept),
+    }
 
 
 def train_config(args, model: str, size: int) -> dict:
-    block = {"model": model, "image_size": size, "batch_size": args.batch, "precision": args.precision,
-             "channels_last": not args.no_channels_last, "compile": args.compile, "workers": args.workers,
-             "gpu_decode": True, "dali_hw_decoder_load": args.hw_decoder_load, "epochs": 1, "warmup_epochs": 0,
-             "devices": "cpu" if args.device == "cpu" else "auto"}
+    block = {
+        "model": model,
+        "image_size": size,
+        "batch_size": args.batch,
+        "precision": args.precision,
+        "channels_last": not args.no_channels_last,
+        "compile": args.compile,
+        "workers": args.workers,
+        "gpu_decode": True,
+        "dali_hw_decoder_load": args.hw_decoder_load,
+        "epochs": 1,
+        "warmup_epochs": 0,
+        "devices": "cpu" if args.device == "cpu" else "auto",
+    }
     return check_config({"dataset": "bench", "train": block}, REPO / "config" / "schema.yaml", workdir=REPO)["train"]
 
 
@@ -135,17 +150,23 @@ def device_name(device: torch.device) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| GPU | loader (decode) | model | px | .rec side | batch | img/s real | img/s synthetic | ratio | "
-            "data-wait share |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| GPU | loader (decode) | model | px | .rec side | batch | img/s real | img/s synthetic | ratio | "
+        "data-wait share |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     lines = []
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['gpu']} | {r['loader']} | {r['model']} | {r['image_size']} | {r['rec_side'] or 'as packed'} "
-                         f"| {r['batch']} | skipped: {r['skipped']} | {r['synthetic_img_s']:.0f} | | |")
+            lines.append(
+                f"| {r['gpu']} | {r['loader']} | {r['model']} | {r['image_size']} | {r['rec_side'] or 'as packed'} "
+                f"| {r['batch']} | skipped: {r['skipped']} | {r['synthetic_img_s']:.0f} | | |"
+            )
             continue
-        lines.append(f"| {r['gpu']} | {r['loader']} ({r['decode']}) | {r['model']} | {r['image_size']} | "
-                     f"{r['rec_side'] or 'as packed'} | {r['batch']} | {r['real_img_s']:.0f} | {r['synthetic_img_s']:.0f} | "
-                     f"{r['ratio']:.3f} | {r['data_wait_share']:.3f} |")
+        lines.append(
+            f"| {r['gpu']} | {r['loader']} ({r['decode']}) | {r['model']} | {r['image_size']} | "
+            f"{r['rec_side'] or 'as packed'} | {r['batch']} | {r['real_img_s']:.0f} | {r['synthetic_img_s']:.0f} | "
+            f"{r['ratio']:.3f} | {r['data_wait_share']:.3f} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
@@ -166,8 +187,12 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--no-channels-last", action="store_true")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--workers", type=int, default=max(1, len(os.sched_getaffinity(0)) - 2),
-                    help="DALI threads / torch worker processes (default: cores - 2)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=max(1, len(os.sched_getaffinity(0)) - 2),
+        help="DALI threads / torch worker processes (default: cores - 2)",
+    )
     ap.add_argument("--hw-decoder-load", type=float, default=0.65)
     ap.add_argument("--num-classes", type=int, default=1000)
     ap.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded .rec copies")
@@ -198,11 +223,30 @@ def main(argv=None) -> int:
         ceiling = steady(measure(cfg, d, synthetic(cfg, d, args.num_classes, n), args.num_classes, n), args.warmup)
         log(f"  synthetic {ceiling['img_s']:.0f} img/s")
         for kind in args.loaders.split(","):
-            row = {"gpu": gpu, "model": model, "image_size": size, "rec_side": side, "batch": args.batch,
-                   "precision": cfg["precision"], "channels_last": cfg["channels_last"], "compile": cfg["compile"],
-                   "workers": cfg["workers"], "synthetic_img_s": ceiling["img_s"]}
-            spec = LoaderSpec(rec, idx, batch_size=args.batch, image_size=size, train=True, workers=cfg["workers"],
-                              device=str(device), gpu_decode=True, seed=0, dali=DaliOptions.from_config(cfg))
+            row = {
+                "gpu": gpu,
+                "model": model,
+                "image_size": size,
+                "rec_side": side,
+                "batch": args.batch,
+                "precision": cfg["precision"],
+                "channels_last": cfg["channels_last"],
+                "compile": cfg["compile"],
+                "workers": cfg["workers"],
+                "synthetic_img_s": ceiling["img_s"],
+            }
+            spec = LoaderSpec(
+                rec,
+                idx,
+                batch_size=args.batch,
+                image_size=size,
+                train=True,
+                workers=cfg["workers"],
+                device=str(device),
+                gpu_decode=True,
+                seed=0,
+                dali=DaliOptions.from_config(cfg),
+            )
             loader = build_loader(kind, spec)
             if loader.kind != kind:
                 rows.append({**row, "loader": kind, "skipped": loader.choice.note.split(":")[0] + " (not importable)"})
@@ -215,15 +259,32 @@ def main(argv=None) -> int:
                 real = steady(measure(cfg, d, batches, args.num_classes, n), args.warmup)
             finally:
                 batches.close()  # stop the loader's workers / pipeline now, not at garbage collection
-            rows.append({**row, "loader": kind, "decode": loader.choice.decode.split(",")[0],
-                         "real_img_s": real["img_s"], "ratio": real["img_s"] / ceiling["img_s"],
-                         "data_wait_share": real["data_wait_share"], "steps": real["steps"]})
-            log(f"  {kind}: {real['img_s']:.0f} img/s, ratio {rows[-1]['ratio']:.3f}, "
-                f"data wait {real['data_wait_share']:.1%}")
+            rows.append(
+                {
+                    **row,
+                    "loader": kind,
+                    "decode": loader.choice.decode.split(",")[0],
+                    "real_img_s": real["img_s"],
+                    "ratio": real["img_s"] / ceiling["img_s"],
+                    "data_wait_share": real["data_wait_share"],
+                    "steps": real["steps"],
+                }
+            )
+            log(
+                f"  {kind}: {real['img_s']:.0f} img/s, ratio {rows[-1]['ratio']:.3f}, "
+                f"data wait {real['data_wait_share']:.1%}"
+            )
             del loader
     table = markdown(rows)
-    meta = {"device": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "warmup": args.warmup,
-            "steps": args.steps, "wall_s": round(time.monotonic() - t0, 1), "argv": sys.argv[1:]}
+    meta = {
+        "device": gpu,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "argv": sys.argv[1:],
+    }
     (args.out / "gpu_efficiency.md").write_text(table)
     (args.out / "gpu_efficiency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(table)

@@ -1,8 +1,9 @@
 """summary.txt for bench/gpu_check.sh: what ran on which GPU, how fast, whether the GPU waited, the
-report's diagnosis (rectrain.diagnosis on the same telemetry), the efficiency table and the 11 GB check.
+report's diagnosis (rectrain.report.diagnosis on the same telemetry), the efficiency table and the 11 GB check.
 
     python bench/gpu_summary.py --dataset gpudemo --out bench/out/gpu
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,8 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from rectrain import diagnosis  # noqa: E402
 from rectrain.config import check_config  # noqa: E402
+from rectrain.report import diagnosis  # noqa: E402
 
 
 def _read(path: Path) -> str | None:
@@ -30,13 +31,20 @@ def summary(results: Path, out: Path) -> str:
     if not run:
         lines.append(f"pipeline: no {train / 'run.json'} - training did not finish (see logs/ in this folder)")
     else:
-        gpus = ", ".join(f"{g.get('name')} ({g.get('memory_total_mb')} MB, driver {g.get('driver')})"
-                         for g in run.get("gpus") or []) or "none"
-        lines += [f"GPUs: {gpus}; torch {run.get('torch')}, CUDA {run.get('cuda')}, DALI {run.get('dali')}",
-                  f"train: {run.get('model')} @{run.get('image_size')}px {run.get('precision')}, batch "
-                  f"{run.get('batch_size')} x accum {run.get('grad_accum')} x {run.get('world_size')} ranks, "
-                  f"loader {run.get('loader')} (requested {run.get('loader_requested')}), decode: {run.get('decode')}",
-                  f"preflight: {run.get('preflight')}"]
+        gpus = (
+            ", ".join(
+                f"{g.get('name')} ({g.get('memory_total_mb')} MB, driver {g.get('driver')})"
+                for g in run.get("gpus") or []
+            )
+            or "none"
+        )
+        lines += [
+            f"GPUs: {gpus}; torch {run.get('torch')}, CUDA {run.get('cuda')}, DALI {run.get('dali')}",
+            f"train: {run.get('model')} @{run.get('image_size')}px {run.get('precision')}, batch "
+            f"{run.get('batch_size')} x accum {run.get('grad_accum')} x {run.get('world_size')} ranks, "
+            f"loader {run.get('loader')} (requested {run.get('loader_requested')}), decode: {run.get('decode')}",
+            f"preflight: {run.get('preflight')}",
+        ]
         if run.get("loader_note"):
             lines.append(f"loader note: {run['loader_note']}")
         steps = pd.read_csv(train / "steps.csv")
@@ -44,11 +52,19 @@ def summary(results: Path, out: Path) -> str:
         epochs = pd.read_csv(train / "epochs.csv")
         wait = diagnosis.overall_data_wait_share(steps)
         util = diagnosis.gpu_util_mean(system)
-        lines.append("epochs: " + "; ".join(f"{int(r.epoch)}: {r.images_per_s:.0f} img/s, val top-1 {r.val_top1:.3f}"
-                                            for r in epochs.itertuples()))
+        lines.append(
+            "epochs: "
+            + "; ".join(
+                f"{int(r.epoch)}: {r.images_per_s:.0f} img/s, val top-1 {r.val_top1:.3f}" for r in epochs.itertuples()
+            )
+        )
         lines.append(f"data-wait share (steady steps, all ranks): {wait:.3f}" if wait is not None else "no steps")
-        lines.append("GPU util mean: " + (", ".join(f"GPU {i}: {u:.0f} %" for i, u in util.items()) or "no GPU columns"))
-        manifests = {p.name.split(".")[0]: json.loads(p.read_text()) for p in (results / "pack").glob("*.manifest.json")}
+        lines.append(
+            "GPU util mean: " + (", ".join(f"GPU {i}: {u:.0f} %" for i, u in util.items()) or "no GPU columns")
+        )
+        manifests = {
+            p.name.split(".")[0]: json.loads(p.read_text()) for p in (results / "pack").glob("*.manifest.json")
+        }
         report_cfg = check_config({"dataset": "x"}, REPO / "config" / "schema.yaml", workdir=REPO)["report"]
         lines.append("diagnosis:")
         for f in diagnosis.diagnose(steps, system, run, manifests, report_cfg):

@@ -17,6 +17,7 @@ and the median over rounds of the within-round ratios to the ceiling and to Imag
 Steady state: the first pass over the data (start-up, page cache) is not timed, and each timed pass
 starts its clock at its first batch (see _timed_passes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,15 @@ def make_jpeg(rng: np.random.Generator, size=(500, 375), quality=90) -> bytes:
     """A photo-like JPEG: smooth colour fields plus texture, ~110 KB at 500x375 q90."""
     w, h = size
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
-    base = np.stack([np.sin(xx / rng.uniform(20, 80) + rng.uniform(0, 6)) * 60 + rng.uniform(80, 170)
-                     + np.cos(yy / rng.uniform(20, 80)) * 40 for _ in range(3)], axis=-1)
+    base = np.stack(
+        [
+            np.sin(xx / rng.uniform(20, 80) + rng.uniform(0, 6)) * 60
+            + rng.uniform(80, 170)
+            + np.cos(yy / rng.uniform(20, 80)) * 40
+            for _ in range(3)
+        ],
+        axis=-1,
+    )
     texture = rng.normal(0, 26, (h, w, 3))
     pixels = np.clip(base + texture, 0, 255).astype(np.uint8)
     buf = io.BytesIO()
@@ -50,6 +58,7 @@ def make_jpeg(rng: np.random.Generator, size=(500, 375), quality=90) -> bytes:
 
 def build_data(root: Path, n: int, classes: int = 10) -> tuple[Path, str, str, float]:
     from rectrain.recordio import IRHeader, RecordWriter, pack_record
+
     rng = np.random.default_rng(0)
     folder = root / "folder"
     sizes = []
@@ -86,22 +95,32 @@ def _timed_passes(make_iter, n_images: int, passes: int) -> tuple[float, int]:
     return seen / elapsed, total
 
 
-def bench_rectrain(kind: str, rec: str, idx: str, cores: int, image_size: int, batch: int, n: int,
-                   passes: int) -> float:
+def bench_rectrain(
+    kind: str, rec: str, idx: str, cores: int, image_size: int, batch: int, n: int, passes: int
+) -> float:
     from rectrain.loaders import LoaderSpec, build_loader
-    loader = build_loader(kind, LoaderSpec(rec, idx, batch_size=batch, image_size=image_size, train=True,
-                                           workers=cores))
+
+    loader = build_loader(
+        kind, LoaderSpec(rec, idx, batch_size=batch, image_size=image_size, train=True, workers=cores)
+    )
     return _timed_passes(lambda e: (len(y) for _, y in loader.epoch(e)), n, passes)
 
 
 def bench_imagefolder(folder: Path, cores: int, image_size: int, batch: int, n: int, passes: int) -> float:
     import torch
     from torchvision import datasets, transforms
-    tf = transforms.Compose([transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip(),
-                             transforms.ToTensor(),
-                             transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
-    loader = torch.utils.data.DataLoader(datasets.ImageFolder(str(folder), tf), batch_size=batch, shuffle=True,
-                                         num_workers=cores)
+
+    tf = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(image_size),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ]
+    )
+    loader = torch.utils.data.DataLoader(
+        datasets.ImageFolder(str(folder), tf), batch_size=batch, shuffle=True, num_workers=cores
+    )
     return _timed_passes(lambda e: (len(y) for _, y in loader), n, passes)
 
 
@@ -111,6 +130,7 @@ _CROP = None
 def _ceiling_init(image_size: int) -> None:
     global _CROP
     from torchvision import transforms
+
     _CROP = transforms.RandomResizedCrop(image_size)
 
 
@@ -140,16 +160,21 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="loader_bench_") as tmp:
         t0 = time.perf_counter()
         folder, rec, idx, mean_bytes = build_data(Path(tmp), args.images)
-        print(f"{args.images} JPEGs 500x375, mean {mean_bytes / 1024:.0f} KB, generated in "
-              f"{time.perf_counter() - t0:.0f} s; {args.cores} cores; crop {args.image_size}; batch {args.batch}",
-              file=sys.stderr)
+        print(
+            f"{args.images} JPEGs 500x375, mean {mean_bytes / 1024:.0f} KB, generated in "
+            f"{time.perf_counter() - t0:.0f} s; {args.cores} cores; crop {args.image_size}; batch {args.batch}",
+            file=sys.stderr,
+        )
         runs = {
-            "dali": lambda: bench_rectrain("dali", rec, idx, args.cores, args.image_size, args.batch, args.images,
-                                           args.passes),
-            "torch": lambda: bench_rectrain("torch", rec, idx, args.cores, args.image_size, args.batch,
-                                            args.images, args.passes),
-            "imagefolder": lambda: bench_imagefolder(folder, args.cores, args.image_size, args.batch, args.images,
-                                                     args.passes),
+            "dali": lambda: bench_rectrain(
+                "dali", rec, idx, args.cores, args.image_size, args.batch, args.images, args.passes
+            ),
+            "torch": lambda: bench_rectrain(
+                "torch", rec, idx, args.cores, args.image_size, args.batch, args.images, args.passes
+            ),
+            "imagefolder": lambda: bench_imagefolder(
+                folder, args.cores, args.image_size, args.batch, args.images, args.passes
+            ),
             "ceiling": lambda: bench_ceiling(folder, args.cores, args.image_size, args.images, args.passes),
         }
         ips = {name: [] for name in args.only}
@@ -164,29 +189,40 @@ def main(argv=None) -> None:
                 cpu = sum(after[i] - before[i] for i in range(4))
                 ips[name].append(wall_ips)
                 per_cpu[name].append(images / cpu)
-                print(f"round {r}: {name:12s} {wall_ips:8.1f} img/s  {images / cpu:7.1f} img per CPU-s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"round {r}: {name:12s} {wall_ips:8.1f} img/s  {images / cpu:7.1f} img per CPU-s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def ratio(table, name, ref):
         # Median over rounds of the ratio measured within each round: a load burst on the shared
         # machine slows one round's loaders together, so within-round ratios are steadier than best-ofs.
-        return statistics.median(a / b for a, b in zip(table[name], table[ref])) if ref in table else None
+        return statistics.median(a / b for a, b in zip(table[name], table[ref], strict=True)) if ref in table else None
 
     def fmt(x):
         return "-" if x is None else f"{x:.2f}"
 
-    print("\n| loader | img/s | vs ceiling | vs ImageFolder | img per CPU-s | vs ceiling | vs ImageFolder |"
-          "\n|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "\n| loader | img/s | vs ceiling | vs ImageFolder | img per CPU-s | vs ceiling | vs ImageFolder |"
+        "\n|---|---:|---:|---:|---:|---:|---:|"
+    )
     for name in args.only:
-        print(f"| {name} | {statistics.median(ips[name]):.1f} | {fmt(ratio(ips, name, 'ceiling'))} | "
-              f"{fmt(ratio(ips, name, 'imagefolder'))} | {statistics.median(per_cpu[name]):.1f} | "
-              f"{fmt(ratio(per_cpu, name, 'ceiling'))} | {fmt(ratio(per_cpu, name, 'imagefolder'))} |")
+        print(
+            f"| {name} | {statistics.median(ips[name]):.1f} | {fmt(ratio(ips, name, 'ceiling'))} | "
+            f"{fmt(ratio(ips, name, 'imagefolder'))} | {statistics.median(per_cpu[name]):.1f} | "
+            f"{fmt(ratio(per_cpu, name, 'ceiling'))} | {fmt(ratio(per_cpu, name, 'imagefolder'))} |"
+        )
     if {"dali", "ceiling", "imagefolder"} <= set(ips):
         for label, table in (("img/s", ips), ("img per CPU-s", per_cpu)):
-            ok = (ratio(table, "dali", "ceiling") >= TARGETS["ceiling"]
-                  and ratio(table, "dali", "imagefolder") >= TARGETS["imagefolder"])
-            print(f"target on {label} (default loader dali >= {TARGETS['ceiling']} x ceiling and >= "
-                  f"{TARGETS['imagefolder']} x ImageFolder): {'met' if ok else 'NOT met'}")
+            ok = (
+                ratio(table, "dali", "ceiling") >= TARGETS["ceiling"]
+                and ratio(table, "dali", "imagefolder") >= TARGETS["imagefolder"]
+            )
+            print(
+                f"target on {label} (default loader dali >= {TARGETS['ceiling']} x ceiling and >= "
+                f"{TARGETS['imagefolder']} x ImageFolder): {'met' if ok else 'NOT met'}"
+            )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Play a smaller card: cap this process's GPU memory (default 11 GB, a 2080 Ti) and run the training
-preflight exactly as a run would (rectrain.train.choose_batch): once at a fixed batch, which must stop
+preflight exactly as a run would (rectrain.train.trainer.choose_batch): once at a fixed batch, which must stop
 with the out-of-memory explanation, and once with `batch_size: auto`.
 
     python bench/oom_cap.py --cap-gb 11 --model resnet50 --size 224 --batch 256 --out bench/out/gpu
 
 Writes <out>/oom_cap.txt (the message and the auto result) and oom_cap.json.  Needs a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from rectrain import memory  # noqa: E402
-from rectrain import train as T  # noqa: E402
 from rectrain.config import check_config  # noqa: E402
+from rectrain.train import memory  # noqa: E402
+from rectrain.train import trainer as T  # noqa: E402
 
 
 def cap_memory(device: torch.device, cap_gb: float) -> float:
@@ -63,22 +64,37 @@ def main(argv=None) -> int:
     torch.cuda.set_device(device)
     fraction = cap_memory(device, args.cap_gb)
     # No cuDNN autotuning: the search tries many batch sizes and each would be tuned anew.
-    base = {"model": args.model, "image_size": args.size, "precision": args.precision, "channels_last": True,
-            "cudnn_benchmark": False}
+    base = {
+        "model": args.model,
+        "image_size": args.size,
+        "precision": args.precision,
+        "channels_last": True,
+        "cudnn_benchmark": False,
+    }
     fixed = preflight({**base, "batch_size": args.batch}, device, args.num_classes)
     auto = preflight({**base, "batch_size": "auto", "global_batch": args.batch}, device, args.num_classes)
     gpu = memory.GpuInfo.of(device)
-    lines = [f"{args.model} @{args.size}px {args.precision} channels_last on {gpu.label()} "
-             f"(set_per_process_memory_fraction({fraction:.4f}))",
-             f"batch_size: {args.batch} -> " + (fixed.get("error") or f"fits: {fixed['report']}"),
-             f"batch_size: auto (global_batch {args.batch}) -> " + (
-                 auto.get("error") or f"batch {auto['batch']} x grad_accum {auto['grad_accum']} "
-                 f"(peak {auto['report'].get('peak_mb')} MB of {auto['report'].get('total_mb')} MB)")]
+    lines = [
+        f"{args.model} @{args.size}px {args.precision} channels_last on {gpu.label()} "
+        f"(set_per_process_memory_fraction({fraction:.4f}))",
+        f"batch_size: {args.batch} -> " + (fixed.get("error") or f"fits: {fixed['report']}"),
+        f"batch_size: auto (global_batch {args.batch}) -> "
+        + (
+            auto.get("error")
+            or f"batch {auto['batch']} x grad_accum {auto['grad_accum']} "
+            f"(peak {auto['report'].get('peak_mb')} MB of {auto['report'].get('total_mb')} MB)"
+        ),
+    ]
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "oom_cap.txt").write_text(text)
-    (args.out / "oom_cap.json").write_text(json.dumps({"cap_gb": args.cap_gb, "fraction": fraction, "gpu": gpu.label(),
-                                                       "fixed": fixed, "auto": auto}, indent=2, default=str))
+    (args.out / "oom_cap.json").write_text(
+        json.dumps(
+            {"cap_gb": args.cap_gb, "fraction": fraction, "gpu": gpu.label(), "fixed": fixed, "auto": auto},
+            indent=2,
+            default=str,
+        )
+    )
     print(text, end="")
     # The check passes when the fixed batch is explained (not a raw CUDA error) and auto finds a batch.
     return 0 if "error" in fixed and "batch" in auto else 1

@@ -3,7 +3,7 @@
     .venv/bin/python bench/pack_bench.py [--images 400] [--threads N] [--repeats 3]
 
 Generates ImageNet-like JPEGs (~500x375, q90, class folders), then packs them with
-``python -m rectrain.pack`` and with mxnet 1.9.1's ``python -m mxnet.tools.im2rec`` (from
+``python -m rectrain.data.pack`` and with mxnet 1.9.1's ``python -m mxnet.tools.im2rec`` (from
 .venv-mxnet, `make mxnet-env`), pass-through and ``resize 256``, alternating the two tools on each
 repeat so a noisy machine affects both. Both processes are pinned to the same cores. Our time
 includes the read-back verification of every record; im2rec does none. Prints images/s of both and
@@ -12,6 +12,7 @@ tool (all its processes), which other tenants of a shared machine cannot inflate
 ratio is the whole job, fixed costs included; a second table splits each tool's time into a fixed
 cost per run (from a 10-image run) and the per-image rate beyond it. A benchmark, not a test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ MXPY = REPO / ".venv-mxnet" / "bin" / "python"
 SMALL = 10  # images in the run that measures each tool's fixed cost
 sys.path.insert(0, str(REPO / "workflow"))
 
-from rectrain import index as rindex  # noqa: E402
+from rectrain.data import index as rindex  # noqa: E402
 
 
 def imagenet_like(rng: np.random.Generator, w: int, h: int) -> Image.Image:
@@ -96,8 +97,11 @@ def run(args) -> dict:
     mx = out / "im2rec"
     shutil.rmtree(mx, ignore_errors=True)
     mx.mkdir(parents=True)
-    subprocess.run([str(MXPY), "-m", "mxnet.tools.im2rec", "--list", "--recursive", str(mx / "train"),
-                    str(raw / "train")], check=True, capture_output=True)
+    subprocess.run(
+        [str(MXPY), "-m", "mxnet.tools.im2rec", "--list", "--recursive", str(mx / "train"), str(raw / "train")],
+        check=True,
+        capture_output=True,
+    )
     for p in raw.rglob("*.JPEG"):  # warm the page cache for both tools
         p.read_bytes()
 
@@ -106,7 +110,7 @@ def run(args) -> dict:
     small_index = out / "index_small"
     small_index.mkdir(exist_ok=True)
     rows = (index_dir / "train.tsv").read_text().splitlines(keepends=True)
-    (small_index / "train.tsv").write_text("".join(rows[:SMALL + 1]))
+    (small_index / "train.tsv").write_text("".join(rows[: SMALL + 1]))
     shutil.copy(index_dir / "classes.tsv", small_index / "classes.tsv")
     lst = (mx / "train.lst").read_text().splitlines(keepends=True)
     (mx / "small.lst").write_text("".join(lst[:SMALL]))
@@ -117,30 +121,60 @@ def run(args) -> dict:
         ours_out = out / "ours" / mode.replace(" ", "")
         mx_flags = ["--pass-through"] if resize == 0 else ["--resize", str(resize)]
 
-        def ours_cmd(index: Path) -> list[str]:
-            return [sys.executable, "-m", "rectrain.pack", "--config-json",
-                    json.dumps({"resize": resize, "quality": 90, "shuffle_seed": 0}),
-                    "--index", str(index), "--raw", str(raw), "--split", "train",
-                    "--rec", str(ours_out / "train.rec"), "--idx", str(ours_out / "train.idx"),
-                    "--manifest", str(ours_out / "train.manifest.json"), "--threads", str(threads)]
+        def ours_cmd(index: Path, resize=resize, ours_out=ours_out) -> list[str]:
+            return [
+                sys.executable,
+                "-m",
+                "rectrain.data.pack",
+                "--config-json",
+                json.dumps({"resize": resize, "quality": 90, "shuffle_seed": 0}),
+                "--index",
+                str(index),
+                "--raw",
+                str(raw),
+                "--split",
+                "train",
+                "--rec",
+                str(ours_out / "train.rec"),
+                "--idx",
+                str(ours_out / "train.idx"),
+                "--manifest",
+                str(ours_out / "train.manifest.json"),
+                "--threads",
+                str(threads),
+            ]
 
-        def mx_cmd(prefix: str) -> list[str]:
-            return [str(MXPY), "-m", "mxnet.tools.im2rec", "--num-thread", str(threads), "--quality", "90",
-                    *mx_flags, str(mx / prefix), str(raw / "train")]
+        def mx_cmd(prefix: str, mx_flags=mx_flags) -> list[str]:
+            return [
+                str(MXPY),
+                "-m",
+                "mxnet.tools.im2rec",
+                "--num-thread",
+                str(threads),
+                "--quality",
+                "90",
+                *mx_flags,
+                str(mx / prefix),
+                str(raw / "train"),
+            ]
 
         times = {key: [] for key in ("ours", "im2rec", "ours_small", "im2rec_small")}
         cpus = {key: [] for key in times}
         for rep in range(args.repeats):
             pair = [("ours", ours_cmd(index_dir), env), ("im2rec", mx_cmd("train"), None)]
-            for name, cmd, cmd_env in (pair if rep % 2 == 0 else pair[::-1]):
+            for name, cmd, cmd_env in pair if rep % 2 == 0 else pair[::-1]:
                 wall, cpu = timed(cmd, cores, cmd_env)
                 times[name].append(wall)
                 cpus[name].append(cpu)
-        sizes = {"ours_mb": (ours_out / "train.rec").stat().st_size / 1e6,
-                 "im2rec_mb": (mx / "train.rec").stat().st_size / 1e6}
-        for rep in range(args.repeats):
-            for name, cmd, cmd_env in (("ours_small", ours_cmd(small_index), env),
-                                       ("im2rec_small", mx_cmd("small"), None)):
+        sizes = {
+            "ours_mb": (ours_out / "train.rec").stat().st_size / 1e6,
+            "im2rec_mb": (mx / "train.rec").stat().st_size / 1e6,
+        }
+        for _ in range(args.repeats):
+            for name, cmd, cmd_env in (
+                ("ours_small", ours_cmd(small_index), env),
+                ("im2rec_small", mx_cmd("small"), None),
+            ):
                 wall, cpu = timed(cmd, cores, cmd_env)
                 times[name].append(wall)
                 cpus[name].append(cpu)
@@ -148,18 +182,33 @@ def run(args) -> dict:
         c = {key: statistics.median(v) for key, v in cpus.items()}
         # per-image cost = slope between the small and the full run; fixed cost = the rest
         ours_per, mx_per = ((t[k] - t[k + "_small"]) / (n - SMALL) for k in ("ours", "im2rec"))
-        results[mode] = {"ours_img_s": n / t["ours"], "im2rec_img_s": n / t["im2rec"],
-                         "ratio": t["im2rec"] / t["ours"],
-                         "ours_cpu_ms_per_img": 1e3 * c["ours"] / n, "im2rec_cpu_ms_per_img": 1e3 * c["im2rec"] / n,
-                         "cpu_ratio": c["im2rec"] / c["ours"],
-                         "ours_fixed_s": t["ours_small"] - SMALL * ours_per,
-                         "im2rec_fixed_s": t["im2rec_small"] - SMALL * mx_per,
-                         "ours_steady_img_s": 1 / ours_per, "im2rec_steady_img_s": 1 / mx_per,
-                         "steady_ratio": mx_per / ours_per,
-                         "ours_s": times["ours"], "im2rec_s": times["im2rec"],
-                         "ours_small_s": times["ours_small"], "im2rec_small_s": times["im2rec_small"], **sizes}
-    return {"images": n, "source_mb": src_mb, "threads": threads, "cores": cores, "repeats": args.repeats,
-            "cpu": _cpu_name(), "results": results}
+        results[mode] = {
+            "ours_img_s": n / t["ours"],
+            "im2rec_img_s": n / t["im2rec"],
+            "ratio": t["im2rec"] / t["ours"],
+            "ours_cpu_ms_per_img": 1e3 * c["ours"] / n,
+            "im2rec_cpu_ms_per_img": 1e3 * c["im2rec"] / n,
+            "cpu_ratio": c["im2rec"] / c["ours"],
+            "ours_fixed_s": t["ours_small"] - SMALL * ours_per,
+            "im2rec_fixed_s": t["im2rec_small"] - SMALL * mx_per,
+            "ours_steady_img_s": 1 / ours_per,
+            "im2rec_steady_img_s": 1 / mx_per,
+            "steady_ratio": mx_per / ours_per,
+            "ours_s": times["ours"],
+            "im2rec_s": times["im2rec"],
+            "ours_small_s": times["ours_small"],
+            "im2rec_small_s": times["im2rec_small"],
+            **sizes,
+        }
+    return {
+        "images": n,
+        "source_mb": src_mb,
+        "threads": threads,
+        "cores": cores,
+        "repeats": args.repeats,
+        "cpu": _cpu_name(),
+        "results": results,
+    }
 
 
 def _cpu_name() -> str:
@@ -182,14 +231,20 @@ def main() -> None:
     if not MXPY.exists():
         raise SystemExit(".venv-mxnet is missing: run `make mxnet-env` (mxnet 1.9.1 is the im2rec baseline)")
     r = run(args)
-    print(f"{r['images']} images ({r['source_mb']:.1f} MB), {r['threads']} worker threads pinned to cores "
-          f"{r['cores']} ({r['cpu']}), median of {r['repeats']} alternating runs")
-    print(f"{'mode':<14}{'rectrain img/s':>16}{'im2rec img/s':>14}{'ratio':>8}{'target':>8}"
-          f"{'CPU ms/img ours':>17}{'im2rec':>8}{'CPU ratio':>11}")
+    print(
+        f"{r['images']} images ({r['source_mb']:.1f} MB), {r['threads']} worker threads pinned to cores "
+        f"{r['cores']} ({r['cpu']}), median of {r['repeats']} alternating runs"
+    )
+    print(
+        f"{'mode':<14}{'rectrain img/s':>16}{'im2rec img/s':>14}{'ratio':>8}{'target':>8}"
+        f"{'CPU ms/img ours':>17}{'im2rec':>8}{'CPU ratio':>11}"
+    )
     for mode, target in (("pass-through", 1.2), ("resize 256", 2.0)):
         x = r["results"][mode]
-        print(f"{mode:<14}{x['ours_img_s']:>16.0f}{x['im2rec_img_s']:>14.0f}{x['ratio']:>8.2f}{target:>8.1f}"
-              f"{x['ours_cpu_ms_per_img']:>17.2f}{x['im2rec_cpu_ms_per_img']:>8.2f}{x['cpu_ratio']:>11.2f}")
+        print(
+            f"{mode:<14}{x['ours_img_s']:>16.0f}{x['im2rec_img_s']:>14.0f}{x['ratio']:>8.2f}{target:>8.1f}"
+            f"{x['ours_cpu_ms_per_img']:>17.2f}{x['im2rec_cpu_ms_per_img']:>8.2f}{x['cpu_ratio']:>11.2f}"
+        )
     print(f"fixed cost per run (a {SMALL}-image run less its per-image share) and per-image rate beyond it:")
     print(f"{'mode':<14}{'fixed s ours':>14}{'im2rec':>8}{'steady img/s ours':>19}{'im2rec':>8}{'ratio':>8}")
     for mode in ("pass-through", "resize 256"):
@@ -197,8 +252,10 @@ def main() -> None:
         if min(x["ours_steady_img_s"], x["im2rec_steady_img_s"]) <= 0:
             print(f"{mode:<14}  n/a: run-to-run noise exceeds the per-image time; use more --images")
             continue
-        print(f"{mode:<14}{x['ours_fixed_s']:>14.2f}{x['im2rec_fixed_s']:>8.2f}{x['ours_steady_img_s']:>19.0f}"
-              f"{x['im2rec_steady_img_s']:>8.0f}{x['steady_ratio']:>8.2f}")
+        print(
+            f"{mode:<14}{x['ours_fixed_s']:>14.2f}{x['im2rec_fixed_s']:>8.2f}{x['ours_steady_img_s']:>19.0f}"
+            f"{x['im2rec_steady_img_s']:>8.0f}{x['steady_ratio']:>8.2f}"
+        )
     print(json.dumps(r))
 
 

@@ -9,6 +9,7 @@ store) and, as a second opinion, against a Lanczos downscale of it; then what th
 the shrunk pixels encoded at q90 (4:2:0), its PSNR against the area average and its mean size. Time
 is the best of ``--repeats`` passes over all images on one thread. A benchmark, not a test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,8 @@ sys.path.insert(0, str(REPO / "workflow"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from pack_bench import imagenet_like  # noqa: E402
-from rectrain.images import shrink  # noqa: E402
+
+from rectrain.data.images import shrink  # noqa: E402
 
 FILTERS = {
     "rectrain shrink (Gaussian prefilter + bilinear)": shrink,
@@ -35,17 +37,17 @@ FILTERS = {
     "OpenCV INTER_LINEAR (im2rec)": lambda a, size: cv2.resize(a, size, interpolation=cv2.INTER_LINEAR),
     "Pillow BOX (previous pack)": lambda a, size: np.asarray(Image.fromarray(a).resize(size, Image.Resampling.BOX)),
     "Pillow BILINEAR (antialiased)": lambda a, size: np.asarray(
-        Image.fromarray(a).resize(size, Image.Resampling.BILINEAR)),
+        Image.fromarray(a).resize(size, Image.Resampling.BILINEAR)
+    ),
 }
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    return float(10 * np.log10(255 ** 2 / np.mean((a.astype(np.float64) - b) ** 2)))
+    return float(10 * np.log10(255**2 / np.mean((a.astype(np.float64) - b) ** 2)))
 
 
 def stored(pixels: np.ndarray) -> bytes:
-    return simplejpeg.encode_jpeg(np.ascontiguousarray(pixels), quality=90, colorspace="RGB",
-                                  colorsubsampling="420")
+    return simplejpeg.encode_jpeg(np.ascontiguousarray(pixels), quality=90, colorspace="RGB", colorsubsampling="420")
 
 
 def main() -> None:
@@ -63,10 +65,14 @@ def main() -> None:
         picture.save(buf, "JPEG", quality=90)
         originals.append(np.asarray(picture))
         decoded.append(simplejpeg.decode_jpeg(buf.getvalue(), colorspace="RGB"))
-    print(f"{args.images} photo-like 500x375 q90 JPEGs; PSNR dB vs area / Lanczos downscale of the "
-          f"uncompressed picture; ms per image, one thread, best of {args.repeats}")
-    print(f"{'short side (ratio)':20s} {'filter':48s} {'area ref':>8s} {'Lanczos':>8s} {'ms':>6s} "
-          f"{'stored':>7s} {'KB':>5s}")
+    print(
+        f"{args.images} photo-like 500x375 q90 JPEGs; PSNR dB vs area / Lanczos downscale of the "
+        f"uncompressed picture; ms per image, one thread, best of {args.repeats}"
+    )
+    print(
+        f"{'short side (ratio)':20s} {'filter':48s} {'area ref':>8s} {'Lanczos':>8s} {'ms':>6s} "
+        f"{'stored':>7s} {'KB':>5s}"
+    )
     for short in (int(s) for s in args.sides.split(",")):
         size = (round(500 * short / 375), short)
         area = [cv2.resize(o, size, interpolation=cv2.INTER_AREA) for o in originals]
@@ -81,10 +87,12 @@ def main() -> None:
                 for d in decoded:
                     resize(d, size)
                 best = min(best, (time.perf_counter() - start) / len(decoded))
-            print(f"{f'{short} ({375 / short:.2f}x)':20s} {name:48s} "
-                  f"{np.mean([psnr(o, r) for o, r in zip(out, area)]):8.2f} "
-                  f"{np.mean([psnr(o, r) for o, r in zip(out, lanczos)]):8.2f} {best * 1e3:6.3f} "
-                  f"{np.mean([psnr(k, r) for k, r in zip(kept, area)]):7.2f} {np.mean([len(j) for j in jpegs]) / 1e3:5.1f}")
+            print(
+                f"{f'{short} ({375 / short:.2f}x)':20s} {name:48s} "
+                f"{np.mean([psnr(o, r) for o, r in zip(out, area, strict=True)]):8.2f} "
+                f"{np.mean([psnr(o, r) for o, r in zip(out, lanczos, strict=True)]):8.2f} {best * 1e3:6.3f} "
+                f"{np.mean([psnr(k, r) for k, r in zip(kept, area, strict=True)]):7.2f} {np.mean([len(j) for j in jpegs]) / 1e3:5.1f}"
+            )
 
 
 if __name__ == "__main__":

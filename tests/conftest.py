@@ -1,27 +1,8 @@
-"""Shared test helpers: the repo root and a way to run this checkout's Snakemake."""
+"""Test session set-up: this checkout's package on the path of every process the tests start."""
+
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-
-
-def snakemake(*args, cwd=REPO, timeout=300, check=False):
-    """Run Snakemake from the test interpreter's environment; returns the CompletedProcess."""
-    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    proc = subprocess.run(
-        [str(VENV_BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile"), *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-@pytest.fixture
-def repo():
-    return REPO
+# A second worktree sharing one editable-installed venv must test its own code, in subprocesses too.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "workflow"), os.environ.get("PYTHONPATH")) if p)

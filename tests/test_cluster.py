@@ -1,10 +1,18 @@
 """SLURM allocation -> rendezvous decisions, with scontrol faked (no cluster needed)."""
+
 import subprocess
 
 import pytest
 
-from rectrain.cluster import (STEP_ENV, ClusterError, hostnames, plan_node_launch, rendezvous_port,
-                              slurm_endpoint, srun_per_node)
+from rectrain.train.cluster import (
+    STEP_ENV,
+    ClusterError,
+    hostnames,
+    plan_node_launch,
+    rendezvous_port,
+    slurm_endpoint,
+    srun_per_node,
+)
 
 EXPANSIONS = {"gpu[07-09]": "gpu07\ngpu08\ngpu09\n", "gpu[08-09]": "gpu08\ngpu09\n", "n1": "n1\n"}
 
@@ -27,7 +35,7 @@ def test_hostnames_failure_says_where_to_run():
 def test_port_is_deterministic_from_job_id_and_overridable():
     assert rendezvous_port("123456", {}) == 29500 + 456
     assert rendezvous_port("123456", {}) == rendezvous_port("123456", {"SLURM_JOB_ID": "x"})
-    assert rendezvous_port("777_3", {}) == 29500 + 777          # array task: the parent job id
+    assert rendezvous_port("777_3", {}) == 29500 + 777  # array task: the parent job id
     assert rendezvous_port("123456", {"RECTRAIN_RDZV_PORT": "41000"}) == 41000
 
 
@@ -71,14 +79,16 @@ def test_multi_node_outside_slurm_explains_the_ways_out():
 
 
 def test_train_rule_resources_book_one_task_per_node():
-    from rectrain.cluster import train_rule_resources
+    from rectrain.train.cluster import train_rule_resources
+
     assert train_rule_resources(1) == {"nodes": 1}
     res = train_rule_resources(4)
     assert res["nodes"] == 4 and res["tasks"] == 4 and res["mpi"]
 
 
 def test_gpu_request_per_node_from_environment():
-    from rectrain.cluster import gpu_gres, gpus_per_node
+    from rectrain.train.cluster import gpu_gres, gpus_per_node
+
     assert gpus_per_node({"RECTRAIN_GPUS_PER_NODE": "4"}) == 4
     assert gpu_gres({}) == "gpu:1"
     assert gpu_gres({"RECTRAIN_GPUS_PER_NODE": "8"}) == "gpu:8"
@@ -88,20 +98,30 @@ def test_gpu_request_per_node_from_environment():
 
 
 def test_cpus_booked_per_node_scale_with_gpus():
-    from rectrain.cluster import cpus_per_node
+    from rectrain.train.cluster import cpus_per_node
+
     assert cpus_per_node({}) == 8
     assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "4", "RECTRAIN_CPUS_PER_GPU": "12"}) == 48
-    assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "0"}) == 0      # the rule's threads decide
+    assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "0"}) == 0  # the rule's threads decide
 
 
-# --- rectrain.launch wired to the allocation (print-only: nothing is started) --------------------
+# --- rectrain.train.launch wired to the allocation (print-only: nothing is started) --------------------
+
 
 def _launch_print(monkeypatch, capsys, env, cfg, extra=()):
     import json
 
-    from rectrain import launch
-    for var in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NODELIST", STEP_ENV,
-                "RECTRAIN_RDZV_ENDPOINT", "RECTRAIN_RDZV_PORT"):
+    from rectrain.train import launch
+
+    for var in (
+        "SLURM_JOB_ID",
+        "SLURM_JOB_NODELIST",
+        "SLURM_STEP_NODELIST",
+        "SLURM_NODELIST",
+        STEP_ENV,
+        "RECTRAIN_RDZV_ENDPOINT",
+        "RECTRAIN_RDZV_PORT",
+    ):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -111,18 +131,24 @@ def _launch_print(monkeypatch, capsys, env, cfg, extra=()):
 
 
 def test_launch_in_multi_node_batch_script_execs_srun_per_node(monkeypatch, capsys):
-    err = _launch_print(monkeypatch, capsys, {"SLURM_JOB_ID": "4321"}, {"nodes": 2, "devices": "cpu", "cpu_processes": 1})
-    line = next(l for l in err.splitlines() if "one launcher per node" in l)
-    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in line and "-m rectrain.launch" in line
+    err = _launch_print(
+        monkeypatch, capsys, {"SLURM_JOB_ID": "4321"}, {"nodes": 2, "devices": "cpu", "cpu_processes": 1}
+    )
+    line = next(x for x in err.splitlines() if "one launcher per node" in x)
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in line and "-m rectrain.train.launch" in line
     assert "torch.distributed.run" not in err
 
 
 def test_launch_in_per_node_task_uses_head_node_rendezvous(monkeypatch, capsys):
-    from rectrain import cluster
+    from rectrain.train import cluster
+
     monkeypatch.setattr(cluster, "hostnames", lambda nodelist, run=None: ["gpu07", "gpu08"])
-    err = _launch_print(monkeypatch, capsys,
-                        {"SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "gpu[07-08]", STEP_ENV: "1"},
-                        {"nodes": 2, "devices": "cpu", "cpu_processes": 1})
+    err = _launch_print(
+        monkeypatch,
+        capsys,
+        {"SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "gpu[07-08]", STEP_ENV: "1"},
+        {"nodes": 2, "devices": "cpu", "cpu_processes": 1},
+    )
     cmd = err.strip().splitlines()[-1]
     assert "--nnodes=2" in cmd and "--rdzv_backend=c10d" in cmd
     assert "--rdzv_endpoint=gpu07:29821" in cmd and "--rdzv_id=rectrain-4321" in cmd
@@ -130,7 +156,9 @@ def test_launch_in_per_node_task_uses_head_node_rendezvous(monkeypatch, capsys):
 
 
 def test_launch_single_node_is_standalone_inside_slurm(monkeypatch, capsys):
-    err = _launch_print(monkeypatch, capsys, {"SLURM_JOB_ID": "4321"}, {"nodes": 1, "devices": "cpu", "cpu_processes": 1})
+    err = _launch_print(
+        monkeypatch, capsys, {"SLURM_JOB_ID": "4321"}, {"nodes": 1, "devices": "cpu", "cpu_processes": 1}
+    )
     assert "--standalone" in err and "srun" not in err
 
 
@@ -144,9 +172,20 @@ def test_launch_stages_pairs_before_torchrun(monkeypatch, capsys, tmp_path):
     fast.mkdir(parents=True)
     for name in ("train.rec", "train.idx"):
         (fast / name).write_bytes(b"x" * 1000)
-    err = _launch_print(monkeypatch, capsys, {}, {"nodes": 1, "devices": "cpu", "cpu_processes": 1},
-                        ["--stage-to-local", str(tmp_path / "local"), "--rec", str(fast / "train.rec"),
-                         "--idx", str(fast / "train.idx")])
+    err = _launch_print(
+        monkeypatch,
+        capsys,
+        {},
+        {"nodes": 1, "devices": "cpu", "cpu_processes": 1},
+        [
+            "--stage-to-local",
+            str(tmp_path / "local"),
+            "--rec",
+            str(fast / "train.rec"),
+            "--idx",
+            str(fast / "train.idx"),
+        ],
+    )
     cmd = err.strip().splitlines()[-1]
     assert f"--rec {tmp_path / 'local' / 'demo' / 'train.rec'}" in cmd
     assert "--stage-to-local" not in cmd

@@ -1,10 +1,9 @@
 """Bad configs fail before any job runs, and the message names the key and the bad value."""
-import copy
 
 import pytest
 import yaml
+from helpers import REPO, snakemake
 
-from conftest import REPO, snakemake
 from rectrain.config import ConfigError, check_config
 
 SCHEMA = REPO / "config" / "schema.yaml"
@@ -47,8 +46,21 @@ def test_bad_config_is_rejected_naming_the_key(name):
 
 
 def test_numbers_snakemake_passes_as_strings_from_the_command_line_are_read_as_numbers():
-    cfg = check_config(merged({"train": {"epochs": "1", "lr": "0.05", "batch_size": "auto", "channels_last": "false",
-                                         "dali_preallocate": "[64, 48]"}}), SCHEMA, workdir=REPO)
+    cfg = check_config(
+        merged(
+            {
+                "train": {
+                    "epochs": "1",
+                    "lr": "0.05",
+                    "batch_size": "auto",
+                    "channels_last": "false",
+                    "dali_preallocate": "[64, 48]",
+                }
+            }
+        ),
+        SCHEMA,
+        workdir=REPO,
+    )
     t = cfg["train"]
     assert (t["epochs"], t["lr"], t["batch_size"], t["channels_last"]) == (1, 0.05, "auto", False)
     assert t["dali_preallocate"] == [64, 48]
@@ -57,8 +69,15 @@ def test_numbers_snakemake_passes_as_strings_from_the_command_line_are_read_as_n
 
 
 def test_nested_command_line_config_reaches_the_rules(tmp_path):
-    proc = snakemake("-n", "--directory", str(tmp_path), "results/report.html",
-                     "--config", "train={epochs: 1, image_size: 32}", "demo={classes: 3}")
+    proc = snakemake(
+        "-n",
+        "--directory",
+        str(tmp_path),
+        "results/report.html",
+        "--config",
+        "train={epochs: 1, image_size: 32}",
+        "demo={classes: 3}",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "is not of type" not in proc.stdout + proc.stderr
 

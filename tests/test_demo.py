@@ -1,4 +1,5 @@
 """The demo ImageNet generator: deterministic, ImageNet-shaped, learnable, with every planted defect."""
+
 import csv
 import io
 import json
@@ -10,11 +11,19 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rectrain import demo
-from rectrain.index import open_source
+from rectrain.data import demo
+from rectrain.data.index import open_source
 
-CFG = {"classes": 10, "train_per_class": 12, "val_per_class": 6, "min_size": 48, "max_size": 80,
-       "quality": 90, "seed": 0, "bad_files": True}
+CFG = {
+    "classes": 10,
+    "train_per_class": 12,
+    "val_per_class": 6,
+    "min_size": 48,
+    "max_size": 80,
+    "quality": 90,
+    "seed": 0,
+    "bad_files": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -177,20 +186,29 @@ def features(path: Path) -> np.ndarray:
 def test_classes_are_learnable_by_nearest_centroid_far_above_chance(raw):
     bad = {d["source"] for d in defects(raw).values()}
     wnids = sorted(p.name for p in (raw / "train").iterdir())
-    centroids = np.stack([
-        np.mean([features(p) for p in sorted((raw / "train" / w).iterdir()) if p.relative_to(raw).as_posix() not in bad],
-                axis=0)
-        for w in wnids])
+    centroids = np.stack(
+        [
+            np.mean(
+                [
+                    features(p)
+                    for p in sorted((raw / "train" / w).iterdir())
+                    if p.relative_to(raw).as_posix() not in bad
+                ],
+                axis=0,
+            )
+            for w in wnids
+        ]
+    )
     val = sorted((raw / "val").rglob("*.JPEG"))
     predicted = [wnids[np.argmin(((centroids - features(p)) ** 2).sum(1))] for p in val]
-    accuracy = np.mean([w == p.parent.name for w, p in zip(predicted, val)])
+    accuracy = np.mean([w == p.parent.name for w, p in zip(predicted, val, strict=True)])
     chance = 1 / len(wnids)
     print(f"nearest-centroid accuracy {accuracy:.2f}")
     assert accuracy >= 3 * chance, f"nearest-centroid accuracy {accuracy:.2f} vs chance {chance:.2f}"
 
 
 def test_packer_treats_each_planted_defect_as_the_manifest_says(raw):
-    from rectrain.images import Skip, prepare
+    from rectrain.data.images import Skip, prepare
 
     for d in defects(raw).values():
         try:

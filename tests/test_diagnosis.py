@@ -1,20 +1,34 @@
 """Each diagnosis rule fires on telemetry made to show its condition, with the right ranks and numbers,
 and stays silent on a healthy run."""
-import pandas as pd
 
-from rectrain.diagnosis import Finding, data_wait_share_by_rank, diagnose
-from synthetic_run import REPORT_CFG, make_manifest, make_run, make_steps, make_system
+import pandas as pd
+from helpers.synthetic_run import REPORT_CFG, make_manifest, make_run, make_steps, make_system
+
+from rectrain.report.diagnosis import Finding, data_wait_share_by_rank, diagnose
 
 HEALTHY_GPUS = {0: (95.0, 7000.0, 11264.0), 1: (94.0, 7100.0, 11264.0)}
-PROBLEM_IDS = {"input_bound", "rank_imbalance", "rec_on_rotational", "high_iowait", "gpu_memory_high",
-               "gpu_memory_headroom", "low_gpu_util", "images_skipped"}
+PROBLEM_IDS = {
+    "input_bound",
+    "rank_imbalance",
+    "rec_on_rotational",
+    "high_iowait",
+    "gpu_memory_high",
+    "gpu_memory_headroom",
+    "low_gpu_util",
+    "images_skipped",
+}
 
 
 def run_diag(wait=None, iowait=2.0, gpus=HEALTHY_GPUS, run=None, manifests=None) -> dict[str, Finding]:
     steps = make_steps(wait or {0: 0.02, 1: 0.03})
     system = make_system(iowait=iowait, gpus=gpus)
-    found = diagnose(steps, system, run or make_run(gpus=len(gpus or {})),
-                     manifests if manifests is not None else {"train": make_manifest("train")}, REPORT_CFG)
+    found = diagnose(
+        steps,
+        system,
+        run or make_run(gpus=len(gpus or {})),
+        manifests if manifests is not None else {"train": make_manifest("train")},
+        REPORT_CFG,
+    )
     ids = [f.id for f in found]
     assert len(ids) == len(set(ids)), f"duplicate findings: {ids}"
     return {f.id: f for f in found}
@@ -97,8 +111,9 @@ def test_low_gpu_util_without_data_wait_suggests_only_what_is_off():
     assert "mean GPU util 40 %" in f.measured and "data wait 1.0 %" in f.measured
     assert "train.compile: true" in f.fix
     assert "channels_last" not in f.fix and "precision" not in f.fix  # already on in run.json
-    all_on = run_diag(wait={0: 0.01, 1: 0.01}, gpus=gpus,
-                      run=make_run(compile=True, channels_last=True, precision="fp32"))["low_gpu_util"]
+    all_on = run_diag(
+        wait={0: 0.01, 1: 0.01}, gpus=gpus, run=make_run(compile=True, channels_last=True, precision="fp32")
+    )["low_gpu_util"]
     assert "train.precision: bf16" in all_on.fix and "train.compile" not in all_on.fix
     # rectrain.train keeps compile / channels_last in run.json's copy of the train block
     nested = make_run(config={"compile": True, "channels_last": False})
@@ -139,11 +154,22 @@ def test_every_problem_condition_at_once_is_sorted_most_urgent_first():
     gpus = {0: (40.0, 10927.0, 11264.0), 1: (40.0, 3379.0, 11264.0)}
     skipped = [{"id": 3, "source": "x.JPEG", "reason": "zero bytes"}]
     steps = make_steps({0: 0.02, 1: 0.60})
-    found = diagnose(steps, make_system(iowait=45.0, gpus=gpus), make_run(rotational=True),
-                     {"train": make_manifest(rotational=True, skipped=skipped)}, REPORT_CFG)
+    found = diagnose(
+        steps,
+        make_system(iowait=45.0, gpus=gpus),
+        make_run(rotational=True),
+        {"train": make_manifest(rotational=True, skipped=skipped)},
+        REPORT_CFG,
+    )
     ids = [f.id for f in found]
-    assert {"rank_imbalance", "input_bound", "high_iowait", "rec_on_rotational", "gpu_memory_high",
-            "images_skipped"} <= set(ids)
+    assert {
+        "rank_imbalance",
+        "input_bound",
+        "high_iowait",
+        "rec_on_rotational",
+        "gpu_memory_high",
+        "images_skipped",
+    } <= set(ids)
     order = [f.severity for f in found]
     assert order == sorted(order, key=["critical", "warning", "info", "ok"].index)
     for f in found:
@@ -152,12 +178,12 @@ def test_every_problem_condition_at_once_is_sorted_most_urgent_first():
 
 def test_empty_telemetry_does_not_crash():
     cols = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
-    found = diagnose(pd.DataFrame(columns=cols), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {},
-                     REPORT_CFG)
+    found = diagnose(pd.DataFrame(columns=cols), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {}, REPORT_CFG)
     assert [f.id for f in found] == ["no_problems"]
 
 
 # --- GPU knobs: the input-bound fix names the knob of the decoder the run actually used -----------------
+
 
 def _input_fix(**run_fields):
     run = make_run(gpus=2, **run_fields)
@@ -165,8 +191,10 @@ def _input_fix(**run_fields):
 
 
 def test_input_bound_with_dali_gpu_decode_suggests_hw_decoder_load_and_threads():
-    fix = _input_fix(decode="gpu: DALI mixed decoder (nvJPEG)", config={"workers": 4, "dali_hw_decoder_load": 0.65,
-                                                                         "dali_prefetch_queue_depth": 2})
+    fix = _input_fix(
+        decode="gpu: DALI mixed decoder (nvJPEG)",
+        config={"workers": 4, "dali_hw_decoder_load": 0.65, "dali_prefetch_queue_depth": 2},
+    )
     assert "train.dali_hw_decoder_load (now 0.65)" in fix and "train.workers (now 4)" in fix
     assert "train.dali_prefetch_queue_depth (now 2)" in fix and "pack.resize" in fix
 
@@ -182,8 +210,11 @@ def test_input_bound_with_cpu_decode_on_gpus_suggests_gpu_decode():
 
 
 def test_input_bound_after_dali_fallback_says_install_dali():
-    fix = _input_fix(decode="gpu: torchvision.io.decode_jpeg", loader="torch",
-                     loader_note="train.loader is 'dali' but DALI cannot be imported (ImportError)")
+    fix = _input_fix(
+        decode="gpu: torchvision.io.decode_jpeg",
+        loader="torch",
+        loader_note="train.loader is 'dali' but DALI cannot be imported (ImportError)",
+    )
     assert "install DALI" in fix and "hardware JPEG engines" in fix
 
 

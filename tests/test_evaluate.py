@@ -1,5 +1,6 @@
 """Evaluation of a checkpoint on a val .rec agrees with an independent computation, across loaders
 and across process counts, and writes the contracted metrics.json / per_class.csv."""
+
 import io
 import json
 import os
@@ -13,8 +14,9 @@ import torch
 import torchvision
 from PIL import Image
 
-from rectrain.evaluate import EvalSpec, main as evaluate_main, per_class, relaunch_command, run
-from rectrain.recordio import IRHeader, IndexedRecordReader, RecordWriter, pack_record, unpack_record
+from rectrain.evaluate import EvalSpec, per_class, relaunch_command, run
+from rectrain.evaluate import main as evaluate_main
+from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record, unpack_record
 
 COLOURS = [(220, 30, 30), (30, 200, 30), (30, 30, 220), (220, 220, 30)]
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
@@ -44,6 +46,7 @@ def train_colour_model(seed=0):
         labels = rng.integers(0, len(COLOURS), 32)
         x = torch.stack([torch.from_numpy(colour_image(rng, int(y), (CROP, CROP))).permute(2, 0, 1) for y in labels])
         return normalise(x), torch.from_numpy(labels)
+
     model.train()
     for _ in range(12):
         x, y = batch()
@@ -76,16 +79,36 @@ def val_set(tmp_path_factory):
             buf = io.BytesIO()
             Image.fromarray(images[key]).save(buf, "JPEG", quality=95)
             w.write(int(key), pack_record(IRHeader(0, float(labels[key]), int(key), 0), buf.getvalue()))
-    classes = pd.DataFrame({"label": range(4), "wnid": [f"n0000000{i}" for i in range(4)],
-                            "name": ["red", "<script>alert(1)</script>", "blue", "NA"]})
+    classes = pd.DataFrame(
+        {
+            "label": range(4),
+            "wnid": [f"n0000000{i}" for i in range(4)],
+            "name": ["red", "<script>alert(1)</script>", "blue", "NA"],
+        }
+    )
     classes.to_csv(tmp / "classes.tsv", sep="\t", index=False)
     model = train_colour_model()
     ckpt = tmp / "model.pt"
-    torch.save({"model": model.state_dict(), "model_name": "resnet18", "num_classes": 4, "image_size": CROP,
-                "epoch": 3, "config": {"loader": "dali", "devices": "cpu", "precision": "bf16",
-                                       "gpu_decode": True, "cpu_processes": 2}}, ckpt)
-    return {"dir": tmp, "rec": str(rec), "idx": str(idx), "classes": str(tmp / "classes.tsv"),
-            "ckpt": str(ckpt), "labels": labels, "model": model}
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "model_name": "resnet18",
+            "num_classes": 4,
+            "image_size": CROP,
+            "epoch": 3,
+            "config": {"loader": "dali", "devices": "cpu", "precision": "bf16", "gpu_decode": True, "cpu_processes": 2},
+        },
+        ckpt,
+    )
+    return {
+        "dir": tmp,
+        "rec": str(rec),
+        "idx": str(idx),
+        "classes": str(tmp / "classes.tsv"),
+        "ckpt": str(ckpt),
+        "labels": labels,
+        "model": model,
+    }
 
 
 def cfg(loader, **kw):
@@ -96,6 +119,7 @@ def manual_predictions(vs):
     """Independent of the loaders: read every record, decode with PIL, resize + centre crop with
     torchvision's functional API, run the model one image at a time."""
     import torchvision.transforms.functional as TF
+
     reader = IndexedRecordReader(vs["rec"], vs["idx"])
     truth, pred = [], []
     with torch.inference_mode():
@@ -142,8 +166,17 @@ def test_outputs_follow_the_contract(val_set, tmp_path):
     assert set(m) == {"top1", "top5", "loss", "images", "images_per_s", "loader", "checkpoint"}
     assert m["loader"] == "torch" and m["checkpoint"] == val_set["ckpt"] and m["images_per_s"] > 0
     table = pd.read_csv(tmp_path / "per_class.csv", keep_default_na=False)
-    assert list(table.columns) == ["label", "wnid", "name", "images", "correct", "accuracy", "most_confused_label",
-                                   "most_confused_wnid", "most_confused_count"]
+    assert list(table.columns) == [
+        "label",
+        "wnid",
+        "name",
+        "images",
+        "correct",
+        "accuracy",
+        "most_confused_label",
+        "most_confused_wnid",
+        "most_confused_count",
+    ]
     assert table.loc[3, "name"] == "NA" and table.loc[1, "name"] == "<script>alert(1)</script>"
     # the mislabelled red record: class 1's images were mistaken for class 0 once
     assert str(table.loc[1, "most_confused_label"]) == "0" and table.loc[1, "most_confused_wnid"] == "n00000000"
@@ -196,17 +229,51 @@ def test_checkpoint_with_pickled_code_is_refused(val_set, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_equal_one_pass(val_set, tmp_path):
     single = tmp_path / "single"
-    evaluate_main(["--config-json", json.dumps(cfg("torch")), "--checkpoint", val_set["ckpt"],
-                   "--rec", val_set["rec"], "--idx", val_set["idx"], "--classes", val_set["classes"],
-                   "--out", str(single)])
+    evaluate_main(
+        [
+            "--config-json",
+            json.dumps(cfg("torch")),
+            "--checkpoint",
+            val_set["ckpt"],
+            "--rec",
+            val_set["rec"],
+            "--idx",
+            val_set["idx"],
+            "--classes",
+            val_set["classes"],
+            "--out",
+            str(single),
+        ]
+    )
     two = tmp_path / "two"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "rectrain.evaluate", "--config-json", json.dumps(cfg("torch", workers=0)),
-         "--checkpoint", val_set["ckpt"], "--rec", val_set["rec"], "--idx", val_set["idx"],
-         "--classes", val_set["classes"], "--out", str(two)],
-        capture_output=True, text=True, timeout=240, env=env)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "rectrain.evaluate",
+            "--config-json",
+            json.dumps(cfg("torch", workers=0)),
+            "--checkpoint",
+            val_set["ckpt"],
+            "--rec",
+            val_set["rec"],
+            "--idx",
+            val_set["idx"],
+            "--classes",
+            val_set["classes"],
+            "--out",
+            str(two),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1/2" in proc.stderr
     a, b = json.loads((single / "metrics.json").read_text()), json.loads((two / "metrics.json").read_text())

@@ -1,30 +1,58 @@
-"""bench/gpu_efficiency.py's code path (loaders vs synthetic through rectrain.train.run_steps) on CPU with
+"""bench/gpu_efficiency.py's code path (loaders vs synthetic through rectrain.train.trainer.run_steps) on CPU with
 tiny settings, and the StepClock's accounting: wall = data wait + compute."""
+
 import json
 import subprocess
 import sys
 import time
 
 import torch
+from helpers import REPO
+from helpers.train_data import write_rec
 
-from conftest import REPO
 from rectrain.recordio import IndexedRecordReader, unpack_record
-from rectrain.stepclock import StepClock
-from train_data import write_rec
+from rectrain.train.stepclock import StepClock
 
 
 def test_gpu_bench_runs_every_loader_and_synthetic_on_cpu(tmp_path):
     rec, idx = write_rec(tmp_path, [i % 5 for i in range(13)])
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_efficiency.py"), "--rec", str(rec), "--idx", str(idx),
-           "--out", str(out), "--device", "cpu", "--runs", "resnet18:32,resnet18:24@28", "--steps", "3",
-           "--warmup", "1", "--batch", "4", "--workers", "1", "--num-classes", "5", "--precision", "fp32"]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "gpu_efficiency.py"),
+        "--rec",
+        str(rec),
+        "--idx",
+        str(idx),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--runs",
+        "resnet18:32,resnet18:24@28",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--batch",
+        "4",
+        "--workers",
+        "1",
+        "--num-classes",
+        "5",
+        "--precision",
+        "fp32",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "gpu_efficiency.json").read_text())
     rows = result["rows"]
     assert [(r["loader"], r["image_size"], r["rec_side"]) for r in rows] == [
-        ("dali", 32, 0), ("torch", 32, 0), ("dali", 24, 28), ("torch", 24, 28)]
+        ("dali", 32, 0),
+        ("torch", 32, 0),
+        ("dali", 24, 28),
+        ("torch", 24, 28),
+    ]
     for r in rows:
         assert r["real_img_s"] > 0 and r["synthetic_img_s"] > 0 and r["steps"] == 3
         assert abs(r["ratio"] - r["real_img_s"] / r["synthetic_img_s"]) < 1e-9
@@ -39,8 +67,10 @@ def test_gpu_bench_runs_every_loader_and_synthetic_on_cpu(tmp_path):
         assert len(reader) >= (1 + 3 + 4) * 4
         header, data = unpack_record(reader.read(reader.keys[13]))
         assert header.label == 0.0  # record 13 repeats source record 0 (label 0)
-        from PIL import Image
         import io
+
+        from PIL import Image
+
         assert min(Image.open(io.BytesIO(data)).size) == 28
 
 
@@ -53,8 +83,10 @@ class FakeLog:
 
 
 def test_run_steps_rows_add_up_and_data_wait_is_the_loaders_time():
-    from rectrain import train as T
-    from train_data import tiny_train_config
+    from helpers.train_data import tiny_train_config
+
+    from rectrain.train import trainer as T
+
     cfg = {**tiny_train_config(), "channels_last": False, "precision": "fp32", "image_size": 16}
     device = torch.device("cpu")
     model, loss_fn = T.make_model({**cfg, "model": "resnet18"}, 3, device)
@@ -66,8 +98,20 @@ def test_run_steps_rows_add_up_and_data_wait_is_the_loaders_time():
             yield torch.randn(4, 3, 16, 16), torch.randint(0, 3, (4,))
 
     log = FakeLog()
-    totals = T.run_steps(0, model, slow_batches(), loss_fn, optimizer, scheduler, scaler, cfg, 1,
-                         T.Dist(0, 1, 0, 1, device), log, max_steps=3)
+    totals = T.run_steps(
+        0,
+        model,
+        slow_batches(),
+        loss_fn,
+        optimizer,
+        scheduler,
+        scaler,
+        cfg,
+        1,
+        T.Dist(0, 1, 0, 1, device),
+        log,
+        max_steps=3,
+    )
     assert totals["steps"] == 3 and totals["seen"] == 12 and [r["step"] for r in log.rows] == [0, 1, 2]
     for r in log.rows:
         assert abs(r["wall_s"] - r["data_wait_s"] - r["compute_s"]) < 1e-9
@@ -87,8 +131,10 @@ def test_step_clock_on_cpu_measures_intervals_and_unix_time():
 
 def test_oom_cap_runs_the_training_preflight_and_refuses_without_a_gpu():
     import pytest
+
     sys.path.insert(0, str(REPO / "bench"))
     import oom_cap
+
     cpu = torch.device("cpu")
     fixed = oom_cap.preflight({"model": "resnet18", "image_size": 32, "batch_size": 256}, cpu, 10)
     assert fixed["batch"] == 256 and "no GPU" in fixed["report"]["skipped"]

@@ -1,17 +1,18 @@
 """The GPU path's decisions and knobs, proven on CPU: config/gpu.yaml, loader dispatch without DALI,
 DALI decoder arguments, and the torch loader's raw-bytes + batched-decode train path."""
+
 import os
 
 import pytest
 import torch
 import yaml
+from helpers import REPO
+from helpers.train_data import colour_class, write_rec
 
-from conftest import REPO
 from rectrain import loaders
 from rectrain.config import check_config
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, choose_loader, resolve_workers
 from rectrain.loaders.pytorch import TorchLoader
-from train_data import colour_class, write_rec
 
 SCHEMA = REPO / "config" / "schema.yaml"
 
@@ -36,16 +37,24 @@ def test_gpu_config_is_valid_and_asks_for_the_gpu_path():
 def test_auto_workers_share_the_nodes_cores_among_its_ranks():
     assert resolve_workers("auto", local_ranks=1, cores=16) == 16
     assert resolve_workers("auto", local_ranks=8, cores=16) == 2  # not 8 x 12 threads on 16 cores
-    assert resolve_workers("auto", local_ranks=4, cores=2) == 1   # never zero: DALI needs a thread
-    assert resolve_workers(0, local_ranks=8, cores=16) == 0       # a number is taken as given
+    assert resolve_workers("auto", local_ranks=4, cores=2) == 1  # never zero: DALI needs a thread
+    assert resolve_workers(0, local_ranks=8, cores=16) == 0  # a number is taken as given
     assert resolve_workers("auto", local_ranks=1) == len(os.sched_getaffinity(0))
 
 
 def test_gpu_knobs_have_defaults_and_descriptions():
     with open(SCHEMA) as fh:
         train = yaml.safe_load(fh)["properties"]["train"]["properties"]
-    for key in ("cudnn_benchmark", "dali_hw_decoder_load", "dali_prefetch_queue_depth", "dali_device_memory_padding",
-                "dali_host_memory_padding", "dali_preallocate", "workers", "gpu_decode"):
+    for key in (
+        "cudnn_benchmark",
+        "dali_hw_decoder_load",
+        "dali_prefetch_queue_depth",
+        "dali_device_memory_padding",
+        "dali_host_memory_padding",
+        "dali_preallocate",
+        "workers",
+        "gpu_decode",
+    ):
         assert "default" in train[key] and train[key].get("description"), key
     filled = check_config({"dataset": "demo"}, SCHEMA, workdir=REPO)["train"]
     assert DaliOptions.from_config(filled) == DaliOptions()  # the schema and the code agree on defaults
@@ -55,17 +64,21 @@ def test_gpu_knobs_have_defaults_and_descriptions():
 
 def test_bad_hw_decoder_load_is_rejected_naming_the_key():
     from rectrain.config import ConfigError
+
     with pytest.raises(ConfigError, match="train.dali_hw_decoder_load"):
         check_config({"dataset": "demo", "train": {"dali_hw_decoder_load": 1.5}}, SCHEMA, workdir=REPO)
 
 
-@pytest.mark.parametrize("has_cuda,has_dali,gpu_decode,kind,decode_on", [
-    (True, True, True, "dali", "gpu: DALI mixed"),
-    (True, True, False, "dali", "cpu: DALI"),
-    (False, True, True, "dali", "cpu: DALI"),
-    (True, False, True, "torch", "gpu: torchvision.io.decode_jpeg"),
-    (False, False, True, "torch", "cpu: PIL"),
-])
+@pytest.mark.parametrize(
+    "has_cuda,has_dali,gpu_decode,kind,decode_on",
+    [
+        (True, True, True, "dali", "gpu: DALI mixed"),
+        (True, True, False, "dali", "cpu: DALI"),
+        (False, True, True, "dali", "cpu: DALI"),
+        (True, False, True, "torch", "gpu: torchvision.io.decode_jpeg"),
+        (False, False, True, "torch", "cpu: PIL"),
+    ],
+)
 def test_dali_request_dispatch(has_cuda, has_dali, gpu_decode, kind, decode_on):
     choice = choose_loader("dali", has_cuda, has_dali, gpu_decode, dali_error="ImportError: no nvidia.dali")
     assert choice.kind == kind and choice.decode.startswith(decode_on)
@@ -73,8 +86,13 @@ def test_dali_request_dispatch(has_cuda, has_dali, gpu_decode, kind, decode_on):
         assert choice.note is None
     else:
         # The fallback names the cause, what runs instead, and both fixes.
-        for fragment in ("train.loader is 'dali'", "ImportError: no nvidia.dali", "torch loader",
-                         "nvidia-dali-cuda", "train.loader: torch"):
+        for fragment in (
+            "train.loader is 'dali'",
+            "ImportError: no nvidia.dali",
+            "torch loader",
+            "nvidia-dali-cuda",
+            "train.loader: torch",
+        ):
             assert fragment in choice.note
 
 
@@ -92,6 +110,7 @@ def test_unknown_loader_names_the_key():
 
 def test_dali_decoder_knobs_reach_only_the_mixed_decoder():
     from rectrain.loaders.dali import decoder_args
+
     opts = DaliOptions(hw_decoder_load=0.9, preallocate=(640, 480))
     args = decoder_args("mixed", opts)
     assert args["hw_decoder_load"] == 0.9 and args["preallocate_width_hint"] == 640
@@ -129,7 +148,8 @@ def test_raw_bytes_train_path_matches_the_worker_decode_path(colour_rec):
 
 
 def test_capped_gpu_label_says_what_the_process_may_use():
-    from rectrain.memory import GpuInfo, oom_message
+    from rectrain.train.memory import GpuInfo, oom_message
+
     capped = GpuInfo(0, "NVIDIA H200", 11 * 1024, card_mb=140 * 1024)
     assert capped.label() == "GPU 0 (NVIDIA H200, 11.0 GB of the card's 140.0 GB, capped for this process)"
     assert GpuInfo(0, "RTX 2080 Ti", 11 * 1024).label() == "GPU 0 (RTX 2080 Ti, 11.0 GB)"
@@ -139,19 +159,36 @@ def test_capped_gpu_label_says_what_the_process_may_use():
 
 def test_gpu_config_plans_the_whole_pipeline(tmp_path):
     """What bench/gpu_check.sh runs: the config parses, and a dry run from scratch schedules every stage."""
-    from conftest import snakemake
-    proc = snakemake("-n", "--configfile", str(REPO / "config" / "gpu.yaml"), "--directory", str(tmp_path),
-                     "results/report.html", check=True)
+    from helpers import snakemake
+
+    proc = snakemake(
+        "-n",
+        "--configfile",
+        str(REPO / "config" / "gpu.yaml"),
+        "--directory",
+        str(tmp_path),
+        "results/report.html",
+        check=True,
+    )
     for rule in ("demo_data", "index_raw", "pack", "train", "evaluate", "report"):
         assert f"rule {rule}:" in proc.stdout, rule
 
 
 def test_gpu_check_script_is_valid_bash_and_names_each_part():
     import subprocess
+
     script = REPO / "bench" / "gpu_check.sh"
     for name in ("gpu_check.sh", "fetch_gpu_wheels.sh"):
         assert subprocess.run(["bash", "-n", str(REPO / "bench" / name)]).returncode == 0, name
     text = script.read_text()
-    for part in ("config/gpu.yaml", "bench/gpu_efficiency.py", "bench/oom_cap.py", "bench/gpu_summary.py",
-                 "--no-index", "*.part-aa", "report.html", "summary.txt"):
+    for part in (
+        "config/gpu.yaml",
+        "bench/gpu_efficiency.py",
+        "bench/oom_cap.py",
+        "bench/gpu_summary.py",
+        "--no-index",
+        "*.part-aa",
+        "report.html",
+        "summary.txt",
+    ):
         assert part in text, part

@@ -1,4 +1,5 @@
 """The raw-ImageNet indexer: every layout of the same images gives the same rows; archives are safe."""
+
 import csv
 import io
 import os
@@ -12,11 +13,19 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from rectrain import demo, index
-from rectrain.index import LayoutError, SourceReader, UnsafeArchiveMember, discover, open_source, write_index
+from rectrain.data import demo, index
+from rectrain.data.index import LayoutError, SourceReader, UnsafeArchiveMember, discover, open_source, write_index
 
-CFG = {"classes": 4, "train_per_class": 3, "val_per_class": 2, "min_size": 24, "max_size": 40,
-       "quality": 80, "seed": 7, "bad_files": True}
+CFG = {
+    "classes": 4,
+    "train_per_class": 3,
+    "val_per_class": 2,
+    "min_size": 24,
+    "max_size": 40,
+    "quality": 80,
+    "seed": 7,
+    "bad_files": True,
+}
 LAYOUTS = ["folders", "flat-kaggle", "flat-devkit", "archives"]
 
 
@@ -51,10 +60,13 @@ def test_every_layout_gives_the_folder_layouts_labels(indexes, layout):
     ref, got = indexes["folders"], indexes[layout]
     assert got["classes"] == ref["classes"]
     for split in ("train", "val"):
-        assert Counter((r["wnid"], r["label"]) for r in got[split]) == Counter((r["wnid"], r["label"]) for r in ref[split])
+        assert Counter((r["wnid"], r["label"]) for r in got[split]) == Counter(
+            (r["wnid"], r["label"]) for r in ref[split]
+        )
         # The same image (by file name) has the same label, whatever the source naming.
-        assert {image_name(r["source"]): r["label"] for r in got[split]} == \
-               {image_name(r["source"]): r["label"] for r in ref[split]}
+        assert {image_name(r["source"]): r["label"] for r in got[split]} == {
+            image_name(r["source"]): r["label"] for r in ref[split]
+        }
     assert [image_name(r["source"]) for r in got["unclassified"]] == ["Thumbs.db"]
 
 
@@ -65,8 +77,7 @@ def test_auto_prefers_folders(indexes):
 def test_rows_ids_labels_and_classes_follow_the_contract(indexes, raw):
     tables = indexes["folders"]
     wnids = sorted(p.name for p in (raw / "train").iterdir())
-    assert tables["classes"] == [{"label": str(i), "wnid": w, "name": n}
-                                 for i, (w, n) in enumerate(demo.class_list(4))]
+    assert tables["classes"] == [{"label": str(i), "wnid": w, "name": n} for i, (w, n) in enumerate(demo.class_list(4))]
     assert [r["wnid"] for r in tables["classes"]] == wnids
     for split, count in (("train", 4 * 3 + len(demo.DEFECTS)), ("val", 4 * 2)):
         rows = tables[split]
@@ -136,8 +147,9 @@ def test_archives_alone_with_devkit_tgz_give_the_same_labels(raw, indexes, tmp_p
     for name in ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", "ILSVRC2012_devkit_t12.tar.gz"):
         shutil.copy(raw / "archives" / name, root / name)
     tables = run_index(root, tmp_path / "index")  # auto: no folders, no Kaggle CSV
-    assert {image_name(r["source"]): r["label"] for r in tables["val"]} == \
-           {image_name(r["source"]): r["label"] for r in indexes["folders"]["val"]}
+    assert {image_name(r["source"]): r["label"] for r in tables["val"]} == {
+        image_name(r["source"]): r["label"] for r in indexes["folders"]["val"]
+    }
     assert tables["val"][0]["source"] == "ILSVRC2012_img_val.tar::ILSVRC2012_val_00000001.JPEG"
     assert all(r["name"] for r in tables["classes"])  # names from the devkit meta when no mapping file
 
@@ -147,8 +159,10 @@ def test_flat_val_image_without_ground_truth_is_unclassified(raw, tmp_path):
     shutil.copy(root / "val_flat/ILSVRC2012_val_00000001.JPEG", root / "val_flat/ILSVRC2012_val_00099999.JPEG")
     tables = run_index(root, tmp_path / "index")
     assert len(tables["val"]) == 8
-    assert {"source": "val_flat/ILSVRC2012_val_00099999.JPEG",
-            "reason": "no ground truth for this image in LOC_val_solution.csv"} in tables["unclassified"]
+    assert {
+        "source": "val_flat/ILSVRC2012_val_00099999.JPEG",
+        "reason": "no ground truth for this image in LOC_val_solution.csv",
+    } in tables["unclassified"]
     assert all(r["name"] == "" for r in tables["classes"])  # no mapping file: names empty, not invented
 
 
@@ -245,8 +259,10 @@ def test_handmade_archives_with_long_names_read_by_offset(tmp_path):
     root = archive_root(tmp_path, class_members=[regular("n01440764_1.JPEG", b"first"), regular(long_name, b"second")])
     tables = run_index(root, tmp_path / "index")
     sources = [r["source"] for r in tables["train"]]
-    assert sources == ["ILSVRC2012_img_train.tar::n01440764.tar::n01440764_1.JPEG",
-                       f"ILSVRC2012_img_train.tar::n01440764.tar::{long_name}"]
+    assert sources == [
+        "ILSVRC2012_img_train.tar::n01440764.tar::n01440764_1.JPEG",
+        f"ILSVRC2012_img_train.tar::n01440764.tar::{long_name}",
+    ]
     assert [open_source(root, s) for s in sources] == [b"first", b"second"]
 
 
@@ -267,8 +283,9 @@ def test_nested_class_tar_member_escaping_is_refused_naming_both_tars(tmp_path, 
     assert repr(member) in str(err.value)
 
 
-@pytest.mark.parametrize("kind, what", [(tarfile.SYMTYPE, "link"), (tarfile.LNKTYPE, "link"),
-                                        (tarfile.CHRTYPE, "device")])
+@pytest.mark.parametrize(
+    "kind, what", [(tarfile.SYMTYPE, "link"), (tarfile.LNKTYPE, "link"), (tarfile.CHRTYPE, "device")]
+)
 def test_links_and_devices_in_tars_are_refused(tmp_path, kind, what):
     root = archive_root(tmp_path, val_members=[link("ILSVRC2012_val_00000001.JPEG", kind)])
     with pytest.raises(UnsafeArchiveMember, match=what):
@@ -276,15 +293,23 @@ def test_links_and_devices_in_tars_are_refused(tmp_path, kind, what):
 
 
 def test_cli_writes_four_tsvs_and_fails_with_the_member_named(raw, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(Path(index.__file__).parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(index.__file__).parents[2]))
     out = tmp_path / "index"
-    proc = subprocess.run([sys.executable, "-m", "rectrain.index", "--raw", str(raw), "--out", str(out),
-                           "--layout", "archives"], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rectrain.data.index", "--raw", str(raw), "--out", str(out), "--layout", "archives"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["classes.tsv", "train.tsv", "unclassified.tsv", "val.tsv"]
     assert "train 20 images, val 8 images, 4 classes, 1 unclassified" in proc.stderr
 
     bad = archive_root(tmp_path, val_members=[regular("../../x.JPEG")])
-    proc = subprocess.run([sys.executable, "-m", "rectrain.index", "--raw", str(bad), "--out", str(tmp_path / "o2")],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rectrain.data.index", "--raw", str(bad), "--out", str(tmp_path / "o2")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode != 0 and "'../../x.JPEG'" in proc.stderr and not (tmp_path / "o2").exists()

@@ -1,5 +1,6 @@
 """The multi-node path on one machine: two torchrun "nodes" (one CPU process each) meeting through
 c10d rendezvous on localhost train exactly like the standalone path with two processes."""
+
 import json
 import os
 import socket
@@ -8,12 +9,19 @@ import sys
 
 import pytest
 import torch
+from helpers.train_data import packed_dataset, rows, tiny_train_config
 
-from rectrain.checkpoint import load
-from train_data import packed_dataset, rows, tiny_train_config
+from rectrain.train.checkpoint import load
 
-TELEMETRY = ["model.pt", "checkpoints/last.pt", "checkpoints/epoch_0.pt", "steps.csv", "epochs.csv",
-             "system.csv", "run.json"]
+TELEMETRY = [
+    "model.pt",
+    "checkpoints/last.pt",
+    "checkpoints/epoch_0.pt",
+    "steps.csv",
+    "epochs.csv",
+    "system.csv",
+    "run.json",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +36,25 @@ def free_port() -> int:
 
 
 def launch_cmd(cfg, data, out, extra=()):
-    return [sys.executable, "-m", "rectrain.launch", "--config-json", json.dumps(cfg), *data,
-            "--out", str(out), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "rectrain.train.launch",
+        "--config-json",
+        json.dumps(cfg),
+        *data,
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith(("SLURM_", "RECTRAIN_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith(("SLURM_", "RECTRAIN_"))
+    }
     env.update(extra)
     return env
 
@@ -43,8 +63,13 @@ def clean_env(**extra):
 def test_two_localhost_nodes_match_the_standalone_run(data, tmp_path):
     standalone = tmp_path / "standalone"
     # One CPU thread per rank in both runs, so the float maths (and so the weights) can be compared exactly.
-    proc = subprocess.run(launch_cmd(tiny_train_config(epochs=1, cpu_processes=2), data, standalone, ["--threads", "2"]),
-                          env=clean_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        launch_cmd(tiny_train_config(epochs=1, cpu_processes=2), data, standalone, ["--threads", "2"]),
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--standalone" in proc.stderr
 
@@ -52,14 +77,20 @@ def test_two_localhost_nodes_match_the_standalone_run(data, tmp_path):
     cfg = tiny_train_config(epochs=1, cpu_processes=1, nodes=2)
     endpoint = f"127.0.0.1:{free_port()}"
     # Each "node" has its own node-local disk (TMPDIR) and stages the shared pair there first.
-    nodes = [subprocess.Popen(launch_cmd(cfg, data, multi, ["--threads", "1", "--stage-to-local", "auto"]),
-                              env=clean_env(RECTRAIN_RDZV_ENDPOINT=endpoint, TMPDIR=str(tmp_path / f"local{n}")),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in range(2)]
+    nodes = [
+        subprocess.Popen(
+            launch_cmd(cfg, data, multi, ["--threads", "1", "--stage-to-local", "auto"]),
+            env=clean_env(RECTRAIN_RDZV_ENDPOINT=endpoint, TMPDIR=str(tmp_path / f"local{n}")),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in range(2)
+    ]
     logs = [p.communicate(timeout=240)[0] for p in nodes]
-    for n, (p, log) in enumerate(zip(nodes, logs)):
+    for n, (p, log) in enumerate(zip(nodes, logs, strict=True)):
         assert p.returncode == 0, f"node {n}:\n{log[-3000:]}"
-        assert f"--nnodes=2" in log and "--rdzv_backend=c10d" in log and f"--rdzv_endpoint={endpoint}" in log
+        assert "--nnodes=2" in log and "--rdzv_backend=c10d" in log and f"--rdzv_endpoint={endpoint}" in log
         staged = tmp_path / f"local{n}" / "packed0"
         assert (staged / "train.rec").is_file() and (staged / "val.idx").is_file(), log[-2000:]
 

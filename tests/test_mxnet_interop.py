@@ -1,21 +1,30 @@
 """Byte identity with the format authority: mxnet 1.9.1's MXIndexedRecordIO, run in .venv-mxnet
 (built from envs/mxnet-interop.txt by `make mxnet-env`), writes the same .rec/.idx as our writer, and
 reads our files, packed ones included, back exactly."""
+
 import hashlib
 import json
 import subprocess
 import textwrap
 
 import pytest
+from helpers.packdata import REPO, jpeg, kinds_dataset, photo, run_pack
 
-from packdata import REPO, jpeg, kinds_dataset, photo, run_pack
-from rectrain.recordio import (MAGIC_BYTES, IndexedRecordReader, IRHeader, RecordWriter, pack_record, read_idx,
-                               unpack_record)
+from rectrain.recordio import (
+    MAGIC_BYTES,
+    IndexedRecordReader,
+    IRHeader,
+    RecordWriter,
+    pack_record,
+    read_idx,
+    unpack_record,
+)
 
 MXPY = REPO / ".venv-mxnet" / "bin" / "python"
 
 pytestmark = pytest.mark.skipif(
-    not MXPY.exists(), reason=".venv-mxnet is missing: build it with `make mxnet-env` (envs/mxnet-interop.txt)")
+    not MXPY.exists(), reason=".venv-mxnet is missing: build it with `make mxnet-env` (envs/mxnet-interop.txt)"
+)
 
 MX_SCRIPT = textwrap.dedent("""
     import hashlib, json, sys
@@ -46,8 +55,12 @@ MX_SCRIPT = textwrap.dedent("""
 
 
 def _mx(mode, spec_path, rec, idx):
-    proc = subprocess.run([str(MXPY), "-c", MX_SCRIPT, mode, str(spec_path), str(rec), str(idx)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(MXPY), "-c", MX_SCRIPT, mode, str(spec_path), str(rec), str(idx)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -77,8 +90,7 @@ def test_writer_output_is_byte_identical_to_mxnet(tmp_path):
     _mx("write", spec_path, tmp_path / "mx.rec", tmp_path / "mx.idx")
     with RecordWriter(tmp_path / "ours.rec", tmp_path / "ours.idx") as w:
         for r in specs:
-            w.write(r["key"], pack_record(IRHeader(0, r["label"], r["id"], r["id2"]),
-                                          open(r["image"], "rb").read()))
+            w.write(r["key"], pack_record(IRHeader(0, r["label"], r["id"], r["id2"]), open(r["image"], "rb").read()))
     mx_rec, ours_rec = (tmp_path / "mx.rec").read_bytes(), (tmp_path / "ours.rec").read_bytes()
     assert mx_rec.count(MAGIC_BYTES) > len(specs), "the set must exercise split records"
     assert ours_rec == mx_rec
@@ -89,14 +101,22 @@ def test_mxnet_reads_our_records_back_exactly(tmp_path):
     specs = _interop_records(tmp_path)
     with RecordWriter(tmp_path / "ours.rec", tmp_path / "ours.idx") as w:
         for r in specs:
-            w.write(r["key"], pack_record(IRHeader(0, r["label"], r["id"], r["id2"]),
-                                          open(r["image"], "rb").read()))
+            w.write(r["key"], pack_record(IRHeader(0, r["label"], r["id"], r["id2"]), open(r["image"], "rb").read()))
     out = tmp_path / "read.json"
     _mx("read", out, tmp_path / "ours.rec", tmp_path / "ours.idx")
     got = json.loads(out.read_text())
     assert got["sequential_count"] == len(specs)
-    expected = [[r["key"], len(r["label"]) if isinstance(r["label"], list) else 0, r["label"], r["id"], r["id2"],
-                 _sha(open(r["image"], "rb").read())] for r in specs]
+    expected = [
+        [
+            r["key"],
+            len(r["label"]) if isinstance(r["label"], list) else 0,
+            r["label"],
+            r["id"],
+            r["id2"],
+            _sha(open(r["image"], "rb").read()),
+        ]
+        for r in specs
+    ]
     assert got["records"] == expected
 
 

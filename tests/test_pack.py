@@ -1,5 +1,6 @@
 """The packer: shuffled ids/labels, pass-through bytes, repairs and skips, resize, verification,
 atomic publishing under SIGKILL, storage warnings and the space preflight."""
+
 import io
 import json
 import os
@@ -10,13 +11,14 @@ import cv2
 import numpy as np
 import psutil
 import pytest
+from helpers.packdata import EXPECTED, fake_sysfs, jpeg, kinds, kinds_dataset, photo, run_pack, write_dataset
 from PIL import Image
 
-from packdata import EXPECTED, fake_sysfs, jpeg, kinds, kinds_dataset, photo, run_pack, write_dataset
-from rectrain import images, pack, storage
-from rectrain.images import Skip, prepare, read_jpeg_header
+from rectrain import storage
+from rectrain.data import images, pack
+from rectrain.data.images import Skip, prepare, read_jpeg_header
+from rectrain.data.verify import main as verify_main
 from rectrain.recordio import IndexedRecordReader, read_idx, unpack_record
-from rectrain.verify import main as verify_main
 
 
 def _records(out):
@@ -51,8 +53,10 @@ def test_every_index_row_is_packed_or_skipped_and_counts_add_up(packed):
 
 def test_records_carry_index_ids_and_labels_in_shuffled_order(packed):
     out, _, index, _, _ = packed
-    labels = {int(line.split("\t")[0]): int(line.split("\t")[2])
-              for line in (index / "train.tsv").read_text().splitlines()[1:]}
+    labels = {
+        int(line.split("\t")[0]): int(line.split("\t")[2])
+        for line in (index / "train.tsv").read_text().splitlines()[1:]
+    }
     reader, records = _records(out)
     for key, (header, _) in records.items():
         assert header.id == key and header.flag == 0 and header.label == labels[key]
@@ -105,8 +109,12 @@ def test_defects_are_repaired_as_rgb_or_skipped_with_reasons(packed):
 
 def test_resize_sets_the_shorter_side_and_never_upscales(tmp_path):
     big_wide, big_tall, small = photo(200, 150, 1), photo(150, 300, 2), photo(50, 40, 3)
-    files = [("a/wide.JPEG", 0, jpeg(big_wide)), ("a/tall.JPEG", 1, jpeg(big_tall)),
-             ("a/small.JPEG", 0, jpeg(small)), ("a/cmyk_small.JPEG", 1, jpeg(small.convert("CMYK")))]
+    files = [
+        ("a/wide.JPEG", 0, jpeg(big_wide)),
+        ("a/tall.JPEG", 1, jpeg(big_tall)),
+        ("a/small.JPEG", 0, jpeg(small)),
+        ("a/cmyk_small.JPEG", 1, jpeg(small.convert("CMYK"))),
+    ]
     raw, index = write_dataset(tmp_path, files, classes=2)
     proc = run_pack(raw, index, tmp_path / "out", cfg={"resize": 64, "quality": 80})
     assert proc.returncode == 0, proc.stderr
@@ -152,10 +160,15 @@ def test_simplejpeg_resize_matches_the_pillow_path_and_decodes_reduced_when_it_c
         pixels = decode(*args, **kwargs)
         decoded.append(pixels.shape)
         return pixels
+
     monkeypatch.setattr(images.simplejpeg, "decode_jpeg", spy)
     # to a shorter side of 128: decoded at full size (150), 1/2 (150 of 300), 1/8 (138 of 1100), gray
-    sources = {"wide": jpeg(photo(200, 150, 4)), "tall": jpeg(photo(300, 600, 5)),
-               "big": jpeg(photo(1100, 1200, 6)), "gray": jpeg(photo(300, 200, 7).convert("L"))}
+    sources = {
+        "wide": jpeg(photo(200, 150, 4)),
+        "tall": jpeg(photo(300, 600, 5)),
+        "big": jpeg(photo(1100, 1200, 6)),
+        "gray": jpeg(photo(300, 200, 7).convert("L")),
+    }
     fast = {name: prepare(data, 128, 90) for name, data in sources.items()}
     assert decoded == [(150, 200, 3), (300, 150, 3), (150, 138, 3), (200, 300, 3)]
     monkeypatch.setattr(images, "simplejpeg", None)
@@ -165,7 +178,7 @@ def test_simplejpeg_resize_matches_the_pillow_path_and_decodes_reduced_when_it_c
         ours, theirs = _rgb(fast[name][0]), _rgb(pillow[name][0])
         assert ours.shape == theirs.shape and min(ours.shape[:2]) == 128, name
         mse = np.mean((ours - theirs) ** 2)
-        assert mse < 255 ** 2 / 10 ** 3.8, f"{name}: the two decoders disagree (PSNR under 38 dB, MSE {mse:.1f})"
+        assert mse < 255**2 / 10**3.8, f"{name}: the two decoders disagree (PSNR under 38 dB, MSE {mse:.1f})"
 
 
 @pytest.mark.parametrize("width", [375, 1000])  # the ratio left after a DCT reduction; a PNG's
@@ -193,22 +206,24 @@ def test_without_opencv_the_pack_still_resizes_to_the_same_picture(monkeypatch):
     with_cv2 = [prepare(data, 128, 90) for data in sources]
     monkeypatch.setattr(images, "cv2", None)
     without = [prepare(data, 128, 90) for data in sources]
-    for (ours, why), (theirs, why_too) in zip(with_cv2, without):
+    for (ours, why), (theirs, why_too) in zip(with_cv2, without, strict=True):
         assert why == why_too and _rgb(ours).shape == _rgb(theirs).shape
         mse = np.mean((_rgb(ours) - _rgb(theirs)) ** 2)
-        assert mse < 255 ** 2 / 10 ** 3.5, f"Pillow's antialiased bilinear differs by more than 35 dB (MSE {mse:.1f})"
+        assert mse < 255**2 / 10**3.5, f"Pillow's antialiased bilinear differs by more than 35 dB (MSE {mse:.1f})"
 
 
 def test_a_jpeg_libjpeg_turbo_refuses_strictly_takes_the_pillow_path(monkeypatch):
     pytest.importorskip("simplejpeg")
     data = bytearray(jpeg(photo(300, 200, 8)))
-    data[len(data) // 2:len(data) // 2 + 40] = b"\xff\x00" * 20  # damage inside the scan data, EOI kept
+    data[len(data) // 2 : len(data) // 2 + 40] = b"\xff\x00" * 20  # damage inside the scan data, EOI kept
     data = bytes(data)
+
     def outcome():
         try:
             return prepare(data, 128, 90)
         except Skip as err:
             return str(err)
+
     with_simplejpeg = outcome()
     monkeypatch.setattr(images, "simplejpeg", None)
     assert with_simplejpeg == outcome()
@@ -235,8 +250,16 @@ def test_verify_cli_names_the_record_whose_label_disagrees_with_the_index(packed
     bad_index.mkdir()
     (bad_index / "train.tsv").write_text("\n".join(rows) + "\n")
     (bad_index / "classes.tsv").write_bytes((index / "classes.tsv").read_bytes())
-    args = ["--rec", str(out / "fast/train.rec"), "--idx", str(out / "fast/train.idx"), "--split", "train",
-            "--manifest", str(out / "pack/train.manifest.json")]
+    args = [
+        "--rec",
+        str(out / "fast/train.rec"),
+        "--idx",
+        str(out / "fast/train.idx"),
+        "--split",
+        "train",
+        "--manifest",
+        str(out / "pack/train.manifest.json"),
+    ]
     assert verify_main(args + ["--index", str(index)]) == 0
     assert verify_main(args + ["--index", str(bad_index)]) == 1
     assert f"record id {first}: label" in capsys.readouterr().err
@@ -265,9 +288,26 @@ def test_space_preflight_fails_before_writing_anything(tmp_path, monkeypatch, ca
     real = storage.shutil.disk_usage
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: real(p)._replace(free=100))
     out = tmp_path / "out"
-    rc = pack.main(["--config-json", "{}", "--index", str(index), "--raw", str(raw), "--split", "train",
-                    "--rec", str(out / "fast/train.rec"), "--idx", str(out / "fast/train.idx"),
-                    "--manifest", str(out / "pack/train.manifest.json"), "--threads", "1"])
+    rc = pack.main(
+        [
+            "--config-json",
+            "{}",
+            "--index",
+            str(index),
+            "--raw",
+            str(raw),
+            "--split",
+            "train",
+            "--rec",
+            str(out / "fast/train.rec"),
+            "--idx",
+            str(out / "fast/train.idx"),
+            "--manifest",
+            str(out / "pack/train.manifest.json"),
+            "--threads",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "has 100 B (100 bytes) free but this pack needs about" in err and "pack.fast_storage" in err
@@ -282,10 +322,28 @@ def test_sigkill_mid_pack_leaves_no_trusted_pair_and_rerun_verifies(tmp_path):
     out = tmp_path / "out"
     import subprocess
     import sys
-    cmd = [sys.executable, "-m", "rectrain.pack", "--config-json", "{}", "--index", str(index),
-           "--raw", str(raw), "--split", "train", "--rec", str(out / "fast/train.rec"),
-           "--idx", str(out / "fast/train.idx"), "--manifest", str(out / "pack/train.manifest.json"),
-           "--threads", "1"]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "rectrain.data.pack",
+        "--config-json",
+        "{}",
+        "--index",
+        str(index),
+        "--raw",
+        str(raw),
+        "--split",
+        "train",
+        "--rec",
+        str(out / "fast/train.rec"),
+        "--idx",
+        str(out / "fast/train.idx"),
+        "--manifest",
+        str(out / "pack/train.manifest.json"),
+        "--threads",
+        "1",
+    ]
     env = dict(os.environ, PYTHONPATH=str(pack.__file__).rsplit("/rectrain/", 1)[0])
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
     partial = out / "fast" / "train.rec.partial"

@@ -1,21 +1,30 @@
 """A real consumer: DALI's fn.readers.mxnet (CPU) reads the packed demo split; every label is the
 index's label for that record id, every record decodes to RGB, and the planted defects are repaired
 or listed as skipped with counts that add up."""
+
 import csv
 import json
 
 import numpy as np
 import pytest
+from helpers.packdata import run_pack
 
-from packdata import run_pack
-from rectrain import demo, index
+from rectrain.data import demo, index
 from rectrain.recordio import read_idx
 
 dali = pytest.importorskip("nvidia.dali")
 from nvidia.dali import fn, pipeline_def, types  # noqa: E402
 
-DEMO = {"classes": 8, "train_per_class": 5, "val_per_class": 2, "min_size": 48, "max_size": 96,
-        "quality": 90, "seed": 0, "bad_files": True}
+DEMO = {
+    "classes": 8,
+    "train_per_class": 5,
+    "val_per_class": 2,
+    "min_size": 48,
+    "max_size": 96,
+    "quality": 90,
+    "seed": 0,
+    "bad_files": True,
+}
 BATCH = 8
 
 
@@ -31,10 +40,10 @@ def packed_demo(tmp_path_factory):
 
 def _dali_read(rec, idx, n):
     """(labels, images) of the first n records in file order, decoded on the CPU."""
+
     @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None)
     def pipe():
-        jpegs, labels = fn.readers.mxnet(path=[str(rec)], index_path=[str(idx)], random_shuffle=False,
-                                         name="Reader")
+        jpegs, labels = fn.readers.mxnet(path=[str(rec)], index_path=[str(idx)], random_shuffle=False, name="Reader")
         return fn.decoders.image(jpegs, device="cpu", output_type=types.RGB), labels
 
     p = pipe()
@@ -72,7 +81,7 @@ def test_planted_defects_are_repaired_or_skipped_and_counts_add_up(packed_demo):
     assert manifest["discovered"] == len(id_of) == manifest["packed"] + manifest["skipped"]
     keys = [k for k, _ in read_idx(fast / "train.idx")]
     _, images = _dali_read(fast / "train.rec", fast / "train.idx", len(keys))
-    decoded = dict(zip(keys, images))
+    decoded = dict(zip(keys, images, strict=True))
     for d in planted:
         if d["expected"] == "unclassified":
             assert d["source"] not in id_of

@@ -4,14 +4,13 @@ One run (module fixture) backs several checks: the report exists, the model lear
 stayed aligned from the generator through index, pack, DALI and DDP), a second dry-run schedules
 nothing, and editing one config block schedules exactly that stage and what depends on it.
 """
+
 import json
 import re
 
 import pytest
 import yaml
-
-from conftest import REPO, snakemake
-from test_workflow import scheduled_rules
+from helpers import REPO, scheduled_rules, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +24,9 @@ def pipeline(tmp_path_factory):
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfgfile = work / "config.yaml"
     cfgfile.write_text(yaml.safe_dump(config))
-    proc = snakemake("--cores", "2", "--configfile", str(cfgfile), "--directory", str(work),
-                     "results/report.html", timeout=1200)
+    proc = snakemake(
+        "--cores", "2", "--configfile", str(cfgfile), "--directory", str(work), "results/report.html", timeout=1200
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return work, config
 
@@ -81,4 +81,4 @@ def test_training_code_is_an_input_of_train(pipeline):
     work, _ = pipeline
     proc = snakemake("-n", "--forcerun", "train", "--directory", str(work), "results/report.html")
     job = re.search(r"(?:local)?rule train:\n(.*?)\n\n", proc.stdout, re.S)
-    assert job and "workflow/rectrain/train.py" in job.group(1), proc.stdout[:3000]
+    assert job and "workflow/rectrain/train/trainer.py" in job.group(1), proc.stdout[:3000]

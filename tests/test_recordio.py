@@ -1,12 +1,23 @@
 """Native MXNet RecordIO: framing, IRHeader packing, split records, corruption reporting."""
+
 import multiprocessing as mp
 import pickle
 import struct
 
 import pytest
 
-from rectrain.recordio import (MAGIC_BYTES, IRHeader, IndexedRecordReader, RecordIOError, RecordWriter,
-                               frame_payload, pack_record, read_idx, scan_records, unpack_record)
+from rectrain.recordio import (
+    MAGIC_BYTES,
+    IndexedRecordReader,
+    IRHeader,
+    RecordIOError,
+    RecordWriter,
+    frame_payload,
+    pack_record,
+    read_idx,
+    scan_records,
+    unpack_record,
+)
 
 
 def _write(tmp_path, records):
@@ -40,8 +51,7 @@ def test_multi_float_label_round_trips_after_the_header():
 
 
 def test_round_trip_by_key_offset_and_file_order(tmp_path):
-    records = [(k, pack_record(IRHeader(0, float(k % 3), k, 0), bytes(range(k % 250)) * (k + 1)))
-               for k in (5, 0, 3, 1)]
+    records = [(k, pack_record(IRHeader(0, float(k % 3), k, 0), bytes(range(k % 250)) * (k + 1))) for k in (5, 0, 3, 1)]
     rec, idx = _write(tmp_path, records)
     reader = IndexedRecordReader(rec, idx)
     assert reader.keys == [5, 0, 3, 1] and len(reader) == 4
@@ -63,7 +73,7 @@ def test_payload_with_aligned_magic_is_split_into_flagged_parts(tmp_path):
         magic, lrec = struct.unpack_from("<II", framed, pos)
         assert magic == 0xCED7230A
         cflag, length = lrec >> 29, lrec & ((1 << 29) - 1)
-        parts.append((cflag, framed[pos + 8: pos + 8 + length]))
+        parts.append((cflag, framed[pos + 8 : pos + 8 + length]))
         pos += 8 + length + (-length % 4)
     assert parts == [(1, b"A" * 8), (2, b"B" * 4), (3, b"C" + MAGIC_BYTES + b"DE")]
     rec, idx = _write(tmp_path, [(0, payload), (1, b"next")])
@@ -147,7 +157,7 @@ def test_magic_search_cuts_exactly_where_a_plain_byte_scan_does():
     from rectrain import recordio
 
     def plain_scan(data):
-        return [i for i in range(0, len(data) - 3, 4) if data[i:i + 4] == MAGIC_BYTES]
+        return [i for i in range(0, len(data) - 3, 4) if data[i : i + 4] == MAGIC_BYTES]
 
     rng = random.Random(0)
     for _ in range(2000):

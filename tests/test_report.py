@@ -1,4 +1,5 @@
 """The report built from synthetic stage outputs: every section, escaped user data, no external URLs."""
+
 import base64
 import io
 import json
@@ -6,11 +7,11 @@ import re
 from html.parser import HTMLParser
 
 import pytest
+from helpers.synthetic_run import REPORT_CFG, write_run
 from PIL import Image
 
 from rectrain.report import build, load
 from rectrain.report.__main__ import main as report_main
-from synthetic_run import REPORT_CFG, write_run
 
 SECTIONS = ["summary", "diagnosis", "throughput", "utilization", "learning", "data", "stages", "provenance"]
 TWO_GPUS = {0: (90.0, 7000.0, 11264.0), 1: (40.0, 7000.0, 11264.0)}
@@ -43,17 +44,22 @@ def render(tmp_path, **kw):
 @pytest.fixture(scope="module")
 def problem_report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("problem")
-    return render(tmp, gpus=TWO_GPUS, wait_share={0: 0.02, 1: 0.60}, iowait=45.0, rotational=True,
-                  skipped=[{"id": 7, "source": "train/n1/<b>bad</b>.JPEG", "reason": "truncated JPEG"}],
-                  repaired=[{"id": 9, "source": "train/n1/cmyk.JPEG", "reason": "CMYK converted to RGB"}])
+    return render(
+        tmp,
+        gpus=TWO_GPUS,
+        wait_share={0: 0.02, 1: 0.60},
+        iowait=45.0,
+        rotational=True,
+        skipped=[{"id": 7, "source": "train/n1/<b>bad</b>.JPEG", "reason": "truncated JPEG"}],
+        repaired=[{"id": 9, "source": "train/n1/cmyk.JPEG", "reason": "CMYK converted to RGB"}],
+    )
 
 
 def test_every_section_is_present(problem_report):
     parsed = Tags()
     parsed.feed(problem_report)
     assert set(SECTIONS) <= parsed.ids
-    for title in ("Summary", "Throughput", "Utilization", "Learning", "Data", "Stages", "Diagnosis",
-                  "Provenance"):
+    for title in ("Summary", "Throughput", "Utilization", "Learning", "Data", "Stages", "Diagnosis", "Provenance"):
         assert f"<h2>{title}</h2>" in problem_report
 
 
@@ -85,8 +91,14 @@ def test_embedded_plots_decode_as_png(problem_report):
 
 
 def test_diagnosis_shows_each_finding_with_numbers(problem_report):
-    for fid in ("rank_imbalance", "input_bound", "high_iowait", "rec_on_rotational", "images_skipped",
-                "images_repaired"):
+    for fid in (
+        "rank_imbalance",
+        "input_bound",
+        "high_iowait",
+        "rec_on_rotational",
+        "images_skipped",
+        "images_repaired",
+    ):
         assert f'id="finding-{fid}"' in problem_report
     assert "rank 1 waits on data 60.0 % of its step time, rank 0 2.0 %" in problem_report
     assert "iowait mean 45.0 %" in problem_report
@@ -120,11 +132,11 @@ def test_benchmark_na_values_and_missing_system_rows_are_tolerated(tmp_path):
     (paths["benchmarks"] / "demo_data").mkdir()
     (paths["benchmarks"] / "demo_data" / "demo.tsv").write_text(
         "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
-        "0.4100\t0:00:00.41\tNA\tNA\tNA\tNA\tNA\tNA\tNA\tNA\n")
+        "0.4100\t0:00:00.41\tNA\tNA\tNA\tNA\tNA\tNA\tNA\tNA\n"
+    )
     (paths["train"] / "system.csv").write_text("time,cpu_percent,iowait_percent,disk_read_mb_s,rss_mb\n")
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    assert set(data.benchmarks["rule"]) == {"demo_data", "index_raw", "pack train", "pack val", "train",
-                                                 "evaluate"}
+    assert set(data.benchmarks["rule"]) == {"demo_data", "index_raw", "pack train", "pack val", "train", "evaluate"}
     html = build(data, config(), repo=tmp_path)
     assert "demo_data 0.4 s" in html
 
@@ -132,10 +144,24 @@ def test_benchmark_na_values_and_missing_system_rows_are_tolerated(tmp_path):
 def test_cli_writes_the_report(tmp_path):
     paths = write_run(tmp_path)
     out = tmp_path / "results" / "report.html"
-    rc = report_main(["--config-json", json.dumps(config()), "--train-dir", str(paths["train"]),
-                      "--eval-dir", str(paths["eval"]), "--pack-dir", str(paths["pack"]),
-                      "--index-dir", str(paths["index"]), "--benchmarks", str(paths["benchmarks"]),
-                      "--out", str(out)])
+    rc = report_main(
+        [
+            "--config-json",
+            json.dumps(config()),
+            "--train-dir",
+            str(paths["train"]),
+            "--eval-dir",
+            str(paths["eval"]),
+            "--pack-dir",
+            str(paths["pack"]),
+            "--index-dir",
+            str(paths["index"]),
+            "--benchmarks",
+            str(paths["benchmarks"]),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0 and out.read_text().startswith("<!DOCTYPE html>")
     assert not out.with_suffix(".html.tmp").exists()
 
@@ -149,6 +175,7 @@ def test_missing_stage_output_names_the_stage(tmp_path):
 
 def test_provenance_names_the_pipeline_code_commit_wherever_the_workdir_is(tmp_path, monkeypatch):
     from rectrain.report.build import CODE_REPO
+
     if not (CODE_REPO / ".git").exists():
         pytest.skip(f"{CODE_REPO} is not a git checkout")
     paths = write_run(tmp_path)

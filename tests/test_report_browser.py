@@ -1,5 +1,6 @@
 """A real browser (headless Chromium) opens the report from disk: it renders, its images decode, the
 diagnosis is in the DOM, and data names stay text."""
+
 import base64
 import io
 import re
@@ -7,23 +8,34 @@ import shutil
 import subprocess
 
 import pytest
+from helpers.synthetic_run import REPORT_CFG, write_run
 from PIL import Image, ImageStat
 
 from rectrain.report import build, load
-from synthetic_run import REPORT_CFG, write_run
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "
-                                "(apt-get install -y chromium; .ci/run installs it)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium; .ci/run installs it)"
+)
 # Offline and hermetic: no first-run UI, no background network, a fresh profile per run.
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-quic", "--hide-scrollbars"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--hide-scrollbars",
+]
 
 
 def chromium(tmp_path, *args, timeout=120):
     profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
-    proc = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
     return proc
 
@@ -31,8 +43,9 @@ def chromium(tmp_path, *args, timeout=120):
 @pytest.fixture(scope="module")
 def report_file(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("browser")
-    paths = write_run(tmp, gpus={0: (90.0, 10927.0, 11264.0), 1: (40.0, 7000.0, 11264.0)},
-                      wait_share={0: 0.02, 1: 0.60}, iowait=45.0)
+    paths = write_run(
+        tmp, gpus={0: (90.0, 10927.0, 11264.0), 1: (40.0, 7000.0, 11264.0)}, wait_share={0: 0.02, 1: 0.60}, iowait=45.0
+    )
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     html = build(data, {"dataset": "demo", "report": dict(REPORT_CFG)}, repo=tmp)
     out = tmp / "report.html"

@@ -5,6 +5,7 @@ The cluster is Debian's slurm-wlm started here on localhost: one slurmctld and t
 (two "nodes" on one host, each with its own port).  The test is skipped only when SLURM is not
 installed or a daemon cannot start in this environment, and the skip message says exactly why.
 """
+
 import os
 import re
 import shutil
@@ -36,8 +37,15 @@ def free_port() -> int:
 
 def auth_plugin() -> str:
     """auth/none where the packaged SLURM still has it (22.05 does; 23.11 dropped it), else munge."""
-    plugin_dirs = [Path(p) for p in ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/aarch64-linux-gnu/slurm-wlm",
-                                     "/usr/lib64/slurm", "/usr/lib/slurm")]
+    plugin_dirs = [
+        Path(p)
+        for p in (
+            "/usr/lib/x86_64-linux-gnu/slurm-wlm",
+            "/usr/lib/aarch64-linux-gnu/slurm-wlm",
+            "/usr/lib64/slurm",
+            "/usr/lib/slurm",
+        )
+    ]
     if any((d / "auth_none.so").exists() for d in plugin_dirs):
         return "none"
     return "munge"
@@ -99,8 +107,10 @@ def write_conf(workdir: Path, names: list[str], auth: str) -> dict:
         "SlurmdParameters=config_overrides",
     ]
     for name in names:
-        lines.append(f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={ports[name]} "
-                     "CPUs=32 RealMemory=256000 State=UNKNOWN")
+        lines.append(
+            f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={ports[name]} "
+            "CPUs=32 RealMemory=256000 State=UNKNOWN"
+        )
     lines.append(f"PartitionName=test Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES")
     for sub in ("state", "spool"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
@@ -126,7 +136,7 @@ def start_daemon(argv: list[str], log: Path, daemons: list) -> None:
     try:
         proc.wait(timeout=2)
     except subprocess.TimeoutExpired:
-        return                                   # still running: started
+        return  # still running: started
     pytest.skip(f"{' '.join(argv)} cannot start here (exit {proc.returncode}): {tail(console)} {tail(log)}")
 
 
@@ -170,9 +180,11 @@ def slurm_cluster(tmp_path_factory):
                 break
             time.sleep(1)
         else:
-            pytest.skip(f"SLURM nodes did not become idle within 60 s ({states.strip()!r}): "
-                        f"slurmctld: {tail(workdir / 'slurmctld.log')}; "
-                        f"slurmd: {tail(workdir / f'slurmd-{names[0]}.log')}")
+            pytest.skip(
+                f"SLURM nodes did not become idle within 60 s ({states.strip()!r}): "
+                f"slurmctld: {tail(workdir / 'slurmctld.log')}; "
+                f"slurmd: {tail(workdir / f'slurmd-{names[0]}.log')}"
+            )
         yield {"nodes": names, "workdir": workdir}
     finally:
         stop_daemons(daemons)
@@ -206,20 +218,40 @@ def test_demo_pipeline_runs_as_slurm_jobs_to_the_report(slurm_cluster, tmp_path)
     work = copy_repo(tmp_path / "rectrain")
     (work / "test-cluster.yaml").write_text(TEST_CONFIG)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "RECTRAIN_"))}
-    env.update(PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
-               RECTRAIN_GPUS_PER_NODE="0",                     # these nodes have no GPUs
-               TMPDIR=str(tmp_path / "node-local"))            # where each node stages the .rec/.idx pairs
+    env.update(
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+        RECTRAIN_GPUS_PER_NODE="0",  # these nodes have no GPUs
+        TMPDIR=str(tmp_path / "node-local"),
+    )  # where each node stages the .rec/.idx pairs
     (tmp_path / "node-local").mkdir()
     started = time.monotonic()
     proc = subprocess.run(
-        [str(VENV_BIN / "snakemake"), "results/report.html", "--workflow-profile", "profiles/slurm",
-         # No accounting database on this test cluster: job states come from squeue (MinJobAge=600).
-         "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "2",
-         "--configfile", "config/config.yaml", "test-cluster.yaml"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        [
+            str(VENV_BIN / "snakemake"),
+            "results/report.html",
+            "--workflow-profile",
+            "profiles/slurm",
+            # No accounting database on this test cluster: job states come from squeue (MinJobAge=600).
+            "--slurm-status-command",
+            "squeue",
+            "--slurm-init-seconds-before-status-checks",
+            "2",
+            "--configfile",
+            "config/config.yaml",
+            "test-cluster.yaml",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:] + "\n" + "\n".join(
-        f"== {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((work / "logs").rglob("*.log")))
+    assert proc.returncode == 0, (
+        out[-6000:]
+        + "\n"
+        + "\n".join(f"== {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((work / "logs").rglob("*.log")))
+    )
     assert (work / "results" / "report.html").stat().st_size > 0
 
     # Every rule ran as a SLURM job, with its SLURM log under logs/slurm/rule_<rule>/.../<jobid>.log.
@@ -244,6 +276,7 @@ def test_demo_pipeline_runs_as_slurm_jobs_to_the_report(slurm_cluster, tmp_path)
     assert head and head.group(1) in slurm_cluster["nodes"], train_log[-3000:]
     assert int(head.group(2)) == 29500 + int(by_rule["train"][0]) % 1000
     import json
+
     info = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
     assert info["world_size"] == 2 and info["nodes"] == 2
     # Each node staged the pair into its node-local directory before training read it.

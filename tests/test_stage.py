@@ -1,11 +1,12 @@
 """Staging the .rec/.idx pair to node-local storage: once per node, verified, skipped when current."""
+
 import multiprocessing as mp
 import os
 
 import pytest
 
-from rectrain import stage
-from rectrain.stage import StageError, default_local_dir, stage_pair
+from rectrain.train import local_copy as stage
+from rectrain.train.local_copy import StageError, default_local_dir, stage_pair
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def test_corrupted_local_copy_is_detected_and_recopied(pair, tmp_path):
     rec, idx = pair
     rec_l, _, _ = stage_pair(rec, idx, tmp_path / "local")
     data = bytearray(rec_l.read_bytes())
-    data[1234] ^= 0xFF                      # same size, one flipped byte
+    data[1234] ^= 0xFF  # same size, one flipped byte
     rec_l.write_bytes(bytes(data))
     _, _, copied = stage_pair(rec, idx, tmp_path / "local")
     assert copied
@@ -56,7 +57,7 @@ def test_corrupted_local_copy_is_detected_and_recopied(pair, tmp_path):
 def test_changed_source_is_restaged(pair, tmp_path):
     rec, idx = pair
     stage_pair(rec, idx, tmp_path / "local")
-    idx.write_text("0\t0\n")                 # a re-pack replaced the pair
+    idx.write_text("0\t0\n")  # a re-pack replaced the pair
     _, idx_l, copied = stage_pair(rec, idx, tmp_path / "local")
     assert copied and idx_l.read_text() == "0\t0\n"
 
@@ -67,7 +68,7 @@ def test_copy_that_does_not_match_source_is_rejected(pair, tmp_path, monkeypatch
 
     def flaky_disk(src, dst):
         digest = real(src, dst)
-        with open(dst, "r+b") as fh:        # the local disk "returns" different bytes
+        with open(dst, "r+b") as fh:  # the local disk "returns" different bytes
             fh.write(b"\0")
         return digest
 
@@ -105,10 +106,32 @@ def test_stage_argv_rewrites_both_pairs_to_local_copies(tmp_path):
     fast.mkdir(parents=True)
     for name in ("train.rec", "train.idx", "val.rec", "val.idx"):
         (fast / name).write_bytes(name.encode() * 100)
-    argv = ["--config-json", "{}", "--rec", str(fast / "train.rec"), f"--idx={fast / 'train.idx'}",
-            "--val-rec", str(fast / "val.rec"), "--val-idx", str(fast / "val.idx"), "--out", "o"]
+    argv = [
+        "--config-json",
+        "{}",
+        "--rec",
+        str(fast / "train.rec"),
+        f"--idx={fast / 'train.idx'}",
+        "--val-rec",
+        str(fast / "val.rec"),
+        "--val-idx",
+        str(fast / "val.idx"),
+        "--out",
+        "o",
+    ]
     out = stage.stage_argv(argv, str(tmp_path / "local"))
     local = tmp_path / "local" / "demo"
-    assert out == ["--config-json", "{}", "--rec", str(local / "train.rec"), f"--idx={local / 'train.idx'}",
-                   "--val-rec", str(local / "val.rec"), "--val-idx", str(local / "val.idx"), "--out", "o"]
+    assert out == [
+        "--config-json",
+        "{}",
+        "--rec",
+        str(local / "train.rec"),
+        f"--idx={local / 'train.idx'}",
+        "--val-rec",
+        str(local / "val.rec"),
+        "--val-idx",
+        str(local / "val.idx"),
+        "--out",
+        "o",
+    ]
     assert (local / "val.idx").read_bytes() == (fast / "val.idx").read_bytes()

@@ -1,11 +1,12 @@
 """Block-device resolution through faked sysfs trees (partitions, device-mapper, loop) and the
 fast_storage preflight."""
+
 import os
 import re
 
 import pytest
+from helpers.packdata import fake_sysfs
 
-from packdata import fake_sysfs
 from rectrain import storage
 
 
@@ -85,7 +86,7 @@ def test_real_sysfs_names_a_disk_psutil_knows():
 def test_preflight_refuses_an_impossible_size_naming_both_numbers(tmp_path):
     free = storage.shutil.disk_usage(tmp_path).free
     with pytest.raises(storage.StorageError) as err:
-        storage.preflight(tmp_path / "fast", 10 ** 18)
+        storage.preflight(tmp_path / "fast", 10**18)
     reported = int(re.search(r"\((\d+) bytes\) free", str(err.value)).group(1))
     assert abs(reported - free) < 1 << 30  # other writers share the disk
     assert "needs about 888.2 PiB (1000000000000000000 bytes)" in str(err.value)

@@ -1,10 +1,11 @@
 """The torchrun command the train rule runs: process count and devices from train.devices/nodes."""
+
 import subprocess
 import sys
 
 import pytest
 
-from rectrain.launch import plan_processes, torchrun_command
+from rectrain.train.launch import plan_processes, torchrun_command
 
 ARGS = ["--config-json", "{}", "--out", "o"]
 
@@ -17,7 +18,7 @@ def command(cfg, gpus, **kw):
 def test_auto_uses_every_visible_gpu():
     argv, env, plan = command({"devices": "auto"}, gpus=2)
     assert argv[:5] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    assert argv[-len(ARGS) - 2:] == ["-m", "rectrain.train", *ARGS]
+    assert argv[-len(ARGS) - 2 :] == ["-m", "rectrain.train", *ARGS]
     assert "CUDA_VISIBLE_DEVICES" not in env and plan.kind == "gpu"
 
 
@@ -44,8 +45,13 @@ def test_failure_is_bounded_no_restarts():
 def test_multi_node_uses_c10d_rendezvous():
     argv, _, _ = command({"devices": "auto", "nodes": 2}, gpus=8, rdzv_endpoint="node01:29400", run_id="job7")
     assert "--standalone" not in argv
-    for opt in ("--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node01:29400", "--rdzv_id=job7",
-                "--nproc_per_node=8"):
+    for opt in (
+        "--nnodes=2",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=node01:29400",
+        "--rdzv_id=job7",
+        "--nproc_per_node=8",
+    ):
         assert opt in argv
 
 
@@ -54,17 +60,30 @@ def test_multi_node_without_endpoint_names_the_fix():
         command({"devices": "auto", "nodes": 2}, gpus=2)
 
 
-@pytest.mark.parametrize("devices,gpus,match", [([0, 2], 2, "only 2 GPU"), ([0], 0, "no GPU is visible"),
-                                                ("gpu", 1, "must be 'auto'")])
+@pytest.mark.parametrize(
+    "devices,gpus,match", [([0, 2], 2, "only 2 GPU"), ([0], 0, "no GPU is visible"), ("gpu", 1, "must be 'auto'")]
+)
 def test_bad_devices_name_the_key(devices, gpus, match):
     with pytest.raises(ValueError, match=match):
         plan_processes({"devices": devices}, gpus)
 
 
 def test_cli_prints_the_command_it_would_exec():
-    proc = subprocess.run([sys.executable, "-m", "rectrain.launch", "--config-json",
-                           '{"devices": "cpu", "cpu_processes": 2}', "--out", "x", "--print-only"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rectrain.train.launch",
+            "--config-json",
+            '{"devices": "cpu", "cpu_processes": 2}',
+            "--out",
+            "x",
+            "--print-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "CPU processes" in proc.stderr
     assert "torch.distributed.run --standalone --nproc_per_node=2" in proc.stderr

@@ -1,10 +1,12 @@
 """Both loaders read the packed .rec, agree with the index, and shard every record once per epoch."""
+
 import pytest
 import torch
+from helpers.train_data import colour_class, write_rec
 
 from rectrain.loaders import LoaderSpec, build_loader, train_padding
 from rectrain.loaders.pytorch import TorchLoader
-from train_data import colour_class, write_rec
+
 
 @pytest.fixture(scope="module")
 def colour_rec(tmp_path_factory):
@@ -40,8 +42,9 @@ def test_loader_labels_match_image_content_and_index(colour_rec, kind, train):
 def test_torch_loader_batch_decode_path_agrees(colour_rec):
     """The decode_jpeg batch path (GPU decode on CUDA machines) run here on the CPU."""
     (rec, idx), labels = colour_rec
-    loader = TorchLoader(LoaderSpec(rec, idx, batch_size=8, image_size=24, train=False, workers=0),
-                         decode_on_device=True)
+    loader = TorchLoader(
+        LoaderSpec(rec, idx, batch_size=8, image_size=24, train=False, workers=0), decode_on_device=True
+    )
     seen = []
     for images, y in loader.epoch(0):
         assert torch.equal(colour_class(images), y % 5)
@@ -53,8 +56,12 @@ def test_torch_loader_batch_decode_path_agrees(colour_rec):
 def test_two_ranks_see_every_record_once_per_epoch(id_rec, kind):
     rec, idx = id_rec
     n, world, batch = 67, 2, 8
-    loaders = [build_loader(kind, LoaderSpec(rec, idx, batch_size=batch, image_size=16, rank=r, world_size=world,
-                                             workers=1, seed=3)) for r in range(world)]
+    loaders = [
+        build_loader(
+            kind, LoaderSpec(rec, idx, batch_size=batch, image_size=16, rank=r, world_size=world, workers=1, seed=3)
+        )
+        for r in range(world)
+    ]
     assert loaders[0].padding_per_epoch == train_padding(n, world, batch) == 2 * 5 * 8 - 67
     orders = []
     for epoch in range(2):
@@ -78,8 +85,9 @@ def test_eval_shards_are_exact_without_padding(id_rec, kind):
     rec, idx = id_rec
     ids = []
     for r in range(2):
-        loader = build_loader(kind, LoaderSpec(rec, idx, batch_size=8, image_size=16, rank=r, world_size=2,
-                                               train=False, workers=1))
+        loader = build_loader(
+            kind, LoaderSpec(rec, idx, batch_size=8, image_size=16, rank=r, world_size=2, train=False, workers=1)
+        )
         ids += [i for _, y in loader.epoch(0) for i in y.tolist()]
     assert sorted(ids) == list(range(67))
 
@@ -91,4 +99,4 @@ def test_epoch_data_is_a_function_of_seed_epoch_rank(id_rec, kind):
     spec = LoaderSpec(rec, idx, batch_size=8, image_size=16, rank=1, world_size=2, workers=1, seed=5)
     a = [(x, y) for x, y in build_loader(kind, spec).epoch(1)]
     b = [(x, y) for x, y in build_loader(kind, spec).epoch(1)]
-    assert all(torch.equal(ya, yb) and torch.equal(xa, xb) for (xa, ya), (xb, yb) in zip(a, b))
+    assert all(torch.equal(ya, yb) and torch.equal(xa, xb) for (xa, ya), (xb, yb) in zip(a, b, strict=True))

@@ -1,8 +1,9 @@
 """OOM preflight: the batch search and the message, driven by a fake allocator that fails above a size."""
+
 import pytest
 import torch
 
-from rectrain import memory
+from rectrain.train import memory
 
 GPU = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
 
@@ -30,6 +31,7 @@ def test_search_finds_the_largest_fitting_batch(limit, failed):
 def test_search_propagates_errors_that_are_not_oom():
     def broken(batch):
         raise RuntimeError("cuDNN error: CUDNN_STATUS_MAPPING_ERROR")
+
     with pytest.raises(RuntimeError, match="MAPPING"):
         memory.largest_fitting_batch(broken, 64)
 
@@ -38,8 +40,16 @@ def test_failing_batch_message_names_gpu_memory_batch_fit_and_both_fixes():
     with pytest.raises(memory.BatchDoesNotFit) as err:
         memory.check_batch(FakeAllocator(96), 128, GPU, world_size=2)
     msg = str(err.value)
-    for part in ("GPU 0", "RTX 2080 Ti", "11.0 GB", "batch 128 per device (needs ~12.5 GB)", "largest batch that fits is 96",
-                 "train.batch_size: 96", "train.grad_accum: 2", "global batch of 256"):
+    for part in (
+        "GPU 0",
+        "RTX 2080 Ti",
+        "11.0 GB",
+        "batch 128 per device (needs ~12.5 GB)",
+        "largest batch that fits is 96",
+        "train.batch_size: 96",
+        "train.grad_accum: 2",
+        "global batch of 256",
+    ):
         assert part in msg, f"{part!r} missing from: {msg}"
 
 
@@ -60,12 +70,15 @@ def test_nothing_fits_says_so_with_other_fixes():
         memory.check_batch(FakeAllocator(0), 32, GPU, world_size=1)
 
 
-@pytest.mark.parametrize("limit,global_batch,world,expect", [
-    (1000, 256, 2, (128, 1)),    # fits outright: no accumulation
-    (96, 256, 2, (64, 2)),       # 128 does not fit: 2 x 64 keeps 256
-    (40, 256, 2, (32, 4)),
-    (50, 300, 1, (50, 6)),
-])
+@pytest.mark.parametrize(
+    "limit,global_batch,world,expect",
+    [
+        (1000, 256, 2, (128, 1)),  # fits outright: no accumulation
+        (96, 256, 2, (64, 2)),  # 128 does not fit: 2 x 64 keeps 256
+        (40, 256, 2, (32, 4)),
+        (50, 300, 1, (50, 6)),
+    ],
+)
 def test_auto_batch_keeps_the_global_batch(limit, global_batch, world, expect):
     batch, accum = memory.auto_batch(FakeAllocator(limit), global_batch, world)
     assert (batch, accum) == expect

@@ -1,5 +1,6 @@
 """The training entry point end to end on CPU: started without a launcher, under torchrun with 2 gloo
 ranks (telemetry), killed and resumed, and with a crashing rank."""
+
 import json
 import os
 import signal
@@ -10,10 +11,10 @@ from collections import defaultdict
 
 import pytest
 import torch
+from helpers.train_data import config_json, packed_dataset, rows
 
-from rectrain.checkpoint import load
-from rectrain.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
-from train_data import config_json, packed_dataset, rows
+from rectrain.train.checkpoint import load
+from rectrain.train.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,13 @@ def data(tmp_path_factory):
 def run_train(data, out, env_extra=None, timeout=240, extra=(), **cfg):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "rectrain.train", "--config-json", config_json(**cfg), *data,
-                           "--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rectrain.train", "--config-json", config_json(**cfg), *data, "--out", str(out), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
@@ -114,8 +120,9 @@ def test_changed_config_does_not_resume_an_old_checkpoint(data, tmp_path):
 @pytest.mark.slow
 def test_crashed_rank_ends_the_job_naming_rank_and_cause(data, tmp_path):
     t0 = time.monotonic()
-    proc = run_train(data, tmp_path / "t", env_extra={"RECTRAIN_FAIL_RANK": "1"}, cpu_processes=2, epochs=1,
-                     timeout=120)
+    proc = run_train(
+        data, tmp_path / "t", env_extra={"RECTRAIN_FAIL_RANK": "1"}, cpu_processes=2, epochs=1, timeout=120
+    )
     assert proc.returncode != 0
     assert "rank 1 failed: RuntimeError: injected failure" in proc.stderr
     assert time.monotonic() - t0 < 90, "a dead rank must not leave the job hanging"

@@ -1,15 +1,8 @@
 """The workflow as a whole: the dry-run schedules the full chain and the lint is clean."""
-import re
 
-from conftest import snakemake
+from helpers import scheduled_rules, snakemake
 
 CHAIN = ["demo_data", "index_raw", "pack", "train", "evaluate", "report"]
-
-
-def scheduled_rules(dryrun_stdout: str) -> dict:
-    """Rule -> job count from the dry-run's job-stats table."""
-    table = dryrun_stdout.split("Job stats:", 1)[1] if "Job stats:" in dryrun_stdout else ""
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M) if m.group(1) != "total"}
 
 
 def test_dryrun_schedules_the_whole_chain(tmp_path):

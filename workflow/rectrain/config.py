@@ -4,6 +4,7 @@ Snakemake's `validate` fills the schema defaults; when it rejects a config we re
 schema with jsonschema (the library Snakemake uses) only to turn its errors into one line per key,
 because the raw message buries the key under a dump of the schema.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import jsonschema
 import yaml
+
+# config/schema.yaml of this checkout: every key, its type and its default.
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 
 class ConfigError(ValueError):
@@ -93,8 +97,9 @@ def coerce_strings(config: dict, schema: dict) -> None:
                 config[key] = parsed
 
 
-def check_config(config: dict, schema_path, workdir=".") -> dict:
-    """Validate and fill defaults in place; raise ConfigError listing every problem."""
+def fill_defaults(config: dict, schema_path=SCHEMA_PATH) -> dict:
+    """Validate against the schema and fill its defaults in place (the schema is the only home of a
+    default); raise ConfigError naming every bad key."""
     from snakemake.utils import validate
 
     schema = load_schema(schema_path)
@@ -104,6 +109,12 @@ def check_config(config: dict, schema_path, workdir=".") -> dict:
     except Exception as exc:  # WorkflowError; re-described below key by key
         lines = describe_errors(config, schema) or [str(exc)]
         raise ConfigError(_format(lines)) from None
+    return config
+
+
+def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
+    """Validate and fill defaults in place, then check paths; raise ConfigError listing every problem."""
+    fill_defaults(config, schema_path)
     problems = check_paths(config, Path(workdir))
     if problems:
         raise ConfigError(_format(problems))
@@ -112,6 +123,18 @@ def check_config(config: dict, schema_path, workdir=".") -> dict:
 
 def _format(lines: list[str]) -> str:
     return "invalid configuration (nothing was run):\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def stage_block(block: str, block_json_text: str, schema_path=SCHEMA_PATH) -> dict:
+    """A stage's config block from its --config-json, checked and completed from the schema, so a
+    partial block typed by hand works and a wrong key fails here, named (not as a KeyError later)."""
+    try:
+        given = json.loads(block_json_text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--config-json is not valid JSON ({err}); pass the {block} block, e.g. '{{}}'") from None
+    if not isinstance(given, dict):
+        raise ConfigError(f"--config-json must be a JSON object (the {block} block), got {given!r}")
+    return fill_defaults({block: given}, schema_path)[block]
 
 
 def block_json(config: dict, block: str) -> str:

@@ -4,7 +4,7 @@ python -m rectrain.evaluate --config-json '<evaluate block>' --checkpoint result
     --rec <fast>/<ds>/val.rec --idx <fast>/<ds>/val.idx --classes results/<ds>/index/classes.tsv \
     --out results/<ds>/eval
 
-Devices: the same plan as training (rectrain.launch.plan_processes on the checkpoint's train config).
+Devices: the same plan as training (rectrain.train.launch.plan_processes on the checkpoint's train config).
 With several GPUs the command re-executes itself under torchrun, one process per GPU, each reading a
 contiguous shard of the .rec with padding dropped (the loaders' eval mode), and the per-rank tallies
 (confusion matrix, top-5 hits, loss sum) are summed with all_reduce - so the result equals one pass
@@ -15,6 +15,7 @@ under torchrun by hand (gloo on CPU).
 Model shape (architecture, classes, image size) comes from the checkpoint, so the rule's params need
 only the evaluate block; the checkpoint is loaded with weights_only=True (no pickled code runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,14 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from rectrain.atomic import write_json
-from rectrain.checkpoint import load as load_checkpoint
-from rectrain.launch import plan_processes, torchrun_args, visible_gpu_count
 from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
+from rectrain.train.checkpoint import load as load_checkpoint
+from rectrain.train.launch import plan_processes, torchrun_args, visible_gpu_count
 
 
 @dataclass(frozen=True)
 class EvalSpec(LoaderSpec):
     """LoaderSpec whose shorter-side resize can be set (evaluate.resize) instead of image_size/0.875."""
+
     resize: int | None = None
 
     @property
@@ -48,7 +50,8 @@ class EvalSpec(LoaderSpec):
 @dataclass
 class Tally:
     """Sums over evaluated images; additive across ranks and batches."""
-    confusion: torch.Tensor            # [C, C] int64, row = true label, column = predicted
+
+    confusion: torch.Tensor  # [C, C] int64, row = true label, column = predicted
     top5_hits: int = 0
     loss_sum: float = 0.0
     seconds: float = 0.0
@@ -66,6 +69,7 @@ class Tally:
 def build_model(name: str, num_classes: int) -> torch.nn.Module:
     """The architecture training used (torchvision's model registry, like rectrain.train)."""
     import torchvision
+
     try:
         return torchvision.models.get_model(name, num_classes=num_classes)
     except ValueError as err:
@@ -89,10 +93,19 @@ def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, rank: int, world: int, 
     train_cfg = ckpt.get("config") or {}
     crop = int(cfg.get("crop") or ckpt["image_size"])
     workers = resolve_workers(cfg.get("workers", 2), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    return EvalSpec(rec=rec, idx=idx, batch_size=int(cfg.get("batch_size", 64)), image_size=crop,
-                    train=False, rank=rank, world_size=world, workers=workers,
-                    device=device, gpu_decode=bool(train_cfg.get("gpu_decode", True)),
-                    resize=cfg.get("resize"))
+    return EvalSpec(
+        rec=rec,
+        idx=idx,
+        batch_size=int(cfg.get("batch_size", 64)),
+        image_size=crop,
+        train=False,
+        rank=rank,
+        world_size=world,
+        workers=workers,
+        device=device,
+        gpu_decode=bool(train_cfg.get("gpu_decode", True)),
+        resize=cfg.get("resize"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,8 +119,7 @@ def _autocast(device: torch.device, precision: str):
 
 
 @torch.inference_mode()
-def tally(model: torch.nn.Module, batches, num_classes: int, device: torch.device,
-          precision: str = "fp32") -> Tally:
+def tally(model: torch.nn.Module, batches, num_classes: int, device: torch.device, precision: str = "fp32") -> Tally:
     """Confusion matrix, top-5 hits and summed cross-entropy over (images, labels) batches."""
     t = Tally(confusion=torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device))
     k = min(5, num_classes)
@@ -124,8 +136,9 @@ def tally(model: torch.nn.Module, batches, num_classes: int, device: torch.devic
         loss += F.cross_entropy(logits, labels, reduction="sum").double()
         topk = logits.topk(k, dim=1).indices
         hits += (topk == labels[:, None]).any(dim=1).sum()
-        t.confusion += torch.bincount(labels * num_classes + topk[:, 0],
-                                      minlength=num_classes * num_classes).view(num_classes, num_classes)
+        t.confusion += torch.bincount(labels * num_classes + topk[:, 0], minlength=num_classes * num_classes).view(
+            num_classes, num_classes
+        )
     t.top5_hits, t.loss_sum = int(hits), float(loss)
     t.seconds = time.perf_counter() - start
     return t
@@ -134,6 +147,7 @@ def tally(model: torch.nn.Module, batches, num_classes: int, device: torch.devic
 def all_reduce(t: Tally, device: torch.device) -> Tally:
     """Sum the tallies of every rank (no-op without a process group). Time = the slowest rank's."""
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         return t
     conf = t.confusion.to(device)
@@ -142,8 +156,7 @@ def all_reduce(t: Tally, device: torch.device) -> Tally:
     dist.all_reduce(conf)
     dist.all_reduce(sums)
     dist.all_reduce(secs, op=dist.ReduceOp.MAX)
-    return Tally(confusion=conf, top5_hits=int(round(sums[0].item())), loss_sum=float(sums[1]),
-                 seconds=float(secs))
+    return Tally(confusion=conf, top5_hits=int(round(sums[0].item())), loss_sum=float(sums[1]), seconds=float(secs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,8 +182,8 @@ def per_class(confusion: torch.Tensor, classes: pd.DataFrame) -> pd.DataFrame:
     """One row per class: accuracy and the class its images were most often mistaken for."""
     conf = confusion.cpu().long()
     n = conf.shape[0]
-    wnids = dict(zip(classes["label"].astype(int), classes["wnid"].astype(str)))
-    names = dict(zip(classes["label"].astype(int), classes["name"].astype(str)))
+    wnids = dict(zip(classes["label"].astype(int), classes["wnid"].astype(str), strict=True))
+    names = dict(zip(classes["label"].astype(int), classes["name"].astype(str), strict=True))
     off = conf.clone()
     off.fill_diagonal_(-1)  # never "confused with itself"
     rows = []
@@ -178,22 +191,29 @@ def per_class(confusion: torch.Tensor, classes: pd.DataFrame) -> pd.DataFrame:
         images, correct = int(conf[label].sum()), int(conf[label, label])
         worst = int(off[label].argmax())
         count = int(off[label, worst])
-        rows.append({
-            "label": label, "wnid": wnids.get(label, ""), "name": names.get(label, ""),
-            "images": images, "correct": correct,
-            "accuracy": correct / images if images else float("nan"),
-            "most_confused_label": worst if count > 0 else "",
-            "most_confused_wnid": wnids.get(worst, "") if count > 0 else "",
-            "most_confused_count": max(count, 0),
-        })
+        rows.append(
+            {
+                "label": label,
+                "wnid": wnids.get(label, ""),
+                "name": names.get(label, ""),
+                "images": images,
+                "correct": correct,
+                "accuracy": correct / images if images else float("nan"),
+                "most_confused_label": worst if count > 0 else "",
+                "most_confused_wnid": wnids.get(worst, "") if count > 0 else "",
+                "most_confused_count": max(count, 0),
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def read_classes(path: str | os.PathLike, num_classes: int) -> pd.DataFrame:
     classes = pd.read_csv(path, sep="\t", keep_default_na=False, dtype={"wnid": str, "name": str})
     if len(classes) != num_classes:
-        raise ValueError(f"{path} lists {len(classes)} classes but the checkpoint's model has {num_classes}: "
-                         "the index changed after training; rerun train (snakemake reruns it when the index changes)")
+        raise ValueError(
+            f"{path} lists {len(classes)} classes but the checkpoint's model has {num_classes}: "
+            "the index changed after training; rerun train (snakemake reruns it when the index changes)"
+        )
     return classes
 
 
@@ -230,6 +250,7 @@ def relaunch_command(ckpt: dict, argv: list[str], gpu_count: int) -> tuple[list[
 def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: str) -> dict | None:
     """Evaluate in this process (one rank of torchrun, or alone). Returns the metrics on rank 0."""
     import torch.distributed as dist
+
     ckpt = load_checkpoint(checkpoint)
     dist_env = distributed_env()
     rank, local_rank, world = dist_env or (0, 0, 1)
@@ -247,8 +268,12 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
             model = model.to(memory_format=torch.channels_last)
         kind = loader_kind(cfg, ckpt)
         spec = eval_spec(cfg, ckpt, rec, idx, rank, world, str(device))
-        print(f"[evaluate] rank {rank}/{world} on {device}: {kind} loader, resize {spec.eval_resize} "
-              f"+ centre crop {spec.image_size}, batch {spec.batch_size}", file=sys.stderr, flush=True)
+        print(
+            f"[evaluate] rank {rank}/{world} on {device}: {kind} loader, resize {spec.eval_resize} "
+            f"+ centre crop {spec.image_size}, batch {spec.batch_size}",
+            file=sys.stderr,
+            flush=True,
+        )
         loader = build_loader(kind, spec)
         precision = (ckpt.get("config") or {}).get("precision", "fp32")
         t = all_reduce(tally(model, loader.epoch(0), num_classes, device, precision), device)
@@ -256,8 +281,11 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
             return None
         m = metrics(t, kind, checkpoint)
         write_outputs(Path(out), m, per_class(t.confusion, classes))
-        print(f"[evaluate] top-1 {100 * m['top1']:.2f} %, top-5 {100 * m['top5']:.2f} %, loss {m['loss']:.4f} "
-              f"on {m['images']} images ({m['images_per_s'] or 0:.0f} img/s)", file=sys.stderr)
+        print(
+            f"[evaluate] top-1 {100 * m['top1']:.2f} %, top-5 {100 * m['top5']:.2f} %, loss {m['loss']:.4f} "
+            f"on {m['images']} images ({m['images_per_s'] or 0:.0f} img/s)",
+            file=sys.stderr,
+        )
         return m
     finally:
         if dist.is_initialized():
@@ -265,8 +293,9 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m rectrain.evaluate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m rectrain.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config-json", required=True, help="the evaluate config block")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--rec", required=True)

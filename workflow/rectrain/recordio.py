@@ -8,6 +8,7 @@ put it back. Only the last part is padded: the cut points are aligned, so earlie
 Payload = IRHeader ``'<IfQQ'`` (flag, label, id, id2) + [flag float32 labels] + image bytes.
 The ``.idx`` is text, ``key\\toffset\\n`` per record, offset of the record's first magic word.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -56,8 +57,10 @@ def unpack_record(payload: bytes) -> tuple[IRHeader, bytes]:
     if header.flag > 0:
         end = body + 4 * header.flag
         if end > len(payload):
-            raise RecordIOError(f"IRHeader says {header.flag} float labels but the payload has only "
-                                f"{len(payload) - body} bytes after the header")
+            raise RecordIOError(
+                f"IRHeader says {header.flag} float labels but the payload has only "
+                f"{len(payload) - body} bytes after the header"
+            )
         header = header._replace(label=struct.unpack_from(f"<{header.flag}f", payload, body))
         body = end
     return header, payload[body:]
@@ -89,6 +92,7 @@ def _magic_finder(data: bytes) -> Callable[[int], int]:
     def find(start: int) -> int:
         hit = _memmem(base + start, len(data) - start, MAGIC_BYTES, len(MAGIC_BYTES)) if start < len(data) else None
         return -1 if hit is None else hit - base
+
     return find
 
 
@@ -189,26 +193,36 @@ def _parse_record(read: Callable[[int, int], bytes], offset: int, file_size: int
     first = True
     while True:
         if pos + 8 > file_size:
-            raise RecordIOError(f"{where}: record header at byte offset {pos} runs past the end of the "
-                                f"file ({file_size} bytes): truncated .rec or wrong .idx offset")
+            raise RecordIOError(
+                f"{where}: record header at byte offset {pos} runs past the end of the "
+                f"file ({file_size} bytes): truncated .rec or wrong .idx offset"
+            )
         magic, lrec = _FRAME.unpack(read(pos, 8))
         if magic != MAGIC:
-            raise RecordIOError(f"{where}: bad magic 0x{magic:08x} at byte offset {pos} (expected "
-                                f"0x{MAGIC:08x}): corrupt .rec or an .idx that does not belong to it")
+            raise RecordIOError(
+                f"{where}: bad magic 0x{magic:08x} at byte offset {pos} (expected "
+                f"0x{MAGIC:08x}): corrupt .rec or an .idx that does not belong to it"
+            )
         cflag, length = lrec >> 29, lrec & _LENGTH_MASK
         if cflag > 3:
             raise RecordIOError(f"{where}: invalid continuation flag {cflag} at byte offset {pos}")
         if first and cflag not in (0, 1):
-            raise RecordIOError(f"{where}: record at byte offset {pos} starts with continuation flag "
-                                f"{cflag} (a middle/last part): the offset is not a record start")
+            raise RecordIOError(
+                f"{where}: record at byte offset {pos} starts with continuation flag "
+                f"{cflag} (a middle/last part): the offset is not a record start"
+            )
         if not first and cflag not in (2, 3):
-            raise RecordIOError(f"{where}: part at byte offset {pos} has flag {cflag}, expected a "
-                                f"continuation (2 or 3) of the split record at byte offset {offset}")
+            raise RecordIOError(
+                f"{where}: part at byte offset {pos} has flag {cflag}, expected a "
+                f"continuation (2 or 3) of the split record at byte offset {offset}"
+            )
         padded = length + (-length % 4)
         data_at = pos + 8
         if data_at + padded > file_size:
-            raise RecordIOError(f"{where}: record part at byte offset {pos} claims {length} bytes but the "
-                                f"file ends at {file_size}: truncated .rec")
+            raise RecordIOError(
+                f"{where}: record part at byte offset {pos} claims {length} bytes but the "
+                f"file ends at {file_size}: truncated .rec"
+            )
         chunk = read(data_at, padded)
         if len(chunk) != padded:
             raise RecordIOError(f"{where}: short read of {len(chunk)}/{padded} bytes at byte offset {data_at}")
@@ -236,7 +250,7 @@ def scan_records(rec_path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
             nonlocal buf, buf_start
             if off < buf_start or off + n > buf_start + len(buf):
                 buf, buf_start = os.pread(f.fileno(), max(n, chunk), off), off
-            return buf[off - buf_start: off - buf_start + n]
+            return buf[off - buf_start : off - buf_start + n]
 
         pos = 0
         while pos < size:
@@ -289,7 +303,7 @@ class IndexedRecordReader:
         def read(off: int, n: int) -> bytes:
             rel = off - offset
             if rel + n <= len(block):
-                return block[rel: rel + n]
+                return block[rel : rel + n]
             return self._pread(off, n)
 
         return _parse_record(read, offset, self._file_size, self.rec_path)[0]
@@ -308,7 +322,7 @@ class IndexedRecordReader:
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         """(key, payload) in file order."""
-        for key, offset in zip(self.keys, self._sorted_offsets):
+        for key, offset in zip(self.keys, self._sorted_offsets, strict=True):
             yield key, self.read_at(offset)
 
     def close(self) -> None:

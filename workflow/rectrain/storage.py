@@ -9,6 +9,7 @@ parent), then down device-mapper/md ``slaves/`` and loop ``loop/backing_file`` t
 disks, whose ``queue/rotational`` decides. The sysfs root is injectable (argument or
 RECTRAIN_SYSFS_ROOT) so tests can fake an HDD.
 """
+
 from __future__ import annotations
 
 import os
@@ -109,8 +110,7 @@ def device_info(path, sysfs_root=None) -> dict:
     sysfs = _sysfs_root(sysfs_root)
     dev = _device_dir(path, sysfs)
     rotational = _rotational(dev, sysfs, set()) if dev is not None else None
-    return {"path": os.path.abspath(path), "device": dev.name if dev is not None else None,
-            "rotational": rotational}
+    return {"path": os.path.abspath(path), "device": dev.name if dev is not None else None, "rotational": rotational}
 
 
 def estimate_needed_bytes(source_bytes: int, records: int, resize: int, quality: int) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
 from rectrain.config import ConfigError, block_json, check_config, prepare_job_env
+from rectrain.sources import stage_sources
 
 prepare_job_env(Path(workflow.basedir) / "workflow")
 
@@ -26,3 +27,8 @@ SPLITS = ["train", "val"]
 ENV = "../../envs/rectrain.yaml"
 # A rule's params: carry only its own block, so a change there reruns that rule and its dependents.
 cfg_json = functools.partial(block_json, config)
+
+
+def code(stage):
+    """The stage's source files (its import closure): editing one reruns that stage and what follows."""
+    return [str(p) for p in stage_sources(stage, Path(workflow.basedir) / "workflow" / "rectrain")]

@@ -1,19 +1,21 @@
 # demo_data: the embedded demo ImageNet (used when config raw is null). Every layout a real user has
 # (folders, flat val + Kaggle CSV / devkit, the official tars) plus planted bad files; see
-# workflow/rectrain/demo.py. The marker .done is written last, so a killed run is redone.
+# workflow/rectrain/data/demo.py. The marker .done is written last, so a killed run is redone.
 
 
 rule demo_data:
+    input:
+        code=code("demo_data"),
     output:
         f"{DEMO_ROOT}/.done",
-    params:
-        cfg=cfg_json("demo"),
-        out=lambda wildcards, output: os.path.dirname(output[0]),
     log:
         f"logs/demo_data/{DS}.log",
     benchmark:
         f"benchmarks/demo_data/{DS}.tsv"
     conda:
         ENV
+    params:
+        cfg=cfg_json("demo"),
+        out=lambda wildcards, output: os.path.dirname(output[0]),
     shell:
-        "python -m rectrain.demo --config-json {params.cfg:q} --out {params.out:q} > {log:q} 2>&1"
+        "python -m rectrain.data.demo --config-json {params.cfg:q} --out {params.out:q} > {log:q} 2>&1"

@@ -2,14 +2,6 @@
 # Model, classes and image size come from the checkpoint, so params carry only the evaluate block
 # (editing train.* reruns evaluate through the new checkpoint, not through params). With several
 # training GPUs the job runs one process per GPU under torchrun; see workflow/rectrain/evaluate.py.
-import glob
-
-# The evaluation code is an input: fixing it reruns evaluate and the report, nothing before.
-_SRC = Path(workflow.basedir) / "workflow" / "rectrain"
-EVAL_CODE = sorted(
-    [str(_SRC / f"{m}.py") for m in ("evaluate", "checkpoint", "launch")]
-    + glob.glob(str(_SRC / "loaders" / "*.py"))
-)
 
 
 rule evaluate:
@@ -18,23 +10,23 @@ rule evaluate:
         rec=f"{FAST}/val.rec",
         idx=f"{FAST}/val.idx",
         classes=f"results/{DS}/index/classes.tsv",
-        code=EVAL_CODE,
+        code=code("evaluate"),
     output:
         metrics=f"results/{DS}/eval/metrics.json",
         per_class=f"results/{DS}/eval/per_class.csv",
-    params:
-        cfg=cfg_json("evaluate"),
-        out=lambda wildcards, output: os.path.dirname(output.metrics),
-    threads: workflow.cores
-    resources:
-        # the same GPUs as training (the checkpoint's train block decides the processes at run time)
-        gpus=scheduled_gpus(config["train"]["devices"]),
     log:
         f"logs/evaluate/{DS}.log",
     benchmark:
         f"benchmarks/evaluate/{DS}.tsv"
     conda:
         ENV
+    threads: workflow.cores
+    resources:
+        # the same GPUs as training (the checkpoint's train block decides the processes at run time)
+        gpus=scheduled_gpus(config["train"]["devices"]),
+    params:
+        cfg=cfg_json("evaluate"),
+        out=lambda wildcards, output: os.path.dirname(output.metrics),
     shell:
         "python -m rectrain.evaluate --config-json {params.cfg:q} --checkpoint {input.checkpoint:q}"
         " --rec {input.rec:q} --idx {input.idx:q} --classes {input.classes:q} --out {params.out:q}"

@@ -1,22 +1,23 @@
 # index_raw: which file (or tar member, read in place) is which class; labels = sorted wnids like
-# im2rec --recursive. Writes train/val/classes/unclassified TSVs; see workflow/rectrain/index.py.
+# im2rec --recursive. Writes train/val/classes/unclassified TSVs; see workflow/rectrain/data/index.py.
 
 
 rule index_raw:
     input:
         # A real raw root is checked by config validation; its millions of files are not tracked.
-        [f"{DEMO_ROOT}/.done"] if config["raw"] is None else [],
+        marker=[f"{DEMO_ROOT}/.done"] if config["raw"] is None else [],
+        code=code("index_raw"),
     output:
         expand("results/{ds}/index/{name}.tsv", ds=DS, name=["train", "val", "classes", "unclassified"]),
-    params:
-        # The demo root comes from the input marker; a real raw root is the configured path.
-        raw=lambda wildcards, input: os.path.dirname(input[0]) if input else RAW_ROOT,
-        out=lambda wildcards, output: os.path.dirname(output[0]),
     log:
         f"logs/index_raw/{DS}.log",
     benchmark:
         f"benchmarks/index_raw/{DS}.tsv"
     conda:
         ENV
+    params:
+        # The demo root comes from the input marker; a real raw root is the configured path.
+        raw=lambda wildcards, input: os.path.dirname(input.marker[0]) if input.marker else RAW_ROOT,
+        out=lambda wildcards, output: os.path.dirname(output[0]),
     shell:
-        "python -m rectrain.index --raw {params.raw:q} --out {params.out:q} > {log:q} 2>&1"
+        "python -m rectrain.data.index --raw {params.raw:q} --out {params.out:q} > {log:q} 2>&1"

@@ -1,32 +1,33 @@
 # Pack: index + raw images -> MXNet RecordIO (.rec/.idx) per split on fast storage.
 # The job checks the target first (room, rotational disk), writes *.partial, reads every record
-# back (rectrain.verify) and only then renames the pair, so the outputs exist only when verified.
+# back (rectrain.data.verify) and only then renames the pair, so the outputs exist only when verified.
 
 
 rule pack:
     input:
         tsv=f"results/{DS}/index/{{split}}.tsv",
         classes=f"results/{DS}/index/classes.tsv",
+        code=code("pack"),
     output:
         rec=f"{FAST}/{{split}}.rec",
         idx=f"{FAST}/{{split}}.idx",
         manifest=f"results/{DS}/pack/{{split}}.manifest.json",
+    log:
+        f"logs/pack/{DS}_{{split}}.log",
+    benchmark:
+        f"benchmarks/pack/{DS}_{{split}}.tsv"
+    wildcard_constraints:
+        split="train|val",
+    conda:
+        ENV
+    threads: config["pack"]["threads"]
     params:
         # Only the keys that change the bytes written: editing pack.threads or the staging
         # settings must not repack 140 GB.
         cfg=json.dumps({k: config["pack"][k] for k in ("resize", "quality", "shuffle_seed")}, sort_keys=True),
         index=lambda wildcards, input: os.path.dirname(input.tsv),
         raw=RAW_ROOT,
-    wildcard_constraints:
-        split="train|val",
-    threads: config["pack"]["threads"]
-    log:
-        f"logs/pack/{DS}_{{split}}.log",
-    benchmark:
-        f"benchmarks/pack/{DS}_{{split}}.tsv"
-    conda:
-        ENV
     shell:
-        "python -m rectrain.pack --config-json {params.cfg:q} --index {params.index:q} --raw {params.raw:q}"
+        "python -m rectrain.data.pack --config-json {params.cfg:q} --index {params.index:q} --raw {params.raw:q}"
         " --split {wildcards.split} --rec {output.rec:q} --idx {output.idx:q}"
         " --manifest {output.manifest:q} --threads {threads} > {log:q} 2>&1"

@@ -3,14 +3,6 @@
 # Inputs are every stage's outputs plus their Snakemake benchmark files (Snakemake treats a rule's
 # benchmark file as one of its outputs, so they are valid inputs here). The report's own benchmark
 # cannot be among them.
-import glob
-
-# The report code and template are inputs: editing them rebuilds only the report.
-REPORT_CODE = sorted(
-    [str(Path(workflow.basedir) / "workflow" / "rectrain" / "diagnosis.py")]
-    + glob.glob(str(Path(workflow.basedir) / "workflow" / "rectrain" / "report" / "*.py"))
-    + glob.glob(str(Path(workflow.basedir) / "workflow" / "rectrain" / "report" / "templates" / "*.j2"))
-)
 
 
 rule report:
@@ -19,7 +11,7 @@ rule report:
         eval=rules.evaluate.output,
         manifests=expand(f"results/{DS}/pack/{{split}}.manifest.json", split=SPLITS),
         classes=f"results/{DS}/index/classes.tsv",
-        code=REPORT_CODE,
+        code=code("report"),
         # every covered stage's benchmark file, in pipeline order, taken from the rules themselves
         benchmarks=[
             *([str(rules.demo_data.benchmark)] if config["raw"] is None else []),
@@ -30,6 +22,12 @@ rule report:
         ],
     output:
         "results/report.html",
+    log:
+        f"logs/report/{DS}.log",
+    benchmark:
+        f"benchmarks/report/{DS}.tsv"
+    conda:
+        ENV
     params:
         # The whole config: the report shows it under Provenance and takes its thresholds from
         # config["report"]; a change anywhere reruns only this cheap job.
@@ -38,12 +36,6 @@ rule report:
         eval=lambda wildcards, input: os.path.dirname(input.eval[0]),
         pack=lambda wildcards, input: os.path.dirname(input.manifests[0]),
         index=lambda wildcards, input: os.path.dirname(input.classes),
-    log:
-        f"logs/report/{DS}.log",
-    benchmark:
-        f"benchmarks/report/{DS}.tsv"
-    conda:
-        ENV
     shell:
         "python -m rectrain.report --config-json {params.cfg:q} --train-dir {params.train:q}"
         " --eval-dir {params.eval:q} --pack-dir {params.pack:q} --index-dir {params.index:q}"

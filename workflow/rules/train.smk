@@ -1,20 +1,20 @@
 # train: the packed .rec/.idx -> a trained model, with per-rank telemetry for the report.
-# The rule execs torchrun (rectrain.launch) with one process per GPU, or train.cpu_processes CPU
+# The rule execs torchrun (rectrain.train.launch) with one process per GPU, or train.cpu_processes CPU
 # processes when there is none.  params carry only the train block, and the training code itself is
 # an input, so editing train.* or the training modules reruns training and what follows, nothing before.
 # A killed run resumes from results/<ds>/train/checkpoints/last.pt (not a declared output, so
 # Snakemake keeps it); the outputs below are written only when all epochs are done.
 import shlex
 
-from rectrain.cluster import train_rule_resources
-from rectrain.launch import scheduled_gpus, training_sources
+from rectrain.train.cluster import train_rule_resources
+from rectrain.train.launch import scheduled_gpus
 
-# Editing these reruns training; a checkpoint written by other code is not resumed.
-TRAIN_CODE = [str(p) for p in training_sources(Path(workflow.basedir) / "workflow" / "rectrain")]
-
-# pack.stage_to_local: each node copies the pair to its local disk before training (rectrain.stage).
-STAGE_ARG = (f" --stage-to-local {shlex.quote(config['pack']['local_storage'] or 'auto')}"
-             if config["pack"]["stage_to_local"] else "")
+# pack.stage_to_local: each node copies the pair to its local disk before training (rectrain.train.local_copy).
+STAGE_ARG = (
+    f" --stage-to-local {shlex.quote(config['pack']['local_storage'] or 'auto')}"
+    if config["pack"]["stage_to_local"]
+    else ""
+)
 
 
 rule train:
@@ -24,29 +24,29 @@ rule train:
         val_rec=f"{FAST}/val.rec",
         val_idx=f"{FAST}/val.idx",
         classes=f"results/{DS}/index/classes.tsv",
-        code=TRAIN_CODE,
+        code=code("train"),
     output:
         model=f"results/{DS}/train/model.pt",
         steps=f"results/{DS}/train/steps.csv",
         epochs=f"results/{DS}/train/epochs.csv",
         system=f"results/{DS}/train/system.csv",
         run=f"results/{DS}/train/run.json",
-    params:
-        cfg=cfg_json("train"),
-        out=lambda wildcards, output: os.path.dirname(output.model),
-        stage=STAGE_ARG,
-    threads: workflow.cores
-    resources:
-        gpus=scheduled_gpus(config["train"]["devices"]),
-        # Under SLURM: book train.nodes nodes, one launcher per node (profiles/slurm, docs/cluster.md).
-        **train_rule_resources(config["train"]["nodes"]),
     log:
         f"logs/train/{DS}.log",
     benchmark:
         f"benchmarks/train/{DS}.tsv"
     conda:
         ENV
+    threads: workflow.cores
+    resources:
+        **train_rule_resources(config["train"]["nodes"]),
+        gpus=scheduled_gpus(config["train"]["devices"]),
+        # Under SLURM: book train.nodes nodes, one launcher per node (profiles/slurm, docs/cluster.md).
+    params:
+        cfg=cfg_json("train"),
+        out=lambda wildcards, output: os.path.dirname(output.model),
+        stage=STAGE_ARG,
     shell:
-        "python -m rectrain.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}"
+        "python -m rectrain.train.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}"
         " --val-rec {input.val_rec:q} --val-idx {input.val_idx:q} --classes {input.classes:q}"
         " --out {params.out:q} --threads {threads}{params.stage} > {log:q} 2>&1"

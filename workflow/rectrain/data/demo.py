@@ -24,6 +24,7 @@ after random-resized-crop and flip, so end-to-end accuracy proves the labels sta
 Determinism: each image has its own RNG seeded by (seed, split, class, number); PIL's JPEG encoder
 is deterministic for fixed settings; tar headers carry no time, owner or mode from the machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,17 @@ TRAIN_TAR, VAL_TAR = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"
 DEVKIT_TGZ, DEVKIT_DIR = "ILSVRC2012_devkit_t12.tar.gz", "ILSVRC2012_devkit_t12/data"
 GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 # Top-level entries this generator owns; removed before a run so stale files never survive.
-OWNED = ("train", "val", "val_flat", "devkit", "archives", "LOC_val_solution.csv",
-         "LOC_synset_mapping.txt", "defects.json", ".done")
+OWNED = (
+    "train",
+    "val",
+    "val_flat",
+    "devkit",
+    "archives",
+    "LOC_val_solution.csv",
+    "LOC_synset_mapping.txt",
+    "defects.json",
+    ".done",
+)
 
 # Planted defects: (kind, expected packer action, why). Order fixes which class gets which.
 # Actions: repair (decode, fix, re-encode), skip (listed, not packed), keep (stored byte for byte).
@@ -232,8 +242,10 @@ def check_config(cfg: dict) -> None:
         if key not in cfg:
             raise SystemExit(f"demo config: missing key demo.{key} (config/schema.yaml gives its default)")
     if cfg["min_size"] > cfg["max_size"]:
-        raise SystemExit(f"demo config: demo.min_size ({cfg['min_size']}) is larger than demo.max_size "
-                         f"({cfg['max_size']}); make min_size <= max_size")
+        raise SystemExit(
+            f"demo config: demo.min_size ({cfg['min_size']}) is larger than demo.max_size "
+            f"({cfg['max_size']}); make min_size <= max_size"
+        )
 
 
 def generate(cfg: dict, out: Path) -> dict:
@@ -259,7 +271,9 @@ def generate(cfg: dict, out: Path) -> dict:
     defects_by_class: dict[int, list[int]] = {}
     if cfg["bad_files"]:
         for i in range(len(DEFECTS)):
-            defects_by_class.setdefault(i * n_classes // len(DEFECTS) if n_classes >= len(DEFECTS) else i % n_classes, []).append(i)
+            defects_by_class.setdefault(
+                i * n_classes // len(DEFECTS) if n_classes >= len(DEFECTS) else i % n_classes, []
+            ).append(i)
 
     (out / "archives").mkdir()
     manifest = []
@@ -274,15 +288,28 @@ def generate(cfg: dict, out: Path) -> dict:
                 n = cfg["train_per_class"] + 1 + j
                 name = f"{wnid}_{n}.JPEG"
                 files.append((name, defect_bytes(kind, make(SPLIT_TRAIN, k, n)[0], quality)))
-                manifest.append({"kind": kind, "expected": action, "why": why, "wnid": wnid,
-                                 "source": f"train/{wnid}/{name}",
-                                 "archive_source": f"archives/{TRAIN_TAR}::{wnid}.tar::{name}"})
+                manifest.append(
+                    {
+                        "kind": kind,
+                        "expected": action,
+                        "why": why,
+                        "wnid": wnid,
+                        "source": f"train/{wnid}/{name}",
+                        "archive_source": f"archives/{TRAIN_TAR}::{wnid}.tar::{name}",
+                    }
+                )
             if cfg["bad_files"] and k == 0:
                 files.append((STRAY_NAME, b"\x00" * 64))
-                manifest.append({"kind": "stray", "expected": "unclassified",
-                                 "why": "not an image extension: the indexer lists it in unclassified.tsv",
-                                 "wnid": wnid, "source": f"train/{wnid}/{STRAY_NAME}",
-                                 "archive_source": f"archives/{TRAIN_TAR}::{wnid}.tar::{STRAY_NAME}"})
+                manifest.append(
+                    {
+                        "kind": "stray",
+                        "expected": "unclassified",
+                        "why": "not an image extension: the indexer lists it in unclassified.tsv",
+                        "wnid": wnid,
+                        "source": f"train/{wnid}/{STRAY_NAME}",
+                        "archive_source": f"archives/{TRAIN_TAR}::{wnid}.tar::{STRAY_NAME}",
+                    }
+                )
             files.sort()
             for name, data in files:
                 write(out / "train" / wnid / name, data)
@@ -322,15 +349,22 @@ def generate(cfg: dict, out: Path) -> dict:
         write(folder / "LOC_synset_mapping.txt", mapping_txt.encode())
     write(out / "devkit" / GROUND_TRUTH, truth_txt.encode())
     write(out / "devkit" / "meta.csv", meta.getvalue().encode())
-    devkit = tar_bytes([(f"{DEVKIT_DIR}/{GROUND_TRUTH}", truth_txt.encode()),
-                        (f"{DEVKIT_DIR}/meta.csv", meta.getvalue().encode())])
-    with open(out / "archives" / DEVKIT_TGZ, "wb") as raw, \
-            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+    devkit = tar_bytes(
+        [(f"{DEVKIT_DIR}/{GROUND_TRUTH}", truth_txt.encode()), (f"{DEVKIT_DIR}/meta.csv", meta.getvalue().encode())]
+    )
+    with (
+        open(out / "archives" / DEVKIT_TGZ, "wb") as raw,
+        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz,
+    ):
         gz.write(devkit)
 
     write(out / "defects.json", (json.dumps({"seed": seed, "defects": manifest}, indent=2) + "\n").encode())
-    summary = {"classes": n_classes, "train_files": n_train, "val_images": int(len(val_labels)),
-               "defects": len(manifest)}
+    summary = {
+        "classes": n_classes,
+        "train_files": n_train,
+        "val_images": int(len(val_labels)),
+        "defects": len(manifest),
+    }
     write(out / ".done", (json.dumps(summary, sort_keys=True) + "\n").encode())
     log(f"done: {summary}")
     return summary

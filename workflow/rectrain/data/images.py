@@ -10,6 +10,7 @@ The pass-through check reads only the JPEG marker segments: a full decode of eve
 as much as resizing it. Truncation, the failure real data has, shows as a missing end-of-image
 marker after the scan data; the pack's verification step still decodes a sample of the output.
 """
+
 from __future__ import annotations
 
 import io
@@ -80,8 +81,8 @@ def read_jpeg_header(data: bytes) -> JpegInfo | None:
             continue
         if marker == 0xD9:
             raise Skip("corrupt JPEG: end-of-image marker before any image data")
-        seglen = int.from_bytes(data[pos + 2:pos + 4], "big")
-        seg = data[pos + 4:pos + 2 + seglen]
+        seglen = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        seg = data[pos + 4 : pos + 2 + seglen]
         if marker in _ALL_SOF and info.sof is None and len(seg) >= 6:
             info.sof, info.bits, info.components = marker, seg[0], seg[5]
             info.height, info.width = int.from_bytes(seg[1:3], "big"), int.from_bytes(seg[3:5], "big")

@@ -22,6 +22,7 @@ image extension, outside any class folder, no ground truth) are listed in unclas
 Tar member names are never used as filesystem paths; a member that is absolute, climbs with `..`,
 is a link or a device is refused with an error naming the archive and the member.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,7 @@ class UnsafeArchiveMember(ValueError):
 @dataclass
 class Found:
     """What discovery saw: (source, wnid) rows per split, unclassified (source, reason), class names."""
+
     train: list[tuple[str, str]] = field(default_factory=list)
     val: list[tuple[str, str]] = field(default_factory=list)
     unclassified: list[tuple[str, str]] = field(default_factory=list)
@@ -72,6 +74,7 @@ def log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------- tar members read in place
+
 
 class _Window(io.RawIOBase):
     """Read-only view of bytes [start, start + size) of an open file descriptor, addressed from 0.
@@ -127,7 +130,8 @@ def check_member(info: tarfile.TarInfo, archive: str) -> None:
     if problem:
         raise UnsafeArchiveMember(
             f"refusing tar member {name!r} in {archive}: it is {problem}. Archives are read in place and "
-            f"member names are never used as paths; remove or rename that member (or re-create the archive).")
+            f"member names are never used as paths; remove or rename that member (or re-create the archive)."
+        )
 
 
 def scan_tar(fileobj, archive: str) -> list[tuple[str, int, int]]:
@@ -139,8 +143,10 @@ def scan_tar(fileobj, archive: str) -> list[tuple[str, int, int]]:
             if info.isdir():
                 continue
             if info.name in seen:
-                raise UnsafeArchiveMember(f"refusing tar member {info.name!r} in {archive}: it occurs twice, "
-                                          f"so which copy is meant is ambiguous; re-create the archive")
+                raise UnsafeArchiveMember(
+                    f"refusing tar member {info.name!r} in {archive}: it occurs twice, "
+                    f"so which copy is meant is ambiguous; re-create the archive"
+                )
             seen.add(info.name)
             members.append((info.name, info.offset_data, info.size))
     return members
@@ -240,8 +246,9 @@ def open_source(raw_root: str | os.PathLike, source: str) -> bytes:
     return _reader(os.fspath(raw_root)).read(source)
 
 
-def iter_sources(raw_root: str | os.PathLike, sources: Iterable[str],
-                 storage_order: bool = False) -> Iterator[tuple[str, bytes]]:
+def iter_sources(
+    raw_root: str | os.PathLike, sources: Iterable[str], storage_order: bool = False
+) -> Iterator[tuple[str, bytes]]:
     """(source, bytes) for each source; storage_order=True reads in on-disk order (sequential I/O)."""
     reader = _reader(os.fspath(raw_root))
     sources = list(sources)
@@ -252,6 +259,7 @@ def iter_sources(raw_root: str | os.PathLike, sources: Iterable[str],
 
 
 # ---------------------------------------------------------------- classification helpers
+
 
 def unclassifiable(name: str) -> str | None:
     """Why a file name cannot be an index row, or None."""
@@ -289,8 +297,9 @@ def walk_class_folders(top: Path, raw: Path, found: Found) -> list[tuple[str, st
         for sub in sorted(os.scandir(path), key=lambda e: e.name):
             sub_path = Path(sub.path)
             if sub.is_dir():
-                found.unclassified += [(_rel(p, raw), f"nested below class directory {entry.name}")
-                                       for p in _files_below(sub_path)]
+                found.unclassified += [
+                    (_rel(p, raw), f"nested below class directory {entry.name}") for p in _files_below(sub_path)
+                ]
             elif (reason := unclassifiable(sub.name)) is not None:
                 found.unclassified.append((_rel(sub_path, raw), reason))
             else:
@@ -313,14 +322,14 @@ def label_flat(items: Iterable[tuple[str, str]], truth: dict[str, str], how: str
 
 # ---------------------------------------------------------------- label files
 
+
 def read_kaggle_solution(path: Path) -> dict[str, str]:
     """LOC_val_solution.csv: ImageId -> wnid (first token of PredictionString)."""
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
         if not reader.fieldnames or not {"ImageId", "PredictionString"} <= set(reader.fieldnames):
             raise LayoutError(f"{path}: expected the Kaggle header 'ImageId,PredictionString', got {reader.fieldnames}")
-        return {row["ImageId"]: row["PredictionString"].split()[0]
-                for row in reader if row["PredictionString"].strip()}
+        return {row["ImageId"]: row["PredictionString"].split()[0] for row in reader if row["PredictionString"].strip()}
 
 
 def read_synset_mapping(path: Path) -> dict[str, str]:
@@ -344,7 +353,8 @@ def parse_meta(data: bytes, name: str) -> dict[int, tuple[str, str]]:
         raise LayoutError(
             f"{name} is a MATLAB file and reading it needs scipy, which is not installed. Either "
             f"`pip install scipy` into the environment, or put LOC_val_solution.csv (Kaggle) next to the "
-            f"val images, or use foldered val/<wnid>/ images.") from None
+            f"val images, or use foldered val/<wnid>/ images."
+        ) from None
     synsets = loadmat(io.BytesIO(data), squeeze_me=True)["synsets"]
     # Fields: ILSVRC2012_ID, WNID, words, gloss, num_children, ...; leaves (the 1000 classes) have no children.
     return {int(s[0]): (str(s[1]), str(s[2])) for s in synsets if int(s[4]) == 0}
@@ -359,7 +369,9 @@ class Devkit:
     def labels(self) -> dict[str, str]:
         missing = sorted(set(self.truth) - set(self.meta))
         if missing:
-            raise LayoutError(f"{self.where}: ground truth uses ILSVRC2012_IDs {missing[:5]} that the meta file does not map")
+            raise LayoutError(
+                f"{self.where}: ground truth uses ILSVRC2012_IDs {missing[:5]} that the meta file does not map"
+            )
         return {f"ILSVRC2012_val_{i:08d}": self.meta[t][0] for i, t in enumerate(self.truth, start=1)}
 
 
@@ -371,7 +383,9 @@ def find_devkit(dirs: list[Path], tgzs: list[Path]) -> Devkit | None:
             meta = next((folder / m for m in ("meta.mat", "meta.csv") if (folder / m).is_file()), None)
             if meta is None:
                 raise LayoutError(f"{gt} has no meta.mat or meta.csv beside it to map ILSVRC2012_IDs to wnids")
-            return Devkit(str(folder), [int(x) for x in gt.read_text().split()], parse_meta(meta.read_bytes(), meta.name))
+            return Devkit(
+                str(folder), [int(x) for x in gt.read_text().split()], parse_meta(meta.read_bytes(), meta.name)
+            )
     for tgz in tgzs:
         if not tgz.is_file():
             continue
@@ -389,6 +403,7 @@ def find_devkit(dirs: list[Path], tgzs: list[Path]) -> Devkit | None:
 
 
 # ---------------------------------------------------------------- discovery
+
 
 def _first(paths: Iterable[Path], test=Path.is_file) -> Path | None:
     return next((p for p in paths if test(p)), None)
@@ -418,8 +433,12 @@ class _Raw:
         label_dirs = [raw, self.images, raw / "archives"]
         self.kaggle_csv = _first(d / KAGGLE_CSV for d in label_dirs)
         self.mapping = _first(d / SYNSET_MAPPING for d in label_dirs)
-        self.devkit_dirs = [raw / "devkit", raw / "devkit" / "data", raw / "ILSVRC2012_devkit_t12" / "data",
-                            raw / "archives" / "ILSVRC2012_devkit_t12" / "data"]
+        self.devkit_dirs = [
+            raw / "devkit",
+            raw / "devkit" / "data",
+            raw / "ILSVRC2012_devkit_t12" / "data",
+            raw / "archives" / "ILSVRC2012_devkit_t12" / "data",
+        ]
         self.devkit_tgzs = [d / DEVKIT_TGZ for d in self.archive_dirs]
         self._devkit: Devkit | None | bool = False
 
@@ -434,8 +453,10 @@ class _Raw:
 
 def _need(thing, what: str, layout: str, raw: Path):
     if not thing:
-        raise LayoutError(f"--layout {layout}: no {what} under {raw}. Choose another --layout (or auto), or point "
-                          f"the config's raw: at a folder holding it.")
+        raise LayoutError(
+            f"--layout {layout}: no {what} under {raw}. Choose another --layout (or auto), or point "
+            f"the config's raw: at a folder holding it."
+        )
     return thing
 
 
@@ -462,8 +483,11 @@ def _val_labels(r: _Raw, prefer: str | None, layout: str) -> tuple[dict[str, str
         return read_kaggle_solution(r.kaggle_csv), r.rel(r.kaggle_csv)
     if prefer in (None, "devkit") and (devkit := r.devkit()):
         return devkit.labels(), f"devkit ground truth ({os.path.relpath(devkit.where, r.raw)})"
-    wanted = {"kaggle": KAGGLE_CSV, "devkit": f"{GROUND_TRUTH} (devkit/, ILSVRC2012_devkit_t12/data/ or {DEVKIT_TGZ})",
-              None: f"{KAGGLE_CSV} or devkit {GROUND_TRUTH}"}[prefer]
+    wanted = {
+        "kaggle": KAGGLE_CSV,
+        "devkit": f"{GROUND_TRUTH} (devkit/, ILSVRC2012_devkit_t12/data/ or {DEVKIT_TGZ})",
+        None: f"{KAGGLE_CSV} or devkit {GROUND_TRUTH}",
+    }[prefer]
     return _need(None, f"val labels ({wanted})", layout, r.raw)
 
 
@@ -471,8 +495,10 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto") -> Found:
     """Classify every file of the chosen (or detected) layout; see the module doc."""
     raw = Path(raw_root)
     if not raw.is_dir():
-        raise LayoutError(f"raw root {raw} is not a directory: set raw: in the config to your ImageNet folder "
-                          f"(or null for the generated demo)")
+        raise LayoutError(
+            f"raw root {raw} is not a directory: set raw: in the config to your ImageNet folder "
+            f"(or null for the generated demo)"
+        )
     if layout not in LAYOUTS:
         raise LayoutError(f"unknown --layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     r, found = _Raw(raw), Found()
@@ -497,10 +523,14 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto") -> Found:
         elif r.val_tar:
             layout_val = "archives"
         else:
-            raise LayoutError(f"no val images under {raw}: expected val/<wnid>/, a flat val/ with {KAGGLE_CSV} or "
-                              f"the devkit ground truth, or {VAL_TAR}")
+            raise LayoutError(
+                f"no val images under {raw}: expected val/<wnid>/, a flat val/ with {KAGGLE_CSV} or "
+                f"the devkit ground truth, or {VAL_TAR}"
+            )
     else:
-        layout_val = {"folders": "folders", "flat-kaggle": "flat", "flat-devkit": "flat", "archives": "archives"}[layout]
+        layout_val = {"folders": "folders", "flat-kaggle": "flat", "flat-devkit": "flat", "archives": "archives"}[
+            layout
+        ]
     prefer = {"flat-kaggle": "kaggle", "flat-devkit": "devkit"}.get(layout)
 
     if layout_val == "folders":
@@ -528,8 +558,9 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto") -> Found:
     reader.close()
 
     if not found.train:
-        raise LayoutError(f"no train images found ({found.layout['train']}); see unclassified files: "
-                          f"{found.unclassified[:3]}")
+        raise LayoutError(
+            f"no train images found ({found.layout['train']}); see unclassified files: {found.unclassified[:3]}"
+        )
     if r.mapping:
         found.names = read_synset_mapping(r.mapping)
     elif r._devkit:
@@ -538,6 +569,7 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto") -> Found:
 
 
 # ---------------------------------------------------------------- output
+
 
 def _write_tsv(path: Path, header: list[str], rows: Iterable) -> None:
     with open(path, "w", newline="") as fh:
@@ -561,8 +593,11 @@ def write_index(found: Found, out: Path) -> dict:
     counts = {}
     for split, rows in (("train", found.train), ("val", val)):
         rows = sorted(rows)
-        _write_tsv(out / f"{split}.tsv", ["id", "source", "label", "wnid"],
-                   ((i, source, label[wnid], wnid) for i, (source, wnid) in enumerate(rows)))
+        _write_tsv(
+            out / f"{split}.tsv",
+            ["id", "source", "label", "wnid"],
+            ((i, source, label[wnid], wnid) for i, (source, wnid) in enumerate(rows)),
+        )
         counts[split] = len(rows)
     _write_tsv(out / "classes.tsv", ["label", "wnid", "name"], ((label[w], w, found.names.get(w, "")) for w in wnids))
     _write_tsv(out / "unclassified.tsv", ["source", "reason"], sorted(unclassified))
@@ -584,8 +619,10 @@ def main(argv: list[str] | None = None) -> None:
         log(f"{split}: {how}")
     counts = write_index(found, args.out)
     reasons = Counter(reason for _, reason in found.unclassified)
-    log(f"train {counts['train']} images, val {counts['val']} images, {counts['classes']} classes, "
-        f"{counts['unclassified']} unclassified -> {args.out}")
+    log(
+        f"train {counts['train']} images, val {counts['val']} images, {counts['classes']} classes, "
+        f"{counts['unclassified']} unclassified -> {args.out}"
+    )
     for reason, n in reasons.most_common(5):
         log(f"  unclassified: {n} x {reason}")
 

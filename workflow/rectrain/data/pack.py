@@ -1,6 +1,6 @@
 """Pack one split of the index into an MXNet RecordIO pair on fast storage.
 
-    python -m rectrain.pack --config-json '{"resize": 0, "quality": 90, "shuffle_seed": 0, ...}' \\
+    python -m rectrain.data.pack --config-json '{"resize": 0, "quality": 90, "shuffle_seed": 0, ...}' \\
         --index results/demo/index --raw results/demo/raw --split train \\
         --rec results/fast_storage/demo/train.rec --idx results/fast_storage/demo/train.idx \\
         --manifest results/demo/pack/train.manifest.json --threads 8
@@ -11,9 +11,10 @@ A pool of threads reads, checks, (re)encodes and frames images; the main thread 
 order. At most a fixed number of batches are in flight, so memory does not grow with the dataset.
 
 Nothing is trusted half-written: the pair is written as ``*.partial``, read back completely by
-rectrain.verify, and only then renamed (.rec first, .idx last; readers need both). A killed pack
+rectrain.data.verify, and only then renamed (.rec first, .idx last; readers need both). A killed pack
 leaves only .partial files, which the next run deletes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rectrain import storage
-from rectrain.atomic import write_json
-from rectrain.images import Skip, prepare
-from rectrain.index import SourceReader
+from rectrain.atomic import fsync_path, publish, write_json
+from rectrain.data.images import Skip, prepare
+from rectrain.data.index import SourceReader
+from rectrain.data.verify import VerifyError, verify_pair
 from rectrain.recordio import RecordIOError, RecordWriter, frame_payload, pack_record
-from rectrain.verify import VerifyError, read_tsv, verify_pair
+from rectrain.tables import read_tsv
 
 BATCH = 32  # images per task: amortises scheduling, small enough to keep every thread busy
 IN_FLIGHT_PER_WORKER = 4
@@ -102,6 +104,7 @@ class _Packer:
 
 # ---- parent side -------------------------------------------------------------------------------
 
+
 def load_index(index_dir: Path, split: str) -> tuple[list[int], list[str], list[int], int]:
     """ids, sources, labels of <split>.tsv and the class count from classes.tsv."""
     tsv = index_dir / f"{split}.tsv"
@@ -111,7 +114,7 @@ def load_index(index_dir: Path, split: str) -> tuple[list[int], list[str], list[
         raise SystemExit(f"{tsv}: duplicate ids; rebuild the index (rule index_raw)")
     num_classes = len(read_tsv(index_dir / "classes.tsv"))
     labels = [int(r["label"]) for r in rows]
-    bad = next((i for i, lab in zip(ids, labels) if not 0 <= lab < num_classes), None)
+    bad = next((i for i, lab in zip(ids, labels, strict=True) if not 0 <= lab < num_classes), None)
     if bad is not None:
         raise SystemExit(f"{tsv}: id {bad} has a label outside 0..{num_classes - 1}; rebuild the index")
     return ids, [r["source"] for r in rows], labels, num_classes
@@ -145,20 +148,6 @@ def _remove(*paths: Path) -> None:
             pass
 
 
-def _fsync(*paths: Path) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    os.replace(tmp, final)
-    _fsync(final.parent)  # the rename itself is durable only once the directory is
-
-
 class Progress:
     def __init__(self, split: str, total: int):
         self.split, self.total = split, total
@@ -173,13 +162,16 @@ class Progress:
         rate = done / elapsed
         eta = (self.total - done) / rate if rate > 0 else float("inf")
         eta_s = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta != float("inf") else "?"
-        log(f"pack {self.split}: {done}/{self.total} images ({100 * done / max(self.total, 1):.1f} %), "
+        log(
+            f"pack {self.split}: {done}/{self.total} images ({100 * done / max(self.total, 1):.1f} %), "
             f"{rate:.0f} img/s, {nbytes / 1e6 / elapsed:.1f} MB/s, ETA {eta_s}, "
-            f"skipped {skipped}, repaired {repaired}")
+            f"skipped {skipped}, repaired {repaired}"
+        )
 
 
-def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path, idx: Path,
-               threads: int, sysfs_root=None) -> dict:
+def pack_split(
+    cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path, idx: Path, threads: int, sysfs_root=None
+) -> dict:
     """Pack, verify and publish one split; returns the manifest dict."""
     t0 = time.time()
     ids, sources, labels, num_classes = load_index(index_dir, split)
@@ -192,8 +184,10 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path
 
     needed = storage.estimate_needed_bytes(source_bytes(raw_root, sources), n, resize, quality)
     result = storage.preflight(rec.parent, needed, sysfs_root)
-    log(f"pack {split}: {n} images -> {rec} (device {result['device']}, rotational "
-        f"{result['rotational']}, {result['free_bytes'] / 1e9:.1f} GB free, ~{needed / 1e9:.2f} GB needed)")
+    log(
+        f"pack {split}: {n} images -> {rec} (device {result['device']}, rotational "
+        f"{result['rotational']}, {result['free_bytes'] / 1e9:.1f} GB free, ~{needed / 1e9:.2f} GB needed)"
+    )
     if result["warning"]:
         log(result["warning"])
 
@@ -213,7 +207,7 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path
             def drain_one() -> None:
                 nonlocal done
                 rows, future = pending.popleft()
-                for (rid, source, label), result in zip(rows, future.result()):
+                for (rid, source, label), result in zip(rows, future.result(), strict=True):
                     if isinstance(result, Skip):
                         skipped.append({"id": rid, "source": source, "reason": str(result)})
                         continue
@@ -226,7 +220,7 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path
                 progress.update(done, writer.tell(), len(skipped), len(repaired))
 
             for b in range(0, n, BATCH):
-                rows = [(ids[j], sources[j], labels[j]) for j in order[b:b + BATCH]]
+                rows = [(ids[j], sources[j], labels[j]) for j in order[b : b + BATCH]]
                 pending.append((rows, pool.submit(packer.batch, rows)))
                 if len(pending) >= threads * IN_FLIGHT_PER_WORKER:
                     drain_one()
@@ -246,26 +240,38 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path
         log(f"verify {split}: reading back {len(expected)} records")
         # Forcing the pair to disk waits on the device, reading it back on the page cache: overlap
         # them (~10 % of a pass-through pack's wall time). Both finish before anything is published.
-        synced = pool.submit(_fsync, tmp_rec, tmp_idx)
+        synced = pool.submit(fsync_path, tmp_rec, tmp_idx)
         check = verify_pair(tmp_rec, tmp_idx, expected, num_classes, resize)
         synced.result()
     finally:
         pool.shutdown(cancel_futures=True)  # on an error or Ctrl-C, do not finish queued batches
         packer.reader.close()
-    _publish(tmp_rec, rec)
-    _publish(tmp_idx, idx)  # last: a .rec without its .idx is never taken for a pair
+    publish(tmp_rec, rec)
+    publish(tmp_idx, idx)  # last: a .rec without its .idx is never taken for a pair
     wall = time.time() - t0
     log(f"pack {split}: verified and published {rec} and {idx} in {wall:.1f} s")
     return {
-        "split": split, "rec": str(rec), "idx": str(idx),
-        "discovered": n, "packed": len(expected), "skipped": len(skipped),
-        "repaired": repaired, "skipped_files": skipped,
-        "bytes_written": bytes_written, "wall_s": round(wall, 3), "pack_s": round(pack_s, 3),
-        "verify_s": check["verify_s"], "verified_decoded": check["decoded"],
+        "split": split,
+        "rec": str(rec),
+        "idx": str(idx),
+        "discovered": n,
+        "packed": len(expected),
+        "skipped": len(skipped),
+        "repaired": repaired,
+        "skipped_files": skipped,
+        "bytes_written": bytes_written,
+        "wall_s": round(wall, 3),
+        "pack_s": round(pack_s, 3),
+        "verify_s": check["verify_s"],
+        "verified_decoded": check["decoded"],
         "images_per_s": round(n / wall, 1) if wall else None,
         "mb_per_s": round(bytes_written / 1e6 / wall, 2) if wall else None,
-        "resize": resize, "quality": quality, "shuffle_seed": cfg.get("shuffle_seed", 0),
-        "threads": threads, "num_classes": num_classes, "storage": result,
+        "resize": resize,
+        "quality": quality,
+        "shuffle_seed": cfg.get("shuffle_seed", 0),
+        "threads": threads,
+        "num_classes": num_classes,
+        "storage": result,
     }
 
 
@@ -289,13 +295,17 @@ def main(argv=None) -> int:
         log(f"pack {args.split}: ERROR: {err}")
         return 2
     except (VerifyError, RecordIOError) as err:
-        log(f"pack {args.split}: ERROR: the written pair failed verification and was not published "
-            f"(left as *{PARTIAL} for inspection): {err}")
+        log(
+            f"pack {args.split}: ERROR: the written pair failed verification and was not published "
+            f"(left as *{PARTIAL} for inspection): {err}"
+        )
         return 3
     write_json(args.manifest, manifest)
-    log(f"pack {args.split}: manifest {args.manifest}: {manifest['packed']} packed, "
+    log(
+        f"pack {args.split}: manifest {args.manifest}: {manifest['packed']} packed, "
         f"{manifest['skipped']} skipped, {len(manifest['repaired'])} repaired, "
-        f"{manifest['images_per_s']} img/s, {manifest['mb_per_s']} MB/s")
+        f"{manifest['images_per_s']} img/s, {manifest['mb_per_s']} MB/s"
+    )
     return 0
 
 

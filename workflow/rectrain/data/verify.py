@@ -5,12 +5,12 @@ the index's label for that id and within the class count, no record missing or e
 decodes an evenly spread sample. The pack runs this on its temporary files and publishes the pair
 only when it passes; the CLI re-checks any existing pair.
 
-    python -m rectrain.verify --rec F/train.rec --idx F/train.idx --index results/demo/index --split train
+    python -m rectrain.data.verify --rec F/train.rec --idx F/train.idx --index results/demo/index --split train
 """
+
 from __future__ import annotations
 
 import argparse
-import csv
 import io
 import json
 import sys
@@ -19,14 +19,16 @@ import time
 from PIL import Image
 
 from rectrain.recordio import RecordIOError, read_idx, scan_records, unpack_record
+from rectrain.tables import read_tsv
 
 
 class VerifyError(RuntimeError):
     """The pair is not what the index says it should be; the message names the record."""
 
 
-def verify_pair(rec_path, idx_path, expected_labels: dict[int, int], num_classes: int,
-                resize: int = 0, sample: int = 64) -> dict:
+def verify_pair(
+    rec_path, idx_path, expected_labels: dict[int, int], num_classes: int, resize: int = 0, sample: int = 64
+) -> dict:
     """Verify the pair against ``expected_labels`` (record id -> label of every record that must be
     there). Returns {records, bytes, decoded, verify_s}; raises VerifyError/RecordIOError."""
     start = time.time()
@@ -54,8 +56,9 @@ def verify_pair(rec_path, idx_path, expected_labels: dict[int, int], num_classes
             raise VerifyError(f"record id {key} at byte offset {offset} is not an index row that was packed")
         label = header.label
         if header.flag != 0 or label != int(label) or not 0 <= int(label) < num_classes:
-            raise VerifyError(f"record id {key}: label {label!r} (flag {header.flag}) is not a class index "
-                              f"in 0..{num_classes - 1}")
+            raise VerifyError(
+                f"record id {key}: label {label!r} (flag {header.flag}) is not a class index in 0..{num_classes - 1}"
+            )
         if int(label) != expected_labels[key]:
             raise VerifyError(f"record id {key}: label {int(label)} but the index says {expected_labels[key]}")
         if i in sample_at:
@@ -78,11 +81,6 @@ def _check_decodes(key: int, image: bytes, resize: int) -> None:
         raise VerifyError(f"record id {key} decodes as {mode}, not RGB or grayscale")
     if resize and min(size) > resize:
         raise VerifyError(f"record id {key} is {size[0]}x{size[1]}: shorter side above resize {resize}")
-
-
-def read_tsv(path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f, delimiter="\t"))
 
 
 def main(argv=None) -> int:

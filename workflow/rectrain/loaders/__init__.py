@@ -14,6 +14,7 @@ Sharding and the last batch (the part that makes or breaks DDP):
   empty (evaluation does no per-batch collectives, so uneven counts are harmless).
 Each epoch's order is a pure function of (seed, epoch, rank), so a resumed run sees the same data.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,20 +33,23 @@ EVAL_CROP_FRACTION = 0.875
 @dataclass(frozen=True)
 class DaliOptions:
     """Knobs of DALI's mixed (GPU) decoder and pipeline; the train block's dali_* keys."""
+
     hw_decoder_load: float = 0.65
     prefetch_queue_depth: int = 2
     device_memory_padding: int = 211025920
     host_memory_padding: int = 140544512
-    preallocate: tuple[int, int] = (0, 0)   # (width, height) of the largest image; 0 = grow on demand
+    preallocate: tuple[int, int] = (0, 0)  # (width, height) of the largest image; 0 = grow on demand
 
     @classmethod
     def from_config(cls, cfg: dict) -> "DaliOptions":
         d = cls()
-        return cls(hw_decoder_load=float(cfg.get("dali_hw_decoder_load", d.hw_decoder_load)),
-                   prefetch_queue_depth=int(cfg.get("dali_prefetch_queue_depth", d.prefetch_queue_depth)),
-                   device_memory_padding=int(cfg.get("dali_device_memory_padding", d.device_memory_padding)),
-                   host_memory_padding=int(cfg.get("dali_host_memory_padding", d.host_memory_padding)),
-                   preallocate=tuple(cfg.get("dali_preallocate", d.preallocate)))
+        return cls(
+            hw_decoder_load=float(cfg.get("dali_hw_decoder_load", d.hw_decoder_load)),
+            prefetch_queue_depth=int(cfg.get("dali_prefetch_queue_depth", d.prefetch_queue_depth)),
+            device_memory_padding=int(cfg.get("dali_device_memory_padding", d.device_memory_padding)),
+            host_memory_padding=int(cfg.get("dali_host_memory_padding", d.host_memory_padding)),
+            preallocate=tuple(cfg.get("dali_preallocate", d.preallocate)),
+        )
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,8 @@ class LoaderSpec:
     rank: int = 0
     world_size: int = 1
     workers: int = 2
-    device: str = "cpu"          # where batches land: "cpu" or "cuda:<local rank>"
-    gpu_decode: bool = True      # decode JPEGs on the GPU when device is cuda
+    device: str = "cpu"  # where batches land: "cpu" or "cuda:<local rank>"
+    gpu_decode: bool = True  # decode JPEGs on the GPU when device is cuda
     seed: int = 0
     dali: DaliOptions = field(default_factory=DaliOptions)
 
@@ -108,13 +112,14 @@ def dali_import_error() -> str | None:
 
 @dataclass(frozen=True)
 class LoaderChoice:
-    kind: str              # the loader that will run: 'dali' or 'torch'
-    decode: str            # where and how JPEGs are decoded, in words (run.json, the log)
+    kind: str  # the loader that will run: 'dali' or 'torch'
+    decode: str  # where and how JPEGs are decoded, in words (run.json, the log)
     note: str | None = None  # why the choice differs from the request; None when it does not
 
 
-def choose_loader(requested: str, has_cuda: bool, has_dali: bool, gpu_decode: bool = True,
-                  dali_error: str | None = None) -> LoaderChoice:
+def choose_loader(
+    requested: str, has_cuda: bool, has_dali: bool, gpu_decode: bool = True, dali_error: str | None = None
+) -> LoaderChoice:
     """The loader and decoder for train.loader=`requested` on this machine (a pure decision).
 
     DALI requested but not importable: the torch loader reads the same .rec, decoding on the GPU with
@@ -126,17 +131,25 @@ def choose_loader(requested: str, has_cuda: bool, has_dali: bool, gpu_decode: bo
     kind = requested
     if requested == "dali" and not has_dali:
         kind = "torch"
-        note = (f"train.loader is 'dali' but DALI cannot be imported ({dali_error or 'not installed'}): using the "
-                f"torch loader on the same .rec instead, decoding "
-                + ("on the GPU with torchvision.io.decode_jpeg" if gpu else "on the CPU in worker processes")
-                + ". For DALI's mixed decoder install nvidia-dali-cuda<CUDA major>0 (e.g. nvidia-dali-cuda120); "
-                  "to keep the torch loader and silence this, set train.loader: torch")
+        note = (
+            f"train.loader is 'dali' but DALI cannot be imported ({dali_error or 'not installed'}): using the "
+            f"torch loader on the same .rec instead, decoding "
+            + ("on the GPU with torchvision.io.decode_jpeg" if gpu else "on the CPU in worker processes")
+            + ". For DALI's mixed decoder install nvidia-dali-cuda<CUDA major>0 (e.g. nvidia-dali-cuda120); "
+            "to keep the torch loader and silence this, set train.loader: torch"
+        )
     if kind == "dali":
-        decode = ("gpu: DALI mixed decoder (nvJPEG; hardware JPEG engines take dali_hw_decoder_load of the images)"
-                  if gpu else "cpu: DALI (libjpeg-turbo) in train.workers threads")
+        decode = (
+            "gpu: DALI mixed decoder (nvJPEG; hardware JPEG engines take dali_hw_decoder_load of the images)"
+            if gpu
+            else "cpu: DALI (libjpeg-turbo) in train.workers threads"
+        )
     else:
-        decode = ("gpu: torchvision.io.decode_jpeg, one batched call per step" if gpu
-                  else "cpu: PIL in train.workers worker processes")
+        decode = (
+            "gpu: torchvision.io.decode_jpeg, one batched call per step"
+            if gpu
+            else "cpu: PIL in train.workers worker processes"
+        )
     return LoaderChoice(kind, decode, note)
 
 
@@ -160,8 +173,10 @@ def build_loader(kind: str, spec: LoaderSpec):
 def _build(kind: str, spec: LoaderSpec):
     if kind == "dali":
         from rectrain.loaders.dali import DaliLoader
+
         return DaliLoader(spec)
     if kind == "torch":
         from rectrain.loaders.pytorch import TorchLoader
+
         return TorchLoader(spec)
     raise ValueError(f"unknown loader {kind!r}: set train.loader to 'dali' or 'torch'")

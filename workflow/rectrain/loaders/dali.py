@@ -8,14 +8,24 @@ and a resumed run replays exactly the epochs it missed.  Last batch: FILL for tr
 batches on every rank, padding repeats the shard's last record and is counted), PARTIAL for eval
 (padding dropped, every record exactly once).
 """
+
 from __future__ import annotations
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-from rectrain.loaders import (CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, DaliOptions, LoaderSpec,
-                              epoch_seed, train_batches_per_epoch, train_padding)
+from rectrain.loaders import (
+    CROP_RATIO,
+    CROP_SCALE,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DaliOptions,
+    LoaderSpec,
+    epoch_seed,
+    train_batches_per_epoch,
+    train_padding,
+)
 from rectrain.recordio import read_idx
 
 
@@ -25,25 +35,50 @@ def decoder_args(decode_device: str, opts: DaliOptions) -> dict:
     if decode_device != "mixed":
         return {}
     width, height = opts.preallocate
-    return {"hw_decoder_load": opts.hw_decoder_load, "device_memory_padding": opts.device_memory_padding,
-            "host_memory_padding": opts.host_memory_padding, "preallocate_width_hint": width,
-            "preallocate_height_hint": height}
+    return {
+        "hw_decoder_load": opts.hw_decoder_load,
+        "device_memory_padding": opts.device_memory_padding,
+        "host_memory_padding": opts.host_memory_padding,
+        "preallocate_width_hint": width,
+        "preallocate_height_hint": height,
+    }
 
 
 @pipeline_def
-def _pipeline(rec: str, idx: str, shard_id: int, num_shards: int, train: bool, image_size: int,
-              eval_resize: int, decode_device: str, decoder_kwargs: dict):
+def _pipeline(
+    rec: str,
+    idx: str,
+    shard_id: int,
+    num_shards: int,
+    train: bool,
+    image_size: int,
+    eval_resize: int,
+    decode_device: str,
+    decoder_kwargs: dict,
+):
     """Normalised float32 HWC images + float labels, one rank's shard."""
-    jpegs, labels = fn.readers.mxnet(path=rec, index_path=idx, shard_id=shard_id, num_shards=num_shards,
-                                     random_shuffle=train, pad_last_batch=True, stick_to_shard=True,
-                                     name="Reader")
+    jpegs, labels = fn.readers.mxnet(
+        path=rec,
+        index_path=idx,
+        shard_id=shard_id,
+        num_shards=num_shards,
+        random_shuffle=train,
+        pad_last_batch=True,
+        stick_to_shard=True,
+        name="Reader",
+    )
     if train:
         # Random-resized-crop as DALI's ImageNet examples do it: choose the window first and decode only
         # that region (libjpeg-turbo / nvJPEG ROI decode), then resize.  Same distribution as
         # fn.random_resized_crop after a full decode, and faster (bench/RESULTS.md).
-        images = fn.decoders.image_random_crop(jpegs, device=decode_device, output_type=types.RGB,
-                                               random_area=list(CROP_SCALE), random_aspect_ratio=list(CROP_RATIO),
-                                               **decoder_kwargs)
+        images = fn.decoders.image_random_crop(
+            jpegs,
+            device=decode_device,
+            output_type=types.RGB,
+            random_area=list(CROP_SCALE),
+            random_aspect_ratio=list(CROP_RATIO),
+            **decoder_kwargs,
+        )
         images = fn.resize(images, size=[image_size, image_size])
         mirror = fn.random.coin_flip(probability=0.5)
     else:
@@ -51,9 +86,15 @@ def _pipeline(rec: str, idx: str, shard_id: int, num_shards: int, train: bool, i
         images = fn.resize(images, resize_shorter=eval_resize)
         mirror = False
     # Normalised float in HWC: viewed as NCHW in torch it is channels_last with no copy.
-    images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="HWC",
-                                      crop=[image_size, image_size], mean=list(IMAGENET_MEAN),
-                                      std=list(IMAGENET_STD), mirror=mirror)
+    images = fn.crop_mirror_normalize(
+        images,
+        dtype=types.FLOAT,
+        output_layout="HWC",
+        crop=[image_size, image_size],
+        mean=list(IMAGENET_MEAN),
+        std=list(IMAGENET_STD),
+        mirror=mirror,
+    )
     return images, labels
 
 
@@ -73,16 +114,30 @@ class DaliLoader:
         gpu = s.on_gpu
         device_id = (torch.device(s.device).index or 0) if gpu else None
         decode_device = "mixed" if gpu and s.gpu_decode else "cpu"
-        pipe = _pipeline(rec=s.rec, idx=s.idx, shard_id=(s.rank + epoch) % s.world_size if s.train else s.rank,
-                         num_shards=s.world_size, train=s.train, image_size=s.image_size,
-                         eval_resize=s.eval_resize, decode_device=decode_device,
-                         decoder_kwargs=decoder_args(decode_device, s.dali),
-                         batch_size=s.batch_size, num_threads=max(1, s.workers), device_id=device_id,
-                         prefetch_queue_depth=s.dali.prefetch_queue_depth, seed=epoch_seed(s.seed, epoch, s.rank))
+        pipe = _pipeline(
+            rec=s.rec,
+            idx=s.idx,
+            shard_id=(s.rank + epoch) % s.world_size if s.train else s.rank,
+            num_shards=s.world_size,
+            train=s.train,
+            image_size=s.image_size,
+            eval_resize=s.eval_resize,
+            decode_device=decode_device,
+            decoder_kwargs=decoder_args(decode_device, s.dali),
+            batch_size=s.batch_size,
+            num_threads=max(1, s.workers),
+            device_id=device_id,
+            prefetch_queue_depth=s.dali.prefetch_queue_depth,
+            seed=epoch_seed(s.seed, epoch, s.rank),
+        )
         pipe.build()
-        return DALIGenericIterator(pipe, ["images", "labels"], reader_name="Reader",
-                                   last_batch_policy=LastBatchPolicy.FILL if s.train else LastBatchPolicy.PARTIAL,
-                                   auto_reset=not s.train)
+        return DALIGenericIterator(
+            pipe,
+            ["images", "labels"],
+            reader_name="Reader",
+            last_batch_policy=LastBatchPolicy.FILL if s.train else LastBatchPolicy.PARTIAL,
+            auto_reset=not s.train,
+        )
 
     def epoch(self, epoch: int):
         """Iterator of (images, labels) for one epoch."""

@@ -8,6 +8,7 @@ decoded by torchvision.io.decode_jpeg(device="cuda").
 Sharding (ShardSampler): one permutation of all records per epoch, seeded by (seed, epoch), the same
 on every rank; rank r takes every world-th record starting at r, like DistributedSampler.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,16 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
-from rectrain.loaders import (CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, epoch_seed,
-                              train_batches_per_epoch, train_padding)
+from rectrain.loaders import (
+    CROP_RATIO,
+    CROP_SCALE,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    LoaderSpec,
+    epoch_seed,
+    train_batches_per_epoch,
+    train_padding,
+)
 from rectrain.recordio import IndexedRecordReader, unpack_record
 
 
@@ -32,11 +41,14 @@ def _label(header) -> int:
 def augment(spec: LoaderSpec):
     """The PIL/tensor -> uint8 CHW transform matching the DALI pipeline's semantics."""
     if spec.train:
-        return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(spec.image_size, scale=CROP_SCALE,
-                                                                   ratio=CROP_RATIO, antialias=True),
-                           v2.RandomHorizontalFlip()])
-    return v2.Compose([v2.PILToTensor(), v2.Resize(spec.eval_resize, antialias=True),
-                       v2.CenterCrop(spec.image_size)])
+        return v2.Compose(
+            [
+                v2.PILToTensor(),
+                v2.RandomResizedCrop(spec.image_size, scale=CROP_SCALE, ratio=CROP_RATIO, antialias=True),
+                v2.RandomHorizontalFlip(),
+            ]
+        )
+    return v2.Compose([v2.PILToTensor(), v2.Resize(spec.eval_resize, antialias=True), v2.CenterCrop(spec.image_size)])
 
 
 class RecordDataset(Dataset):
@@ -64,8 +76,9 @@ class ShardSampler(Sampler[int]):
     train (pad_to_batch): every rank gets ceil(ceil(N/world)/batch) full batches, the permutation
     padded from its start as DistributedSampler pads; eval: every index exactly once, no padding."""
 
-    def __init__(self, n: int, rank: int, world_size: int, batch_size: int, shuffle: bool, seed: int,
-                 pad_to_batch: bool):
+    def __init__(
+        self, n: int, rank: int, world_size: int, batch_size: int, shuffle: bool, seed: int, pad_to_batch: bool
+    ):
         self.n, self.rank, self.world, self.batch = n, rank, world_size, batch_size
         self.shuffle, self.seed, self.pad = shuffle, seed, pad_to_batch
         self.epoch = 0
@@ -84,7 +97,7 @@ class ShardSampler(Sampler[int]):
         if self.pad:
             total = self.world * train_batches_per_epoch(self.n, self.world, self.batch) * self.batch
             order = (order * math.ceil(total / self.n))[:total]
-        return iter(order[self.rank::self.world])
+        return iter(order[self.rank :: self.world])
 
     def __len__(self) -> int:
         if self.pad:
@@ -93,7 +106,7 @@ class ShardSampler(Sampler[int]):
 
 
 def _collate_bytes(batch):
-    data, labels, ids = zip(*batch)
+    data, labels, ids = zip(*batch, strict=True)
     return list(data), torch.tensor(labels, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64)
 
 
@@ -105,14 +118,16 @@ class TorchLoader:
         # Batch decode on the device (GPU by default when there is one; forcing it on CPU is for tests).
         self.decode_on_device = spec.on_gpu and spec.gpu_decode if decode_on_device is None else decode_on_device
         self.transform = augment(spec)
-        self.dataset = RecordDataset(spec.rec, spec.idx, None if self.decode_on_device else self.transform,
-                                     decode=not self.decode_on_device)
+        self.dataset = RecordDataset(
+            spec.rec, spec.idx, None if self.decode_on_device else self.transform, decode=not self.decode_on_device
+        )
         self.size = len(self.dataset)
         w, b = spec.world_size, spec.batch_size
         self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
-        self.sampler = ShardSampler(self.size, spec.rank, w, b, shuffle=spec.train, seed=spec.seed,
-                                    pad_to_batch=spec.train)
+        self.sampler = ShardSampler(
+            self.size, spec.rank, w, b, shuffle=spec.train, seed=spec.seed, pad_to_batch=spec.train
+        )
         device = torch.device(spec.device)
         self._mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
         self._std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
@@ -121,15 +136,22 @@ class TorchLoader:
         """(uint8 images or raw bytes, labels, record ids) batches of one epoch, before normalisation."""
         s = self.spec
         self.sampler.set_epoch(epoch)
-        loader = DataLoader(self.dataset, batch_size=s.batch_size, sampler=self.sampler, num_workers=s.workers,
-                            pin_memory=s.on_gpu, drop_last=False,
-                            collate_fn=_collate_bytes if self.decode_on_device else None,
-                            prefetch_factor=4 if s.workers else None,
-                            generator=torch.Generator().manual_seed(epoch_seed(s.seed, epoch, s.rank)))
+        loader = DataLoader(
+            self.dataset,
+            batch_size=s.batch_size,
+            sampler=self.sampler,
+            num_workers=s.workers,
+            pin_memory=s.on_gpu,
+            drop_last=False,
+            collate_fn=_collate_bytes if self.decode_on_device else None,
+            prefetch_factor=4 if s.workers else None,
+            generator=torch.Generator().manual_seed(epoch_seed(s.seed, epoch, s.rank)),
+        )
         return iter(loader)
 
     def _decode_batch(self, data: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         from torchvision.io import ImageReadMode, decode_jpeg
+
         images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
         return torch.stack([self.transform(img) for img in images])
 

@@ -1,5 +1,6 @@
 """Assemble the report: numbers from the stage outputs, seaborn plots, diagnosis, rendered through
 an autoescaping Jinja2 template (class names and paths are user data)."""
+
 from __future__ import annotations
 
 import math
@@ -9,9 +10,8 @@ import jinja2
 import pandas as pd
 import yaml
 
-from rectrain.diagnosis import (data_wait_share_by_rank, diagnose, gpu_memory_peak, gpu_util_mean,
-                                steady_steps)
 from rectrain.report import plots, provenance
+from rectrain.report.diagnosis import data_wait_share_by_rank, diagnose, gpu_memory_peak, gpu_util_mean, steady_steps
 from rectrain.report.inputs import RunData
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -34,8 +34,13 @@ def num(value, spec: str = ".1f", missing: str = "-") -> str:
 
 
 def environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
-                             undefined=jinja2.ChainableUndefined, trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        autoescape=True,
+        undefined=jinja2.ChainableUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.filters["num"] = num
     return env
 
@@ -53,31 +58,48 @@ def training_rates(steps: pd.DataFrame) -> dict:
     per_rank = []
     for rank, g in steps.groupby("rank"):
         s = steady_steps(g)
-        per_rank.append({
-            "rank": int(rank), "steps": len(g), "images": int(g["images"].sum()),
-            "img_s": g["images"].sum() / _span_s(g) if _span_s(g) > 0 else None,
-            # DeepLearningExamples' compute_ips: the rate if the loader never made this rank wait
-            "compute_img_s": s["images"].sum() / s["compute_s"].sum() if s["compute_s"].sum() > 0 else None,
-            "step_ms": 1000 * s["wall_s"].mean(), "wait_ms": 1000 * s["data_wait_s"].mean(),
-            "compute_ms": 1000 * s["compute_s"].mean(),
-            "wait_share": 100 * shares.get(rank, float("nan")),
-        })
+        per_rank.append(
+            {
+                "rank": int(rank),
+                "steps": len(g),
+                "images": int(g["images"].sum()),
+                "img_s": g["images"].sum() / _span_s(g) if _span_s(g) > 0 else None,
+                # DeepLearningExamples' compute_ips: the rate if the loader never made this rank wait
+                "compute_img_s": s["images"].sum() / s["compute_s"].sum() if s["compute_s"].sum() > 0 else None,
+                "step_ms": 1000 * s["wall_s"].mean(),
+                "wait_ms": 1000 * s["data_wait_s"].mean(),
+                "compute_ms": 1000 * s["compute_s"].mean(),
+                "wait_share": 100 * shares.get(rank, float("nan")),
+            }
+        )
     compute = [r["compute_img_s"] for r in per_rank if r["compute_img_s"]]
-    return {"total": steps["images"].sum() / span if span > 0 else None, "per_rank": per_rank,
-            # a rank's compute time includes waiting in the gradient all-reduce for ranks that were
-            # still waiting on data, so the fastest rank's rate is the closest to pure compute
-            "compute_total": max(compute) * len(per_rank) if compute else None}
+    return {
+        "total": steps["images"].sum() / span if span > 0 else None,
+        "per_rank": per_rank,
+        # a rank's compute time includes waiting in the gradient all-reduce for ranks that were
+        # still waiting on data, so the fastest rank's rate is the closest to pure compute
+        "compute_total": max(compute) * len(per_rank) if compute else None,
+    }
 
 
 def utilization(system: pd.DataFrame) -> dict:
     peaks, util = gpu_memory_peak(system), gpu_util_mean(system)
-    gpus = [{"index": i, "util": util.get(i), "mem_used_gb": peaks[i][0] / 1024 if i in peaks else None,
-             "mem_total_gb": peaks[i][1] / 1024 if i in peaks else None} for i in sorted(set(peaks) | set(util))]
+    gpus = [
+        {
+            "index": i,
+            "util": util.get(i),
+            "mem_used_gb": peaks[i][0] / 1024 if i in peaks else None,
+            "mem_total_gb": peaks[i][1] / 1024 if i in peaks else None,
+        }
+        for i in sorted(set(peaks) | set(util))
+    ]
 
     def stat(col, fn):
         return fn(system[col].dropna()) if col in system and not system[col].dropna().empty else None
+
     return {
-        "gpus": gpus, "samples": len(system),
+        "gpus": gpus,
+        "samples": len(system),
         "cpu_mean": stat("cpu_percent", pd.Series.mean),
         "iowait_mean": stat("iowait_percent", pd.Series.mean),
         "iowait_p90": stat("iowait_percent", lambda s: s.quantile(0.9)),
@@ -92,7 +114,9 @@ def worst_classes(per_class: pd.DataFrame, classes: pd.DataFrame, n: int = WORST
         return per_class
     pc = per_class.copy()
     pc["accuracy"] = pd.to_numeric(pc["accuracy"], errors="coerce")
-    names = dict(zip(classes["wnid"].astype(str), classes["name"].astype(str))) if not classes.empty else {}
+    names = (
+        dict(zip(classes["wnid"].astype(str), classes["name"].astype(str), strict=True)) if not classes.empty else {}
+    )
     pc["most_confused_name"] = pc["most_confused_wnid"].astype(str).map(names).fillna("")
     return pc.sort_values(["accuracy", "label"]).head(n)
 
@@ -104,14 +128,19 @@ def summary(data: RunData, config: dict, rates: dict) -> dict:
         "dataset": config.get("dataset"),
         "model": run.get("model"),
         "devices": ", ".join(map(str, devices)) or "-",
-        "world_size": run.get("world_size"), "nodes": run.get("nodes"),
-        "loader": run.get("loader"), "precision": run.get("precision"),
-        "batch_size": run.get("batch_size"), "grad_accum": run.get("grad_accum"),
-        "global_batch": run.get("global_batch"), "image_size": run.get("image_size"),
+        "world_size": run.get("world_size"),
+        "nodes": run.get("nodes"),
+        "loader": run.get("loader"),
+        "precision": run.get("precision"),
+        "batch_size": run.get("batch_size"),
+        "grad_accum": run.get("grad_accum"),
+        "global_batch": run.get("global_batch"),
+        "image_size": run.get("image_size"),
         "epochs": run.get("epochs", len(data.epochs)),
         "top1": 100 * metrics["top1"] if metrics.get("top1") is not None else None,
         "top5": 100 * metrics["top5"] if metrics.get("top5") is not None else None,
-        "eval_images": metrics.get("images"), "eval_loader": metrics.get("loader"),
+        "eval_images": metrics.get("images"),
+        "eval_loader": metrics.get("loader"),
         "eval_img_s": metrics.get("images_per_s"),
         "train_img_s": rates["total"],
         "total_wall_s": float(bench["s"].sum()) if not bench.empty and "s" in bench else None,
@@ -137,8 +166,9 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
         "n_classes": len(data.per_class),
         "manifests": data.manifests,
         # both splits usually share one storage warning: say it once
-        "storage_warnings": list(dict.fromkeys(w for m in data.manifests.values()
-                                               if (w := (m.get("storage") or {}).get("warning")))),
+        "storage_warnings": list(
+            dict.fromkeys(w for m in data.manifests.values() if (w := (m.get("storage") or {}).get("warning")))
+        ),
         "stages": data.benchmarks.to_dict("records"),
         "plots": {
             "throughput": plots.throughput_plot(data.steps, t0),

@@ -4,6 +4,7 @@ Pure functions: inputs are the parsed telemetry tables (steps.csv, system.csv), 
 manifests; thresholds come from the `report` config block. Nothing here reads files or plots, so every
 rule can be tested with synthetic numbers.
 """
+
 from __future__ import annotations
 
 import re
@@ -109,30 +110,41 @@ def input_fix(run: Mapping | None) -> str:
     on_gpu = run.get("backend") == "nccl" or bool(run.get("gpus"))
     storage = "keep the .rec on an SSD (pack.fast_storage)"
     shrink = "pre-shrink the images once (pack.resize, e.g. 160 for image_size 128)"
+
     def now(key: str) -> str:
         value = train_setting(run, key)
         return f" (now {value})" if value is not None else ""
 
     if on_gpu and run.get("loader_note"):
-        return (f"DALI was requested but not importable, so the torch loader decoded on the GPU's CUDA cores, "
-                f"competing with training: install DALI (nvidia-dali-cuda<CUDA major>0) so its mixed decoder "
-                f"uses the hardware JPEG engines; also {storage}, or {shrink}.")
+        return (
+            f"DALI was requested but not importable, so the torch loader decoded on the GPU's CUDA cores, "
+            f"competing with training: install DALI (nvidia-dali-cuda<CUDA major>0) so its mixed decoder "
+            f"uses the hardware JPEG engines; also {storage}, or {shrink}."
+        )
     if on_gpu and decode.startswith("cpu"):
-        return (f"JPEGs were decoded on the CPU ({decode}) while the GPUs trained: set train.gpu_decode: true "
-                f"with train.loader: dali (the mixed decoder), add decode threads (train.workers{now('workers')}), "
-                f"{storage}, or {shrink}.")
+        return (
+            f"JPEGs were decoded on the CPU ({decode}) while the GPUs trained: set train.gpu_decode: true "
+            f"with train.loader: dali (the mixed decoder), add decode threads (train.workers{now('workers')}), "
+            f"{storage}, or {shrink}."
+        )
     if decode.startswith("gpu: DALI"):
-        return (f"The GPU decoder cannot keep up: raise train.dali_hw_decoder_load{now('dali_hw_decoder_load')} "
-                f"toward 0.9 so the hardware JPEG engines take more images, add CPU threads for the decoder's "
-                f"host stage (train.workers{now('workers')}, about cores / GPUs), deepen "
-                f"train.dali_prefetch_queue_depth{now('dali_prefetch_queue_depth')}, {storage}, or {shrink}.")
+        return (
+            f"The GPU decoder cannot keep up: raise train.dali_hw_decoder_load{now('dali_hw_decoder_load')} "
+            f"toward 0.9 so the hardware JPEG engines take more images, add CPU threads for the decoder's "
+            f"host stage (train.workers{now('workers')}, about cores / GPUs), deepen "
+            f"train.dali_prefetch_queue_depth{now('dali_prefetch_queue_depth')}, {storage}, or {shrink}."
+        )
     if decode.startswith("gpu: torchvision"):
-        return (f"The torch loader decodes on the GPU's CUDA cores, competing with training: use "
-                f"train.loader: dali (hardware JPEG engines via the mixed decoder), add reader processes "
-                f"(train.workers{now('workers')}), {storage}, or {shrink}.")
-    return ("Feed the model faster: keep the .rec on an SSD (pack.fast_storage), decode on the GPU "
-            f"(train.loader: dali, train.gpu_decode: true), add decode threads (train.workers{now('workers')}), or "
-            "pre-shrink the images once (pack.resize, e.g. 160 for image_size 128).")
+        return (
+            f"The torch loader decodes on the GPU's CUDA cores, competing with training: use "
+            f"train.loader: dali (hardware JPEG engines via the mixed decoder), add reader processes "
+            f"(train.workers{now('workers')}), {storage}, or {shrink}."
+        )
+    return (
+        "Feed the model faster: keep the .rec on an SSD (pack.fast_storage), decode on the GPU "
+        f"(train.loader: dali, train.gpu_decode: true), add decode threads (train.workers{now('workers')}), or "
+        "pre-shrink the images once (pack.resize, e.g. 160 for image_size 128)."
+    )
 
 
 def input_bound(steps: pd.DataFrame, cfg: Mapping, run: Mapping | None = None) -> Finding | None:
@@ -147,8 +159,7 @@ def input_bound(steps: pd.DataFrame, cfg: Mapping, run: Mapping | None = None) -
         id="input_bound",
         severity="critical" if shares.max() > 2 * limit else "warning",
         title="Training is input-bound: the model waits for data",
-        measured=(f"data wait is {_pct(overall)} of step time over all ranks ({per_rank}); "
-                  f"rank {worst} waits most"),
+        measured=(f"data wait is {_pct(overall)} of step time over all ranks ({per_rank}); rank {worst} waits most"),
         threshold=f"report.data_wait_share = {_pct(limit)} of step time",
         fix=input_fix(run),
     )
@@ -173,15 +184,21 @@ def rank_imbalance(steps: pd.DataFrame, system: pd.DataFrame, cfg: Mapping) -> F
         id="rank_imbalance",
         severity="critical",
         title=f"Rank imbalance: rank {hi_rank} starves for data while rank {lo_rank} does not",
-        measured=(f"rank {hi_rank} waits on data {_pct(hi)} of its step time, rank {lo_rank} "
-                  f"{_pct(lo)} ({ratio_txt}){util_txt}. In DDP every rank waits for the "
-                  f"slowest, so the whole job runs at rank {hi_rank}'s pace"),
-        threshold=(f"report.imbalance_ratio = {ratio_limit:g}x (and the starved rank above "
-                   f"{_pct(MIN_STARVED_SHARE)} data wait)"),
-        fix=(f"Rank {hi_rank}'s reader is slower: this is the signature of a .rec read from a hard disk "
-             "once the page cache is exhausted (the seed user's one GPU at 100 %, the other at 0-10 %). "
-             "Move the .rec to an SSD (pack.fast_storage) or stage it to node-local storage "
-             "(pack.stage_to_local: true); check that nothing else competes for that rank's CPU cores."),
+        measured=(
+            f"rank {hi_rank} waits on data {_pct(hi)} of its step time, rank {lo_rank} "
+            f"{_pct(lo)} ({ratio_txt}){util_txt}. In DDP every rank waits for the "
+            f"slowest, so the whole job runs at rank {hi_rank}'s pace"
+        ),
+        threshold=(
+            f"report.imbalance_ratio = {ratio_limit:g}x (and the starved rank above "
+            f"{_pct(MIN_STARVED_SHARE)} data wait)"
+        ),
+        fix=(
+            f"Rank {hi_rank}'s reader is slower: this is the signature of a .rec read from a hard disk "
+            "once the page cache is exhausted (the seed user's one GPU at 100 %, the other at 0-10 %). "
+            "Move the .rec to an SSD (pack.fast_storage) or stage it to node-local storage "
+            "(pack.stage_to_local: true); check that nothing else competes for that rank's CPU cores."
+        ),
     )
 
 
@@ -197,8 +214,10 @@ def _rotational_sources(run: Mapping, manifests: Mapping[str, Mapping]) -> list[
     return found
 
 
-SEED_LESSON = ("The seed user's run slowed from 70 s to 5 min per 500 steps at 47 % iowait once the page "
-               "cache ran out; moving the .rec to the SSD fixed it.")
+SEED_LESSON = (
+    "The seed user's run slowed from 70 s to 5 min per 500 steps at 47 % iowait once the page "
+    "cache ran out; moving the .rec to the SSD fixed it."
+)
 
 
 def rec_on_rotational(run: Mapping, manifests: Mapping[str, Mapping]) -> Finding | None:
@@ -211,8 +230,10 @@ def rec_on_rotational(run: Mapping, manifests: Mapping[str, Mapping]) -> Finding
         title="The .rec file is on a rotational disk (HDD)",
         measured="; ".join(where) + " - the device reports rotational = 1",
         threshold="any .rec on a device with rotational = 1",
-        fix=("Set pack.fast_storage to a directory on an SSD/NVMe and rerun (only pack and the stages "
-             "after it rerun). " + SEED_LESSON),
+        fix=(
+            "Set pack.fast_storage to a directory on an SSD/NVMe and rerun (only pack and the stages "
+            "after it rerun). " + SEED_LESSON
+        ),
     )
 
 
@@ -233,9 +254,11 @@ def high_iowait(system: pd.DataFrame, cfg: Mapping) -> Finding | None:
         title="The CPUs wait on disk I/O",
         measured=f"iowait mean {mean:.1f} %, p90 {p90:.1f} % over {len(io)} samples{read_txt}",
         threshold=f"report.iowait_percent = {limit:g} % (mean or p90)",
-        fix=("Reads of the .rec are too slow for the loader: move the .rec to an SSD (pack.fast_storage), "
-             "stage it to local storage (pack.stage_to_local: true), or shrink it (pack.resize) so it fits "
-             "in the page cache. " + SEED_LESSON),
+        fix=(
+            "Reads of the .rec are too slow for the loader: move the .rec to an SSD (pack.fast_storage), "
+            "stage it to local storage (pack.stage_to_local: true), or shrink it (pack.resize) so it fits "
+            "in the page cache. " + SEED_LESSON
+        ),
     )
 
 
@@ -260,27 +283,31 @@ def gpu_memory(system: pd.DataFrame, run: Mapping, cfg: Mapping) -> list[Finding
     high, low = float(cfg["gpu_mem_high"]), float(cfg["gpu_mem_low"])
     batch, accum, gb = _batch_txt(run or {})
     shares = {i: used / total for i, (used, total) in peaks.items() if total > 0}
-    detail = ", ".join(f"GPU {i}: {peaks[i][0] / 1024:.1f} of {peaks[i][1] / 1024:.1f} GB ({_pct(s)})"
-                       for i, s in shares.items())
+    detail = ", ".join(
+        f"GPU {i}: {peaks[i][0] / 1024:.1f} of {peaks[i][1] / 1024:.1f} GB ({_pct(s)})" for i, s in shares.items()
+    )
     out = []
     hot = {i: s for i, s in shares.items() if s > high}
     if hot:
         if batch and batch > 1:
             keep = f" keeps the global batch of {gb}" if gb else " keeps the global batch"
-            suggestion = (f"train.batch_size: {max(1, batch // 2)} with train.grad_accum: {accum * 2}"
-                          f"{keep}")
+            suggestion = f"train.batch_size: {max(1, batch // 2)} with train.grad_accum: {accum * 2}{keep}"
         else:
             suggestion = "a lower train.batch_size with a higher train.grad_accum"
-        out.append(Finding(
-            id="gpu_memory_high",
-            severity="warning",
-            title="GPU memory is near its limit: risk of out-of-memory",
-            measured=f"peak memory use {detail}",
-            threshold=f"report.gpu_mem_high = {_pct(high)} of GPU memory",
-            fix=(f"Use {suggestion}, or train.batch_size: auto. An out-of-memory on the GPU can surface "
-                 "as 'CUDA error: an illegal memory access' instead of an OOM message (the seed user's "
-                 "batch 128 on 11 GB cards)."),
-        ))
+        out.append(
+            Finding(
+                id="gpu_memory_high",
+                severity="warning",
+                title="GPU memory is near its limit: risk of out-of-memory",
+                measured=f"peak memory use {detail}",
+                threshold=f"report.gpu_mem_high = {_pct(high)} of GPU memory",
+                fix=(
+                    f"Use {suggestion}, or train.batch_size: auto. An out-of-memory on the GPU can surface "
+                    "as 'CUDA error: an illegal memory access' instead of an OOM message (the seed user's "
+                    "batch 128 on 11 GB cards)."
+                ),
+            )
+        )
     if shares and max(shares.values()) < low:
         if batch:
             factor = max(2, int(high / max(max(shares.values()), 1e-6)))
@@ -288,15 +315,19 @@ def gpu_memory(system: pd.DataFrame, run: Mapping, cfg: Mapping) -> list[Finding
             suggestion = f"train.batch_size: {batch * factor} (now {batch})"
         else:
             suggestion = "a larger train.batch_size"
-        out.append(Finding(
-            id="gpu_memory_headroom",
-            severity="info",
-            title="GPU memory is mostly unused",
-            measured=f"peak memory use {detail}",
-            threshold=f"report.gpu_mem_low = {_pct(low)} of GPU memory",
-            fix=(f"Try {suggestion} or train.batch_size: auto for more images per step; train.lr is "
-                 "scaled linearly with the global batch."),
-        ))
+        out.append(
+            Finding(
+                id="gpu_memory_headroom",
+                severity="info",
+                title="GPU memory is mostly unused",
+                measured=f"peak memory use {detail}",
+                threshold=f"report.gpu_mem_low = {_pct(low)} of GPU memory",
+                fix=(
+                    f"Try {suggestion} or train.batch_size: auto for more images per step; train.lr is "
+                    "scaled linearly with the global batch."
+                ),
+            )
+        )
     return out
 
 
@@ -321,16 +352,19 @@ def low_gpu_util(steps: pd.DataFrame, system: pd.DataFrame, run: Mapping, cfg: M
     if tips:
         fix = "The GPU is not kept busy by the model itself. Turn on " + "; ".join(tips) + "."
     else:
-        fix = ("compile, channels_last and mixed precision are already on: raise train.batch_size "
-               "so each kernel does more work, or check for host-side work in the step (logging, syncs).")
+        fix = (
+            "compile, channels_last and mixed precision are already on: raise train.batch_size "
+            "so each kernel does more work, or check for host-side work in the step (logging, syncs)."
+        )
     per_gpu = ", ".join(f"GPU {i}: {u:.0f} %" for i, u in util.items())
     return Finding(
         id="low_gpu_util",
         severity="warning",
         title="GPUs are underused although data arrives in time",
         measured=f"mean GPU util {mean_util:.0f} % ({per_gpu}) with data wait {_pct(wait)} of step time",
-        threshold=(f"report.gpu_util_low = {util_limit:g} % with data wait at most "
-                   f"report.data_wait_share = {_pct(wait_limit)}"),
+        threshold=(
+            f"report.gpu_util_low = {util_limit:g} % with data wait at most report.data_wait_share = {_pct(wait_limit)}"
+        ),
         fix=fix,
     )
 
@@ -342,31 +376,37 @@ def _examples(entries: Iterable[Mapping], limit: int = 3) -> str:
 
 def pack_quality(manifests: Mapping[str, Mapping]) -> list[Finding]:
     skipped, repaired, total = [], [], 0
-    for split, man in sorted(manifests.items()):
+    for _, man in sorted(manifests.items()):
         man = man or {}
         skipped += man.get("skipped_files") or []
         repaired += man.get("repaired") or []
         total += int(man.get("discovered") or 0)
     out = []
     if skipped:
-        out.append(Finding(
-            id="images_skipped",
-            severity="warning",
-            title=f"{len(skipped)} image(s) could not be packed and are not in the .rec",
-            measured=(f"{len(skipped)} of {total} discovered images skipped, e.g. {_examples(skipped)}"),
-            threshold="any skipped image",
-            fix=("See the Data section for every skipped file and its reason; replace or remove them in "
-                 "the raw dataset (the `raw` config key) and rerun, or accept the loss if they are junk."),
-        ))
+        out.append(
+            Finding(
+                id="images_skipped",
+                severity="warning",
+                title=f"{len(skipped)} image(s) could not be packed and are not in the .rec",
+                measured=(f"{len(skipped)} of {total} discovered images skipped, e.g. {_examples(skipped)}"),
+                threshold="any skipped image",
+                fix=(
+                    "See the Data section for every skipped file and its reason; replace or remove them in "
+                    "the raw dataset (the `raw` config key) and rerun, or accept the loss if they are junk."
+                ),
+            )
+        )
     if repaired:
-        out.append(Finding(
-            id="images_repaired",
-            severity="info",
-            title=f"{len(repaired)} image(s) were repaired while packing",
-            measured=f"{len(repaired)} of {total} discovered images re-encoded, e.g. {_examples(repaired)}",
-            threshold="any repaired image",
-            fix="Nothing to do: they were re-encoded as RGB JPEG so every loader can decode them.",
-        ))
+        out.append(
+            Finding(
+                id="images_repaired",
+                severity="info",
+                title=f"{len(repaired)} image(s) were repaired while packing",
+                measured=f"{len(repaired)} of {total} discovered images re-encoded, e.g. {_examples(repaired)}",
+                threshold="any repaired image",
+                fix="Nothing to do: they were re-encoded as RGB JPEG so every loader can decode them.",
+            )
+        )
     return out
 
 
@@ -382,8 +422,7 @@ def _healthy(steps: pd.DataFrame, system: pd.DataFrame) -> Finding:
         parts.append(f"iowait mean {system['iowait_percent'].mean():.1f} %")
     peaks = gpu_memory_peak(system)
     if peaks:
-        parts.append("peak GPU memory " + ", ".join(
-            f"GPU {i}: {_pct(u / t)}" for i, (u, t) in peaks.items() if t > 0))
+        parts.append("peak GPU memory " + ", ".join(f"GPU {i}: {_pct(u / t)}" for i, (u, t) in peaks.items() if t > 0))
     util = gpu_util_mean(system)
     if util:
         parts.append("mean GPU util " + ", ".join(f"GPU {i}: {u:.0f} %" for i, u in util.items()))
@@ -397,15 +436,24 @@ def _healthy(steps: pd.DataFrame, system: pd.DataFrame) -> Finding:
     )
 
 
-def diagnose(steps: pd.DataFrame, system: pd.DataFrame, run: Mapping | None,
-             manifests: Mapping[str, Mapping] | None, cfg: Mapping) -> list[Finding]:
+def diagnose(
+    steps: pd.DataFrame,
+    system: pd.DataFrame,
+    run: Mapping | None,
+    manifests: Mapping[str, Mapping] | None,
+    cfg: Mapping,
+) -> list[Finding]:
     """All findings, most urgent first. Exactly one 'no_problems' finding when no rule flags a problem
     (informational findings such as repaired images may accompany it)."""
     run, manifests = run or {}, manifests or {}
     found: list[Finding] = []
-    for f in (input_bound(steps, cfg, run), rank_imbalance(steps, system, cfg),
-              rec_on_rotational(run, manifests), high_iowait(system, cfg),
-              low_gpu_util(steps, system, run, cfg)):
+    for f in (
+        input_bound(steps, cfg, run),
+        rank_imbalance(steps, system, cfg),
+        rec_on_rotational(run, manifests),
+        high_iowait(system, cfg),
+        low_gpu_util(steps, system, run, cfg),
+    ):
         if f is not None:
             found.append(f)
     found += gpu_memory(system, run, cfg)

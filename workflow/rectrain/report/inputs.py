@@ -3,6 +3,7 @@
 Missing optional pieces (a CPU-only run has no GPU columns, a run too short for the sampler has an
 empty system.csv) become empty tables, never errors; missing required files name the stage to rerun.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ def benchmark_files(paths: list[Path | str], dataset: str) -> list[Path]:
 
 def stage_name(path: Path, dataset: str) -> str:
     """benchmarks/pack/demo_train.tsv -> 'pack train'; benchmarks/train/demo.tsv -> 'train'."""
-    part = path.stem[len(dataset):].lstrip("_") if path.stem.startswith(dataset) else path.stem
+    part = path.stem[len(dataset) :].lstrip("_") if path.stem.startswith(dataset) else path.stem
     return f"{path.parent.name} {part}".strip()
 
 
@@ -87,10 +88,21 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
     if not manifests:
         raise FileNotFoundError(f"no pack manifests in {pack_dir}: rerun the pack stage")
     # keep_default_na=False: a class called "NA" or "null" is a name, not a missing value
-    classes = _csv(index_dir / "classes.tsv", ["label", "wnid", "name"], "index_raw", sep="\t",
-                   keep_default_na=False, dtype={"wnid": str, "name": str})
-    per_class = _csv(eval_dir / "per_class.csv", [], "evaluate", keep_default_na=False,
-                     dtype={"wnid": str, "name": str, "most_confused_wnid": str})
+    classes = _csv(
+        index_dir / "classes.tsv",
+        ["label", "wnid", "name"],
+        "index_raw",
+        sep="\t",
+        keep_default_na=False,
+        dtype={"wnid": str, "name": str},
+    )
+    per_class = _csv(
+        eval_dir / "per_class.csv",
+        [],
+        "evaluate",
+        keep_default_na=False,
+        dtype={"wnid": str, "name": str, "most_confused_wnid": str},
+    )
     return RunData(
         steps=_csv(train_dir / "steps.csv", STEP_COLUMNS, "train"),
         system=_csv(train_dir / "system.csv", SYSTEM_COLUMNS, "train"),

@@ -3,6 +3,7 @@
 Every function returns None when its data is absent (CPU-only runs have no GPU plot), so the template
 can say "not measured" instead of showing an empty axis.
 """
+
 from __future__ import annotations
 
 import base64
@@ -12,11 +13,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display on build machines; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from rectrain.diagnosis import gpu_indices, steady_steps  # noqa: E402
+from rectrain.report.diagnosis import gpu_indices, steady_steps  # noqa: E402
 
 sns.set_theme(style="whitegrid", context="notebook")
 # Class names and paths come from user data: never let matplotlib treat "$...$" as TeX.
@@ -54,15 +55,15 @@ def _rank_order(labels) -> list[str]:
 def _rank_palette(labels) -> dict[str, tuple]:
     """The same colour for a rank in every plot; 'total' gets the first."""
     colours = sns.color_palette("tab10", 10)
-    return {name: colours[0] if name == "total" else colours[(int(name.split()[-1]) + 1) % 10]
-            for name in set(labels)}
+    return {name: colours[0] if name == "total" else colours[(int(name.split()[-1]) + 1) % 10] for name in set(labels)}
 
 
 def throughput_over_time(steps: pd.DataFrame, t0: float) -> pd.DataFrame:
     """img/s per step of each rank, and their sum per (epoch, step) as 'total' (DDP ranks step in
     lockstep), smoothed over ~1/60 of the run so long runs stay readable."""
     s = steps.sort_values(["rank", "epoch", "step"]).assign(
-        img_s=steps["images"] / steps["wall_s"].where(steps["wall_s"] > 0), t=steps["time"] - t0)
+        img_s=steps["images"] / steps["wall_s"].where(steps["wall_s"] > 0), t=steps["time"] - t0
+    )
     window = max(1, s.groupby("rank").size().max() // 60)
     per_rank = s.assign(series="rank " + s["rank"].astype(str))
     total = s.groupby(["epoch", "step"]).agg(img_s=("img_s", "sum"), t=("t", "max")).reset_index()
@@ -77,8 +78,17 @@ def throughput_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
         return None
     data = throughput_over_time(steps, t0)
     fig, ax = plt.subplots(figsize=WIDE)
-    sns.lineplot(data=data, x="t", y="img_s", hue="series", hue_order=_rank_order(data["series"]),
-                 palette=_rank_palette(data["series"]), marker="o", markersize=3, ax=ax)
+    sns.lineplot(
+        data=data,
+        x="t",
+        y="img_s",
+        hue="series",
+        hue_order=_rank_order(data["series"]),
+        palette=_rank_palette(data["series"]),
+        marker="o",
+        markersize=3,
+        ax=ax,
+    )
     ax.set(xlabel="time since start (s)", ylabel="images / s", ylim=(0, None), title="Training throughput")
     return to_data_uri(fig)
 
@@ -94,19 +104,29 @@ def step_split_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
     means.index = [f"rank {r}" for r in means.index]
     means.plot.bar(stacked=True, ax=left, color=sns.color_palette()[3:1:-1], rot=0)
     left.set(ylabel="ms per step", title="Step time split")
-    left.legend(["data wait", "compute"], fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12),
-                ncol=2)
+    left.legend(["data wait", "compute"], fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     t = s["time"] - t0
     width = _bin_width(float(t.max()))
-    binned = s.assign(bin=(t // width) * width + width / 2).groupby(["bin", "rank"])[
-        ["data_wait_s", "wall_s"]].sum().reset_index()
+    binned = (
+        s.assign(bin=(t // width) * width + width / 2)
+        .groupby(["bin", "rank"])[["data_wait_s", "wall_s"]]
+        .sum()
+        .reset_index()
+    )
     binned["share"] = 100 * binned["data_wait_s"] / binned["wall_s"].where(binned["wall_s"] > 0)
     binned["rank"] = "rank " + binned["rank"].astype(str)
-    sns.lineplot(data=binned, x="bin", y="share", hue="rank", hue_order=_rank_order(binned["rank"]),
-                 palette=_rank_palette(binned["rank"]), marker="o",
-                 markersize=3, ax=right)
-    right.set(xlabel="time since start (s)", ylabel="data wait (% of step)", ylim=(0, 100),
-              title="Data wait over time")
+    sns.lineplot(
+        data=binned,
+        x="bin",
+        y="share",
+        hue="rank",
+        hue_order=_rank_order(binned["rank"]),
+        palette=_rank_palette(binned["rank"]),
+        marker="o",
+        markersize=3,
+        ax=right,
+    )
+    right.set(xlabel="time since start (s)", ylabel="data wait (% of step)", ylim=(0, 100), title="Data wait over time")
     fig.tight_layout()
     return to_data_uri(fig)
 
@@ -181,8 +201,13 @@ def worst_classes_plot(worst: pd.DataFrame) -> str | None:
     if worst.empty:
         return None
     fig, ax = plt.subplots(figsize=(10, 0.3 * len(worst) + 1))
-    sns.barplot(x=100 * worst["accuracy"].astype(float), y=worst["wnid"].astype(str), ax=ax,
-                color=sns.color_palette()[3], orient="h")
+    sns.barplot(
+        x=100 * worst["accuracy"].astype(float),
+        y=worst["wnid"].astype(str),
+        ax=ax,
+        color=sns.color_palette()[3],
+        orient="h",
+    )
     ax.set(xlabel="val accuracy (%)", ylabel="", xlim=(0, 100), title="Worst classes")
     return to_data_uri(fig)
 

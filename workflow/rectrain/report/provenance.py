@@ -1,4 +1,5 @@
 """Where and with what the report's numbers were made: packages, git commit, host, time."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -8,8 +9,20 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-PACKAGES = ("torch", "torchvision", "nvidia-dali-cuda110", "snakemake", "numpy", "pandas", "seaborn",
-            "matplotlib", "jinja2", "pillow", "psutil", "nvidia-ml-py")
+PACKAGES = (
+    "torch",
+    "torchvision",
+    "nvidia-dali-cuda110",
+    "snakemake",
+    "numpy",
+    "pandas",
+    "seaborn",
+    "matplotlib",
+    "jinja2",
+    "pillow",
+    "psutil",
+    "nvidia-ml-py",
+)
 
 
 def package_versions(names=PACKAGES) -> dict[str, str]:
@@ -24,8 +37,10 @@ def package_versions(names=PACKAGES) -> dict[str, str]:
 
 def git_commit(repo: Path | str = ".") -> str:
     """HEAD commit, '+ uncommitted changes' when the tree is dirty; a plain reason when there is no git."""
+
     def git(*args):
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=20)
+
     try:
         head = git("rev-parse", "HEAD")
     except (OSError, subprocess.SubprocessError):

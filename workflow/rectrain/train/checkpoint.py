@@ -4,14 +4,16 @@ Everything is stored as tensors, numbers, strings, lists and dicts so `torch.loa
 accepts it (no code runs when a checkpoint is loaded).  Writes go to a temporary file in the same
 directory and are moved into place with os.replace, so a kill never leaves a half-written last.pt.
 """
+
 from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from rectrain import atomic
 
 
 def rng_state() -> dict:
@@ -21,8 +23,13 @@ def rng_state() -> dict:
     return {
         "torch": torch.get_rng_state(),
         "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "python": {"version": version, "state": list(internal), "gauss": py_gauss},
     }
 
@@ -30,7 +37,7 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     p = state["python"]
@@ -38,13 +45,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_atomic(obj: dict, path: str | os.PathLike) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """torch.save through rectrain.atomic: a kill mid-write leaves the previous checkpoint intact."""
+    atomic.write_with(path, lambda tmp: torch.save(obj, tmp))
 
 
 def load(path: str | os.PathLike) -> dict:

@@ -2,7 +2,7 @@
 
 `train.nodes: 1` runs torchrun with --standalone, as on a workstation.  With `train.nodes: N > 1`
 the train rule runs inside an N-node SLURM allocation (the slurm profile gives the job N nodes),
-and `rectrain.launch` starts in the batch script on the first node.  It then re-runs itself once
+and `rectrain.train.launch` starts in the batch script on the first node.  It then re-runs itself once
 per node through `srun --ntasks-per-node=1`; in that per-node task SLURM's variables say which
 nodes belong to the step, the first of them hosts torchrun's c10d rendezvous, and the port follows
 from the job id so every node computes the same endpoint without talking to the others.
@@ -15,6 +15,7 @@ The bottom half sizes the SLURM jobs: the train rule's node count (`train_rule_r
 per-node GPU/CPU request that profiles/slurm evaluates from RECTRAIN_GPUS_PER_NODE and
 RECTRAIN_CPUS_PER_GPU, so a cluster's shape is set in the environment, not in files.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 RDZV_PORT_BASE = 29500
 RDZV_PORT_SPAN = 1000
 # Environment a user (or a test) can set to override what SLURM would decide.
-ENDPOINT_ENV = "RECTRAIN_RDZV_ENDPOINT"    # host:port, for multi-node runs launched by hand
-PORT_ENV = "RECTRAIN_RDZV_PORT"            # a port known to be open between the nodes
+ENDPOINT_ENV = "RECTRAIN_RDZV_ENDPOINT"  # host:port, for multi-node runs launched by hand
+PORT_ENV = "RECTRAIN_RDZV_PORT"  # a port known to be open between the nodes
 # Set by the srun re-launch so the per-node task knows not to re-launch again.
 STEP_ENV = "RECTRAIN_SLURM_STEP"
 # Node lists, most specific first: the step's nodes are the ones the rendezvous must be on.
@@ -38,12 +39,13 @@ class ClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class NodeLaunch:
-    """What `rectrain.launch` does on this node.
+    """What `rectrain.train.launch` does on this node.
 
     relaunch: argv prefix (srun ...) to re-run the launcher once per node, or None to start torchrun here.
     rdzv_endpoint: host:port of the c10d rendezvous (None for --standalone).
     run_id: the rendezvous id every node shares.
     """
+
     relaunch: list[str] | None
     rdzv_endpoint: str | None
     run_id: str
@@ -54,8 +56,10 @@ def hostnames(nodelist: str, run=subprocess.run) -> list[str]:
     proc = run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
     hosts = proc.stdout.split() if proc.returncode == 0 else []
     if not hosts:
-        raise ClusterError(f"`scontrol show hostnames {nodelist}` failed ({proc.stderr.strip() or 'no output'}); "
-                           "run this inside a SLURM allocation on a node with the SLURM client installed")
+        raise ClusterError(
+            f"`scontrol show hostnames {nodelist}` failed ({proc.stderr.strip() or 'no output'}); "
+            "run this inside a SLURM allocation on a node with the SLURM client installed"
+        )
     return hosts
 
 
@@ -71,17 +75,26 @@ def slurm_endpoint(env: dict, run=subprocess.run) -> str:
     """host:port of the rendezvous for the SLURM step this process runs in."""
     nodelist = next((env[v] for v in NODELIST_VARS if env.get(v)), None)
     if not nodelist or not env.get("SLURM_JOB_ID"):
-        raise ClusterError("no SLURM node list in the environment (SLURM_JOB_NODELIST); "
-                           "the per-node task must run under srun inside the allocation")
+        raise ClusterError(
+            "no SLURM node list in the environment (SLURM_JOB_NODELIST); "
+            "the per-node task must run under srun inside the allocation"
+        )
     return f"{hostnames(nodelist, run)[0]}:{rendezvous_port(env['SLURM_JOB_ID'], env)}"
 
 
 def srun_per_node(nodes: int) -> list[str]:
     """srun prefix that runs one launcher per node with all of each node's CPUs and GPUs."""
-    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-            # --whole: the step gets every CPU/GPU the job holds on the node, not srun's 1-CPU default;
-            # --kill-on-bad-exit: a node whose torchrun fails ends the others instead of leaving them blocked.
-            "--whole", "--kill-on-bad-exit=1", f"--export=ALL,{STEP_ENV}=1"]
+    return [
+        "srun",
+        f"--nodes={nodes}",
+        f"--ntasks={nodes}",
+        "--ntasks-per-node=1",
+        # --whole: the step gets every CPU/GPU the job holds on the node, not srun's 1-CPU default;
+        # --kill-on-bad-exit: a node whose torchrun fails ends the others instead of leaving them blocked.
+        "--whole",
+        "--kill-on-bad-exit=1",
+        f"--export=ALL,{STEP_ENV}=1",
+    ]
 
 
 def plan_node_launch(nodes: int, env: dict, run=subprocess.run) -> NodeLaunch:
@@ -96,8 +109,9 @@ def plan_node_launch(nodes: int, env: dict, run=subprocess.run) -> NodeLaunch:
         raise ClusterError(
             f"train.nodes is {nodes} but this is not a SLURM job: run the pipeline with "
             "`snakemake --executor slurm --workflow-profile profiles/slurm` (it requests the nodes), or "
-            f"start rectrain.launch on every node yourself with {ENDPOINT_ENV}=<first node>:<port>, "
-            "or set train.nodes: 1")
+            f"start rectrain.train.launch on every node yourself with {ENDPOINT_ENV}=<first node>:<port>, "
+            "or set train.nodes: 1"
+        )
     if env.get(STEP_ENV) != "1":
         return NodeLaunch(srun_per_node(nodes), None, run_id)
     return NodeLaunch(None, slurm_endpoint(env, run), run_id)
@@ -121,7 +135,7 @@ def train_rule_resources(nodes: int) -> dict:
 
 GPUS_ENV = "RECTRAIN_GPUS_PER_NODE"
 CPUS_PER_GPU_ENV = "RECTRAIN_CPUS_PER_GPU"
-DEFAULT_CPUS_PER_GPU = 8      # DALI decode threads plus the rank itself
+DEFAULT_CPUS_PER_GPU = 8  # DALI decode threads plus the rank itself
 
 
 def _count(env, name: str, default: int) -> int:

@@ -11,8 +11,9 @@ then renamed into place, so a crash never leaves a half-copied pair that looks f
 next to the copy records the source's size, mtime and hash; a later call skips only when the source
 is unchanged and the local files still hash to the stamped value (catches a corrupted local copy).
 
-    python -m rectrain.stage --rec F/train.rec --idx F/train.idx --local-dir /local/rectrain/demo
+    python -m rectrain.train.local_copy --rec F/train.rec --idx F/train.idx --local-dir /local/rectrain/demo
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,13 +100,17 @@ def _stage_file(src: Path, local: Path) -> None:
         source = _source_id(src)
         src_hash = _copy_hashing(src, tmp)
         if _source_id(src) != source:
-            raise StageError(f"{src} changed while it was being copied to {local}; "
-                             "wait for the pack step writing it to finish, then start training again")
+            raise StageError(
+                f"{src} changed while it was being copied to {local}; "
+                "wait for the pack step writing it to finish, then start training again"
+            )
         local_hash = sha256_file(tmp)
         if local_hash != src_hash:
-            raise StageError(f"copy of {src} to {tmp} does not match the source (sha256 {local_hash} != "
-                             f"{src_hash}): the local disk returned different bytes; check it, or set "
-                             "pack.local_storage to another node-local directory")
+            raise StageError(
+                f"copy of {src} to {tmp} does not match the source (sha256 {local_hash} != "
+                f"{src_hash}): the local disk returned different bytes; check it, or set "
+                "pack.local_storage to another node-local directory"
+            )
         _stamp_path(local).unlink(missing_ok=True)
         os.replace(tmp, local)
         stamp = {**source, "sha256": src_hash, "staged": time.time()}
@@ -120,9 +125,11 @@ def _check_room(sources: list[Path], local_dir: Path) -> None:
     need = sum(s.stat().st_size for s in sources)
     free = shutil.disk_usage(local_dir).free
     if need > free:
-        raise StageError(f"node-local staging directory {local_dir} has {free} bytes free but the pair needs "
-                         f"{need}; free space there, point pack.local_storage at a larger local disk, or set "
-                         "pack.stage_to_local: false to read the pair from shared storage")
+        raise StageError(
+            f"node-local staging directory {local_dir} has {free} bytes free but the pair needs "
+            f"{need}; free space there, point pack.local_storage at a larger local disk, or set "
+            "pack.stage_to_local: false to read the pair from shared storage"
+        )
 
 
 @contextmanager
@@ -145,14 +152,16 @@ def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
     sources = [Path(rec), Path(idx)]
     for src in sources:
         if not src.is_file():
-            raise StageError(f"cannot stage {src}: no such file (run the pack step first, or fix "
-                             "pack.fast_storage so it points where the pair was written)")
+            raise StageError(
+                f"cannot stage {src}: no such file (run the pack step first, or fix "
+                "pack.fast_storage so it points where the pair was written)"
+            )
     local_dir = Path(local_dir)
     local_dir.mkdir(parents=True, exist_ok=True)
     targets = [local_dir / s.name for s in sources]
     copied = False
     with _node_lock(local_dir):
-        stale = [(s, t) for s, t in zip(sources, targets) if not _is_current(s, t)]
+        stale = [(s, t) for s, t in zip(sources, targets, strict=True) if not _is_current(s, t)]
         if stale:
             _check_room([s for s, _ in stale], local_dir)
         for src, target in stale:
@@ -161,8 +170,11 @@ def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
             _stage_file(src, target)
             took = max(time.time() - started, 1e-9)
             mb = target.stat().st_size / 1e6
-            print(f"[stage] {target}: {mb:.1f} MB verified in {took:.1f} s ({mb / took:.0f} MB/s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[stage] {target}: {mb:.1f} MB verified in {took:.1f} s ({mb / took:.0f} MB/s)",
+                file=sys.stderr,
+                flush=True,
+            )
             copied = True
     return targets[0], targets[1], copied
 

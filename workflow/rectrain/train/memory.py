@@ -7,6 +7,7 @@ the GPU, its memory, the failing batch, what fits, and the two fixes.  `batch_si
 same search (with headroom) and sets gradient accumulation to keep the global batch.
 The search takes any `try_step(batch)` callable, so it is unit-tested on CPU with a fake allocator.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,7 @@ HEADROOM = 0.90
 # A CUDA error while reserved memory was above this share of the card is treated as a probable OOM.
 NEAR_LIMIT = 0.85
 DEFAULT_AUTO_GLOBAL_BATCH = 256
-_OOM_TEXT = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
-             "cuda_error_out_of_memory")
+_OOM_TEXT = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cuda_error_out_of_memory")
 
 
 def usable_bytes(device: torch.device) -> int:
@@ -36,8 +36,8 @@ def usable_bytes(device: torch.device) -> int:
 class GpuInfo:
     index: int
     name: str
-    total_mb: float                  # what this process may use
-    card_mb: float | None = None     # the whole card, when a per-process cap makes it differ
+    total_mb: float  # what this process may use
+    card_mb: float | None = None  # the whole card, when a per-process cap makes it differ
 
     @classmethod
     def of(cls, device: torch.device) -> "GpuInfo":
@@ -70,7 +70,7 @@ def largest_fitting_batch(try_step: Callable[[int], object], failed: int) -> int
 
 def _search(try_step: Callable[[int], object], failed: int) -> tuple[int, object]:
     """(largest fitting batch, what try_step returned for it)."""
-    lo, hi, lo_result = 0, failed, None   # invariant: lo fits (0 trivially), hi does not
+    lo, hi, lo_result = 0, failed, None  # invariant: lo fits (0 trivially), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
         try:
@@ -86,19 +86,25 @@ def _search(try_step: Callable[[int], object], failed: int) -> tuple[int, object
 def fix_hint(batch: int, fits: int, world_size: int) -> str:
     global_batch = batch * world_size
     if fits <= 0:
-        return ("not even batch 1 fits: use a smaller train.model or train.image_size, "
-                "or train.precision: bf16/fp16 to halve activation memory")
+        return (
+            "not even batch 1 fits: use a smaller train.model or train.image_size, "
+            "or train.precision: bf16/fp16 to halve activation memory"
+        )
     accum = math.ceil(batch / fits)
     per_device = math.ceil(batch / accum)
-    return (f"fix: set train.batch_size: {fits} (or lower), or keep the global batch of {global_batch} with "
-            f"train.batch_size: {per_device} and train.grad_accum: {accum} (or train.batch_size: auto)")
+    return (
+        f"fix: set train.batch_size: {fits} (or lower), or keep the global batch of {global_batch} with "
+        f"train.batch_size: {per_device} and train.grad_accum: {accum} (or train.batch_size: auto)"
+    )
 
 
 def oom_message(gpu: GpuInfo, batch: int, fits: int, world_size: int, need_mb: float | None = None) -> str:
     need = f" (needs ~{need_mb / 1024:.1f} GB)" if need_mb else ""
     largest = f"the largest batch that fits is {fits}" if fits else "no batch fits"
-    return (f"out of GPU memory: batch {batch} per device{need} does not fit on {gpu.label()}; "
-            f"{largest}. {fix_hint(batch, fits, world_size)}")
+    return (
+        f"out of GPU memory: batch {batch} per device{need} does not fit on {gpu.label()}; "
+        f"{largest}. {fix_hint(batch, fits, world_size)}"
+    )
 
 
 def check_batch(try_step: Callable[[int], object], batch: int, gpu: GpuInfo, world_size: int) -> dict:
@@ -128,8 +134,9 @@ def auto_batch(try_step: Callable[[int], object], global_batch: int, world_size:
             raise
     fits = largest_fitting_batch(try_step, want)
     if fits == 0:
-        raise BatchDoesNotFit(f"batch_size: auto found no batch that fits with {HEADROOM:.0%} headroom; "
-                              + fix_hint(want, 0, world_size))
+        raise BatchDoesNotFit(
+            f"batch_size: auto found no batch that fits with {HEADROOM:.0%} headroom; " + fix_hint(want, 0, world_size)
+        )
     accum = math.ceil(want / fits)
     return math.ceil(want / accum), accum
 
@@ -138,9 +145,16 @@ class HeadroomExceeded(torch.cuda.OutOfMemoryError):
     """Raised by cuda_try_step when a step fit but left less than the wanted headroom."""
 
 
-def cuda_try_step(model: torch.nn.Module, loss_fn, image_size: int, num_classes: int, device: torch.device,
-                  amp_dtype: torch.dtype | None, channels_last: bool,
-                  headroom: float | None = None) -> Callable[[int], float]:
+def cuda_try_step(
+    model: torch.nn.Module,
+    loss_fn,
+    image_size: int,
+    num_classes: int,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    channels_last: bool,
+    headroom: float | None = None,
+) -> Callable[[int], float]:
     """A try_step(batch) -> peak MB that runs one forward/backward on random data on `device`."""
     total = usable_bytes(device)
 
@@ -162,8 +176,9 @@ def cuda_try_step(model: torch.nn.Module, loss_fn, image_size: int, num_classes:
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
         if headroom is not None and peak > headroom * total:
-            raise HeadroomExceeded(f"batch {batch} peaks at {peak / 2**20:.0f} MB, over {headroom:.0%} "
-                                   f"of {total / 2**20:.0f} MB")
+            raise HeadroomExceeded(
+                f"batch {batch} peaks at {peak / 2**20:.0f} MB, over {headroom:.0%} of {total / 2**20:.0f} MB"
+            )
         return peak / 2**20
 
     return try_step
@@ -183,6 +198,8 @@ def explain_cuda_error(exc: BaseException, device: torch.device, batch: int, wor
         return None
     if not is_oom(exc) and peak_mb < NEAR_LIMIT * gpu.total_mb:
         return None
-    return (f"this CUDA error happened with {peak_mb / 1024:.1f} of {gpu.total_mb / 1024:.1f} GB reserved on "
-            f"{gpu.label()} at batch {batch} per device: most likely out of memory. "
-            + fix_hint(batch, max(1, int(batch * NEAR_LIMIT * gpu.total_mb / max(peak_mb, 1))), world_size))
+    return (
+        f"this CUDA error happened with {peak_mb / 1024:.1f} of {gpu.total_mb / 1024:.1f} GB reserved on "
+        f"{gpu.label()} at batch {batch} per device: most likely out of memory. "
+        + fix_hint(batch, max(1, int(batch * NEAR_LIMIT * gpu.total_mb / max(peak_mb, 1))), world_size)
+    )

@@ -14,6 +14,7 @@ completed, while the GPU is busy with the next step:
 so wall = data wait + compute exactly.  On CPU the same marks are perf_counter readings (CPU work is
 synchronous, nothing to defer).  The host stays at most one step ahead of the GPU.
 """
+
 from __future__ import annotations
 
 import time

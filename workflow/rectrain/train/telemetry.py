@@ -9,6 +9,7 @@ rule's outputs because Snakemake deletes outputs before a rerun, and a resumed r
 of the epochs it does not redo; rows from the interrupted epoch onwards are dropped on resume so
 every (rank, epoch, step) is unique.
 """
+
 from __future__ import annotations
 
 import csv
@@ -80,6 +81,7 @@ class _Nvml:
         self.handles = []
         try:
             import pynvml
+
             pynvml.nvmlInit()
         except Exception:  # noqa: BLE001 - no driver / no GPU: GPU columns are simply absent
             return
@@ -119,17 +121,28 @@ def gpu_inventory() -> list[dict]:
     out = []
     for i, h in enumerate(nv.handles):
         name = nv.nv.nvmlDeviceGetName(h)
-        out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                    "memory_total_mb": round(nv.nv.nvmlDeviceGetMemoryInfo(h).total / 2**20, 1),
-                    "driver": driver.decode() if isinstance(driver, bytes) else driver})
+        out.append(
+            {
+                "index": i,
+                "name": name.decode() if isinstance(name, bytes) else name,
+                "memory_total_mb": round(nv.nv.nvmlDeviceGetMemoryInfo(h).total / 2**20, 1),
+                "driver": driver.decode() if isinstance(driver, bytes) else driver,
+            }
+        )
     return out
 
 
 class SystemSampler(threading.Thread):
     """Background thread: one system.csv row every `interval` seconds until stop()."""
 
-    def __init__(self, path: str | os.PathLike, interval: float, rec_device: str | None,
-                 processes: list[psutil.Process], append: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        interval: float,
+        rec_device: str | None,
+        processes: list[psutil.Process],
+        append: bool = False,
+    ):
         super().__init__(name="rectrain-system-sampler", daemon=True)
         self.interval, self.rec_device, self.processes = interval, rec_device, processes
         self.nvml = _Nvml()
@@ -171,8 +184,13 @@ class SystemSampler(threading.Thread):
             cpu = psutil.cpu_times_percent(interval=None)
             iowait = getattr(cpu, "iowait", 0.0)
             disk = "" if b is None or last_b is None else round((b - last_b) / 2**20 / max(now - last_t, 1e-9), 3)
-            row = {"time": round(now, 3), "cpu_percent": round(100.0 - cpu.idle - iowait, 1),
-                   "iowait_percent": round(iowait, 1), "disk_read_mb_s": disk, "rss_mb": round(self._rss_mb(), 1)}
+            row = {
+                "time": round(now, 3),
+                "cpu_percent": round(100.0 - cpu.idle - iowait, 1),
+                "iowait_percent": round(iowait, 1),
+                "disk_read_mb_s": disk,
+                "rss_mb": round(self._rss_mb(), 1),
+            }
             row.update(self.nvml.sample())
             self._w.writerow(row)
             last_t, last_b = now, b

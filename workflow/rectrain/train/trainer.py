@@ -1,6 +1,6 @@
 """Train a torchvision model with DistributedDataParallel from the packed .rec.
 
-    python -m rectrain.launch --config-json '<train block>' --rec train.rec --idx train.idx \
+    python -m rectrain.train.launch --config-json '<train block>' --rec train.rec --idx train.idx \
         --val-rec val.rec --val-idx val.idx --classes classes.tsv --out results/<ds>/train
 
 (launch execs torchrun, which starts one `python -m rectrain.train` per device with RANK, LOCAL_RANK
@@ -11,14 +11,13 @@ process, or runs as a single process, and says which; it never dies on a missing
 Outputs in --out: checkpoints/epoch_<k>.pt + last.pt (every epoch, atomic), telemetry/ (live CSVs),
 and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last).
 """
+
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
-import csv
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -36,12 +35,14 @@ import torchvision
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rectrain import checkpoint as ckpt
+from rectrain import sources
 from rectrain.atomic import write_json
-from rectrain import memory, telemetry
-from rectrain.launch import plan_processes, torchrun_args, training_sources, visible_gpu_count
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_workers
-from rectrain.stepclock import StepClock
+from rectrain.tables import read_classes
+from rectrain.train import checkpoint as ckpt
+from rectrain.train import memory, telemetry
+from rectrain.train.launch import plan_processes, torchrun_args, visible_gpu_count
+from rectrain.train.stepclock import StepClock
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # Config keys that do not change the maths of a run: a checkpoint written under other values of these
@@ -63,8 +64,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--classes", required=True, help="classes.tsv (label, wnid, name)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for the whole job (default: all)")
-    ap.add_argument("--single-process", action="store_true",
-                    help="without a launcher, run one process instead of relaunching through torchrun")
+    ap.add_argument(
+        "--single-process",
+        action="store_true",
+        help="without a launcher, run one process instead of relaunching through torchrun",
+    )
     return ap.parse_args(argv)
 
 
@@ -77,6 +81,7 @@ def log(msg: str) -> None:
 
 # --- launcher-proof start ------------------------------------------------------------------------
 
+
 def launched() -> bool:
     return all(v in os.environ for v in LAUNCH_VARS)
 
@@ -87,16 +92,22 @@ def relaunch_or_single(cfg: dict, argv: list[str], single: bool) -> bool:
     plan = plan_processes(cfg, visible_gpu_count())
     missing = ", ".join(v for v in LAUNCH_VARS if v not in os.environ)
     if plan.nproc > 1 and int(cfg.get("nodes", 1)) == 1 and not single:
-        log(f"started without a launcher ({missing} not set): relaunching through torchrun with "
-            f"{plan.nproc} processes because {plan.reason}")
+        log(
+            f"started without a launcher ({missing} not set): relaunching through torchrun with "
+            f"{plan.nproc} processes because {plan.reason}"
+        )
         if plan.cuda_visible_devices is not None:  # "" for devices: cpu hides the GPUs from NVML too
             os.environ["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         from torch.distributed.run import main as torchrun_main
+
         torchrun_main([*torchrun_args(plan), "-m", "rectrain.train", *argv])
         return False
-    why = "--single-process was given" if single else (
-        "multi-node runs must be started by the launcher" if int(cfg.get("nodes", 1)) > 1 else plan.reason)
+    why = (
+        "--single-process was given"
+        if single
+        else ("multi-node runs must be started by the launcher" if int(cfg.get("nodes", 1)) > 1 else plan.reason)
+    )
     log(f"started without a launcher ({missing} not set): running as a single process (rank 0 of 1) because {why}")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     return True
@@ -124,8 +135,9 @@ def setup_distributed(cfg: dict) -> Dist:
         torch.cuda.set_device(device)
     if world > 1:
         timeout = datetime.timedelta(seconds=float(cfg.get("collective_timeout_s", 600)))
-        dist.init_process_group("nccl" if use_gpu else "gloo", timeout=timeout,
-                                **({"device_id": device} if use_gpu else {}))
+        dist.init_process_group(
+            "nccl" if use_gpu else "gloo", timeout=timeout, **({"device_id": device} if use_gpu else {})
+        )
     return Dist(rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
 
 
@@ -151,13 +163,6 @@ def barrier(d: Dist) -> None:
 
 # --- pieces of the run ---------------------------------------------------------------------------
 
-def read_classes(path: str) -> list[dict]:
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
-    if not rows:
-        raise ValueError(f"{path} lists no classes: rerun the index stage (index_raw)")
-    return rows
-
 
 def amp_dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
@@ -173,22 +178,25 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int) -> tuple[int, int, dict]:
     """(per-device batch, grad_accum, preflight report).  On a GPU, one forward/backward proves the
-    batch fits - or the run stops here with what does fit (rectrain.memory)."""
+    batch fits - or the run stops here with what does fit (rectrain.train.memory)."""
     auto = cfg["batch_size"] == "auto"
     global_batch = cfg.get("global_batch") or (memory.DEFAULT_AUTO_GLOBAL_BATCH if auto else None)
     if d.device.type != "cuda":
         if auto:
-            return math.ceil(global_batch / d.world_size), 1, {
-                "skipped": "no GPU: batch_size auto uses global_batch / world_size"}
+            return (
+                math.ceil(global_batch / d.world_size),
+                1,
+                {"skipped": "no GPU: batch_size auto uses global_batch / world_size"},
+            )
         return int(cfg["batch_size"]), int(cfg["grad_accum"]), {"skipped": "no GPU memory to check on CPU"}
     gpu = memory.GpuInfo.of(d.device)
     state = copy.deepcopy(model.state_dict())  # the probe steps must not touch BatchNorm statistics
-    args = (model, loss_fn, cfg["image_size"], num_classes, d.device, amp_dtype(cfg["precision"]),
-            cfg["channels_last"])
+    args = (model, loss_fn, cfg["image_size"], num_classes, d.device, amp_dtype(cfg["precision"]), cfg["channels_last"])
     try:
         if auto:
-            batch, accum = memory.auto_batch(memory.cuda_try_step(*args, headroom=memory.HEADROOM),
-                                             global_batch, d.world_size)
+            batch, accum = memory.auto_batch(
+                memory.cuda_try_step(*args, headroom=memory.HEADROOM), global_batch, d.world_size
+            )
             # Every rank must use the same batch: the smallest GPU decides.
             batch = int(min(all_gather(batch, d)))
             accum = math.ceil(global_batch / (batch * d.world_size))
@@ -199,8 +207,14 @@ def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int) -> tuple[
         peak = memory.cuda_try_step(*args)(batch)
     finally:
         model.load_state_dict(state)
-    report.update({"gpu": gpu.label(), "peak_mb": round(peak, 1), "total_mb": round(gpu.total_mb, 1),
-                   "share": round(peak / gpu.total_mb, 3)})
+    report.update(
+        {
+            "gpu": gpu.label(),
+            "peak_mb": round(peak, 1),
+            "total_mb": round(gpu.total_mb, 1),
+            "share": round(peak / gpu.total_mb, 3),
+        }
+    )
     return batch, accum, report
 
 
@@ -209,25 +223,30 @@ def data_fingerprint(rec: str, idx: str) -> dict:
 
 
 def code_fingerprint() -> dict:
-    """sha256 of each training source file (the same set the train rule lists as inputs): a checkpoint
+    """sha256 of each training source file (the train rule's code input, rectrain.sources): a checkpoint
     written by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
-    pkg = Path(__file__).resolve().parent
-    return {str(f.relative_to(pkg)): hashlib.sha256(f.read_bytes()).hexdigest() for f in training_sources(pkg)}
+    return sources.fingerprint("train")
 
 
 def resumable(state: dict, cfg: dict, fingerprint: dict, world_size: int, code: dict | None = None) -> str | None:
     """None if the checkpoint continues this run, else why not."""
+
     def strip(c):
         return {k: v for k, v in c.items() if k not in RESUME_INDEPENDENT_KEYS}
+
     if strip(state.get("config", {})) != strip(cfg):
-        changed = sorted(k for k in set(cfg) | set(state.get("config", {}))
-                         if k not in RESUME_INDEPENDENT_KEYS and cfg.get(k) != state["config"].get(k))
+        changed = sorted(
+            k
+            for k in set(cfg) | set(state.get("config", {}))
+            if k not in RESUME_INDEPENDENT_KEYS and cfg.get(k) != state["config"].get(k)
+        )
         return f"the train config changed ({', '.join(changed)})"
     if state.get("data") != fingerprint:
         return "the training .rec/.idx changed"
     if code is not None and state.get("code") != code:
-        changed = sorted(f for f in set(code) | set(state.get("code") or {})
-                         if code.get(f) != (state.get("code") or {}).get(f))
+        changed = sorted(
+            f for f in set(code) | set(state.get("code") or {}) if code.get(f) != (state.get("code") or {}).get(f)
+        )
         return f"the training code changed ({', '.join(changed)})"
     if state.get("world_size") != world_size:
         return f"it was written by {state.get('world_size')} processes, this run has {world_size}"
@@ -251,8 +270,13 @@ def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int
     """(SGD with nesterov, warmup + cosine schedule, GradScaler for fp16) for the global batch."""
     peak_lr = cfg["lr"] * global_batch / 256
     total_steps, warmup_steps = cfg["epochs"] * opt_steps_per_epoch, round(cfg["warmup_epochs"] * opt_steps_per_epoch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=cfg["momentum"],
-                                nesterov=cfg["nesterov"] and cfg["momentum"] > 0, weight_decay=cfg["weight_decay"])
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=peak_lr,
+        momentum=cfg["momentum"],
+        nesterov=cfg["nesterov"] and cfg["momentum"] > 0,
+        weight_decay=cfg["weight_decay"],
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
     scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=cfg["precision"] == "fp16")
     return optimizer, scheduler, scaler
@@ -260,8 +284,22 @@ def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int
 
 # --- the loop ------------------------------------------------------------------------------------
 
-def run_steps(epoch, model, batches, loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log,
-              n_batches: int | None = None, max_steps: int | None = None) -> dict:
+
+def run_steps(
+    epoch,
+    model,
+    batches,
+    loss_fn,
+    optimizer,
+    scheduler,
+    scaler,
+    cfg,
+    accum,
+    d,
+    steps_log,
+    n_batches: int | None = None,
+    max_steps: int | None = None,
+) -> dict:
     """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log.
 
     The training step itself: the epoch loop and bench/gpu_efficiency.py both run it.  No host sync per
@@ -278,8 +316,18 @@ def run_steps(epoch, model, batches, loss_fn, optimizer, scheduler, scaler, cfg,
         wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
         loss_v = loss.item()
         # Step wall time runs from the end of the previous step, so data wait + compute = wall.
-        steps_log.write(rank=d.rank, epoch=epoch, step=step, time=clock.unix_time(m_end), wall_s=wall,
-                        data_wait_s=wait, compute_s=wall - wait, images=n, loss=loss_v, lr=lr)
+        steps_log.write(
+            rank=d.rank,
+            epoch=epoch,
+            step=step,
+            time=clock.unix_time(m_end),
+            wall_s=wall,
+            data_wait_s=wait,
+            compute_s=wall - wait,
+            images=n,
+            loss=loss_v,
+            lr=lr,
+        )
         totals["loss_sum"] += loss_v * n
         totals["correct"] += hits.item()
         totals["seen"] += n
@@ -320,12 +368,26 @@ def run_steps(epoch, model, batches, loss_fn, optimizer, scheduler, scaler, cfg,
 def train_one_epoch(epoch, model, loader, loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log):
     n_batches = loader.batches_per_epoch
     t_epoch = time.perf_counter()
-    t = run_steps(epoch, model, loader.epoch(epoch), loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log,
-                  n_batches=n_batches)
+    t = run_steps(
+        epoch,
+        model,
+        loader.epoch(epoch),
+        loss_fn,
+        optimizer,
+        scheduler,
+        scaler,
+        cfg,
+        accum,
+        d,
+        steps_log,
+        n_batches=n_batches,
+    )
     wall = time.perf_counter() - t_epoch
     if t["steps"] != n_batches:
-        raise RuntimeError(f"rank {d.rank}: the {loader.kind} loader yielded {t['steps']} batches in epoch {epoch}, "
-                           f"expected {n_batches} on every rank (the other ranks would wait forever)")
+        raise RuntimeError(
+            f"rank {d.rank}: the {loader.kind} loader yielded {t['steps']} batches in epoch {epoch}, "
+            f"expected {n_batches} on every rank (the other ranks would wait forever)"
+        )
     loss_sum, correct, seen = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"]], d)
     return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall}
 
@@ -348,32 +410,52 @@ def evaluate(model, loader, loss_fn, cfg, d, num_classes) -> dict:
         with torch.autocast(d.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             out = model(x)
         loss_sum += torch.nn.functional.cross_entropy(out.float(), y, reduction="sum").item()
-        hits = (out.topk(k, dim=1).indices == y[:, None])
+        hits = out.topk(k, dim=1).indices == y[:, None]
         top1 += hits[:, 0].sum().item()
         top5 += hits.any(dim=1).sum().item()
         n += len(y)
     loss_sum, top1, top5, n = all_reduce_sum([loss_sum, top1, top5, n], d)
-    return {"val_loss": loss_sum / max(n, 1), "val_top1": top1 / max(n, 1), "val_top5": top5 / max(n, 1),
-            "val_images": int(n)}
+    return {
+        "val_loss": loss_sum / max(n, 1),
+        "val_top1": top1 / max(n, 1),
+        "val_top5": top5 / max(n, 1),
+        "val_images": int(n),
+    }
 
 
 def run_info(cfg, d, loader_kind, batch, accum, epochs, rec, padding, preflight, started) -> dict:
     from rectrain.storage import device_info
+
     try:
         import nvidia.dali as dali
+
         dali_version = dali.__version__
     except ImportError:
         dali_version = None
-    return {"world_size": d.world_size, "nodes": int(cfg.get("nodes", 1)),
-            "devices": [str(d.device)] if d.device.type == "cpu" else
-            [f"cuda:{i}" for i in range(d.local_world_size)],
-            "backend": "nccl" if d.device.type == "cuda" else "gloo", "loader": loader_kind,
-            "model": cfg["model"], "precision": cfg["precision"], "batch_size": batch, "grad_accum": accum,
-            "global_batch": batch * accum * d.world_size, "epochs": epochs, "image_size": cfg["image_size"],
-            "rec_device": device_info(rec), "gpus": telemetry.gpu_inventory(),
-            "cuda": torch.version.cuda if torch.cuda.is_available() else None, "torch": torch.__version__,
-            "dali": dali_version, "padding_per_epoch": padding, "started": started, "finished": None,
-            "preflight": preflight, "config": cfg}
+    return {
+        "world_size": d.world_size,
+        "nodes": int(cfg.get("nodes", 1)),
+        "devices": [str(d.device)] if d.device.type == "cpu" else [f"cuda:{i}" for i in range(d.local_world_size)],
+        "backend": "nccl" if d.device.type == "cuda" else "gloo",
+        "loader": loader_kind,
+        "model": cfg["model"],
+        "precision": cfg["precision"],
+        "batch_size": batch,
+        "grad_accum": accum,
+        "global_batch": batch * accum * d.world_size,
+        "epochs": epochs,
+        "image_size": cfg["image_size"],
+        "rec_device": device_info(rec),
+        "gpus": telemetry.gpu_inventory(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "dali": dali_version,
+        "padding_per_epoch": padding,
+        "started": started,
+        "finished": None,
+        "preflight": preflight,
+        "config": cfg,
+    }
 
 
 def train(args: argparse.Namespace, cfg: dict) -> None:
@@ -393,14 +475,24 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
 
     workers = resolve_workers(cfg["workers"], d.local_world_size, threads)
     log(f"rank {d.rank}: {workers} loader workers (train.workers: {cfg['workers']})")
-    common = dict(image_size=cfg["image_size"], rank=d.rank, world_size=d.world_size, workers=workers,
-                  device=str(d.device), gpu_decode=cfg["gpu_decode"], seed=cfg["seed"],
-                  dali=DaliOptions.from_config(cfg))
+    common = dict(
+        image_size=cfg["image_size"],
+        rank=d.rank,
+        world_size=d.world_size,
+        workers=workers,
+        device=str(d.device),
+        gpu_decode=cfg["gpu_decode"],
+        seed=cfg["seed"],
+        dali=DaliOptions.from_config(cfg),
+    )
     train_loader = build_loader(cfg["loader"], LoaderSpec(args.rec, args.idx, batch_size=batch, train=True, **common))
-    val_loader = build_loader(cfg["loader"], LoaderSpec(args.val_rec, args.val_idx, batch_size=batch, train=False,
-                                                        **common))
+    val_loader = build_loader(
+        cfg["loader"], LoaderSpec(args.val_rec, args.val_idx, batch_size=batch, train=False, **common)
+    )
     global_batch = batch * accum * d.world_size
-    optimizer, scheduler, scaler = make_optimizer(cfg, model, global_batch, math.ceil(train_loader.batches_per_epoch / accum))
+    optimizer, scheduler, scaler = make_optimizer(
+        cfg, model, global_batch, math.ceil(train_loader.batches_per_epoch / accum)
+    )
 
     start_epoch, rng_states = 0, None
     fingerprint, code = data_fingerprint(args.rec, args.idx), code_fingerprint()
@@ -420,25 +512,43 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
         del state
     starts = all_gather(start_epoch, d)  # also: nobody writes checkpoints before every rank has read last.pt
     if len(set(starts)) > 1:
-        raise RuntimeError(f"ranks disagree on the epoch to resume from ({starts}): {ck_dir} must be on a "
-                           "filesystem every node sees (shared --out)")
+        raise RuntimeError(
+            f"ranks disagree on the epoch to resume from ({starts}): {ck_dir} must be on a "
+            "filesystem every node sees (shared --out)"
+        )
 
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None) if d.world_size > 1 else model
     net = torch.compile(ddp) if cfg["compile"] else ddp
 
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    info = run_info(cfg, d, train_loader.kind, batch, accum, cfg["epochs"], args.rec,
-                    train_loader.padding_per_epoch, preflight, started)
+    info = run_info(
+        cfg,
+        d,
+        train_loader.kind,
+        batch,
+        accum,
+        cfg["epochs"],
+        args.rec,
+        train_loader.padding_per_epoch,
+        preflight,
+        started,
+    )
     info["resumed_from_epoch"] = start_epoch if start_epoch else None
     # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
-    info.update(loader_requested=cfg["loader"], decode=train_loader.choice.decode, loader_note=train_loader.choice.note,
-                workers=workers)  # the count 'auto' became, which the diagnosis quotes
+    info.update(
+        loader_requested=cfg["loader"],
+        decode=train_loader.choice.decode,
+        loader_note=train_loader.choice.note,
+        workers=workers,
+    )  # the count 'auto' became, which the diagnosis quotes
     if d.master:
         write_json(out / "run.json", info)
-        log(f"{d.world_size} process(es), {info['backend']}, {train_loader.kind} loader, {cfg['model']} "
+        log(
+            f"{d.world_size} process(es), {info['backend']}, {train_loader.kind} loader, {cfg['model']} "
             f"@{cfg['image_size']}px, batch {batch} x accum {accum} x {d.world_size} = {global_batch}, "
             f"{train_loader.size} train images ({train_loader.padding_per_epoch} padded per epoch), "
-            f"preflight: {preflight}")
+            f"preflight: {preflight}"
+        )
     live = out / "telemetry"
     live.mkdir(parents=True, exist_ok=True)
     steps_log = telemetry.step_log(live, d.rank, start_epoch)
@@ -447,8 +557,14 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
     node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node rank
     if d.local_rank == 0:
         from rectrain.storage import block_device_for
-        sampler = telemetry.SystemSampler(live / f"system_node{node}.csv", cfg["sample_interval_s"], block_device_for(args.rec),
-                                          telemetry.job_processes(), append=start_epoch > 0)
+
+        sampler = telemetry.SystemSampler(
+            live / f"system_node{node}.csv",
+            cfg["sample_interval_s"],
+            block_device_for(args.rec),
+            telemetry.job_processes(),
+            append=start_epoch > 0,
+        )
         sampler.start()
 
     try:
@@ -457,24 +573,46 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
         for epoch in range(start_epoch, cfg["epochs"]):
             if os.environ.get(FAIL_RANK_ENV) == str(d.rank):
                 raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={d.rank})")
-            stats = train_one_epoch(epoch, net, train_loader, loss_fn, optimizer, scheduler, scaler, cfg, accum, d,
-                                    steps_log)
+            stats = train_one_epoch(
+                epoch, net, train_loader, loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log
+            )
             val = evaluate(model, val_loader, loss_fn, cfg, d, len(classes))
             rngs = all_gather(ckpt.rng_state(), d)
             if d.master:
-                epochs_log.write(epoch=epoch, train_loss=stats["train_loss"], train_acc=stats["train_acc"],
-                                 val_loss=val["val_loss"], val_top1=val["val_top1"], val_top5=val["val_top5"],
-                                 images_per_s=stats["images"] / stats["wall_s"], wall_s=stats["wall_s"])
-                state = {"model": ckpt.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
-                         "rng": rngs, "config": cfg, "num_classes": len(classes), "model_name": cfg["model"],
-                         "image_size": cfg["image_size"], "batch_size": batch, "grad_accum": accum,
-                         "world_size": d.world_size, "data": fingerprint, "code": code}
+                epochs_log.write(
+                    epoch=epoch,
+                    train_loss=stats["train_loss"],
+                    train_acc=stats["train_acc"],
+                    val_loss=val["val_loss"],
+                    val_top1=val["val_top1"],
+                    val_top5=val["val_top5"],
+                    images_per_s=stats["images"] / stats["wall_s"],
+                    wall_s=stats["wall_s"],
+                )
+                state = {
+                    "model": ckpt.unwrap(model).state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict(),
+                    "epoch": epoch,
+                    "rng": rngs,
+                    "config": cfg,
+                    "num_classes": len(classes),
+                    "model_name": cfg["model"],
+                    "image_size": cfg["image_size"],
+                    "batch_size": batch,
+                    "grad_accum": accum,
+                    "world_size": d.world_size,
+                    "data": fingerprint,
+                    "code": code,
+                }
                 ckpt.save_atomic(state, ck_dir / f"epoch_{epoch}.pt")
                 ckpt.save_atomic(state, last)
-                log(f"epoch {epoch}: train loss {stats['train_loss']:.3f} acc {stats['train_acc']:.3f}, "
+                log(
+                    f"epoch {epoch}: train loss {stats['train_loss']:.3f} acc {stats['train_acc']:.3f}, "
                     f"val loss {val['val_loss']:.3f} top-1 {val['val_top1']:.3f} top-5 {val['val_top5']:.3f}, "
-                    f"{stats['images'] / stats['wall_s']:.0f} img/s, {stats['wall_s']:.1f} s")
+                    f"{stats['images'] / stats['wall_s']:.0f} img/s, {stats['wall_s']:.1f} s"
+                )
             barrier(d)
             if os.environ.get(KILL_AFTER_EPOCH_ENV) == str(epoch):
                 log(f"{KILL_AFTER_EPOCH_ENV}={epoch}: killing this process as a crash would")
@@ -508,12 +646,19 @@ def main(argv: list[str] | None = None) -> None:
         train(args, cfg)
     except Exception as exc:
         batch = cfg.get("batch_size")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-            and cfg.get("devices") != "cpu" else torch.device("cpu")
-        hint = memory.explain_cuda_error(exc, device, batch if isinstance(batch, int) else 0,
-                                         int(os.environ.get("WORLD_SIZE", 1)))
-        print(f"rank {rank} failed: {type(exc).__name__}: {exc}" + (f"\n{hint}" if hint else ""),
-              file=sys.stderr, flush=True)
+        device = (
+            torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            if torch.cuda.is_available() and cfg.get("devices") != "cpu"
+            else torch.device("cpu")
+        )
+        hint = memory.explain_cuda_error(
+            exc, device, batch if isinstance(batch, int) else 0, int(os.environ.get("WORLD_SIZE", 1))
+        )
+        print(
+            f"rank {rank} failed: {type(exc).__name__}: {exc}" + (f"\n{hint}" if hint else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         traceback.print_exc()
         raise
     finally:

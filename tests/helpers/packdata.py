@@ -1,4 +1,5 @@
 """Tiny raw datasets for the pack tests: clean JPEGs of every kind plus each defect, with an index."""
+
 from __future__ import annotations
 
 import csv
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def photo(w: int, h: int, seed: int) -> Image.Image:
@@ -51,13 +52,21 @@ def kinds(seed: int = 0) -> dict[str, bytes]:
     }
 
 
-EXPECTED = {"baseline": "pass", "progressive": "pass", "grayscale": "pass", "cmyk": "repair",
-            "png": "repair", "exif_rotated": "repair", "truncated": "skip", "zero_byte": "skip",
-            "not_image": "skip"}
+EXPECTED = {
+    "baseline": "pass",
+    "progressive": "pass",
+    "grayscale": "pass",
+    "cmyk": "repair",
+    "png": "repair",
+    "exif_rotated": "repair",
+    "truncated": "skip",
+    "zero_byte": "skip",
+    "not_image": "skip",
+}
 
 
 def write_dataset(root: Path, files: list[tuple[str, int, bytes]], classes: int) -> tuple[Path, Path]:
-    """Write raw files and an index like rectrain.index does; files = (source, label, bytes).
+    """Write raw files and an index like rectrain.data.index does; files = (source, label, bytes).
     Returns (raw_root, index_dir)."""
     raw, index = root / "raw", root / "index"
     index.mkdir(parents=True, exist_ok=True)
@@ -94,14 +103,39 @@ def kinds_dataset(root: Path) -> tuple[Path, Path, dict[int, str]]:
     return raw, index, kind_of
 
 
-def run_pack(raw: Path, index: Path, out: Path, cfg: dict | None = None, threads: int = 2,
-             env: dict | None = None, split: str = "train", **popen) -> subprocess.CompletedProcess:
-    """`python -m rectrain.pack` as the rule runs it; outputs under out/."""
+def run_pack(
+    raw: Path,
+    index: Path,
+    out: Path,
+    cfg: dict | None = None,
+    threads: int = 2,
+    env: dict | None = None,
+    split: str = "train",
+    **popen,
+) -> subprocess.CompletedProcess:
+    """`python -m rectrain.data.pack` as the rule runs it; outputs under out/."""
     cfg = {"resize": 0, "quality": 90, "shuffle_seed": 0, **(cfg or {})}
-    cmd = [sys.executable, "-m", "rectrain.pack", "--config-json", json.dumps(cfg), "--index", str(index),
-           "--raw", str(raw), "--split", split, "--rec", str(out / "fast" / f"{split}.rec"),
-           "--idx", str(out / "fast" / f"{split}.idx"), "--manifest", str(out / "pack" / f"{split}.manifest.json"),
-           "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rectrain.data.pack",
+        "--config-json",
+        json.dumps(cfg),
+        "--index",
+        str(index),
+        "--raw",
+        str(raw),
+        "--split",
+        split,
+        "--rec",
+        str(out / "fast" / f"{split}.rec"),
+        "--idx",
+        str(out / "fast" / f"{split}.idx"),
+        "--manifest",
+        str(out / "pack" / f"{split}.manifest.json"),
+        "--threads",
+        str(threads),
+    ]
     full_env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"), **(env or {}))
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300, **popen)
 

@@ -1,5 +1,6 @@
 """Tiny packed datasets for the training tests: class k is an image of colour PALETTE[k] plus noise,
 so a label can be checked against its image after decoding and augmentation, and a model can learn."""
+
 import csv
 import io
 import json
@@ -49,11 +50,32 @@ def packed_dataset(path, n_train=45, n_val=15, classes=5):
 
 def tiny_train_config(**overrides):
     """The schema's train defaults, shrunk to seconds on a CPU."""
-    cfg = {"devices": "cpu", "cpu_processes": 2, "nodes": 1, "loader": "dali", "model": "resnet18",
-           "image_size": 32, "epochs": 2, "batch_size": 8, "global_batch": None, "grad_accum": 1, "lr": 0.1,
-           "momentum": 0.9, "nesterov": True, "weight_decay": 5e-05, "label_smoothing": 0.1, "warmup_epochs": 1,
-           "precision": "bf16", "channels_last": True, "compile": False, "seed": 0, "workers": 1,
-           "gpu_decode": True, "sample_interval_s": 0.2, "collective_timeout_s": 60}
+    cfg = {
+        "devices": "cpu",
+        "cpu_processes": 2,
+        "nodes": 1,
+        "loader": "dali",
+        "model": "resnet18",
+        "image_size": 32,
+        "epochs": 2,
+        "batch_size": 8,
+        "global_batch": None,
+        "grad_accum": 1,
+        "lr": 0.1,
+        "momentum": 0.9,
+        "nesterov": True,
+        "weight_decay": 5e-05,
+        "label_smoothing": 0.1,
+        "warmup_epochs": 1,
+        "precision": "bf16",
+        "channels_last": True,
+        "compile": False,
+        "seed": 0,
+        "workers": 1,
+        "gpu_decode": True,
+        "sample_interval_s": 0.2,
+        "collective_timeout_s": 60,
+    }
     cfg.update(overrides)
     return cfg
 

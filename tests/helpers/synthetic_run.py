@@ -1,0 +1,241 @@
+"""Synthetic stage outputs in the CONTRACTS formats (telemetry CSVs, run.json, pack manifests,
+eval outputs, Snakemake benchmark TSVs) for the diagnosis and report tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+REPORT_CFG = {
+    "title": "rectrain report",
+    "data_wait_share": 0.2,
+    "imbalance_ratio": 3.0,
+    "iowait_percent": 20,
+    "gpu_mem_high": 0.92,
+    "gpu_mem_low": 0.5,
+    "gpu_util_low": 70,
+}
+
+BENCH_COLUMNS = ["s", "h:m:s", "max_rss", "max_vms", "max_uss", "max_pss", "io_in", "io_out", "mean_load", "cpu_time"]
+
+
+def make_steps(
+    wait_share: dict[int, float],
+    epochs: int = 2,
+    steps: int = 20,
+    step_s: float = 0.5,
+    images: int = 32,
+    t0: float = 1_700_000_000.0,
+) -> pd.DataFrame:
+    """steps.csv rows where rank r spends wait_share[r] of every step waiting for data."""
+    rows = []
+    for rank, share in wait_share.items():
+        t = t0
+        for epoch in range(epochs):
+            for step in range(steps):
+                t += step_s
+                loss = 2.3 * np.exp(-0.05 * (epoch * steps + step))
+                rows.append(
+                    dict(
+                        rank=rank,
+                        epoch=epoch,
+                        step=step,
+                        time=t,
+                        wall_s=step_s,
+                        data_wait_s=step_s * share,
+                        compute_s=step_s * (1 - share),
+                        images=images,
+                        loss=loss,
+                        lr=0.1,
+                    )
+                )
+    return pd.DataFrame(rows)
+
+
+def make_system(
+    n: int = 40,
+    iowait: float = 2.0,
+    gpus: dict[int, tuple[float, float, float]] | None = None,
+    t0: float = 1_700_000_000.0,
+) -> pd.DataFrame:
+    """system.csv; gpus maps index -> (util %, mem used MB, mem total MB); None = CPU-only (no GPU columns)."""
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame(
+        {
+            "time": t0 + np.arange(n, dtype=float),
+            "cpu_percent": 50 + rng.uniform(-5, 5, n),
+            "iowait_percent": np.full(n, float(iowait)),
+            "disk_read_mb_s": 80 + rng.uniform(-10, 10, n),
+            "rss_mb": 2000 + rng.uniform(0, 50, n),
+        }
+    )
+    for i, (util, used, total) in (gpus or {}).items():
+        df[f"gpu{i}_util"] = np.full(n, float(util))
+        df[f"gpu{i}_mem_used_mb"] = np.full(n, float(used))
+        df[f"gpu{i}_mem_total_mb"] = np.full(n, float(total))
+    return df
+
+
+def make_run(world_size: int = 2, gpus: int = 2, rotational: bool | None = False, **overrides) -> dict:
+    run = {
+        "world_size": world_size,
+        "nodes": 1,
+        "devices": [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu"] * world_size,
+        "backend": "nccl" if gpus else "gloo",
+        "loader": "dali",
+        "model": "resnet18",
+        "precision": "bf16",
+        "channels_last": True,
+        "compile": False,
+        "batch_size": 128,
+        "grad_accum": 1,
+        "global_batch": 128 * world_size,
+        "epochs": 2,
+        "image_size": 64,
+        "rec_device": {"path": "results/fast_storage/demo/train.rec", "device": "/dev/sdb", "rotational": rotational},
+        "gpus": [
+            {"index": i, "name": "NVIDIA GeForce RTX 2080 Ti", "memory_total_mb": 11264, "driver": "535.54.03"}
+            for i in range(gpus)
+        ],
+        "cuda": "12.1" if gpus else None,
+        "torch": "2.14.1",
+        "dali": "1.34.0",
+        "padding_per_epoch": 0,
+        "started": "2026-11-29T10:00:00+00:00",
+        "finished": "2026-11-29T10:20:00+00:00",
+        "preflight": {},
+    }
+    run.update(overrides)
+    return run
+
+
+def make_manifest(
+    split: str = "train",
+    rotational: bool | None = False,
+    skipped: list[dict] | None = None,
+    repaired: list[dict] | None = None,
+    packed: int = 600,
+) -> dict:
+    skipped, repaired = skipped or [], repaired or []
+    return {
+        "split": split,
+        "rec": f"results/fast_storage/demo/{split}.rec",
+        "idx": f"results/fast_storage/demo/{split}.idx",
+        "discovered": packed + len(skipped),
+        "packed": packed,
+        "skipped": len(skipped),
+        "repaired": repaired,
+        "skipped_files": skipped,
+        "bytes_written": packed * 4096,
+        "wall_s": 3.0,
+        "images_per_s": packed / 3.0,
+        "mb_per_s": packed * 4096 / 3.0 / 1e6,
+        "resize": 0,
+        "quality": 90,
+        "storage": {
+            "path": "results/fast_storage/demo",
+            "device": "/dev/sdb",
+            "rotational": rotational,
+            "free_bytes": 10**11,
+            "needed_bytes": packed * 4096,
+            "warning": "rotational disk" if rotational else None,
+        },
+    }
+
+
+def make_epochs(epochs: int = 2) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            dict(
+                epoch=e,
+                train_loss=2.0 - 0.5 * e,
+                train_acc=0.3 + 0.2 * e,
+                val_loss=2.1 - 0.4 * e,
+                val_top1=0.25 + 0.2 * e,
+                val_top5=0.7 + 0.1 * e,
+                images_per_s=500 + 10 * e,
+                wall_s=30.0,
+            )
+            for e in range(epochs)
+        ]
+    )
+
+
+def make_classes(n: int = 4, evil: bool = True) -> pd.DataFrame:
+    names = [f"class {i}" for i in range(n)]
+    if evil:
+        names[1] = "<script>alert(1)</script>"
+    return pd.DataFrame({"label": range(n), "wnid": [f"n{1440764 + i:08d}" for i in range(n)], "name": names})
+
+
+def write_run(
+    root: Path,
+    *,
+    wait_share=None,
+    iowait=2.0,
+    gpus=None,
+    run_overrides=None,
+    rotational=False,
+    skipped=None,
+    repaired=None,
+    evil=True,
+    stages=("index_raw", "pack/train", "pack/val", "train", "evaluate"),
+    ds: str = "demo",
+) -> dict:
+    """Write every stage output of a finished run under root; return the paths (report CLI args)."""
+    wait_share = wait_share or {0: 0.02, 1: 0.03}
+    train = root / "results" / ds / "train"
+    ev = root / "results" / ds / "eval"
+    pack = root / "results" / ds / "pack"
+    index = root / "results" / ds / "index"
+    bench = root / "benchmarks"
+    for d in (train, ev, pack, index, bench):
+        d.mkdir(parents=True, exist_ok=True)
+    make_steps(wait_share).to_csv(train / "steps.csv", index=False)
+    make_system(gpus=gpus, iowait=iowait).to_csv(train / "system.csv", index=False)
+    make_epochs().to_csv(train / "epochs.csv", index=False)
+    n_gpus = len(gpus or {})
+    run = make_run(world_size=len(wait_share), gpus=n_gpus, rotational=rotational, **(run_overrides or {}))
+    (train / "run.json").write_text(json.dumps(run))
+    for split in ("train", "val"):
+        man = make_manifest(
+            split,
+            rotational=rotational,
+            skipped=skipped if split == "train" else None,
+            repaired=repaired if split == "train" else None,
+        )
+        (pack / f"{split}.manifest.json").write_text(json.dumps(man))
+    classes = make_classes(evil=evil)
+    classes.to_csv(index / "classes.tsv", sep="\t", index=False)
+    per_class = classes.assign(
+        images=10,
+        correct=[9, 2, 7, 5],
+        accuracy=[0.9, 0.2, 0.7, 0.5],
+        most_confused_label=[1, 0, 1, 2],
+        most_confused_wnid=[classes.wnid[j] for j in (1, 0, 1, 2)],
+        most_confused_count=[1, 6, 2, 3],
+    )
+    per_class.to_csv(ev / "per_class.csv", index=False)
+    (ev / "metrics.json").write_text(
+        json.dumps(
+            {
+                "top1": 0.575,
+                "top5": 0.95,
+                "loss": 1.1,
+                "images": 40,
+                "images_per_s": 400.0,
+                "loader": "dali",
+                "checkpoint": str(train / "model.pt"),
+            }
+        )
+    )
+    for i, stage in enumerate(stages):  # "rule" -> rule/<ds>.tsv, "rule/part" -> rule/<ds>_<part>.tsv
+        rule, _, part = stage.partition("/")
+        (bench / rule).mkdir(exist_ok=True)
+        row = [10.0 * (i + 1), f"0:00:{10 * (i + 1):02d}", 500.0 + i, 900.0, 450.0, 470.0, 12.5, 3.25, 95.0, 8.0]
+        name = f"{ds}_{part}.tsv" if part else f"{ds}.tsv"
+        pd.DataFrame([row], columns=BENCH_COLUMNS).to_csv(bench / rule / name, sep="\t", index=False)
+    return {"train": train, "eval": ev, "pack": pack, "index": index, "benchmarks": bench, "run": run}

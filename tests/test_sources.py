@@ -1,0 +1,77 @@
+"""Code inputs are derived from imports (rectrain.sources), so a module a stage uses cannot be left out."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rectrain import sources
+from rectrain.sources import PACKAGE_DIR, STAGE_ENTRIES, import_closure, stage_sources
+
+
+def rel(paths):
+    return {str(p.relative_to(PACKAGE_DIR)) for p in paths}
+
+
+@pytest.mark.parametrize("stage", sorted(STAGE_ENTRIES))
+def test_stage_sources_include_every_rectrain_module_the_stage_loads(stage):
+    """Import the stage's entry modules in a fresh interpreter: every rectrain module that ends up in
+    sys.modules must be among the rule's code inputs."""
+    code = textwrap.dedent(f"""
+        import importlib, json, sys
+        for name in {list(STAGE_ENTRIES[stage])!r}:
+            importlib.import_module(name)
+        print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items()
+                                if n.split('.')[0] == 'rectrain' and getattr(m, '__file__', None))))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = {str(__import__("pathlib").Path(f).resolve().relative_to(PACKAGE_DIR)) for f in json.loads(out)}
+    assert loaded, "the entry modules loaded no rectrain module"
+    assert loaded <= rel(stage_sources(stage)), loaded - rel(stage_sources(stage))
+
+
+def test_training_sources_include_what_the_old_hand_list_missed():
+    # Both loaders read records through recordio; the launcher copies through local_copy; run.json is
+    # written through atomic and names the .rec's disk through storage.
+    train = rel(stage_sources("train"))
+    assert {"recordio.py", "storage.py", "atomic.py", "train/local_copy.py", "loaders/dali.py"} <= train
+
+
+def test_report_sources_include_its_template_and_not_training_code():
+    report = rel(stage_sources("report"))
+    assert "report/templates/report.html.j2" in report
+    assert not any(p.startswith("train/") for p in report)
+
+
+def test_closure_follows_imports_inside_functions_and_relative_imports(tmp_path):
+    pkg = tmp_path / "rectrain"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "entry.py").write_text("def f():\n    from rectrain.sub import lazy\n    return lazy\n")
+    (pkg / "sub" / "lazy.py").write_text("from . import sibling\n")
+    (pkg / "sub" / "sibling.py").write_text("import os\n")
+    (pkg / "unused.py").write_text("")
+    found = {str(p.relative_to(pkg)) for p in import_closure(["rectrain.entry"], pkg)}
+    assert found == {"__init__.py", "entry.py", "sub/__init__.py", "sub/lazy.py", "sub/sibling.py"}
+
+
+def test_fingerprint_changes_when_a_source_changes(tmp_path):
+    pkg = tmp_path / "rectrain"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / "__init__.py").write_text("")
+    (pkg / "data" / "demo.py").write_text("X = 1\n")
+    before = sources.fingerprint("demo_data", pkg)
+    (pkg / "data" / "demo.py").write_text("X = 2\n")
+    sources._stage_sources.cache_clear()
+    after = sources.fingerprint("demo_data", pkg)
+    assert set(before) == {"__init__.py", "data/__init__.py", "data/demo.py"}
+    assert before["data/demo.py"] != after["data/demo.py"]
+
+
+def test_unknown_stage_is_named():
+    with pytest.raises(KeyError, match="unknown pipeline stage 'trian'"):
+        stage_sources("trian")

@@ -1,0 +1,1 @@
+"""Raw images to verified RecordIO: demo generator, index, image preparation, pack, verify."""
