@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from rectrain.data import demo
-from rectrain.data.index import open_source
+from rectrain.data.archives import open_source
 
 CFG = {
     "classes": 10,

@@ -13,8 +13,9 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from rectrain.data import demo, index
-from rectrain.data.index import LayoutError, SourceReader, UnsafeArchiveMember, discover, open_source, write_index
+from rectrain.data import archives, demo, index
+from rectrain.data.archives import SourceReader, UnsafeArchiveMember, open_source
+from rectrain.data.index import LayoutError, discover, write_index
 
 CFG = {
     "classes": 4,
@@ -110,7 +111,7 @@ def test_open_source_reads_the_same_bytes_from_folder_and_archive(indexes, raw):
 
 def test_iter_sources_in_storage_order_yields_every_source_once(indexes, raw):
     sources = [r["source"] for r in reversed(indexes["archives"]["train"])]
-    got = list(index.iter_sources(raw, sources, storage_order=True))
+    got = list(archives.iter_sources(raw, sources, storage_order=True))
     assert sorted(s for s, _ in got) == sorted(sources)
     reader = SourceReader(raw)
     offsets = [reader.locate(s)[1] for s, _ in got]

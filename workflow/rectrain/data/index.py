@@ -34,11 +34,11 @@ import sys
 import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
-SEP = "::"
+from rectrain.data.archives import SEP, UNNAMEABLE, SourceReader, UnsafeArchiveMember, check_member
+
 IMAGE_EXTS = (".jpeg", ".jpg", ".png")  # im2rec's default --exts
 TRAIN_TAR, VAL_TAR = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"
 DEVKIT_TGZ = "ILSVRC2012_devkit_t12.tar.gz"
@@ -46,16 +46,10 @@ GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 KAGGLE_CSV, SYNSET_MAPPING = "LOC_val_solution.csv", "LOC_synset_mapping.txt"
 VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})$")
 LAYOUTS = ("auto", "folders", "flat-kaggle", "flat-devkit", "archives")
-# Characters that would break a TSV row or the `::` source syntax.
-UNNAMEABLE = ("\t", "\n", "\r", SEP)
 
 
 class LayoutError(Exception):
     """The raw root does not hold a layout we can index (the message says what was looked for)."""
-
-
-class UnsafeArchiveMember(ValueError):
-    """A tar member that could escape a directory or is not a plain file."""
 
 
 @dataclass
@@ -71,191 +65,6 @@ class Found:
 
 def log(msg: str) -> None:
     print(f"[index] {msg}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------- tar members read in place
-
-
-class _Window(io.RawIOBase):
-    """Read-only view of bytes [start, start + size) of an open file descriptor, addressed from 0.
-
-    Uses pread, so many views (and forked worker processes) can share one descriptor.
-    """
-
-    def __init__(self, fd: int, start: int, size: int):
-        super().__init__()
-        self._fd, self._start, self._size, self._pos = fd, start, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self._size - self._pos))
-        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
-def check_member(info: tarfile.TarInfo, archive: str) -> None:
-    """Refuse members that could escape a directory if extracted, or that we cannot read by offset."""
-    name = info.name
-    path = PurePosixPath(name)
-    problem = None
-    if path.is_absolute() or re.match(r"^[A-Za-z]:", name):
-        problem = "an absolute path"
-    elif ".." in path.parts or "\\" in name:
-        problem = "a path that climbs out of the archive (..)" if ".." in path.parts else "a backslash path"
-    elif info.issym() or info.islnk():
-        problem = f"a link (to {info.linkname!r})"
-    elif info.isdev():
-        problem = "a device or fifo"
-    elif info.issparse():
-        problem = "a sparse file"
-    elif not (info.isfile() or info.isdir()):
-        problem = f"an unsupported member type {info.type!r}"
-    elif any(c in name for c in UNNAMEABLE):
-        problem = "a name with a tab, newline or '::' that the index cannot name"
-    if problem:
-        raise UnsafeArchiveMember(
-            f"refusing tar member {name!r} in {archive}: it is {problem}. Archives are read in place and "
-            f"member names are never used as paths; remove or rename that member (or re-create the archive)."
-        )
-
-
-def scan_tar(fileobj, archive: str) -> list[tuple[str, int, int]]:
-    """(name, data offset, size) of each regular file in an uncompressed tar, in archive order."""
-    members, seen = [], set()
-    with tarfile.open(fileobj=fileobj, mode="r:") as tar:
-        for info in tar:
-            check_member(info, archive)
-            if info.isdir():
-                continue
-            if info.name in seen:
-                raise UnsafeArchiveMember(
-                    f"refusing tar member {info.name!r} in {archive}: it occurs twice, "
-                    f"so which copy is meant is ambiguous; re-create the archive"
-                )
-            seen.add(info.name)
-            members.append((info.name, info.offset_data, info.size))
-    return members
-
-
-def _relative(source_path: str) -> PurePosixPath:
-    path = PurePosixPath(source_path)
-    if path.is_absolute() or ".." in path.parts:
-        raise ValueError(f"source {source_path!r} must be relative to the raw root, without '..'")
-    return path
-
-
-class SourceReader:
-    """Reads the bytes of index sources: folder files and (nested) tar members, by offset.
-
-    Each archive's member table is scanned once per reader and then every read is one pread, so reading
-    1.28 M members does not rescan tars. Safe to pickle into worker processes (descriptors reopen lazily).
-    """
-
-    def __init__(self, raw_root: str | os.PathLike):
-        self.root = Path(raw_root)
-        self._fds: dict[str, int] = {}
-        self._tables: dict[tuple[str, ...], dict[str, tuple[int, int]]] = {}
-
-    def __getstate__(self):
-        return {"root": self.root, "_fds": {}, "_tables": self._tables}
-
-    def _fd(self, rel: str) -> int:
-        # The packer's threads share one reader: if two open the same archive at once, keep one
-        # descriptor and close the other (reads are pread, so sharing it is safe).
-        fd = self._fds.get(rel)
-        if fd is None:
-            mine = os.open(self.root / _relative(rel), os.O_RDONLY)
-            fd = self._fds.setdefault(rel, mine)
-            if fd != mine:
-                os.close(mine)
-        return fd
-
-    def span(self, chain: tuple[str, ...]) -> tuple[int, int, int]:
-        """(fd, start, size) of an archive file or a member of one (chain = path, member, member...)."""
-        fd = self._fd(chain[0])
-        if len(chain) == 1:
-            return fd, 0, os.fstat(fd).st_size
-        table = self.members(chain[:-1])
-        if chain[-1] not in table:
-            raise FileNotFoundError(f"no member {chain[-1]!r} in {SEP.join(chain[:-1])} (under {self.root})")
-        start, size = table[chain[-1]]
-        return fd, start, size
-
-    def scan(self, chain: tuple[str, ...]) -> list[tuple[str, int, int]]:
-        """Member (name, absolute offset, size) of the tar named by chain, without caching the table."""
-        fd, start, size = self.span(chain)
-        return [(name, start + off, sz) for name, off, sz in scan_tar(_Window(fd, start, size), SEP.join(chain))]
-
-    def members(self, chain: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-        if chain not in self._tables:
-            self._tables[chain] = {name: (off, size) for name, off, size in self.scan(chain)}
-        return self._tables[chain]
-
-    def locate(self, source: str) -> tuple[str, int, int]:
-        """(file relative to root, offset, size) where the source's bytes lie."""
-        chain = tuple(source.split(SEP))
-        if len(chain) == 1:
-            return source, 0, (self.root / _relative(source)).stat().st_size
-        _, start, size = self.span(chain)
-        return chain[0], start, size
-
-    def read(self, source: str) -> bytes:
-        chain = tuple(source.split(SEP))
-        if len(chain) == 1:
-            return (self.root / _relative(source)).read_bytes()
-        fd, start, size = self.span(chain)
-        data = os.pread(fd, size, start)
-        if len(data) != size:
-            raise OSError(f"{source}: archive ended after {len(data)} of {size} bytes (truncated download?)")
-        return data
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-@lru_cache(maxsize=8)
-def _reader(raw_root: str) -> SourceReader:
-    return SourceReader(Path(raw_root).resolve())
-
-
-def open_source(raw_root: str | os.PathLike, source: str) -> bytes:
-    """Bytes of one index source; member tables are cached per process and raw root."""
-    return _reader(os.fspath(raw_root)).read(source)
-
-
-def iter_sources(
-    raw_root: str | os.PathLike, sources: Iterable[str], storage_order: bool = False
-) -> Iterator[tuple[str, bytes]]:
-    """(source, bytes) for each source; storage_order=True reads in on-disk order (sequential I/O)."""
-    reader = _reader(os.fspath(raw_root))
-    sources = list(sources)
-    if storage_order:
-        sources.sort(key=lambda s: reader.locate(s)[:2])
-    for source in sources:
-        yield source, reader.read(source)
 
 
 # ---------------------------------------------------------------- classification helpers

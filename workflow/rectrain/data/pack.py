@@ -31,8 +31,8 @@ from pathlib import Path
 
 from rectrain import storage
 from rectrain.atomic import fsync_path, publish, write_json
+from rectrain.data.archives import SourceReader
 from rectrain.data.images import Skip, prepare
-from rectrain.data.index import SourceReader
 from rectrain.data.verify import VerifyError, verify_pair
 from rectrain.recordio import RecordIOError, RecordWriter, frame_payload, pack_record
 from rectrain.tables import read_tsv
