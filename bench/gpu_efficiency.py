@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "workflow"))
 
 from rectrain.config import check_config  # noqa: E402
 from rectrain.data.images import prepare  # noqa: E402
+from rectrain.distributed import Dist  # noqa: E402
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader  # noqa: E402
 from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record, unpack_record  # noqa: E402
 from rectrain.train import trainer as T  # noqa: E402
@@ -130,7 +131,8 @@ def measure(cfg, d, batches, num_classes: int, steps: int) -> dict:
     model, loss_fn = T.make_model(cfg, num_classes, d.device)
     optimizer, scheduler, scaler = T.make_optimizer(cfg, model, cfg["batch_size"], steps)
     rows = StepRows()
-    T.run_steps(0, model, batches, loss_fn, optimizer, scheduler, scaler, cfg, 1, d, rows, max_steps=steps)
+    step = T.Step(model, loss_fn, optimizer, scheduler, scaler, 1, cfg["precision"], cfg["channels_last"], d)
+    T.run_steps(step, 0, batches, rows, max_steps=steps)
     del model, optimizer
     return rows.rows
 
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
             raise SystemExit("--device cuda but torch sees no GPU: use --device cpu (tiny settings) or a GPU machine")
         torch.cuda.set_device(device)
     args.out.mkdir(parents=True, exist_ok=True)
-    d = T.Dist(0, 1, 0, 1, device)
+    d = Dist(0, 1, 0, 1, device)
     gpu = device_name(device)
     n = args.warmup + args.steps
     # Records for one uninterrupted epoch of n steps, plus the loader's prefetch, so no epoch boundary

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
 from rectrain.config import check_config  # noqa: E402
+from rectrain.distributed import Dist  # noqa: E402
 from rectrain.train import memory  # noqa: E402
 from rectrain.train import trainer as T  # noqa: E402
 
@@ -37,7 +38,7 @@ def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
     cfg = check_config({"dataset": "oomcap", "train": block}, REPO / "config" / "schema.yaml", workdir=REPO)["train"]
     T.set_backend_flags(cfg, device)
     model, loss_fn = T.make_model(cfg, num_classes, device)
-    d = T.Dist(0, 1, 0, 1, device)
+    d = Dist(0, 1, 0, 1, device)
     try:
         batch, accum, report = T.choose_batch(cfg, model, loss_fn, d, num_classes)
         return {"batch": batch, "grad_accum": accum, "report": report}

@@ -79,7 +79,7 @@ def test_multi_node_outside_slurm_explains_the_ways_out():
 
 
 def test_train_rule_resources_book_one_task_per_node():
-    from rectrain.train.cluster import train_rule_resources
+    from rectrain.train.resources import train_rule_resources
 
     assert train_rule_resources(1) == {"nodes": 1}
     res = train_rule_resources(4)
@@ -87,18 +87,18 @@ def test_train_rule_resources_book_one_task_per_node():
 
 
 def test_gpu_request_per_node_from_environment():
-    from rectrain.train.cluster import gpu_gres, gpus_per_node
+    from rectrain.train.resources import ResourceError, gpu_gres, gpus_per_node
 
     assert gpus_per_node({"RECTRAIN_GPUS_PER_NODE": "4"}) == 4
     assert gpu_gres({}) == "gpu:1"
     assert gpu_gres({"RECTRAIN_GPUS_PER_NODE": "8"}) == "gpu:8"
     assert gpu_gres({"RECTRAIN_GPUS_PER_NODE": "0"}) == ""
-    with pytest.raises(ClusterError, match="RECTRAIN_GPUS_PER_NODE='all'"):
+    with pytest.raises(ResourceError, match="RECTRAIN_GPUS_PER_NODE='all'"):
         gpu_gres({"RECTRAIN_GPUS_PER_NODE": "all"})
 
 
 def test_cpus_booked_per_node_scale_with_gpus():
-    from rectrain.train.cluster import cpus_per_node
+    from rectrain.train.resources import cpus_per_node
 
     assert cpus_per_node({}) == 8
     assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "4", "RECTRAIN_CPUS_PER_GPU": "12"}) == 48
@@ -111,6 +111,7 @@ def test_cpus_booked_per_node_scale_with_gpus():
 def _launch_print(monkeypatch, capsys, env, cfg, extra=()):
     import json
 
+    from rectrain import distributed
     from rectrain.train import launch
 
     for var in (
@@ -125,7 +126,7 @@ def _launch_print(monkeypatch, capsys, env, cfg, extra=()):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(launch, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(distributed, "visible_gpu_count", lambda: 0)
     launch.main(["--config-json", json.dumps(cfg), "--print-only", *extra, "--out", "o"])
     return capsys.readouterr().err
 

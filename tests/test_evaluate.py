@@ -14,6 +14,7 @@ import torch
 import torchvision
 from PIL import Image
 
+from rectrain.config import stage_block
 from rectrain.evaluate import EvalSpec, per_class, relaunch_command, run
 from rectrain.evaluate import main as evaluate_main
 from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record, unpack_record
@@ -201,15 +202,19 @@ def test_evaluate_resize_setting_overrides_the_default():
 
 def test_evaluation_uses_one_process_per_training_gpu_and_one_process_on_cpu():
     args = ["--config-json", "{}", "--checkpoint", "m.pt"]
-    two_gpus = relaunch_command({"config": {"devices": "auto"}}, args, gpu_count=2)
+
+    def train_block(**kw):
+        return stage_block("train", json.dumps(kw))
+
+    two_gpus = relaunch_command(train_block(devices="auto"), args, gpu_count=2)
     cmd, env = two_gpus
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     assert "--nproc_per_node=2" in cmd and cmd[-6:] == ["-m", "rectrain.evaluate", *args]
-    picked = relaunch_command({"config": {"devices": [1, 3]}}, args, gpu_count=4)
+    picked = relaunch_command(train_block(devices=[1, 3]), args, gpu_count=4)
     assert "--nproc_per_node=2" in picked[0] and picked[1]["CUDA_VISIBLE_DEVICES"] == "1,3"
-    assert relaunch_command({"config": {"devices": "auto"}}, args, gpu_count=1) is None
-    assert relaunch_command({"config": {"devices": "auto", "cpu_processes": 2}}, args, gpu_count=0) is None
-    assert relaunch_command({"config": {"devices": "cpu"}}, args, gpu_count=2) is None
+    assert relaunch_command(train_block(devices="auto"), args, gpu_count=1) is None
+    assert relaunch_command(train_block(devices="auto", cpu_processes=2), args, gpu_count=0) is None
+    assert relaunch_command(train_block(devices="cpu"), args, gpu_count=2) is None
 
 
 def test_class_count_mismatch_names_the_fix(val_set, tmp_path):

@@ -10,6 +10,7 @@ import torch
 from helpers import REPO
 from helpers.train_data import write_rec
 
+from rectrain.distributed import Dist
 from rectrain.recordio import IndexedRecordReader, unpack_record
 from rectrain.train.stepclock import StepClock
 
@@ -98,20 +99,18 @@ def test_run_steps_rows_add_up_and_data_wait_is_the_loaders_time():
             yield torch.randn(4, 3, 16, 16), torch.randint(0, 3, (4,))
 
     log = FakeLog()
-    totals = T.run_steps(
-        0,
+    step = T.Step(
         model,
-        slow_batches(),
         loss_fn,
         optimizer,
         scheduler,
         scaler,
-        cfg,
         1,
-        T.Dist(0, 1, 0, 1, device),
-        log,
-        max_steps=3,
+        cfg["precision"],
+        cfg["channels_last"],
+        Dist(0, 1, 0, 1, device),
     )
+    totals = T.run_steps(step, 0, slow_batches(), log, max_steps=3)
     assert totals["steps"] == 3 and totals["seen"] == 12 and [r["step"] for r in log.rows] == [0, 1, 2]
     for r in log.rows:
         assert abs(r["wall_s"] - r["data_wait_s"] - r["compute_s"]) < 1e-9

@@ -19,7 +19,7 @@ only the evaluate block; the checkpoint is loaded with weights_only=True (no pic
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import os
 import sys
 import time
@@ -30,10 +30,15 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from rectrain import distributed
+from rectrain import model as models
 from rectrain.atomic import write_json
+from rectrain.config import ConfigError, stage_block
 from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
+from rectrain.log import setup as setup_logging
 from rectrain.train.checkpoint import load as load_checkpoint
-from rectrain.train.launch import plan_processes, torchrun_args, visible_gpu_count
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,45 +71,34 @@ class Tally:
 # Checkpoint -> model
 
 
-def build_model(name: str, num_classes: int) -> torch.nn.Module:
-    """The architecture training used (torchvision's model registry, like rectrain.train)."""
-    import torchvision
-
-    try:
-        return torchvision.models.get_model(name, num_classes=num_classes)
-    except ValueError as err:
-        raise ValueError(f"checkpoint model_name {name!r} is not a torchvision model: {err}") from None
-
-
 def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     missing = [k for k in ("model", "model_name", "num_classes", "image_size") if k not in ckpt]
     if missing:
         raise KeyError(f"checkpoint lacks {missing}: it was not written by rectrain.train; rerun the train rule")
-    model = build_model(ckpt["model_name"], int(ckpt["num_classes"]))
+    model = models.build(ckpt["model_name"], int(ckpt["num_classes"]))
     model.load_state_dict(ckpt["model"])
     return model.eval()
 
 
 def loader_kind(cfg: dict, ckpt: dict) -> str:
-    return cfg.get("loader") or (ckpt.get("config") or {}).get("loader") or "dali"
+    """evaluate.loader, else the loader training used (null in the schema means: as trained)."""
+    return cfg["loader"] or (ckpt.get("config") or {}).get("loader") or "dali"
 
 
-def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, rank: int, world: int, device: str) -> EvalSpec:
+def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist) -> EvalSpec:
     train_cfg = ckpt.get("config") or {}
-    crop = int(cfg.get("crop") or ckpt["image_size"])
-    workers = resolve_workers(cfg.get("workers", 2), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     return EvalSpec(
         rec=rec,
         idx=idx,
-        batch_size=int(cfg.get("batch_size", 64)),
-        image_size=crop,
+        batch_size=int(cfg["batch_size"]),
+        image_size=int(cfg["crop"] or ckpt["image_size"]),
         train=False,
-        rank=rank,
-        world_size=world,
-        workers=workers,
-        device=device,
+        rank=d.rank,
+        world_size=d.world_size,
+        workers=resolve_workers(cfg["workers"], d.local_world_size),
+        device=str(d.device),
         gpu_decode=bool(train_cfg.get("gpu_decode", True)),
-        resize=cfg.get("resize"),
+        resize=cfg["resize"],
     )
 
 
@@ -112,15 +106,18 @@ def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, rank: int, world: int, 
 # The pass over the data
 
 
-def _autocast(device: torch.device, precision: str):
-    if device.type == "cuda" and precision in ("bf16", "fp16"):
-        return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-    return torch.autocast(device.type, enabled=False)
-
-
 @torch.inference_mode()
-def tally(model: torch.nn.Module, batches, num_classes: int, device: torch.device, precision: str = "fp32") -> Tally:
-    """Confusion matrix, top-5 hits and summed cross-entropy over (images, labels) batches."""
+def tally(
+    model: torch.nn.Module,
+    batches,
+    num_classes: int,
+    device: torch.device,
+    precision: str = "fp32",
+    *,
+    channels_last: bool = False,
+) -> Tally:
+    """Confusion matrix, top-5 hits and summed cross-entropy over (images, labels) batches.  The evaluate
+    stage and training's per-epoch validation both count with this."""
     t = Tally(confusion=torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device))
     k = min(5, num_classes)
     hits = torch.zeros((), dtype=torch.int64, device=device)
@@ -128,9 +125,9 @@ def tally(model: torch.nn.Module, batches, num_classes: int, device: torch.devic
     start = time.perf_counter()
     for images, labels in batches:
         images, labels = images.to(device), labels.to(device)
-        if device.type == "cuda":
+        if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        with _autocast(device, precision):
+        with models.autocast(device, precision):
             logits = model(images)
         logits = logits.float()
         loss += F.cross_entropy(logits, labels, reduction="sum").double()
@@ -227,69 +224,58 @@ def write_outputs(out: Path, m: dict, table: pd.DataFrame) -> None:
 # Processes
 
 
-def distributed_env() -> tuple[int, int, int] | None:
-    """(rank, local rank, world size) when started by torchrun, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
-    return None
-
-
-def relaunch_command(ckpt: dict, argv: list[str], gpu_count: int) -> tuple[list[str], dict] | None:
+def relaunch_command(train_cfg: dict, argv: list[str], gpu_count: int) -> tuple[list[str], dict] | None:
     """(torchrun argv, env) that run this evaluation on every training GPU, or None to run in-process."""
-    plan = plan_processes(ckpt.get("config") or {}, gpu_count)
+    plan = distributed.plan_processes(train_cfg, gpu_count)
     if plan.kind != "gpu" or plan.nproc < 2:
         return None
-    env = dict(os.environ)
-    if plan.cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(plan), "-m", "rectrain.evaluate", *argv]
-    return cmd, env
+    return distributed.torchrun_command(plan, "rectrain.evaluate", argv)
 
 
 def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: str) -> dict | None:
     """Evaluate in this process (one rank of torchrun, or alone). Returns the metrics on rank 0."""
-    import torch.distributed as dist
-
     ckpt = load_checkpoint(checkpoint)
-    dist_env = distributed_env()
-    rank, local_rank, world = dist_env or (0, 0, 1)
-    use_cuda = torch.cuda.is_available() and (ckpt.get("config") or {}).get("devices") != "cpu"
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if dist_env and world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+    train_cfg = ckpt.get("config") or {}
+    # The same process group set-up and collective timeout as training.
+    d = distributed.setup(train_cfg.get("devices") != "cpu", train_cfg.get("collective_timeout_s", 600))
     try:
         num_classes = int(ckpt["num_classes"])
         classes = read_classes(classes_path, num_classes)
-        model = model_from_checkpoint(ckpt).to(device)
-        if device.type == "cuda":
+        model = model_from_checkpoint(ckpt).to(d.device)
+        channels_last = d.device.type == "cuda"
+        if channels_last:
             model = model.to(memory_format=torch.channels_last)
         kind = loader_kind(cfg, ckpt)
-        spec = eval_spec(cfg, ckpt, rec, idx, rank, world, str(device))
-        print(
-            f"[evaluate] rank {rank}/{world} on {device}: {kind} loader, resize {spec.eval_resize} "
-            f"+ centre crop {spec.image_size}, batch {spec.batch_size}",
-            file=sys.stderr,
-            flush=True,
+        spec = eval_spec(cfg, ckpt, rec, idx, d)
+        log.info(
+            "rank %d/%d on %s: %s loader, resize %d + centre crop %d, batch %d",
+            d.rank,
+            d.world_size,
+            d.device,
+            kind,
+            spec.eval_resize,
+            spec.image_size,
+            spec.batch_size,
         )
         loader = build_loader(kind, spec)
-        precision = (ckpt.get("config") or {}).get("precision", "fp32")
-        t = all_reduce(tally(model, loader.epoch(0), num_classes, device, precision), device)
-        if rank != 0:
+        precision = train_cfg.get("precision", "fp32")
+        t = tally(model, loader.epoch(0), num_classes, d.device, precision, channels_last=channels_last)
+        t = all_reduce(t, d.device)
+        if not d.master:
             return None
         m = metrics(t, kind, checkpoint)
         write_outputs(Path(out), m, per_class(t.confusion, classes))
-        print(
-            f"[evaluate] top-1 {100 * m['top1']:.2f} %, top-5 {100 * m['top5']:.2f} %, loss {m['loss']:.4f} "
-            f"on {m['images']} images ({m['images_per_s'] or 0:.0f} img/s)",
-            file=sys.stderr,
+        log.info(
+            "top-1 %.2f %%, top-5 %.2f %%, loss %.4f on %d images (%.0f img/s)",
+            100 * m["top1"],
+            100 * m["top5"],
+            m["loss"],
+            m["images"],
+            m["images_per_s"] or 0,
         )
         return m
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        distributed.teardown()
 
 
 def parse_args(argv):
@@ -309,13 +295,19 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if distributed_env() is None and not args.single_process:
-        relaunch = relaunch_command(load_checkpoint(args.checkpoint), argv, visible_gpu_count())
+    setup_logging("evaluate")
+    try:
+        cfg = stage_block("evaluate", args.config_json)
+    except ConfigError as err:
+        raise SystemExit(f"[evaluate] {err}") from None
+    if not distributed.launched() and not args.single_process:
+        train_cfg = load_checkpoint(args.checkpoint).get("config") or {}
+        relaunch = relaunch_command(train_cfg, argv, distributed.visible_gpu_count())
         if relaunch:
             cmd, env = relaunch
-            print("[evaluate] one process per training GPU: " + " ".join(cmd), file=sys.stderr, flush=True)
+            log.info("one process per training GPU: %s", " ".join(cmd))
             os.execve(cmd[0], cmd, env)
-    run(json.loads(args.config_json), args.checkpoint, args.rec, args.idx, args.classes, args.out)
+    run(cfg, args.checkpoint, args.rec, args.idx, args.classes, args.out)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Logging for the stage modules: one set-up, the same lines in the rule logs as before.
 
-Each stage logs through `logging.getLogger("rectrain.<stage>")`; `setup(tag)` sends records to stderr
+Each module logs through `logging.getLogger(__name__)`; `setup(tag)` sends records to stderr
 as `[tag] message`, or `[tag   12.3s] message` with the seconds since start when `elapsed` is set
 (training, where the time of each line is the point).
 """
@@ -30,10 +30,12 @@ class _StageFormatter(logging.Formatter):
 
 def setup(tag: str, elapsed: bool = False, level: int = logging.INFO) -> logging.Logger:
     """Configure the `rectrain` logger for a stage process and return it.  `tag` '' prints bare lines."""
-    logger = logging.getLogger("rectrain")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_StageFormatter(tag, elapsed))
-    logger.handlers[:] = [handler]
-    logger.setLevel(level)
-    logger.propagate = False
-    return logger
+    # "__main__" too: a module run with `python -m` logs under that name, not under rectrain.*.
+    for name in ("rectrain", "__main__"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level)
+        logger.propagate = False
+    return logging.getLogger("rectrain")

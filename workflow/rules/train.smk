@@ -6,8 +6,7 @@
 # Snakemake keeps it); the outputs below are written only when all epochs are done.
 import shlex
 
-from rectrain.train.cluster import train_rule_resources
-from rectrain.train.launch import scheduled_gpus
+from rectrain.train.resources import scheduled_gpus, train_rule_resources
 
 # pack.stage_to_local: each node copies the pair to its local disk before training (rectrain.train.local_copy).
 STAGE_ARG = (

@@ -52,10 +52,3 @@ def save_atomic(obj: dict, path: str | os.PathLike) -> None:
 def load(path: str | os.PathLike) -> dict:
     """Load a checkpoint without executing pickled code."""
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module under DistributedDataParallel and/or torch.compile wrappers."""
-    model = getattr(model, "_orig_mod", model)
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)

@@ -11,18 +11,17 @@ SLURM's own tools do the work: `scontrol show hostnames` expands node lists ('gp
 `srun` starts the per-node tasks, torchrun does the rest.  Everything here is pure apart from the
 injected `run` (scontrol), so the decisions are unit-tested without a cluster.
 
-The bottom half sizes the SLURM jobs: the train rule's node count (`train_rule_resources`) and the
-per-node GPU/CPU request that profiles/slurm evaluates from RECTRAIN_GPUS_PER_NODE and
-RECTRAIN_CPUS_PER_GPU, so a cluster's shape is set in the environment, not in files.
+What the rules book on a cluster (nodes, GPUs, CPUs) is rectrain.train.resources.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 from dataclasses import dataclass
 
-RDZV_PORT_BASE = 29500
+from rectrain.distributed import TORCHRUN_PORT
+
+RDZV_PORT_BASE = TORCHRUN_PORT
 RDZV_PORT_SPAN = 1000
 # Environment a user (or a test) can set to override what SLURM would decide.
 ENDPOINT_ENV = "RECTRAIN_RDZV_ENDPOINT"  # host:port, for multi-node runs launched by hand
@@ -115,54 +114,3 @@ def plan_node_launch(nodes: int, env: dict, run=subprocess.run) -> NodeLaunch:
     if env.get(STEP_ENV) != "1":
         return NodeLaunch(srun_per_node(nodes), None, run_id)
     return NodeLaunch(None, slurm_endpoint(env, run), run_id)
-
-
-def train_rule_resources(nodes: int) -> dict:
-    """Resources the train rule declares so the SLURM executor books `nodes` nodes.
-
-    With more than one node the rule is marked as an `mpi`-style job: the SLURM executor then runs
-    the rule's command directly in the batch script (not inside a one-task srun step, which would
-    leave no room for the per-node srun above), with one task per node.  `tasks_per_gpu: 0` keeps it
-    from turning the task count into --ntasks-per-gpu when GPUs are requested through `gres`.
-    Local runs ignore all of these.
-    """
-    if nodes <= 1:
-        return {"nodes": 1}
-    return {"nodes": nodes, "tasks": nodes, "mpi": "srun", "tasks_per_gpu": 0}
-
-
-# --- job sizes for profiles/slurm (its resource expressions call these) ---------------------------
-
-GPUS_ENV = "RECTRAIN_GPUS_PER_NODE"
-CPUS_PER_GPU_ENV = "RECTRAIN_CPUS_PER_GPU"
-DEFAULT_CPUS_PER_GPU = 8  # DALI decode threads plus the rank itself
-
-
-def _count(env, name: str, default: int) -> int:
-    raw = str(env.get(name, default)).strip()
-    if not raw.isdigit():
-        raise ClusterError(f"{name}={raw!r}: expected a whole number (0 for none)")
-    return int(raw)
-
-
-def gpus_per_node(env=None) -> int:
-    """RECTRAIN_GPUS_PER_NODE (default 1): the GPUs each train/evaluate node books."""
-    return _count(os.environ if env is None else env, GPUS_ENV, 1)
-
-
-def gpu_gres(env=None) -> str:
-    """The slurm profile's GPU request for train/evaluate: 'gpu:<RECTRAIN_GPUS_PER_NODE>' per node
-    (default 1), or '' for 0 so CPU-only clusters request no GPU."""
-    gpus = gpus_per_node(env)
-    return f"gpu:{gpus}" if gpus else ""
-
-
-def cpus_per_node(env=None) -> int:
-    """CPUs the train/evaluate job books per node: RECTRAIN_CPUS_PER_GPU (default 8) per GPU.
-
-    Booked as cpus_per_task rather than cpus_per_gpu because the SLURM job step that runs the rule
-    is sized by cpus_per_task; with cpus_per_gpu the ranks would be confined to the rule's threads.
-    0 (no GPUs) leaves the count to the rule's `threads`.
-    """
-    env = os.environ if env is None else env
-    return gpus_per_node(env) * _count(env, CPUS_PER_GPU_ENV, DEFAULT_CPUS_PER_GPU)

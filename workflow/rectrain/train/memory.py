@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from rectrain import model as models
+
 # `batch_size: auto` keeps peak memory at or under this share of the card.
 HEADROOM = 0.90
 # A CUDA error while reserved memory was above this share of the card is treated as a probable OOM.
@@ -151,7 +153,7 @@ def cuda_try_step(
     image_size: int,
     num_classes: int,
     device: torch.device,
-    amp_dtype: torch.dtype | None,
+    precision: str,
     channels_last: bool,
     headroom: float | None = None,
 ) -> Callable[[int], float]:
@@ -166,7 +168,7 @@ def cuda_try_step(
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             y = torch.randint(0, num_classes, (batch,), device=device)
-            with torch.autocast("cuda", dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            with models.autocast(device, precision):
                 loss = loss_fn(model(x), y)
             loss.backward()
             torch.cuda.synchronize(device)

@@ -1,15 +1,21 @@
 """Train a torchvision model with DistributedDataParallel from the packed .rec.
 
-    python -m rectrain.train.launch --config-json '<train block>' --rec train.rec --idx train.idx \
+    python -m rectrain.train.launch --config-json '<train block>' --rec train.rec --idx train.idx \\
         --val-rec val.rec --val-idx val.idx --classes classes.tsv --out results/<ds>/train
 
 (launch execs torchrun, which starts one `python -m rectrain.train` per device with RANK, LOCAL_RANK
 and WORLD_SIZE set).  Started without a launcher - plain `python -m rectrain.train ...`, an IDE's
 Run button - this module relaunches itself through torchrun when the config asks for more than one
-process, or runs as a single process, and says which; it never dies on a missing RANK.
+process, or runs as a single process, and says which; it never dies on a missing RANK.  A partial
+--config-json block is completed from config/schema.yaml.
+
+A run, in order (`train`): set up the rank, build the model, check the batch fits (preflight), build
+the loaders and the optimizer, resume a checkpoint of the same run, then per epoch train
+(`run_steps`), validate (rectrain.evaluate's tally) and checkpoint; finally publish the outputs.
 
 Outputs in --out: checkpoints/epoch_<k>.pt + last.pt (every epoch, atomic), telemetry/ (live CSVs),
 and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last).
+See docs/architecture.md for the formats.
 """
 
 from __future__ import annotations
@@ -18,33 +24,36 @@ import argparse
 import contextlib
 import copy
 import datetime
-import json
+import logging
 import math
 import os
 import shutil
 import signal
 import sys
-import time
-import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torchvision
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rectrain import sources
+from rectrain import distributed, sources
+from rectrain import model as models
 from rectrain.atomic import write_json
+from rectrain.config import ConfigError, stage_block
+from rectrain.distributed import Dist, all_gather, all_reduce_sum, barrier
+from rectrain.evaluate import all_reduce as all_reduce_tally
+from rectrain.evaluate import tally
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_workers
+from rectrain.log import setup as setup_logging
 from rectrain.tables import read_classes
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import memory, telemetry
-from rectrain.train.launch import plan_processes, torchrun_args, visible_gpu_count
 from rectrain.train.stepclock import StepClock
 
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+log = logging.getLogger(__name__)
+
 # Config keys that do not change the maths of a run: a checkpoint written under other values of these
 # may still be resumed.  Anything else differing means the checkpoint belongs to another run.
 RESUME_INDEPENDENT_KEYS = {"sample_interval_s", "workers", "collective_timeout_s", "compile"}
@@ -56,7 +65,7 @@ FAIL_RANK_ENV = "RECTRAIN_FAIL_RANK"
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config-json", required=True, help="the train block of the config, as JSON")
+    ap.add_argument("--config-json", required=True, help="the train block of the config, as JSON (partial is fine)")
     ap.add_argument("--rec", required=True)
     ap.add_argument("--idx", required=True)
     ap.add_argument("--val-rec", required=True)
@@ -72,100 +81,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-_T0 = time.monotonic()
-
-
-def log(msg: str) -> None:
-    print(f"[train {time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
 # --- launcher-proof start ------------------------------------------------------------------------
 
 
-def launched() -> bool:
-    return all(v in os.environ for v in LAUNCH_VARS)
-
-
-def relaunch_or_single(cfg: dict, argv: list[str], single: bool) -> bool:
-    """Called when RANK/WORLD_SIZE/LOCAL_RANK are missing.  Returns True if this process should train
-    as the only rank, False if the job already ran under a relaunched torchrun."""
-    plan = plan_processes(cfg, visible_gpu_count())
-    missing = ", ".join(v for v in LAUNCH_VARS if v not in os.environ)
-    if plan.nproc > 1 and int(cfg.get("nodes", 1)) == 1 and not single:
-        log(
-            f"started without a launcher ({missing} not set): relaunching through torchrun with "
-            f"{plan.nproc} processes because {plan.reason}"
+def relaunch_or_single(cfg: dict, argv: list[str], single: bool) -> None:
+    """Called when RANK/WORLD_SIZE/LOCAL_RANK are missing: exec the same command under torchrun when
+    the config asks for several processes, else set this process up as rank 0 of 1."""
+    plan = distributed.plan_processes(cfg, distributed.visible_gpu_count())
+    missing = ", ".join(v for v in distributed.LAUNCH_VARS if v not in os.environ)
+    if plan.nproc > 1 and cfg["nodes"] == 1 and not single:
+        log.info(
+            "started without a launcher (%s not set): relaunching through torchrun with %d processes because %s",
+            missing,
+            plan.nproc,
+            plan.reason,
         )
-        if plan.cuda_visible_devices is not None:  # "" for devices: cpu hides the GPUs from NVML too
-            os.environ["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from torch.distributed.run import main as torchrun_main
-
-        torchrun_main([*torchrun_args(plan), "-m", "rectrain.train", *argv])
-        return False
-    why = (
-        "--single-process was given"
-        if single
-        else ("multi-node runs must be started by the launcher" if int(cfg.get("nodes", 1)) > 1 else plan.reason)
+        cmd, env = distributed.torchrun_command(plan, "rectrain.train", argv)
+        os.execvpe(cmd[0], cmd, env)
+    if single:
+        why = "--single-process was given"
+    elif cfg["nodes"] > 1:
+        why = "multi-node runs must be started by the launcher"
+    else:
+        why = plan.reason
+    log.info(
+        "started without a launcher (%s not set): running as a single process (rank 0 of 1) because %s", missing, why
     )
-    log(f"started without a launcher ({missing} not set): running as a single process (rank 0 of 1) because {why}")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    return True
-
-
-@dataclass
-class Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(cfg: dict) -> Dist:
-    """nanoGPT-style: device = LOCAL_RANK (never the global rank), NCCL on GPUs, gloo on CPU."""
-    rank, world, local = (int(os.environ[v]) for v in LAUNCH_VARS)
-    use_gpu = cfg.get("devices", "auto") != "cpu" and torch.cuda.is_available()
-    device = torch.device("cuda", local) if use_gpu else torch.device("cpu")
-    if use_gpu:
-        torch.cuda.set_device(device)
-    if world > 1:
-        timeout = datetime.timedelta(seconds=float(cfg.get("collective_timeout_s", 600)))
-        dist.init_process_group(
-            "nccl" if use_gpu else "gloo", timeout=timeout, **({"device_id": device} if use_gpu else {})
-        )
-    return Dist(rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
-
-
-def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=d.device)
-    if d.world_size > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_gather(obj, d: Dist) -> list:
-    if d.world_size == 1:
-        return [obj]
-    out = [None] * d.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def barrier(d: Dist) -> None:
-    if d.world_size > 1:
-        dist.barrier()
 
 
 # --- pieces of the run ---------------------------------------------------------------------------
-
-
-def amp_dtype(precision: str) -> torch.dtype | None:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -180,7 +125,7 @@ def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int) -> tuple[
     """(per-device batch, grad_accum, preflight report).  On a GPU, one forward/backward proves the
     batch fits - or the run stops here with what does fit (rectrain.train.memory)."""
     auto = cfg["batch_size"] == "auto"
-    global_batch = cfg.get("global_batch") or (memory.DEFAULT_AUTO_GLOBAL_BATCH if auto else None)
+    global_batch = cfg["global_batch"] or (memory.DEFAULT_AUTO_GLOBAL_BATCH if auto else None)
     if d.device.type != "cuda":
         if auto:
             return (
@@ -191,7 +136,15 @@ def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int) -> tuple[
         return int(cfg["batch_size"]), int(cfg["grad_accum"]), {"skipped": "no GPU memory to check on CPU"}
     gpu = memory.GpuInfo.of(d.device)
     state = copy.deepcopy(model.state_dict())  # the probe steps must not touch BatchNorm statistics
-    args = (model, loss_fn, cfg["image_size"], num_classes, d.device, amp_dtype(cfg["precision"]), cfg["channels_last"])
+    args = (
+        model,
+        loss_fn,
+        cfg["image_size"],
+        num_classes,
+        d.device,
+        cfg["precision"],
+        cfg["channels_last"],
+    )
     try:
         if auto:
             batch, accum = memory.auto_batch(
@@ -255,21 +208,20 @@ def resumable(state: dict, cfg: dict, fingerprint: dict, world_size: int, code: 
 
 def set_backend_flags(cfg: dict, device: torch.device) -> None:
     # Fixed training shapes: cuDNN's autotuner picks the fastest kernels once, for every later step.
-    torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cfg.get("cudnn_benchmark", True))
+    torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cfg["cudnn_benchmark"])
 
 
 def make_model(cfg: dict, num_classes: int, device: torch.device):
     """(model on device, in channels_last when asked; the loss)."""
-    model = torchvision.models.get_model(cfg["model"], num_classes=num_classes).to(device)
-    if cfg["channels_last"]:
-        model = model.to(memory_format=torch.channels_last)
+    model = models.build(cfg["model"], num_classes, cfg["channels_last"]).to(device)
     return model, torch.nn.CrossEntropyLoss(label_smoothing=cfg["label_smoothing"])
 
 
 def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int):
     """(SGD with nesterov, warmup + cosine schedule, GradScaler for fp16) for the global batch."""
     peak_lr = cfg["lr"] * global_batch / 256
-    total_steps, warmup_steps = cfg["epochs"] * opt_steps_per_epoch, round(cfg["warmup_epochs"] * opt_steps_per_epoch)
+    total_steps = cfg["epochs"] * opt_steps_per_epoch
+    warmup_steps = round(cfg["warmup_epochs"] * opt_steps_per_epoch)
     optimizer = torch.optim.SGD(
         model.parameters(),
         lr=peak_lr,
@@ -282,36 +234,38 @@ def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int
     return optimizer, scheduler, scaler
 
 
-# --- the loop ------------------------------------------------------------------------------------
+# --- the step ------------------------------------------------------------------------------------
 
 
-def run_steps(
-    epoch,
-    model,
-    batches,
-    loss_fn,
-    optimizer,
-    scheduler,
-    scaler,
-    cfg,
-    accum,
-    d,
-    steps_log,
-    n_batches: int | None = None,
-    max_steps: int | None = None,
-) -> dict:
+@dataclass
+class Step:
+    """What one training step needs: the network (DDP- and compile-wrapped as configured), its loss,
+    optimizer, schedule and scaler, gradient accumulation, numerics, and the rank it runs on."""
+
+    net: torch.nn.Module
+    loss_fn: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    accum: int
+    precision: str
+    channels_last: bool
+    dist: Dist
+
+
+def run_steps(step: Step, epoch: int, batches, steps_log, n_batches: int | None = None, max_steps: int | None = None):
     """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log.
 
     The training step itself: the epoch loop and bench/gpu_efficiency.py both run it.  No host sync per
     step: times come from a StepClock read one step late, loss and hits stay on the device until then,
     so the host queues step k+1 (and fetches its batch) while the GPU still computes step k."""
-    model.train()
-    dtype = amp_dtype(cfg["precision"])
+    step.net.train()
     n_batches = n_batches or max_steps
+    d = step.dist
     clock = StepClock(d.device)
     totals = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0}
 
-    def resolve(step, m_prev, m_data, m_end, loss, hits, n, lr):
+    def resolve(i, m_prev, m_data, m_end, loss, hits, n, lr):
         clock.wait(m_end)
         wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
         loss_v = loss.item()
@@ -319,7 +273,7 @@ def run_steps(
         steps_log.write(
             rank=d.rank,
             epoch=epoch,
-            step=step,
+            step=i,
             time=clock.unix_time(m_end),
             wall_s=wall,
             data_wait_s=wait,
@@ -335,146 +289,115 @@ def run_steps(
 
     pending = None
     m_prev = clock.mark()
-    for step, (x, y) in enumerate(batches):
+    for i, (x, y) in enumerate(batches):
         m_data = clock.mark()
-        if cfg["channels_last"]:
-            x = x.contiguous(memory_format=torch.channels_last)
-        last_micro = (step + 1) % accum == 0 or step + 1 == n_batches
-        lr = optimizer.param_groups[0]["lr"]
-        sync = contextlib.nullcontext() if last_micro or d.world_size == 1 else model.no_sync()
-        with sync:
-            with torch.autocast(d.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                out = model(x)
-                loss = loss_fn(out, y)
-            scaler.scale(loss / accum).backward()
-        if last_micro:
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+        lr = step.optimizer.param_groups[0]["lr"]
+        out, loss = _forward_backward(step, x, y, last_micro=(i + 1) % step.accum == 0 or i + 1 == n_batches)
         hits = (out.argmax(1) == y).sum()
         m_end = clock.mark()
         if pending:
             resolve(*pending)
-        pending = (step, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
+        pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
         m_prev = m_end
-        if max_steps is not None and step + 1 >= max_steps:
+        if max_steps is not None and i + 1 >= max_steps:
             break
     if pending:
         resolve(*pending)
     return totals
 
 
-def train_one_epoch(epoch, model, loader, loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log):
+def _forward_backward(step: Step, x, y, last_micro: bool):
+    """One micro-batch; the optimizer steps (and DDP all-reduces) on the last micro-batch only."""
+    if step.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    sync = contextlib.nullcontext() if last_micro or step.dist.world_size == 1 else step.net.no_sync()
+    with sync:
+        with models.autocast(step.dist.device, step.precision):
+            out = step.net(x)
+            loss = step.loss_fn(out, y)
+        step.scaler.scale(loss / step.accum).backward()
+    if last_micro:
+        step.scaler.step(step.optimizer)
+        step.scaler.update()
+        step.optimizer.zero_grad(set_to_none=True)
+        step.scheduler.step()
+    return out, loss
+
+
+def train_one_epoch(step: Step, loader, epoch: int, steps_log) -> dict:
     n_batches = loader.batches_per_epoch
-    t_epoch = time.perf_counter()
-    t = run_steps(
-        epoch,
-        model,
-        loader.epoch(epoch),
-        loss_fn,
-        optimizer,
-        scheduler,
-        scaler,
-        cfg,
-        accum,
-        d,
-        steps_log,
-        n_batches=n_batches,
-    )
-    wall = time.perf_counter() - t_epoch
+    clock = StepClock(torch.device("cpu"))
+    start = clock.mark()
+    t = run_steps(step, epoch, loader.epoch(epoch), steps_log, n_batches=n_batches)
+    wall = clock.seconds(start, clock.mark())
     if t["steps"] != n_batches:
         raise RuntimeError(
-            f"rank {d.rank}: the {loader.kind} loader yielded {t['steps']} batches in epoch {epoch}, "
+            f"rank {step.dist.rank}: the {loader.kind} loader yielded {t['steps']} batches in epoch {epoch}, "
             f"expected {n_batches} on every rank (the other ranks would wait forever)"
         )
-    loss_sum, correct, seen = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"]], d)
+    loss_sum, correct, seen = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"]], step.dist)
     return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall}
 
 
-@torch.no_grad()
-def evaluate(model, loader, loss_fn, cfg, d, num_classes) -> dict:
-    """Loss, top-1, top-5 over the whole val .rec (each rank its shard, summed across ranks)."""
+def validate(model: torch.nn.Module, loader, num_classes: int, step: Step) -> dict:
+    """Loss, top-1, top-5 over the whole val .rec with the evaluate stage's own tally (each rank its
+    shard, summed across ranks), so epochs.csv and metrics.json count the same way."""
     # Each rank's BatchNorm statistics drifted on its own shard since the last forward; validate the
     # weights that get checkpointed (rank 0's), or epochs.csv disagrees with the evaluate stage.
-    if d.world_size > 1:
-        for buf in ckpt.unwrap(model).buffers():
+    if step.dist.world_size > 1:
+        for buf in model.buffers():
             dist.broadcast(buf, src=0)
     model.eval()
-    dtype = amp_dtype(cfg["precision"])
-    k = min(5, num_classes)
-    loss_sum = top1 = top5 = n = 0.0
-    for x, y in loader.epoch(0):
-        if cfg["channels_last"]:
-            x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(d.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            out = model(x)
-        loss_sum += torch.nn.functional.cross_entropy(out.float(), y, reduction="sum").item()
-        hits = out.topk(k, dim=1).indices == y[:, None]
-        top1 += hits[:, 0].sum().item()
-        top5 += hits.any(dim=1).sum().item()
-        n += len(y)
-    loss_sum, top1, top5, n = all_reduce_sum([loss_sum, top1, top5, n], d)
-    return {
-        "val_loss": loss_sum / max(n, 1),
-        "val_top1": top1 / max(n, 1),
-        "val_top5": top5 / max(n, 1),
-        "val_images": int(n),
-    }
+    t = tally(model, loader.epoch(0), num_classes, step.dist.device, step.precision, channels_last=step.channels_last)
+    t = all_reduce_tally(t, step.dist.device)
+    n = max(t.images, 1)
+    top1 = float(t.confusion.diagonal().sum()) / n
+    return {"val_loss": t.loss_sum / n, "val_top1": top1, "val_top5": t.top5_hits / n, "val_images": t.images}
 
 
-def run_info(cfg, d, loader_kind, batch, accum, epochs, rec, padding, preflight, started) -> dict:
-    from rectrain.storage import device_info
-
-    try:
-        import nvidia.dali as dali
-
-        dali_version = dali.__version__
-    except ImportError:
-        dali_version = None
-    return {
-        "world_size": d.world_size,
-        "nodes": int(cfg.get("nodes", 1)),
-        "devices": [str(d.device)] if d.device.type == "cpu" else [f"cuda:{i}" for i in range(d.local_world_size)],
-        "backend": "nccl" if d.device.type == "cuda" else "gloo",
-        "loader": loader_kind,
-        "model": cfg["model"],
-        "precision": cfg["precision"],
-        "batch_size": batch,
-        "grad_accum": accum,
-        "global_batch": batch * accum * d.world_size,
-        "epochs": epochs,
-        "image_size": cfg["image_size"],
-        "rec_device": device_info(rec),
-        "gpus": telemetry.gpu_inventory(),
-        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "dali": dali_version,
-        "padding_per_epoch": padding,
-        "started": started,
-        "finished": None,
-        "preflight": preflight,
-        "config": cfg,
-    }
+# --- the run -------------------------------------------------------------------------------------
 
 
-def train(args: argparse.Namespace, cfg: dict) -> None:
-    d = setup_distributed(cfg)
-    out = Path(args.out)
-    ck_dir = out / "checkpoints"
-    if d.master:
-        ck_dir.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Run:
+    """One rank's training run: its inputs, what preflight chose, and the pieces built from them."""
+
+    args: argparse.Namespace
+    cfg: dict
+    d: Dist
+    classes: list[dict]
+    model: torch.nn.Module  # unwrapped: what is checkpointed and validated
+    step: Step
+    train_loader: object
+    val_loader: object
+    batch: int
+    preflight: dict
+    workers: int
+    out: Path
+    fingerprint: dict = field(default_factory=dict)
+    code: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def ck_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch * self.step.accum * self.d.world_size
+
+
+def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
+    """Model, preflight batch, loaders and optimizer for this rank."""
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, threads // d.local_world_size))
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts rank 0's)
-
     classes = read_classes(args.classes)
     set_backend_flags(cfg, d.device)
     model, loss_fn = make_model(cfg, len(classes), d.device)
     batch, accum, preflight = choose_batch(cfg, model, loss_fn, d, len(classes))
-
     workers = resolve_workers(cfg["workers"], d.local_world_size, threads)
-    log(f"rank {d.rank}: {workers} loader workers (train.workers: {cfg['workers']})")
+    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, cfg["workers"])
     common = dict(
         image_size=cfg["image_size"],
         rank=d.rank,
@@ -486,184 +409,266 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
         dali=DaliOptions.from_config(cfg),
     )
     train_loader = build_loader(cfg["loader"], LoaderSpec(args.rec, args.idx, batch_size=batch, train=True, **common))
-    val_loader = build_loader(
-        cfg["loader"], LoaderSpec(args.val_rec, args.val_idx, batch_size=batch, train=False, **common)
-    )
-    global_batch = batch * accum * d.world_size
-    optimizer, scheduler, scaler = make_optimizer(
-        cfg, model, global_batch, math.ceil(train_loader.batches_per_epoch / accum)
-    )
+    val_spec = LoaderSpec(args.val_rec, args.val_idx, batch_size=batch, train=False, **common)
+    val_loader = build_loader(cfg["loader"], val_spec)
+    opt_steps = math.ceil(train_loader.batches_per_epoch / accum)
+    optimizer, scheduler, scaler = make_optimizer(cfg, model, batch * accum * d.world_size, opt_steps)
+    step = Step(model, loss_fn, optimizer, scheduler, scaler, accum, cfg["precision"], cfg["channels_last"], d)
+    run = Run(args, cfg, d, classes, model, step, train_loader, val_loader, batch, preflight, workers, Path(args.out))
+    run.fingerprint, run.code = data_fingerprint(args.rec, args.idx), code_fingerprint()
+    return run
 
+
+def resume(run: Run) -> tuple[int, list | None]:
+    """(first epoch to train, per-rank RNG states) from checkpoints/last.pt when it continues this run."""
     start_epoch, rng_states = 0, None
-    fingerprint, code = data_fingerprint(args.rec, args.idx), code_fingerprint()
-    last = ck_dir / "last.pt"
+    last = run.ck_dir / "last.pt"
     if last.exists():
         state = ckpt.load(last)
-        why_not = resumable(state, cfg, fingerprint, d.world_size, code)
+        why_not = resumable(state, run.cfg, run.fingerprint, run.d.world_size, run.code)
         if why_not:
-            log(f"not resuming from {last}: {why_not}; starting from epoch 0")
+            log.info("not resuming from %s: %s; starting from epoch 0", last, why_not)
         else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            scaler.load_state_dict(state["scaler"])
+            run.model.load_state_dict(state["model"])
+            run.step.optimizer.load_state_dict(state["optimizer"])
+            run.step.scheduler.load_state_dict(state["scheduler"])
+            run.step.scaler.load_state_dict(state["scaler"])
             start_epoch, rng_states = state["epoch"] + 1, state["rng"]
-            log(f"resuming from {last}: epoch {state['epoch']} done, continuing at epoch {start_epoch}")
+            log.info("resuming from %s: epoch %d done, continuing at epoch %d", last, state["epoch"], start_epoch)
         del state
-    starts = all_gather(start_epoch, d)  # also: nobody writes checkpoints before every rank has read last.pt
+    starts = all_gather(start_epoch, run.d)  # also: nobody writes checkpoints before every rank has read last.pt
     if len(set(starts)) > 1:
         raise RuntimeError(
-            f"ranks disagree on the epoch to resume from ({starts}): {ck_dir} must be on a "
+            f"ranks disagree on the epoch to resume from ({starts}): {run.ck_dir} must be on a "
             "filesystem every node sees (shared --out)"
         )
+    return start_epoch, rng_states
 
-    ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None) if d.world_size > 1 else model
-    net = torch.compile(ddp) if cfg["compile"] else ddp
 
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    info = run_info(
-        cfg,
-        d,
-        train_loader.kind,
-        batch,
-        accum,
-        cfg["epochs"],
-        args.rec,
-        train_loader.padding_per_epoch,
-        preflight,
-        started,
-    )
-    info["resumed_from_epoch"] = start_epoch if start_epoch else None
-    # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
-    info.update(
-        loader_requested=cfg["loader"],
-        decode=train_loader.choice.decode,
-        loader_note=train_loader.choice.note,
-        workers=workers,
-    )  # the count 'auto' became, which the diagnosis quotes
-    if d.master:
-        write_json(out / "run.json", info)
-        log(
-            f"{d.world_size} process(es), {info['backend']}, {train_loader.kind} loader, {cfg['model']} "
-            f"@{cfg['image_size']}px, batch {batch} x accum {accum} x {d.world_size} = {global_batch}, "
-            f"{train_loader.size} train images ({train_loader.padding_per_epoch} padded per epoch), "
-            f"preflight: {preflight}"
-        )
-    live = out / "telemetry"
+def wrap(run: Run) -> None:
+    """DDP across ranks, then torch.compile when asked: the network the steps run."""
+    d = run.d
+    net = run.model
+    if d.world_size > 1:
+        net = DDP(run.model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    run.step.net = torch.compile(net) if run.cfg["compile"] else net
+
+
+def run_info(run: Run, start_epoch: int) -> dict:
+    """run.json: what ran where, with which batch and loader, and why (the report's provenance)."""
+    from rectrain.storage import device_info
+
+    try:
+        import nvidia.dali as dali
+
+        dali_version = dali.__version__
+    except ImportError:
+        dali_version = None
+    d, cfg, loader = run.d, run.cfg, run.train_loader
+    return {
+        "world_size": d.world_size,
+        "nodes": cfg["nodes"],
+        "devices": [str(d.device)] if d.device.type == "cpu" else [f"cuda:{i}" for i in range(d.local_world_size)],
+        "backend": "nccl" if d.device.type == "cuda" else "gloo",
+        "loader": loader.kind,
+        "model": cfg["model"],
+        "precision": cfg["precision"],
+        "batch_size": run.batch,
+        "grad_accum": run.step.accum,
+        "global_batch": run.global_batch,
+        "epochs": cfg["epochs"],
+        "image_size": cfg["image_size"],
+        "rec_device": device_info(run.args.rec),
+        "gpus": telemetry.gpu_inventory(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "dali": dali_version,
+        "padding_per_epoch": loader.padding_per_epoch,
+        "started": _now(),
+        "finished": None,
+        "preflight": run.preflight,
+        "config": cfg,
+        "resumed_from_epoch": start_epoch or None,
+        # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
+        "loader_requested": cfg["loader"],
+        "decode": loader.choice.decode,
+        "loader_note": loader.choice.note,
+        "workers": run.workers,  # the count 'auto' became, which the diagnosis quotes
+    }
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+@contextlib.contextmanager
+def telemetry_logs(run: Run, start_epoch: int):
+    """(steps log, epochs log on rank 0 else None) in out/telemetry/, with the node's system sampler."""
+    live = run.out / "telemetry"
     live.mkdir(parents=True, exist_ok=True)
-    steps_log = telemetry.step_log(live, d.rank, start_epoch)
-    epochs_log = telemetry.epoch_log(live, start_epoch) if d.master else None
+    steps_log = telemetry.step_log(live, run.d.rank, start_epoch)
+    epochs_log = telemetry.epoch_log(live, start_epoch) if run.d.master else None
     sampler = None
-    node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node rank
-    if d.local_rank == 0:
+    if run.d.local_rank == 0:
         from rectrain.storage import block_device_for
 
+        node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node rank
         sampler = telemetry.SystemSampler(
             live / f"system_node{node}.csv",
-            cfg["sample_interval_s"],
-            block_device_for(args.rec),
+            run.cfg["sample_interval_s"],
+            block_device_for(run.args.rec),
             telemetry.job_processes(),
             append=start_epoch > 0,
         )
         sampler.start()
-
     try:
-        if rng_states is not None:
-            ckpt.set_rng_state(rng_states[d.rank])
-        for epoch in range(start_epoch, cfg["epochs"]):
-            if os.environ.get(FAIL_RANK_ENV) == str(d.rank):
-                raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={d.rank})")
-            stats = train_one_epoch(
-                epoch, net, train_loader, loss_fn, optimizer, scheduler, scaler, cfg, accum, d, steps_log
-            )
-            val = evaluate(model, val_loader, loss_fn, cfg, d, len(classes))
-            rngs = all_gather(ckpt.rng_state(), d)
-            if d.master:
-                epochs_log.write(
-                    epoch=epoch,
-                    train_loss=stats["train_loss"],
-                    train_acc=stats["train_acc"],
-                    val_loss=val["val_loss"],
-                    val_top1=val["val_top1"],
-                    val_top5=val["val_top5"],
-                    images_per_s=stats["images"] / stats["wall_s"],
-                    wall_s=stats["wall_s"],
-                )
-                state = {
-                    "model": ckpt.unwrap(model).state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict(),
-                    "epoch": epoch,
-                    "rng": rngs,
-                    "config": cfg,
-                    "num_classes": len(classes),
-                    "model_name": cfg["model"],
-                    "image_size": cfg["image_size"],
-                    "batch_size": batch,
-                    "grad_accum": accum,
-                    "world_size": d.world_size,
-                    "data": fingerprint,
-                    "code": code,
-                }
-                ckpt.save_atomic(state, ck_dir / f"epoch_{epoch}.pt")
-                ckpt.save_atomic(state, last)
-                log(
-                    f"epoch {epoch}: train loss {stats['train_loss']:.3f} acc {stats['train_acc']:.3f}, "
-                    f"val loss {val['val_loss']:.3f} top-1 {val['val_top1']:.3f} top-5 {val['val_top5']:.3f}, "
-                    f"{stats['images'] / stats['wall_s']:.0f} img/s, {stats['wall_s']:.1f} s"
-                )
-            barrier(d)
-            if os.environ.get(KILL_AFTER_EPOCH_ENV) == str(epoch):
-                log(f"{KILL_AFTER_EPOCH_ENV}={epoch}: killing this process as a crash would")
-                os.kill(os.getpid(), signal.SIGKILL)
+        yield steps_log, epochs_log
     finally:
         steps_log.close()
         if sampler is not None:
             sampler.stop()
+
+
+def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
+    """The epoch loop: train, validate, checkpoint (rank 0), until train.epochs."""
+    d = run.d
+    for epoch in range(start_epoch, run.cfg["epochs"]):
+        if os.environ.get(FAIL_RANK_ENV) == str(d.rank):
+            raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={d.rank})")
+        stats = train_one_epoch(run.step, run.train_loader, epoch, steps_log)
+        val = validate(run.model, run.val_loader, len(run.classes), run.step)
+        rngs = all_gather(ckpt.rng_state(), d)
+        if d.master:
+            epochs_log.write(
+                epoch=epoch,
+                train_loss=stats["train_loss"],
+                train_acc=stats["train_acc"],
+                val_loss=val["val_loss"],
+                val_top1=val["val_top1"],
+                val_top5=val["val_top5"],
+                images_per_s=stats["images"] / stats["wall_s"],
+                wall_s=stats["wall_s"],
+            )
+            save_checkpoint(run, epoch, rngs)
+            log.info(
+                "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s",
+                epoch,
+                stats["train_loss"],
+                stats["train_acc"],
+                val["val_loss"],
+                val["val_top1"],
+                val["val_top5"],
+                stats["images"] / stats["wall_s"],
+                stats["wall_s"],
+            )
+        barrier(d)
+        if os.environ.get(KILL_AFTER_EPOCH_ENV) == str(epoch):
+            log.info("%s=%d: killing this process as a crash would", KILL_AFTER_EPOCH_ENV, epoch)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_checkpoint(run: Run, epoch: int, rngs: list) -> None:
+    """epoch_<k>.pt and last.pt: everything a resume needs, and what makes it the same run."""
+    state = {
+        "model": run.model.state_dict(),
+        "optimizer": run.step.optimizer.state_dict(),
+        "scheduler": run.step.scheduler.state_dict(),
+        "scaler": run.step.scaler.state_dict(),
+        "epoch": epoch,
+        "rng": rngs,
+        "config": run.cfg,
+        "num_classes": len(run.classes),
+        "model_name": run.cfg["model"],
+        "image_size": run.cfg["image_size"],
+        "batch_size": run.batch,
+        "grad_accum": run.step.accum,
+        "world_size": run.d.world_size,
+        "data": run.fingerprint,
+        "code": run.code,
+    }
+    ckpt.save_atomic(state, run.ck_dir / f"epoch_{epoch}.pt")
+    ckpt.save_atomic(state, run.ck_dir / "last.pt")
+
+
+def finish(run: Run) -> None:
+    """Publish the outputs on rank 0: merged telemetry, run.json, and model.pt last (the rule's marker
+    of a finished run)."""
+    live, out = run.out / "telemetry", run.out
+    telemetry.merge_steps(live, out / "steps.csv", run.d.world_size)
+    shutil.copyfile(live / "epochs.csv", out / "epochs.csv")
+    shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
+    run.info["finished"] = _now()
+    write_json(out / "run.json", run.info)
+    ckpt.save_atomic(ckpt.load(run.ck_dir / "last.pt"), out / "model.pt")
+    log.info("done: %s", out / "model.pt")
+
+
+def train(args: argparse.Namespace, cfg: dict) -> None:
+    d = distributed.setup(cfg["devices"] != "cpu", cfg["collective_timeout_s"])
+    if d.master:
+        (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
+    run = prepare(args, cfg, d)
+    start_epoch, rng_states = resume(run)
+    wrap(run)
+    run.info = run_info(run, start_epoch)
+    if d.master:
+        write_json(run.out / "run.json", run.info)
+        log.info(
+            "%d process(es), %s, %s loader, %s @%dpx, batch %d x accum %d x %d = %d, %d train images "
+            "(%d padded per epoch), preflight: %s",
+            d.world_size,
+            run.info["backend"],
+            run.train_loader.kind,
+            cfg["model"],
+            cfg["image_size"],
+            run.batch,
+            run.step.accum,
+            d.world_size,
+            run.global_batch,
+            run.train_loader.size,
+            run.train_loader.padding_per_epoch,
+            run.preflight,
+        )
+    if rng_states is not None:
+        ckpt.set_rng_state(rng_states[d.rank])
+    with telemetry_logs(run, start_epoch) as (steps_log, epochs_log):
+        train_epochs(run, start_epoch, steps_log, epochs_log)
     barrier(d)
     if d.master:
         epochs_log.close()
-        telemetry.merge_steps(live, out / "steps.csv", d.world_size)
-        shutil.copyfile(live / "epochs.csv", out / "epochs.csv")
-        shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
-        info["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        write_json(out / "run.json", info)
-        ckpt.save_atomic(ckpt.load(last), out / "model.pt")  # last: the rule's output marks a finished run
-        log(f"done: {out / 'model.pt'}")
+        finish(run)
     barrier(d)
+
+
+def _explain_failure(exc: BaseException, cfg: dict) -> str:
+    """The error line a failing rank leaves in the log, with what an out-of-memory really means."""
+    rank = os.environ.get("RANK", "?")
+    batch = cfg.get("batch_size") if isinstance(cfg, dict) else None
+    on_gpu = torch.cuda.is_available() and isinstance(cfg, dict) and cfg.get("devices") != "cpu"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    hint = memory.explain_cuda_error(exc, device, batch if isinstance(batch, int) else 0, world)
+    return f"rank {rank} failed: {type(exc).__name__}: {exc}" + (f"\n{hint}" if hint else "")
 
 
 @record
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    cfg = json.loads(args.config_json)
-    if not launched() and not relaunch_or_single(cfg, argv, args.single_process):
-        return
-    rank = os.environ.get("RANK", "?")
+    setup_logging("train", elapsed=True)
+    try:
+        cfg = stage_block("train", args.config_json)
+    except ConfigError as err:
+        raise SystemExit(f"[train] {err}") from None
+    if not distributed.launched():
+        relaunch_or_single(cfg, argv, args.single_process)
     try:
         train(args, cfg)
     except Exception as exc:
-        batch = cfg.get("batch_size")
-        device = (
-            torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            if torch.cuda.is_available() and cfg.get("devices") != "cpu"
-            else torch.device("cpu")
-        )
-        hint = memory.explain_cuda_error(
-            exc, device, batch if isinstance(batch, int) else 0, int(os.environ.get("WORLD_SIZE", 1))
-        )
-        print(
-            f"rank {rank} failed: {type(exc).__name__}: {exc}" + (f"\n{hint}" if hint else ""),
-            file=sys.stderr,
-            flush=True,
-        )
-        traceback.print_exc()
+        log.exception(_explain_failure(exc, cfg))
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        distributed.teardown()
 
 
 if __name__ == "__main__":
