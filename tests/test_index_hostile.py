@@ -102,6 +102,9 @@ def test_flat_val_without_labels_in_folder_layout_is_an_error_naming_split_layou
     assert msg.startswith("val: no images indexed. Layout detected: folders (val/<wnid>/)")
     assert "Found instead: 8 x not an image extension (.txt;" in msg
     assert "absent_splits: [val]" in msg
+    proc = run_cli("--raw", str(root), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 1 and "index: val: no images indexed." in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_flat_val_whose_labels_name_no_file_is_an_error_with_the_reason(demo_raw, tmp_path):
@@ -142,6 +145,7 @@ def test_val_absent_on_purpose_indexes_train_only_and_the_cli_reads_it_from_the_
         discover(root)
     found = discover(root, absent_splits=["val"])
     assert found.val == [] and len(found.train) == 12
+    assert discover(root, "folders", absent_splits=["val"]).layout["val"].startswith("absent")
     assert found.layout["val"] == "absent (index.absent_splits in the config)"
     proc = run_cli("--raw", str(root), "--out", str(tmp_path / "out"), "--config-json", '{"absent_splits": ["val"]}')
     assert proc.returncode == 0, proc.stderr
