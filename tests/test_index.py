@@ -215,16 +215,6 @@ def test_forced_layout_that_is_missing_names_what_it_looked_for(raw, tmp_path):
         discover(tmp_path / "nowhere")
 
 
-@pytest.mark.skipif(__import__("importlib.util").util.find_spec("scipy") is not None, reason="scipy can read meta.mat")
-def test_devkit_meta_mat_without_scipy_says_how_to_fix(raw, tmp_path):
-    root = copy_subset(raw, tmp_path / "raw", ["train", "val_flat"])
-    (root / "devkit").mkdir()
-    shutil.copy(raw / "devkit/ILSVRC2012_validation_ground_truth.txt", root / "devkit")
-    (root / "devkit/meta.mat").write_bytes(b"MATLAB 5.0 MAT-file")
-    with pytest.raises(LayoutError, match="needs scipy.*LOC_val_solution.csv"):
-        discover(root, "auto")
-
-
 def tar_with(members: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
@@ -304,7 +294,7 @@ def test_cli_writes_four_tsvs_and_fails_with_the_member_named(raw, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["classes.tsv", "train.tsv", "unclassified.tsv", "val.tsv"]
-    assert "train 20 images, val 8 images, 4 classes, 1 unclassified" in proc.stderr
+    assert "[index] train 20 images, val 8 images, 4 classes, 1 unclassified" in proc.stderr
 
     bad = archive_root(tmp_path, val_members=[regular("../../x.JPEG")])
     proc = subprocess.run(

@@ -16,8 +16,10 @@ rule index_raw:
     conda:
         ENV
     params:
+        cfg=cfg_json("index"),
         # The demo root comes from the input marker; a real raw root is the configured path.
         raw=lambda wildcards, input: os.path.dirname(input.marker[0]) if input.marker else RAW_ROOT,
         out=lambda wildcards, output: os.path.dirname(output[0]),
     shell:
-        "python -m rectrain.data.index --raw {params.raw:q} --out {params.out:q} > {log:q} 2>&1"
+        "python -m rectrain.data.index --config-json {params.cfg:q} --raw {params.raw:q} --out {params.out:q}"
+        " > {log:q} 2>&1"

@@ -5,6 +5,13 @@ A source is a path relative to the raw root, `archive.tar::member`, or `outer.ta
 on the archive's file descriptor - never extracted to disk.  Tar member names are never used as
 filesystem paths; a member that is absolute, climbs with `..`, is a link or a device is refused with
 an error naming the archive and the member.  The index lists sources; the pack reads them here.
+
+A listing must end at a valid end-of-archive (a zero block, with nothing but zeros after it) and every
+member must lie inside its archive: otherwise CorruptArchive names the archive and the byte offset.
+Python's tarfile ends a listing silently at a corrupt header or a truncation, which would drop every
+member after it (whole classes of ILSVRC2012_img_train.tar) without a word.
+
+The official file names live here, the one home the indexer and the demo generator both import.
 """
 
 from __future__ import annotations
@@ -18,12 +25,25 @@ from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
 SEP = "::"
+TRAIN_TAR, VAL_TAR = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"
+DEVKIT_TGZ, DEVKIT_DIR = "ILSVRC2012_devkit_t12.tar.gz", "ILSVRC2012_devkit_t12/data"
+GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
+# The devkit's ILSVRC2012_ID -> wnid map: meta.mat (MATLAB) in the download, meta.csv in the demo.
+META_MAT, META_CSV = "meta.mat", "meta.csv"
+KAGGLE_CSV, SYNSET_MAPPING = "LOC_val_solution.csv", "LOC_synset_mapping.txt"
+# What the official ILSVRC2012 archives hold (the counts every ImageNet paper trains and validates on).
+OFFICIAL_COUNTS = {"classes": 1000, "train": 1_281_167, "val": 50_000}
+BLOCK = 512  # tar header and padding unit
 # Characters that would break a TSV row or the `::` source syntax.
 UNNAMEABLE = ("\t", "\n", "\r", SEP)
 
 
 class UnsafeArchiveMember(ValueError):
     """A tar member that could escape a directory or is not a plain file."""
+
+
+class CorruptArchive(ValueError):
+    """A tar whose listing does not reach a valid end, or whose member runs past the end of the file."""
 
 
 class _Window(io.RawIOBase):
@@ -84,21 +104,68 @@ def check_member(info: tarfile.TarInfo, archive: str) -> None:
         )
 
 
-def scan_tar(fileobj, archive: str) -> list[tuple[str, int, int]]:
-    """(name, data offset, size) of each regular file in an uncompressed tar, in archive order."""
+def _where(archive: str, offset: int, outer: tuple[str, int] | None) -> str:
+    """'byte N of a.tar', plus the byte in the file on disk when a.tar is a member of another tar."""
+    text = f"byte {offset} of {archive}"
+    return text + (f" (byte {outer[1] + offset} of {outer[0]})" if outer else "")
+
+
+def _check_end(fileobj, end: int, size: int, archive: str, outer) -> None:
+    """The listing stopped at `end`: that must be a zero block with only zeros after it."""
+    fileobj.seek(end)
+    block = fileobj.read(BLOCK)
+    if len(block) < BLOCK:
+        raise CorruptArchive(
+            f"{archive} ends at byte {size} without an end-of-archive marker (expected after the last "
+            f"member, at {_where(archive, end, outer)}): the archive is truncated; re-download it"
+        )
+    if block.count(0) != BLOCK:
+        raise CorruptArchive(
+            f"{archive}: no valid tar header at {_where(archive, end, outer)}: the listing stops there and "
+            f"every member after it would be lost; the archive is damaged, re-download it (check its md5)"
+        )
+    pos = end + BLOCK
+    while chunk := fileobj.read(1 << 20):
+        if chunk.count(0) != len(chunk):
+            first = pos + next(i for i, b in enumerate(chunk) if b)
+            raise CorruptArchive(
+                f"{archive}: data continues at {_where(archive, first, outer)} after an end-of-archive "
+                f"marker at byte {end}: a zeroed block or a second archive appended; members after it "
+                f"would be lost. Re-download or re-create the archive"
+            )
+        pos += len(chunk)
+
+
+def scan_tar(fileobj, archive: str, size: int, outer: tuple[str, int] | None = None) -> list[tuple[str, int, int]]:
+    """(name, data offset, size) of each regular file in an uncompressed tar of `size` bytes, in archive
+    order. outer = (file on disk, byte where this tar starts in it) when the tar is a member of another."""
     members, seen = [], set()
-    with tarfile.open(fileobj=fileobj, mode="r:") as tar:
-        for info in tar:
-            check_member(info, archive)
-            if info.isdir():
-                continue
-            if info.name in seen:
-                raise UnsafeArchiveMember(
-                    f"refusing tar member {info.name!r} in {archive}: it occurs twice, "
-                    f"so which copy is meant is ambiguous; re-create the archive"
-                )
-            seen.add(info.name)
-            members.append((info.name, info.offset_data, info.size))
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r:") as tar:
+            for info in tar:
+                check_member(info, archive)
+                if info.offset_data + info.size > size:
+                    raise CorruptArchive(
+                        f"{archive}: member {info.name!r} at {_where(archive, info.offset, outer)} claims "
+                        f"{info.size} bytes up to byte {info.offset_data + info.size}, but the archive ends at "
+                        f"byte {size}: it is truncated; re-download it"
+                    )
+                if info.isdir():
+                    continue
+                if info.name in seen:
+                    raise UnsafeArchiveMember(
+                        f"refusing tar member {info.name!r} in {archive}: it occurs twice, "
+                        f"so which copy is meant is ambiguous; re-create the archive"
+                    )
+                seen.add(info.name)
+                members.append((info.name, info.offset_data, info.size))
+            end = tar.offset
+    except tarfile.ReadError as err:
+        at = members[-1][1] + members[-1][2] if members else 0
+        raise CorruptArchive(
+            f"{archive} is not a readable tar ({err}) after {_where(archive, at, outer)}; re-download it"
+        ) from None
+    _check_end(fileobj, end, size, archive, outer)
     return members
 
 
@@ -149,7 +216,9 @@ class SourceReader:
     def scan(self, chain: tuple[str, ...]) -> list[tuple[str, int, int]]:
         """Member (name, absolute offset, size) of the tar named by chain, without caching the table."""
         fd, start, size = self.span(chain)
-        return [(name, start + off, sz) for name, off, sz in scan_tar(_Window(fd, start, size), SEP.join(chain))]
+        outer = (chain[0], start) if len(chain) > 1 else None
+        members = scan_tar(_Window(fd, start, size), SEP.join(chain), size, outer)
+        return [(name, start + off, sz) for name, off, sz in members]
 
     def members(self, chain: tuple[str, ...]) -> dict[str, tuple[int, int]]:
         if chain not in self._tables:

@@ -33,15 +33,31 @@ import csv
 import gzip
 import io
 import json
+import logging
 import math
 import shutil
-import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from rectrain import log as stage_log
+from rectrain.config import ConfigError, stage_block
+from rectrain.data.archives import (
+    DEVKIT_DIR,
+    DEVKIT_TGZ,
+    GROUND_TRUTH,
+    KAGGLE_CSV,
+    META_CSV,
+    SYNSET_MAPPING,
+    TRAIN_TAR,
+    VAL_TAR,
+)
+
+# Named, not __name__: run as `python -m`, this module is __main__, outside the configured "rectrain" logger.
+log = logging.getLogger("rectrain.data.demo")
 
 # The first ImageNet-1k classes (sorted wnids, as in LOC_synset_mapping.txt), so the demo looks
 # like the real thing; further classes get synthetic wnids that sort after every real one.
@@ -72,9 +88,6 @@ REAL_CLASSES = [
 ASPECTS = (4 / 3, 4 / 3, 4 / 3, 3 / 2, 1.0, 3 / 4, 2 / 3, 16 / 9)
 PATTERNS = ("stripes", "checker", "rings", "dots")
 SPLIT_TRAIN, SPLIT_VAL = 1, 2
-TRAIN_TAR, VAL_TAR = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"
-DEVKIT_TGZ, DEVKIT_DIR = "ILSVRC2012_devkit_t12.tar.gz", "ILSVRC2012_devkit_t12/data"
-GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 # Top-level entries this generator owns; removed before a run so stale files never survive.
 OWNED = (
     "train",
@@ -82,8 +95,8 @@ OWNED = (
     "val_flat",
     "devkit",
     "archives",
-    "LOC_val_solution.csv",
-    "LOC_synset_mapping.txt",
+    KAGGLE_CSV,
+    SYNSET_MAPPING,
     "defects.json",
     ".done",
 )
@@ -111,10 +124,6 @@ class ClassStyle:
     pattern: str
     angle: float  # radians
     period: float  # texture period as a fraction of the shorter side
-
-
-def log(msg: str) -> None:
-    print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
 def class_list(n: int) -> list[tuple[str, str]]:
@@ -315,7 +324,7 @@ def generate(cfg: dict, out: Path) -> dict:
                 write(out / "train" / wnid / name, data)
             tar_member(train_tar, f"{wnid}.tar", tar_bytes(files))
             n_train += len(files)
-            log(f"train {k + 1}/{n_classes} {wnid}: {len(files)} files")
+            log.info(f"train {k + 1}/{n_classes} {wnid}: {len(files)} files")
 
     # Val: classes interleaved in a fixed random order, numbered 1..N like ILSVRC2012_val_XXXXXXXX.
     val_labels = np.repeat(np.arange(n_classes), cfg["val_per_class"])
@@ -334,7 +343,7 @@ def generate(cfg: dict, out: Path) -> dict:
             tar_member(val_tar, f"{stem}.JPEG", data)
             solution.append((stem, f"{wnid} {x1} {y1} {x2} {y2} "))
             truth.append(int(ilsvrc_id[k]))
-    log(f"val: {len(val_labels)} images")
+    log.info(f"val: {len(val_labels)} images")
 
     solution_csv = "ImageId,PredictionString\n" + "".join(f"{a},{b}\n" for a, b in solution)
     mapping_txt = "".join(f"{wnid} {name}\n" for wnid, name in classes)
@@ -345,12 +354,12 @@ def generate(cfg: dict, out: Path) -> dict:
     for k in np.argsort(ilsvrc_id).tolist():
         writer.writerow([int(ilsvrc_id[k]), *classes[k]])
     for folder in (out, out / "archives"):
-        write(folder / "LOC_val_solution.csv", solution_csv.encode())
-        write(folder / "LOC_synset_mapping.txt", mapping_txt.encode())
+        write(folder / KAGGLE_CSV, solution_csv.encode())
+        write(folder / SYNSET_MAPPING, mapping_txt.encode())
     write(out / "devkit" / GROUND_TRUTH, truth_txt.encode())
-    write(out / "devkit" / "meta.csv", meta.getvalue().encode())
+    write(out / "devkit" / META_CSV, meta.getvalue().encode())
     devkit = tar_bytes(
-        [(f"{DEVKIT_DIR}/{GROUND_TRUTH}", truth_txt.encode()), (f"{DEVKIT_DIR}/meta.csv", meta.getvalue().encode())]
+        [(f"{DEVKIT_DIR}/{GROUND_TRUTH}", truth_txt.encode()), (f"{DEVKIT_DIR}/{META_CSV}", meta.getvalue().encode())]
     )
     with (
         open(out / "archives" / DEVKIT_TGZ, "wb") as raw,
@@ -366,16 +375,23 @@ def generate(cfg: dict, out: Path) -> dict:
         "defects": len(manifest),
     }
     write(out / ".done", (json.dumps(summary, sort_keys=True) + "\n").encode())
-    log(f"done: {summary}")
+    log.info(f"done: {summary}")
     return summary
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config-json", required=True, help="the config's demo block as JSON")
+    parser.add_argument(
+        "--config-json", required=True, help="the config's demo block as JSON; missing keys take the schema defaults"
+    )
     parser.add_argument("--out", required=True, type=Path, help="raw root to write (results/demo/raw)")
     args = parser.parse_args(argv)
-    generate(json.loads(args.config_json), args.out)
+    stage_log.setup("demo")
+    try:
+        cfg = stage_block("demo", args.config_json)
+    except ConfigError as err:
+        raise SystemExit(f"demo: {err}") from None
+    generate(cfg, args.out)
 
 
 if __name__ == "__main__":

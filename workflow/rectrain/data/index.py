@@ -17,8 +17,24 @@ sorted(source) order), classes.tsv (label, wnid, name; labels = sorted train wni
 `im2rec --recursive` numbers them), unclassified.tsv (source, reason). A source is a path relative to
 the raw root, or `archive.tar::member`, or `outer.tar::inner.tar::member`.
 
-The indexer only classifies; bad image content is the packer's job. Files it cannot classify (not an
-image extension, outside any class folder, no ground truth) are listed in unclassified.tsv.
+The indexer only classifies; bad image content is the packer's job. Every file under the layout's
+folders is accounted for: indexed, or listed in unclassified.tsv with the reason (not an image
+extension, outside any class folder, no ground truth, not a regular file: FIFOs, sockets and devices
+would block or feed the packer garbage; symbolic links are followed only when they resolve inside the
+raw root, or inside a split folder that is itself a link the user made). Layout detection ignores hidden and empty folders (a stray `val/.ipynb_checkpoints/` does not
+make a flat val foldered).
+
+Loud failures (LayoutError, CorruptArchive, UnsafeArchiveMember), never a silently short index:
+  - a split with no images names the split, the layout detected and what was found instead, unless
+    the config's index.absent_splits lists it;
+  - an archive listing that stops before a valid end-of-archive, or a member running past the end of
+    its archive, names the archive and the byte offset (rectrain.data.archives);
+  - with the official ILSVRC2012_img_train.tar, whole-class evidence is an error: a per-class tar with
+    no images, or val labels naming classes the train archive lacks. (With folders, the same findings
+    are warnings: a train subset with the full val is a legitimate experiment.)
+Warnings, said once each in the log: counts of the official archives that differ from 1000 classes /
+1,281,167 train / 50,000 val (both numbers), class names that are not WordNet ids (fine for a custom
+dataset), empty class folders, val classes that train lacks.
 Tar member names are never used as filesystem paths; a member that is absolute, climbs with `..`,
 is a link or a device is refused with an error naming the archive and the member.
 """
@@ -28,24 +44,46 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import logging
 import os
 import re
-import sys
+import stat
 import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
-from rectrain.data.archives import SEP, UNNAMEABLE, SourceReader, UnsafeArchiveMember, check_member
+from rectrain import log as stage_log
+from rectrain.atomic import replacing
+from rectrain.config import ConfigError, stage_block
+from rectrain.data.archives import (
+    DEVKIT_DIR,
+    DEVKIT_TGZ,
+    GROUND_TRUTH,
+    KAGGLE_CSV,
+    META_CSV,
+    META_MAT,
+    OFFICIAL_COUNTS,
+    SEP,
+    SYNSET_MAPPING,
+    TRAIN_TAR,
+    UNNAMEABLE,
+    VAL_TAR,
+    CorruptArchive,
+    SourceReader,
+    UnsafeArchiveMember,
+    check_member,
+)
+
+# Named, not __name__: run as `python -m`, this module is __main__, outside the configured "rectrain" logger.
+log = logging.getLogger("rectrain.data.index")
 
 IMAGE_EXTS = (".jpeg", ".jpg", ".png")  # im2rec's default --exts
-TRAIN_TAR, VAL_TAR = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"
-DEVKIT_TGZ = "ILSVRC2012_devkit_t12.tar.gz"
-GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
-KAGGLE_CSV, SYNSET_MAPPING = "LOC_val_solution.csv", "LOC_synset_mapping.txt"
 VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})$")
+WNID = re.compile(r"n\d{8}")
 LAYOUTS = ("auto", "folders", "flat-kaggle", "flat-devkit", "archives")
+SPLITS = ("train", "val")
 
 
 class LayoutError(Exception):
@@ -54,17 +92,23 @@ class LayoutError(Exception):
 
 @dataclass
 class Found:
-    """What discovery saw: (source, wnid) rows per split, unclassified (source, reason), class names."""
+    """What discovery saw: (source, wnid) rows per split, unclassified (source, reason), class names.
+
+    layout: per split, how it was read; warnings: findings to say once in the log (see module doc)."""
 
     train: list[tuple[str, str]] = field(default_factory=list)
     val: list[tuple[str, str]] = field(default_factory=list)
     unclassified: list[tuple[str, str]] = field(default_factory=list)
     names: dict[str, str] = field(default_factory=dict)
     layout: dict[str, str] = field(default_factory=dict)
-
-
-def log(msg: str) -> None:
-    print(f"[index] {msg}", file=sys.stderr, flush=True)
+    detected: dict[str, str] = field(default_factory=dict)  # per split: folders, flat, archives or absent
+    warnings: list[str] = field(default_factory=list)
+    # Per split, the slice of `unclassified` its discovery produced (what was "found instead").
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Per split: (files in the official archive, per-class tars) when read from one, for the count check.
+    archive_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Class folders (or per-class tars) that held no image.
+    empty_classes: dict[str, list[str]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- classification helpers
@@ -74,9 +118,12 @@ def unclassifiable(name: str) -> str | None:
     """Why a file name cannot be an index row, or None."""
     if any(c in name for c in UNNAMEABLE):
         return "name contains a tab, newline or '::'"
-    if PurePosixPath(name).name.startswith("."):
+    # String operations, not PurePosixPath: this runs once per file of a 1.28 M-file tree.
+    base = name.rpartition("/")[2]
+    if base.startswith("."):
         return "hidden file (e.g. macOS ._ metadata)"
-    suffix = PurePosixPath(name).suffix.lower()
+    stem, dot, ext = base.rpartition(".")
+    suffix = dot + ext.lower() if stem else ""
     if suffix not in IMAGE_EXTS:
         return f"not an image extension ({suffix or 'none'}; accepted: {', '.join(IMAGE_EXTS)})"
     return None
@@ -86,33 +133,106 @@ def _rel(path: Path, raw: Path) -> str:
     return path.relative_to(raw).as_posix()
 
 
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _special(mode: int) -> str:
+    return next((what for test, what in _SPECIAL if test(mode)), "a special file")
+
+
+class _Kinds:
+    """Classify directory entries by their type without a stat where the entry already knows it (the
+    d_type os.scandir returns): only regular files are indexed, symbolic links only when they resolve
+    inside the raw root (or inside the split's own folder, which may be a link the user made)."""
+
+    def __init__(self, raw: Path, tops: Iterable[Path]):
+        self.roots = tuple({os.path.realpath(p) for p in (raw, *tops)})
+
+    def _inside(self, target: str) -> bool:
+        return any(target == root or target.startswith(root.rstrip(os.sep) + os.sep) for root in self.roots)
+
+    def of(self, entry: os.DirEntry) -> tuple[str, str]:
+        """('file' | 'dir' | 'other', reason for 'other')."""
+        if entry.is_file(follow_symlinks=False):
+            return "file", ""
+        if entry.is_dir(follow_symlinks=False):
+            return "dir", ""
+        if not entry.is_symlink():
+            return "other", f"{_special(entry.stat(follow_symlinks=False).st_mode)}, not a regular file"
+        target = os.path.realpath(entry.path)
+        if not self._inside(target):
+            return "other", f"symbolic link resolving outside the raw root (to {target})"
+        try:
+            mode = os.stat(entry.path).st_mode
+        except OSError as err:
+            return "other", f"broken or looping symbolic link ({err.strerror})"
+        if stat.S_ISREG(mode):
+            return "file", ""
+        if stat.S_ISDIR(mode):
+            return "dir", ""
+        return "other", f"symbolic link to {_special(mode)}, not a regular file"
+
+
+def _scan(folder: Path) -> list[os.DirEntry]:
+    with os.scandir(folder) as it:
+        return sorted(it, key=lambda e: e.name)
+
+
 def _files_below(folder: Path) -> Iterator[Path]:
-    for dirpath, _, files in os.walk(folder):
-        for name in sorted(files):
-            yield Path(dirpath) / name
+    """Every non-directory below folder (links and special files too, never followed): for listing."""
+    if folder.is_symlink():
+        yield folder
+        return
+    for entry in _scan(folder):
+        if entry.is_dir(follow_symlinks=False):
+            yield from _files_below(Path(entry.path))
+        else:
+            yield Path(entry.path)
 
 
-def walk_class_folders(top: Path, raw: Path, found: Found) -> list[tuple[str, str]]:
+def _hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def walk_class_folders(top: Path, raw: Path, found: Found, kinds: _Kinds) -> list[tuple[str, str]]:
     """(source, wnid) for images in top/<wnid>/; everything else goes to found.unclassified."""
-    rows = []
-    for entry in sorted(os.scandir(top), key=lambda e: e.name):
+    rows, empty = [], []
+    for entry in _scan(top):
         path = Path(entry.path)
-        if not entry.is_dir():
-            found.unclassified.append((_rel(path, raw), "outside any class directory"))
-            continue
-        if entry.name.startswith(".") or any(c in entry.name for c in UNNAMEABLE):
+        kind, why = kinds.of(entry)
+        if kind != "dir":
+            found.unclassified.append((_rel(path, raw), why or "outside any class directory"))
+        elif _hidden(entry.name) or any(c in entry.name for c in UNNAMEABLE):
             found.unclassified += [(_rel(p, raw), "hidden or unnameable class directory") for p in _files_below(path)]
-            continue
-        for sub in sorted(os.scandir(path), key=lambda e: e.name):
-            sub_path = Path(sub.path)
-            if sub.is_dir():
-                found.unclassified += [
-                    (_rel(p, raw), f"nested below class directory {entry.name}") for p in _files_below(sub_path)
-                ]
-            elif (reason := unclassifiable(sub.name)) is not None:
-                found.unclassified.append((_rel(sub_path, raw), reason))
-            else:
-                rows.append((_rel(sub_path, raw), entry.name))
+        else:
+            before = len(rows)
+            rows += _walk_class(path, entry.name, raw, found, kinds)
+            if len(rows) == before:
+                empty.append(entry.name)
+    if empty:
+        found.empty_classes[_rel(top, raw)] = empty
+    return rows
+
+
+def _walk_class(folder: Path, wnid: str, raw: Path, found: Found, kinds: _Kinds) -> list[tuple[str, str]]:
+    rows, prefix = [], _rel(folder, raw) + "/"  # sources built as strings: no Path per file
+    for sub in _scan(folder):
+        kind, why = kinds.of(sub)
+        if kind == "dir":
+            found.unclassified += [
+                (_rel(p, raw), f"nested below class directory {wnid}") for p in _files_below(Path(sub.path))
+            ]
+        elif kind == "other":
+            found.unclassified.append((prefix + sub.name, why))
+        elif (reason := unclassifiable(sub.name)) is not None:
+            found.unclassified.append((prefix + sub.name, reason))
+        else:
+            rows.append((prefix + sub.name, wnid))
     return rows
 
 
@@ -165,8 +285,9 @@ def parse_meta(data: bytes, name: str) -> dict[int, tuple[str, str]]:
             f"val images, or use foldered val/<wnid>/ images."
         ) from None
     synsets = loadmat(io.BytesIO(data), squeeze_me=True)["synsets"]
-    # Fields: ILSVRC2012_ID, WNID, words, gloss, num_children, ...; leaves (the 1000 classes) have no children.
-    return {int(s[0]): (str(s[1]), str(s[2])) for s in synsets if int(s[4]) == 0}
+    # A struct array (ILSVRC2012_ID, WNID, words, gloss, num_children, ...), read by field name; the
+    # leaves (the 1000 classes) have no children.
+    return {int(s["ILSVRC2012_ID"]): (str(s["WNID"]), str(s["words"])) for s in synsets if int(s["num_children"]) == 0}
 
 
 @dataclass
@@ -189,7 +310,7 @@ def find_devkit(dirs: list[Path], tgzs: list[Path]) -> Devkit | None:
     for folder in dirs:
         gt = folder / GROUND_TRUTH
         if gt.is_file():
-            meta = next((folder / m for m in ("meta.mat", "meta.csv") if (folder / m).is_file()), None)
+            meta = next((folder / m for m in (META_MAT, META_CSV) if (folder / m).is_file()), None)
             if meta is None:
                 raise LayoutError(f"{gt} has no meta.mat or meta.csv beside it to map ILSVRC2012_IDs to wnids")
             return Devkit(
@@ -202,9 +323,9 @@ def find_devkit(dirs: list[Path], tgzs: list[Path]) -> Devkit | None:
             files = {}
             for info in tar:
                 check_member(info, str(tgz))
-                if info.isfile() and PurePosixPath(info.name).name in (GROUND_TRUTH, "meta.mat", "meta.csv"):
+                if info.isfile() and PurePosixPath(info.name).name in (GROUND_TRUTH, META_MAT, META_CSV):
                     files[PurePosixPath(info.name).name] = tar.extractfile(info).read()
-        meta_name = "meta.mat" if "meta.mat" in files else "meta.csv"
+        meta_name = META_MAT if META_MAT in files else META_CSV
         if GROUND_TRUTH not in files or meta_name not in files:
             raise LayoutError(f"{tgz}: expected {GROUND_TRUTH} and meta.mat (or meta.csv) inside")
         return Devkit(str(tgz), [int(x) for x in files[GROUND_TRUTH].split()], parse_meta(files[meta_name], meta_name))
@@ -218,12 +339,33 @@ def _first(paths: Iterable[Path], test=Path.is_file) -> Path | None:
     return next((p for p in paths if test(p)), None)
 
 
-def _has_subdirs(folder: Path) -> bool:
-    return folder.is_dir() and any(e.is_dir() for e in os.scandir(folder))
+def _has_class_dirs(folder: Path) -> bool:
+    """A folder holding at least one visible, non-empty sub-folder: hidden ones (.ipynb_checkpoints,
+    .git) and empty ones do not make a flat folder look foldered."""
+    if not folder.is_dir():
+        return False
+    for entry in _scan(folder):
+        if entry.is_dir() and not _hidden(entry.name) and any(not _hidden(e.name) for e in os.scandir(entry.path)):
+            return True
+    return False
 
 
 def _has_files(folder: Path) -> bool:
-    return folder.is_dir() and any(e.is_file() for e in os.scandir(folder))
+    return folder.is_dir() and any(e.is_file() and not _hidden(e.name) for e in os.scandir(folder))
+
+
+def _describe(folder: Path, raw: Path) -> str:
+    """What a folder holds, for an error that says what was found instead of what was looked for."""
+    if not folder.is_dir():
+        return f"{_rel(folder, raw)}/ does not exist"
+    entries = _scan(folder)
+    dirs = [e for e in entries if e.is_dir()]
+    hidden = sum(_hidden(e.name) for e in dirs)
+    empty = sum(not _hidden(e.name) and not any(not _hidden(x.name) for x in os.scandir(e.path)) for e in dirs)
+    return (
+        f"{_rel(folder, raw)}/ holds {len(entries) - len(dirs)} files and {len(dirs)} folders "
+        f"({hidden} hidden, {empty} empty; hidden and empty folders are not classes)"
+    )
 
 
 class _Raw:
@@ -234,8 +376,8 @@ class _Raw:
         kaggle_root = raw / "ILSVRC" / "Data" / "CLS-LOC"
         self.images = kaggle_root if (kaggle_root / "train").is_dir() else raw
         self.archive_dirs = [raw, raw / "archives"]
-        self.train_dir = self.images / "train" if _has_subdirs(self.images / "train") else None
-        self.val_folders = self.images / "val" if _has_subdirs(self.images / "val") else None
+        self.train_dir = self.images / "train" if _has_class_dirs(self.images / "train") else None
+        self.val_folders = self.images / "val" if _has_class_dirs(self.images / "val") else None
         self.val_flat = _first([self.images / "val", self.images / "val_flat"], _has_files)
         self.train_tar = _first(d / TRAIN_TAR for d in self.archive_dirs)
         self.val_tar = _first(d / VAL_TAR for d in self.archive_dirs)
@@ -245,11 +387,13 @@ class _Raw:
         self.devkit_dirs = [
             raw / "devkit",
             raw / "devkit" / "data",
-            raw / "ILSVRC2012_devkit_t12" / "data",
-            raw / "archives" / "ILSVRC2012_devkit_t12" / "data",
+            raw / DEVKIT_DIR,
+            raw / "archives" / DEVKIT_DIR,
         ]
         self.devkit_tgzs = [d / DEVKIT_TGZ for d in self.archive_dirs]
         self._devkit: Devkit | None | bool = False
+        tops = (self.images, self.train_dir, self.val_folders, self.val_flat)
+        self.kinds = _Kinds(raw, [p for p in tops if p is not None])
 
     def devkit(self) -> Devkit | None:
         if self._devkit is False:
@@ -260,29 +404,39 @@ class _Raw:
         return _rel(path, self.raw)
 
 
-def _need(thing, what: str, layout: str, raw: Path):
+def _need(thing, what: str, layout: str, raw: Path, instead: str = ""):
     if not thing:
         raise LayoutError(
-            f"--layout {layout}: no {what} under {raw}. Choose another --layout (or auto), or point "
-            f"the config's raw: at a folder holding it."
+            f"--layout {layout}: no {what} under {raw}{f'; found instead: {instead}' if instead else ''}. "
+            f"Choose another --layout (or auto), or point the config's raw: at a folder holding it."
         )
     return thing
 
 
 def index_train_tar(r: _Raw, reader: SourceReader, found: Found) -> list[tuple[str, str]]:
+    """Rows of the per-class tars inside the train archive. An empty per-class tar is an error: the
+    official archive has none, so its class vanishing means a damaged download."""
     outer = r.rel(r.train_tar)
-    rows = []
+    rows, files, classes = [], 0, 0
     for name, _, _ in reader.scan((outer,)):
         if not name.endswith(".tar") or any(c in name for c in UNNAMEABLE):
             found.unclassified.append((f"{outer}{SEP}{name}", "not a per-class <wnid>.tar"))
+            files += 1
             continue
-        wnid = PurePosixPath(name).stem
-        for member, _, _ in reader.scan((outer, name)):
+        wnid, members, before = PurePosixPath(name).stem, reader.scan((outer, name)), len(rows)
+        classes, files = classes + 1, files + len(members)
+        for member, _, _ in members:
             source = f"{outer}{SEP}{name}{SEP}{member}"
             if (reason := unclassifiable(PurePosixPath(member).name)) is not None:
                 found.unclassified.append((source, reason))
             else:
                 rows.append((source, wnid))
+        if len(rows) == before:
+            raise LayoutError(
+                f"{outer}{SEP}{name} holds no images ({len(members)} members): class {wnid} would be missing "
+                f"from training. The official archive has no empty class; re-download it (check its md5)."
+            )
+    found.archive_counts["train"] = (files, classes)
     return rows
 
 
@@ -294,14 +448,86 @@ def _val_labels(r: _Raw, prefer: str | None, layout: str) -> tuple[dict[str, str
         return devkit.labels(), f"devkit ground truth ({os.path.relpath(devkit.where, r.raw)})"
     wanted = {
         "kaggle": KAGGLE_CSV,
-        "devkit": f"{GROUND_TRUTH} (devkit/, ILSVRC2012_devkit_t12/data/ or {DEVKIT_TGZ})",
+        "devkit": f"{GROUND_TRUTH} (devkit/, {DEVKIT_DIR}/ or {DEVKIT_TGZ})",
         None: f"{KAGGLE_CSV} or devkit {GROUND_TRUTH}",
     }[prefer]
     return _need(None, f"val labels ({wanted})", layout, r.raw)
 
 
-def discover(raw_root: str | os.PathLike, layout: str = "auto") -> Found:
-    """Classify every file of the chosen (or detected) layout; see the module doc."""
+def _index_train(r: _Raw, layout: str, reader: SourceReader, found: Found) -> None:
+    if layout == "archives" or (layout == "auto" and not r.train_dir and r.train_tar):
+        _need(r.train_tar, TRAIN_TAR, layout, r.raw)
+        found.train = index_train_tar(r, reader, found)
+        found.detected["train"] = "archives"
+        found.layout["train"] = f"{r.rel(r.train_tar)} (per-class tars, read in place)"
+        return
+    also = "" if layout != "auto" else f" or {TRAIN_TAR}"
+    _need(r.train_dir, f"train/<wnid>/ folders{also}", layout, r.raw, _describe(r.images / "train", r.raw))
+    found.train = walk_class_folders(r.train_dir, r.raw, found, r.kinds)
+    found.detected["train"] = "folders"
+    found.layout["train"] = f"{r.rel(r.train_dir)}/<wnid>/"
+
+
+def _val_layout(r: _Raw, layout: str, absent: bool) -> str | None:
+    """folders, flat or archives; None when there is no val at all and the config says it is absent."""
+    if absent and not (r.val_folders or r.val_flat or r.val_tar):
+        return None
+    if layout != "auto":
+        return {"folders": "folders", "flat-kaggle": "flat", "flat-devkit": "flat", "archives": "archives"}[layout]
+    if r.val_folders:
+        return "folders"
+    if r.val_flat and (r.kaggle_csv or r.devkit()):
+        return "flat"
+    if r.val_tar:
+        return "archives"
+    instead = _describe(r.images / "val", r.raw)
+    if r.val_flat:
+        instead = f"a flat {r.rel(r.val_flat)}/ but neither {KAGGLE_CSV} nor the devkit ground truth to label it"
+    raise LayoutError(
+        f"val: no val images under {r.raw}: expected val/<wnid>/, a flat val/ with {KAGGLE_CSV} or the "
+        f"devkit ground truth, or {VAL_TAR}; found instead: {instead}. If this dataset has no val split on "
+        f"purpose, set index: {{absent_splits: [val]}} in the config."
+    )
+
+
+def _index_val(r: _Raw, layout: str, reader: SourceReader, found: Found, absent: bool) -> None:
+    kind = _val_layout(r, layout, absent)
+    found.detected["val"] = kind or "absent"
+    if kind is None:
+        found.layout["val"] = "absent (index.absent_splits in the config)"
+    elif kind == "folders":
+        _need(r.val_folders, "val/<wnid>/ folders", layout, r.raw, _describe(r.images / "val", r.raw))
+        found.val = walk_class_folders(r.val_folders, r.raw, found, r.kinds)
+        found.layout["val"] = f"{r.rel(r.val_folders)}/<wnid>/"
+    elif kind == "flat":
+        what = "flat val folder (val/ or val_flat/ holding ILSVRC2012_val_*.JPEG)"
+        _need(r.val_flat, what, layout, r.raw, _describe(r.images / "val", r.raw))
+        truth, how = _val_labels(r, {"flat-kaggle": "kaggle", "flat-devkit": "devkit"}.get(layout), layout)
+        items = []
+        for entry in _scan(r.val_flat):
+            kind_, why = r.kinds.of(entry)
+            path = Path(entry.path)
+            if kind_ == "dir":
+                found.unclassified += [(r.rel(p), "directory inside flat val") for p in _files_below(path)]
+            elif kind_ == "other":
+                found.unclassified.append((r.rel(path), why))
+            else:
+                items.append((r.rel(path), entry.name))
+        found.val = label_flat(items, truth, how, found)
+        found.layout["val"] = f"{r.rel(r.val_flat)}/ labelled by {how}"
+    else:
+        _need(r.val_tar, VAL_TAR, layout, r.raw)
+        truth, how = _val_labels(r, None, layout)
+        outer = r.rel(r.val_tar)
+        items = [(f"{outer}{SEP}{name}", PurePosixPath(name).name) for name, _, _ in reader.scan((outer,))]
+        found.val = label_flat(items, truth, how, found)
+        found.archive_counts["val"] = (len(items), 0)
+        found.layout["val"] = f"{outer} (read in place) labelled by {how}"
+
+
+def discover(raw_root: str | os.PathLike, layout: str = "auto", absent_splits: Iterable[str] = ()) -> Found:
+    """Classify every file of the chosen (or detected) layout; see the module doc. absent_splits: splits
+    the config says are missing on purpose (no error when they hold no images)."""
     raw = Path(raw_root)
     if not raw.is_dir():
         raise LayoutError(
@@ -310,66 +536,17 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto") -> Found:
         )
     if layout not in LAYOUTS:
         raise LayoutError(f"unknown --layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    absent = set(absent_splits)
     r, found = _Raw(raw), Found()
-    reader = SourceReader(raw)
-
-    # Train.
-    if layout == "archives" or (layout == "auto" and not r.train_dir and r.train_tar):
-        _need(r.train_tar, TRAIN_TAR, layout, raw)
-        found.train = index_train_tar(r, reader, found)
-        found.layout["train"] = f"{r.rel(r.train_tar)} (per-class tars, read in place)"
-    else:
-        _need(r.train_dir, "train/<wnid>/ folders" + ("" if layout != "auto" else f" or {TRAIN_TAR}"), layout, raw)
-        found.train = walk_class_folders(r.train_dir, raw, found)
-        found.layout["train"] = f"{r.rel(r.train_dir)}/<wnid>/"
-
-    # Val: foldered, then flat + Kaggle CSV, then flat + devkit, then the val archive.
-    if layout == "auto":
-        if r.val_folders:
-            layout_val = "folders"
-        elif r.val_flat and (r.kaggle_csv or r.devkit()):
-            layout_val = "flat"
-        elif r.val_tar:
-            layout_val = "archives"
-        else:
-            raise LayoutError(
-                f"no val images under {raw}: expected val/<wnid>/, a flat val/ with {KAGGLE_CSV} or "
-                f"the devkit ground truth, or {VAL_TAR}"
-            )
-    else:
-        layout_val = {"folders": "folders", "flat-kaggle": "flat", "flat-devkit": "flat", "archives": "archives"}[
-            layout
-        ]
-    prefer = {"flat-kaggle": "kaggle", "flat-devkit": "devkit"}.get(layout)
-
-    if layout_val == "folders":
-        _need(r.val_folders, "val/<wnid>/ folders", layout, raw)
-        found.val = walk_class_folders(r.val_folders, raw, found)
-        found.layout["val"] = f"{r.rel(r.val_folders)}/<wnid>/"
-    elif layout_val == "flat":
-        _need(r.val_flat, "flat val folder (val/ or val_flat/ holding ILSVRC2012_val_*.JPEG)", layout, raw)
-        truth, how = _val_labels(r, prefer, layout)
-        items = []
-        for entry in sorted(os.scandir(r.val_flat), key=lambda e: e.name):
-            if entry.is_dir():
-                found.unclassified += [(r.rel(p), "directory inside flat val") for p in _files_below(Path(entry.path))]
-            else:
-                items.append((r.rel(Path(entry.path)), entry.name))
-        found.val = label_flat(items, truth, how, found)
-        found.layout["val"] = f"{r.rel(r.val_flat)}/ labelled by {how}"
-    else:
-        _need(r.val_tar, VAL_TAR, layout, raw)
-        truth, how = _val_labels(r, None, layout)
-        outer = r.rel(r.val_tar)
-        items = [(f"{outer}{SEP}{name}", PurePosixPath(name).name) for name, _, _ in reader.scan((outer,))]
-        found.val = label_flat(items, truth, how, found)
-        found.layout["val"] = f"{outer} (read in place) labelled by {how}"
-    reader.close()
-
-    if not found.train:
-        raise LayoutError(
-            f"no train images found ({found.layout['train']}); see unclassified files: {found.unclassified[:3]}"
-        )
+    with SourceReader(raw) as reader:
+        _index_train(r, layout, reader, found)
+        found.spans["train"] = (0, len(found.unclassified))
+        start = len(found.unclassified)
+        _index_val(r, layout, reader, found, "val" in absent)
+    missing = _keep_train_classes(found)
+    found.spans["val"] = (start, len(found.unclassified))
+    _check_not_empty(found, absent)
+    _check_classes(found, missing)
     if r.mapping:
         found.names = read_synset_mapping(r.mapping)
     elif r._devkit:
@@ -377,31 +554,106 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto") -> Found:
     return found
 
 
+# ---------------------------------------------------------------- checks on what was found
+
+
+def _keep_train_classes(found: Found) -> Counter:
+    """Val rows of a wnid that is not a train class move to unclassified; returns those wnids' counts."""
+    classes = {wnid for _, wnid in found.train}
+    keep, missing = [], Counter()
+    for source, wnid in found.val:
+        if wnid in classes:
+            keep.append((source, wnid))
+        else:
+            missing[wnid] += 1
+            found.unclassified.append((source, f"wnid {wnid} is not one of the train classes"))
+    found.val = keep
+    return missing
+
+
+def _check_not_empty(found: Found, absent: set[str]) -> None:
+    """A split with no images is an error naming the split, the layout detected and what was there."""
+    for split in SPLITS:
+        if getattr(found, split) or split in absent:
+            continue
+        lo, hi = found.spans[split]
+        reasons = Counter(reason for _, reason in found.unclassified[lo:hi])
+        instead = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(3))
+        instead = f"{instead} (e.g. {found.unclassified[lo][0]})" if instead else "no files at all"
+        fix = (
+            "train defines the classes, so it cannot be absent"
+            if split == "train"
+            else "if this dataset has no val split on purpose, set index: {absent_splits: [val]} in the config"
+        )
+        raise LayoutError(
+            f"{split}: no images indexed. Layout detected: {found.detected[split]} ({found.layout[split]}). "
+            f"Found instead: {instead}. Fix the folder or force another --layout; {fix}."
+        )
+
+
+def _check_classes(found: Found, missing: Counter) -> None:
+    """Whole-class evidence (an error with the official train archive, a warning with folders), then the
+    once-only warnings: official counts, non-wnid class names, empty class folders."""
+    if missing:
+        text = (
+            f"{sum(missing.values())} val images of {len(missing)} classes that train lacks "
+            f"(e.g. {', '.join(sorted(missing)[:3])}) are listed in unclassified.tsv"
+        )
+        if found.detected["train"] == "archives":
+            raise LayoutError(
+                f"whole classes missing from {TRAIN_TAR}: {text}. The official train archive has every val "
+                f"class, so it is incomplete or damaged: re-download it (check its md5)."
+            )
+        found.warnings.append(f"val: {text}; expected only when train is a subset made on purpose")
+    for where, empty in found.empty_classes.items():
+        found.warnings.append(
+            f"{len(empty)} class folders in {where}/ hold no images and are not classes (e.g. {', '.join(empty[:3])})"
+        )
+    wnids = sorted({wnid for _, wnid in found.train})
+    if odd := [w for w in wnids if not WNID.fullmatch(w)]:
+        found.warnings.append(
+            f"{len(odd)} of {len(wnids)} train classes are not WordNet ids (n + 8 digits), e.g. "
+            f"{', '.join(odd[:3])}: fine for a custom dataset; labels are the sorted class names"
+        )
+    if differ := _official_differences(found):
+        found.warnings.append(
+            f"counts differ from the official ILSVRC2012 archives: {'; '.join(differ)}. Expected for a subset "
+            f"made on purpose; otherwise an archive is incomplete: check its md5 against the download page"
+        )
+
+
+def _official_differences(found: Found) -> list[str]:
+    differ = []
+    if "train" in found.archive_counts:
+        files, classes = found.archive_counts["train"]
+        if classes != OFFICIAL_COUNTS["classes"]:
+            differ.append(f"{TRAIN_TAR} holds {classes:,} classes (official: {OFFICIAL_COUNTS['classes']:,})")
+        if files != OFFICIAL_COUNTS["train"]:
+            differ.append(f"{TRAIN_TAR} holds {files:,} train files (official: {OFFICIAL_COUNTS['train']:,})")
+    if "val" in found.archive_counts and found.archive_counts["val"][0] != OFFICIAL_COUNTS["val"]:
+        files = found.archive_counts["val"][0]
+        differ.append(f"{VAL_TAR} holds {files:,} val files (official: {OFFICIAL_COUNTS['val']:,})")
+    return differ
+
+
 # ---------------------------------------------------------------- output
 
 
 def _write_tsv(path: Path, header: list[str], rows: Iterable) -> None:
-    with open(path, "w", newline="") as fh:
+    with replacing(path) as tmp, open(tmp, "w", newline="") as fh:
         writer = csv.writer(fh, delimiter="\t", lineterminator="\n")
         writer.writerow(header)
         writer.writerows(rows)
 
 
 def write_index(found: Found, out: Path) -> dict:
-    """Write the four TSVs; returns counts. Val images of a wnid that is not a train class are unclassified."""
+    """Write the four TSVs; returns counts. discover() has already moved val rows of non-train classes."""
     wnids = sorted({wnid for _, wnid in found.train})
     label = {wnid: i for i, wnid in enumerate(wnids)}
-    unclassified = list(found.unclassified)
-    val = []
-    for source, wnid in found.val:
-        if wnid in label:
-            val.append((source, wnid))
-        else:
-            unclassified.append((source, f"wnid {wnid} is not one of the train classes"))
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for split, rows in (("train", found.train), ("val", val)):
-        rows = sorted(rows)
+    for split in SPLITS:
+        rows = sorted(getattr(found, split))
         _write_tsv(
             out / f"{split}.tsv",
             ["id", "source", "label", "wnid"],
@@ -409,8 +661,8 @@ def write_index(found: Found, out: Path) -> dict:
         )
         counts[split] = len(rows)
     _write_tsv(out / "classes.tsv", ["label", "wnid", "name"], ((label[w], w, found.names.get(w, "")) for w in wnids))
-    _write_tsv(out / "unclassified.tsv", ["source", "reason"], sorted(unclassified))
-    counts.update(classes=len(wnids), unclassified=len(unclassified))
+    _write_tsv(out / "unclassified.tsv", ["source", "reason"], sorted(found.unclassified))
+    counts.update(classes=len(wnids), unclassified=len(found.unclassified))
     return counts
 
 
@@ -419,21 +671,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--raw", required=True, type=Path, help="raw ImageNet root")
     parser.add_argument("--out", required=True, type=Path, help="output folder (results/<dataset>/index)")
     parser.add_argument("--layout", choices=LAYOUTS, default="auto", help="force a layout (default: detect)")
+    parser.add_argument("--config-json", default="{}", help="the config's index block as JSON (default: all defaults)")
     args = parser.parse_args(argv)
+    stage_log.setup("index")
     try:
-        found = discover(args.raw, args.layout)
-    except (LayoutError, UnsafeArchiveMember) as exc:
+        cfg = stage_block("index", args.config_json)
+        found = discover(args.raw, args.layout, cfg["absent_splits"])
+    except (LayoutError, UnsafeArchiveMember, CorruptArchive, ConfigError) as exc:
         raise SystemExit(f"index: {exc}") from None
     for split, how in found.layout.items():
-        log(f"{split}: {how}")
+        log.info(f"{split}: {how}")
+    for warning in found.warnings:
+        log.warning(f"warning: {warning}")
     counts = write_index(found, args.out)
     reasons = Counter(reason for _, reason in found.unclassified)
-    log(
+    log.info(
         f"train {counts['train']} images, val {counts['val']} images, {counts['classes']} classes, "
         f"{counts['unclassified']} unclassified -> {args.out}"
     )
     for reason, n in reasons.most_common(5):
-        log(f"  unclassified: {n} x {reason}")
+        log.info(f"  unclassified: {n} x {reason}")
 
 
 if __name__ == "__main__":
