@@ -11,8 +11,9 @@ import pandas as pd
 import yaml
 
 from rectrain.report import plots, provenance
-from rectrain.report.diagnosis import data_wait_share_by_rank, diagnose, gpu_memory_peak, gpu_util_mean, steady_steps
+from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
+from rectrain.report.stats import data_wait_share_by_rank, gpu_memory_peak, gpu_util_mean, steady_steps
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The pipeline's own checkout (workflow/rectrain/report/ -> repo root): its commit is the code that

@@ -17,7 +17,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from rectrain.report.diagnosis import gpu_indices, steady_steps  # noqa: E402
+from rectrain.report.stats import gpu_indices, steady_steps  # noqa: E402
 
 sns.set_theme(style="whitegrid", context="notebook")
 # Class names and paths come from user data: never let matplotlib treat "$...$" as TeX.
@@ -95,7 +95,7 @@ def throughput_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
 
 def step_split_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
     """Left: mean step time per rank split into data wait and compute. Right: data-wait share over
-    time per rank, which shows a stall that starts mid-run (the seed user's page cache running out)."""
+    time per rank, which shows a stall that starts mid-run (a .rec on a hard disk once the page cache runs out)."""
     if steps.empty or t0 is None:
         return None
     s = steady_steps(steps)
