@@ -6,6 +6,7 @@ from helpers.synthetic_run import REPORT_CFG, make_calibration, make_manifest, m
 
 from rectrain.report.diagnosis import Finding, diagnose
 from rectrain.report.stats import data_wait_share_by_rank
+from rectrain.train.telemetry import STEP_COLUMNS
 
 HEALTHY_GPUS = {0: (95.0, 7000.0, 11264.0), 1: (94.0, 7100.0, 11264.0)}
 PROBLEM_IDS = {
@@ -181,8 +182,9 @@ def test_every_problem_condition_at_once_is_sorted_most_urgent_first():
 
 
 def test_empty_telemetry_does_not_crash():
-    cols = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
-    found = diagnose(pd.DataFrame(columns=cols), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {}, REPORT_CFG)
+    found = diagnose(
+        pd.DataFrame(columns=STEP_COLUMNS), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {}, REPORT_CFG
+    )
     assert [f.id for f in found] == ["no_problems"]
 
 
@@ -310,7 +312,10 @@ def test_saturated_cpu_feeding_gpus_counts_all_busy_time_as_input_work():
     # 256 img/s on synthetic data need 256 x 61.25 ms = 15.7 -> 16 cores.
     run = calibrated(128.0, cores=8, decode="cpu: DALI (libjpeg-turbo) in train.workers threads")
     f = run_diag(wait={0: 0.30, 1: 0.30}, run=run, cpu=98.0)["cpu_bound"]
-    assert "61.2 ms of CPU per image, 16 img/s per core (7.84 busy cores" in f.measured and "all of it counted" in f.measured
+    assert (
+        "61.2 ms of CPU per image, 16 img/s per core (7.84 busy cores" in f.measured
+        and "all of it counted" in f.measured
+    )
     assert "needs about 16 cores of decoding" in f.fix and "the job has 8" in f.fix
 
 
