@@ -19,6 +19,7 @@ from rectrain.report.stats import (
     gpu_memory_peak,
     gpu_util_mean,
     overall_data_wait_share,
+    train_setting,
 )
 
 # Severity order, most urgent first; "ok" is only used by the single no-problems statement.
@@ -111,7 +112,8 @@ def input_bound(
     threshold = f"report.data_wait_share = {_pct(limit)} of step time"
     title, fix = "Training is input-bound: the model waits for data", input_fix(run)
     if ev is not None and ev.eff.measured:
-        title = "Training is input-bound: the loader cannot keep up"
+        if _low_efficiency(ev, cfg):
+            title = "Training is input-bound: the loader cannot keep up"
         measured += f"; {_efficiency_txt(ev)}"
         threshold += f"; report.input_efficiency = {float(cfg['input_efficiency']):.2f}"
         fix = evidence_fix(run or {}, ev, cfg)
@@ -392,12 +394,6 @@ def high_iowait(system: pd.DataFrame, cfg: Mapping) -> Finding | None:
             "in the page cache. " + HDD_LESSON
         ),
     )
-
-
-def train_setting(run: Mapping | None, key: str):
-    """A training setting as the run used it: run.json's own field, else its copy of the train block."""
-    run = run or {}
-    return run[key] if key in run else (run.get("config") or {}).get(key)
 
 
 def _batch_txt(run: Mapping) -> tuple[int | None, int, int | None]:

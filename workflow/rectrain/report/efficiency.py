@@ -14,7 +14,7 @@ from typing import Mapping
 
 import pandas as pd
 
-from rectrain.report.stats import overall_data_wait_share, steady_steps
+from rectrain.report.stats import overall_data_wait_share, steady_steps, train_setting
 
 # GPUs with a hardware JPEG decoder (nvJPEG's hardware back end, which DALI's mixed decoder uses
 # for dali_hw_decoder_load of the images): data-centre Ampere, Hopper and Blackwell parts. Others
@@ -222,7 +222,7 @@ def _iowait(system: pd.DataFrame) -> tuple[float, float] | None:
 
 
 def resize_gain(run: Mapping, manifests: Mapping, sizes: pd.DataFrame | None) -> ResizeGain | None:
-    image_size = run.get("image_size") or (run.get("config") or {}).get("image_size")
+    image_size = train_setting(run, "image_size")
     if not image_size:
         return None
     target = suggested_resize(int(image_size))

@@ -1,8 +1,10 @@
-"""Numbers from the step and system telemetry that the diagnosis, the efficiency and the report share."""
+"""Numbers from the step and system telemetry and run.json that the diagnosis, the efficiency and the
+report share."""
 
 from __future__ import annotations
 
 import re
+from typing import Mapping
 
 import pandas as pd
 
@@ -61,3 +63,9 @@ def gpu_util_mean(system: pd.DataFrame) -> dict[int, float]:
         if col is not None and not col.dropna().empty:
             out[i] = float(col.mean())
     return out
+
+
+def train_setting(run: Mapping | None, key: str):
+    """A training setting as the run used it: run.json's own field, else its copy of the train block."""
+    run = run or {}
+    return run[key] if key in run else (run.get("config") or {}).get(key)
