@@ -2,9 +2,11 @@
 and stays silent on a healthy run."""
 
 import pandas as pd
-from helpers.synthetic_run import REPORT_CFG, make_manifest, make_run, make_steps, make_system
+from helpers.synthetic_run import REPORT_CFG, make_calibration, make_manifest, make_run, make_steps, make_system
 
-from rectrain.report.diagnosis import Finding, data_wait_share_by_rank, diagnose
+from rectrain.report.diagnosis import Finding, diagnose
+from rectrain.report.stats import data_wait_share_by_rank
+from rectrain.train.telemetry import STEP_COLUMNS
 
 HEALTHY_GPUS = {0: (95.0, 7000.0, 11264.0), 1: (94.0, 7100.0, 11264.0)}
 PROBLEM_IDS = {
@@ -19,15 +21,18 @@ PROBLEM_IDS = {
 }
 
 
-def run_diag(wait=None, iowait=2.0, gpus=HEALTHY_GPUS, run=None, manifests=None) -> dict[str, Finding]:
+def run_diag(
+    wait=None, iowait=2.0, gpus=HEALTHY_GPUS, run=None, manifests=None, cpu=50.0, sizes=None
+) -> dict[str, Finding]:
     steps = make_steps(wait or {0: 0.02, 1: 0.03})
-    system = make_system(iowait=iowait, gpus=gpus)
+    system = make_system(iowait=iowait, gpus=gpus, cpu=cpu, cpu_jitter=0.0)
     found = diagnose(
         steps,
         system,
         run or make_run(gpus=len(gpus or {})),
         manifests if manifests is not None else {"train": make_manifest("train")},
         REPORT_CFG,
+        image_sizes=sizes,
     )
     ids = [f.id for f in found]
     assert len(ids) == len(set(ids)), f"duplicate findings: {ids}"
@@ -177,8 +182,9 @@ def test_every_problem_condition_at_once_is_sorted_most_urgent_first():
 
 
 def test_empty_telemetry_does_not_crash():
-    cols = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
-    found = diagnose(pd.DataFrame(columns=cols), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {}, REPORT_CFG)
+    found = diagnose(
+        pd.DataFrame(columns=STEP_COLUMNS), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {}, REPORT_CFG
+    )
     assert [f.id for f in found] == ["no_problems"]
 
 
@@ -233,3 +239,97 @@ def test_low_gpu_util_suggests_cudnn_benchmark_when_it_was_off():
     run = make_run(gpus=2, compile=True, config={"cudnn_benchmark": False})
     fix = run_diag(wait={0: 0.01, 1: 0.01}, gpus=gpus, run=run)["low_gpu_util"].fix
     assert "train.cudnn_benchmark: true" in fix
+
+
+# --- input efficiency: real steady img/s against the calibration on synthetic data ---------------------
+# make_steps: 32 images per 0.5 s step, so every rank runs at 64.0 img/s on real data.
+
+
+def calibrated(rate: float, **fields) -> dict:
+    return make_run(gpus=2, calibration=make_calibration({0: rate, 1: rate}), **fields)
+
+
+def test_loader_that_cannot_keep_up_gets_the_fixes_its_evidence_supports():
+    sizes = pd.DataFrame({"width": [500] * 8, "height": [375] * 8})
+    run = calibrated(128.0, decode="cpu: DALI (libjpeg-turbo) in train.workers threads", workers=2)
+    found = run_diag(wait={0: 0.35, 1: 0.30}, iowait=45.0, run=run, cpu=50.0, sizes=sizes)
+    f = found["input_bound"]
+    assert f.title == "Training is input-bound: the loader cannot keep up"
+    assert "input efficiency 0.50: 128.0 img/s on real data against 256.0 img/s on synthetic data" in f.measured
+    assert "rank 0: 0.50, rank 1: 0.50" in f.measured and "32.5 % of step time" in f.measured
+    assert "report.input_efficiency = 0.90" in f.threshold
+    assert "stage the .rec to faster storage" in f.fix.lower() and "iowait averaged 45.0 %" in f.fix
+    assert "add decode workers (train.workers (now 2)): the CPU was busy 50 %, about 8.0 of 16 cores idle" in f.fix
+    # 500x375 -> shorter side 80 (8/7 of image_size 64): (80/375)^2 of the pixels remain
+    assert "pack.resize: 80, now pass-through" in f.fix
+    assert "average 0.19 Mpx (sample of 8), 0.01 Mpx at 80 px" in f.fix and "about 95 % less decode work" in f.fix
+    # the RTX 2080 Ti has no hardware JPEG decoder and decoding is on the CPU: no GPU-decoder advice
+    assert "hw_decoder" not in f.fix
+    assert "contention" not in found and "cpu_bound" not in found
+
+
+def test_low_efficiency_without_data_wait_is_contention_on_the_sms_of_a_gpu_without_jpeg_engine():
+    run = calibrated(88.9, decode="gpu: DALI mixed decoder (nvJPEG)", config={"dali_hw_decoder_load": 0.65})
+    found = run_diag(wait={0: 0.01, 1: 0.01}, run=run, cpu=50.0)
+    f = found["contention"]
+    assert f.title == "Decoding competes with the model for the GPU's SMs"
+    assert "input efficiency 0.72: 128.0 img/s on real data against 177.8 img/s" in f.measured
+    assert "data wait is only 1.0 % of step time" in f.measured
+    assert f.severity == "critical"  # 28 % lost, more than twice the 10 % the threshold tolerates
+    assert "RTX 2080 Ti has no hardware JPEG decoder" in f.fix
+    assert "decode on the CPU instead (train.gpu_decode: false; about 8.0 cores are idle)" in f.fix
+    assert "input_bound" not in found and "cpu_bound" not in found and "no_problems" not in found
+
+
+def test_contention_on_a_gpu_with_a_jpeg_engine_raises_the_hardware_decoder_load():
+    run = calibrated(88.9, decode="gpu: DALI mixed decoder (nvJPEG)", config={"dali_hw_decoder_load": 0.65})
+    run["gpus"] = [{"index": i, "name": "NVIDIA H200", "memory_total_mb": 143771} for i in range(2)]
+    fix = run_diag(wait={0: 0.01, 1: 0.01}, run=run, gpus=None)["contention"].fix
+    assert "raise train.dali_hw_decoder_load (now 0.65) toward 0.9: the NVIDIA H200 has a hardware JPEG decoder" in fix
+
+
+def test_saturated_cpu_is_named_the_bottleneck_with_the_cores_decoding_needs():
+    # CPU processes on 2 cores: 128 img/s real, 160 on synthetic data, CPU 99 % busy.
+    # 1.98 busy cores / 128 img/s = 15.5 ms per image, the model alone 2 / 160 = 12.5 ms: decode 3.0 ms,
+    # 337 img/s per core, and 160 img/s need 160 x 3.0 ms = 0.48 -> 1 core on top of the model's 2.
+    run = make_run(gpus=0, cores=2, calibration=make_calibration({0: 80.0, 1: 80.0}))
+    found = run_diag(wait={0: 0.01, 1: 0.01}, gpus=None, run=run, cpu=99.0)
+    f = found["cpu_bound"]
+    assert f.title == "The CPU is the bottleneck"
+    assert "CPU busy 99 % (median while training) of the job's 2 cores" in f.measured
+    assert "input efficiency 0.80" in f.measured
+    assert "3.0 ms of CPU per image, 337 img/s per core (1.98 busy cores delivered 128.0 img/s" in f.measured
+    assert "less the model's own 12.5 ms per image on 160.0 img/s in the calibration" in f.measured
+    assert "needs about 1 core of decoding at the measured 337 img/s per core on top of the 2" in f.fix
+    assert "report.cpu_busy_percent = 90 %" in f.threshold
+    assert found["contention"].title == "Decoding competes with the model for the CPU cores"
+    for finding in found.values():  # no idle cores: never more workers
+        assert "add decode workers" not in finding.fix
+
+
+def test_saturated_cpu_feeding_gpus_counts_all_busy_time_as_input_work():
+    # 8 cores 98 % busy feeding 2 GPUs: 7.84 cores / 128 img/s = 61.25 ms per image, 16 img/s per core;
+    # 256 img/s on synthetic data need 256 x 61.25 ms = 15.7 -> 16 cores.
+    run = calibrated(128.0, cores=8, decode="cpu: DALI (libjpeg-turbo) in train.workers threads")
+    f = run_diag(wait={0: 0.30, 1: 0.30}, run=run, cpu=98.0)["cpu_bound"]
+    assert (
+        "61.2 ms of CPU per image, 16 img/s per core (7.84 busy cores" in f.measured
+        and "all of it counted" in f.measured
+    )
+    assert "needs about 16 cores of decoding" in f.fix and "the job has 8" in f.fix
+
+
+def test_healthy_run_quotes_its_input_efficiency():
+    found = run_diag(run=calibrated(66.0))
+    assert set(found) == {"no_problems"}
+    assert "input efficiency 0.97: 128.0 img/s on real data against 132.0 img/s" in found["no_problems"].measured
+
+
+def test_run_without_calibration_says_not_measured_and_keeps_the_data_wait_diagnosis():
+    found = run_diag()
+    assert "input efficiency not measured: run.json has no calibration" in found["no_problems"].measured
+    waited = run_diag(wait={0: 0.35, 1: 0.30})["input_bound"]
+    assert waited.title == "Training is input-bound: the model waits for data"
+    assert "input efficiency" not in waited.measured and "pack.fast_storage" in waited.fix
+    skipped = run_diag(run=make_run(gpus=2, calibration=make_calibration(skipped="train.calibrate is false")))
+    assert "not measured: the calibration did not run (train.calibrate is false)" in skipped["no_problems"].measured

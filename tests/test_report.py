@@ -7,13 +7,15 @@ import re
 from html.parser import HTMLParser
 
 import pytest
-from helpers.synthetic_run import REPORT_CFG, write_run
+from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
 from PIL import Image
 
+from rectrain.recordio import IRHeader, RecordWriter, pack_record
 from rectrain.report import build, load
 from rectrain.report.__main__ import main as report_main
+from rectrain.report.inputs import sample_image_sizes
 
-SECTIONS = ["summary", "diagnosis", "throughput", "utilization", "learning", "data", "stages", "provenance"]
+SECTIONS = ["summary", "diagnosis", "throughput", "utilization", "learning", "classes", "data", "stages", "provenance"]
 TWO_GPUS = {0: (90.0, 7000.0, 11264.0), 1: (40.0, 7000.0, 11264.0)}
 
 
@@ -59,7 +61,17 @@ def test_every_section_is_present(problem_report):
     parsed = Tags()
     parsed.feed(problem_report)
     assert set(SECTIONS) <= parsed.ids
-    for title in ("Summary", "Throughput", "Utilization", "Learning", "Data", "Stages", "Diagnosis", "Provenance"):
+    for title in (
+        "Summary",
+        "Throughput",
+        "Utilization",
+        "Learning",
+        "Classes",
+        "Data",
+        "Stages",
+        "Diagnosis",
+        "Provenance",
+    ):
         assert f"<h2>{title}</h2>" in problem_report
 
 
@@ -82,7 +94,7 @@ def test_report_is_self_contained(problem_report):
 
 def test_embedded_plots_decode_as_png(problem_report):
     uris = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', problem_report)
-    # throughput, step split, GPU, CPU/io, learning, worst classes, stages
+    # throughput, step split, GPU, CPU/io, learning, worst and best classes, stages
     assert len(uris) == 7
     for b64 in uris:
         img = Image.open(io.BytesIO(base64.b64decode(b64)))
@@ -166,6 +178,27 @@ def test_cli_writes_the_report(tmp_path):
     assert not out.with_suffix(".html.tmp").exists()
 
 
+def _cli(paths, out, config_json: str) -> int:
+    dirs = [f"--{k}-dir={paths[k]}" for k in ("train", "eval", "pack", "index")]
+    return report_main(
+        ["--config-json", config_json, *dirs, "--benchmarks", str(paths["benchmarks"]), "--out", str(out)]
+    )
+
+
+def test_cli_completes_a_partial_config_from_the_schema_and_names_a_wrong_key(tmp_path, capsys):
+    paths = write_run(tmp_path)
+    out = tmp_path / "report.html"
+    assert _cli(paths, out, '{"dataset": "demo"}') == 0
+    html = out.read_text()
+    assert "<title>rectrain report - demo</title>" in html  # the schema's default title
+    assert "input_efficiency: 0.9" in html  # defaults shown under the config used
+    out.unlink()
+    assert _cli(paths, out, '{"dataset": "demo", "report": {"input_eficiency": 0.8}}') == 2
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert "[report] invalid configuration" in err and "unknown config key 'report.input_eficiency'" in err
+
+
 def test_missing_stage_output_names_the_stage(tmp_path):
     paths = write_run(tmp_path)
     (paths["eval"] / "metrics.json").unlink()
@@ -183,3 +216,92 @@ def test_provenance_names_the_pipeline_code_commit_wherever_the_workdir_is(tmp_p
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     html = build(data, config())
     assert re.search(r"git commit</th><td>[0-9a-f]{40}", html)
+
+
+# --- input efficiency: the Throughput section's headline -----------------------------------------------
+
+
+def test_throughput_headline_is_the_input_efficiency_per_rank_and_overall(tmp_path):
+    # make_steps: 64.0 img/s per rank on real data; the calibration measured 80.0 on synthetic data
+    calibration = make_calibration({0: 80.0, 1: 80.0})
+    html = render(tmp_path, wait_share={0: 0.01, 1: 0.01}, run_overrides={"calibration": calibration})
+    headline = html[html.index('id="efficiency-headline"') : html.index('<img class="plot" alt="images per second')]
+    assert "<b>0.80</b>" in headline
+    assert "128.0 img/s on real data / 160.0 img/s on synthetic data" in headline
+    assert "data wait<b>1.0 %</b>" in headline
+    assert "20 steps per rank after 5 warm-up steps at batch 128, 3.5 s" in html
+    row = re.search(r"<tr><td>1</td>.*?</tr>", html, re.S).group(0)
+    assert '<td class="n">64.0</td><td class="n">80.0</td><td class="n">0.80</td>' in row
+    assert 'id="finding-contention"' in html  # 0.80 < 0.90 with no data wait
+
+
+def test_report_of_a_run_without_calibration_says_not_measured(tmp_path):
+    html = render(tmp_path)  # make_run writes no calibration, like run.json files before it existed
+    headline = html[html.index('id="efficiency-headline"') :]
+    assert "<b>not measured</b><small>not measured: run.json has no calibration" in headline
+    assert "No problems found" in html
+
+
+def test_resize_advice_quotes_the_pixels_of_images_sampled_from_the_rec(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # manifest .rec paths are relative to the workdir, as in the pipeline
+    rec = tmp_path / "results/fast_storage/demo/train.rec"
+    rec.parent.mkdir(parents=True)
+    with RecordWriter(rec, rec.with_suffix(".idx")) as w:
+        for i, size in enumerate([(400, 300), (300, 400), (200, 150)]):
+            buf = io.BytesIO()
+            Image.new("RGB", size, (i * 60, 90, 160)).save(buf, "JPEG", quality=90)
+            w.write(i, pack_record(IRHeader(0, float(i), i, 0), buf.getvalue()))
+    assert sample_image_sizes({"rec": str(rec)}).values.tolist() == [[400, 300], [300, 400], [200, 150]]
+    assert sample_image_sizes({"rec": "missing.rec"}) is None
+    calibration = make_calibration({0: 80.0, 1: 80.0})
+    html = render(tmp_path, wait_share={0: 0.01, 1: 0.01}, run_overrides={"calibration": calibration})
+    # image_size 64 -> pack.resize 80: 0.12, 0.12, 0.03 Mpx -> 0.0085, 0.0085, 0.0085 Mpx
+    assert "pack.resize: 80, now pass-through): the packed images average 0.09 Mpx (sample of 3)" in html
+    assert "0.01 Mpx at 80 px on the shorter side, so about 91 % less decode work" in html
+
+
+# --- a full ImageNet run stays readable: 90 epochs, 1000 classes -----------------------------------------
+
+FULL_RUN_LIMIT_BYTES = 2_000_000
+
+
+@pytest.fixture(scope="module")
+def full_run_report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    return render(tmp, epochs=90, steps=10, classes=1000, evil=False)
+
+
+def test_full_run_report_stays_small(full_run_report):
+    assert len(full_run_report.encode()) < FULL_RUN_LIMIT_BYTES
+
+
+def _between(html: str, start: str, end: str) -> str:
+    return html[html.index(start) : html.index(end, html.index(start))]
+
+
+def test_full_run_epoch_table_is_a_summary_with_the_whole_table_behind_a_toggle(full_run_report):
+    learning = _between(full_run_report, '<section id="learning">', "</section>")
+    shown, rest = learning.split('<details id="all-epochs">')
+    # first 3, every 15th, last 3 and the best (the last here): 11 rows, the 79 others behind the toggle
+    epochs = re.findall(r"<tr(?: class=\"best\")?><td>(\d+)", shown)
+    assert epochs == ["0", "1", "2", "14", "29", "44", "59", "74", "87", "88", "89"]
+    assert shown.count('class="gap"') == 6 and "&hellip; 14 epoch(s) &hellip;" in shown
+    assert "<summary>All 90 epochs</summary>" in rest
+    assert len(re.findall(r"<tr(?: class=\"best\")?><td>\d+", rest)) == 90
+    assert "89 (best val top-1)" in shown
+
+
+def test_full_run_shows_worst_best_confused_and_a_finder_for_every_class(full_run_report):
+    classes = _between(full_run_report, '<section id="classes">', "</section>")
+    worst = _between(classes, 'id="worst-classes"', 'id="best-classes"')
+    best = _between(classes, 'id="best-classes"', 'id="confused-pairs"')
+    assert "Worst classes (10 of 1000)" in worst and "Best classes (10 of 1000)" in best
+    acc = [[float(a) for a in re.findall(r'<td class="n">([\d.]+) %</td>', part)] for part in (worst, best)]
+    assert len(acc[0]) == len(acc[1]) == 10
+    assert acc[0] == sorted(acc[0]) and acc[1] == sorted(acc[1], reverse=True) and max(acc[0]) < min(acc[1])
+    pairs = _between(classes, 'id="confused-pairs"', 'id="class-finder"')
+    counts = [int(c) for c in re.findall(r'<td class="n">(\d+)</td><td class="n">[\d.]+ %</td>', pairs)]
+    assert len(counts) == 10 and counts == sorted(counts, reverse=True) and counts[0] > 0
+    finder = classes[classes.index('<details id="class-finder">') :]
+    wnids = re.findall(r"<tr><td>\d+</td><td>(n\d{8})</td>", finder)
+    assert len(wnids) == 1000 and wnids == sorted(wnids)

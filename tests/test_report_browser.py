@@ -8,7 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-from helpers.synthetic_run import REPORT_CFG, write_run
+from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
 from PIL import Image, ImageStat
 
 from rectrain.report import build, load
@@ -43,8 +43,13 @@ def chromium(tmp_path, *args, timeout=120):
 @pytest.fixture(scope="module")
 def report_file(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("browser")
+    # 64.0 img/s per rank on real data (helpers.synthetic_run.make_steps) against 88.9 on synthetic data
     paths = write_run(
-        tmp, gpus={0: (90.0, 10927.0, 11264.0), 1: (40.0, 7000.0, 11264.0)}, wait_share={0: 0.02, 1: 0.60}, iowait=45.0
+        tmp,
+        gpus={0: (90.0, 10927.0, 11264.0), 1: (40.0, 7000.0, 11264.0)},
+        wait_share={0: 0.02, 1: 0.60},
+        iowait=45.0,
+        run_overrides={"calibration": make_calibration({0: 88.9, 1: 88.9})},
     )
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     html = build(data, {"dataset": "demo", "report": dict(REPORT_CFG)}, repo=tmp)
@@ -82,3 +87,29 @@ def test_every_embedded_image_decodes(report_file, tmp_path):
         img = Image.open(io.BytesIO(base64.b64decode(b64)))
         img.load()
         assert ImageStat.Stat(img.convert("L")).stddev[0] > 5  # a plot, not an empty canvas
+
+
+def test_rendered_throughput_section_leads_with_the_input_efficiency(report_file, tmp_path):
+    dom = chromium(tmp_path, "--dump-dom", report_file.as_uri()).stdout
+    section = dom[dom.index('<section id="throughput">') :]
+    headline = section[: section.index("</div>\n  </div>")]
+    assert 'id="efficiency-headline"' in headline and "input efficiency" in headline
+    assert "<b>0.72</b>" in headline and "128.0 img/s on real data / 177.8 img/s on synthetic data" in headline
+    assert section.index("efficiency-headline") < section.index("<img")  # above the plots
+
+
+@pytest.fixture(scope="module")
+def full_run_file(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full-browser")
+    paths = write_run(tmp, epochs=90, steps=10, classes=1000, evil=False)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    out = tmp / "report.html"
+    out.write_text(build(data, {"dataset": "demo", "report": dict(REPORT_CFG)}, repo=tmp), encoding="utf-8")
+    return out
+
+
+def test_full_run_report_opens_with_its_class_finder_and_epoch_toggle(full_run_file, tmp_path):
+    dom = chromium(tmp_path, "--dump-dom", full_run_file.as_uri()).stdout
+    assert '<details id="class-finder">' in dom and '<details id="all-epochs">' in dom
+    finder = dom[dom.index('<details id="class-finder">') :]
+    assert len(re.findall(r"<tr><td>\d+</td><td>n\d{8}</td>", finder[: finder.index("</details>")])) == 1000

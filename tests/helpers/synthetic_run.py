@@ -9,15 +9,26 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-REPORT_CFG = {
-    "title": "rectrain report",
-    "data_wait_share": 0.2,
-    "imbalance_ratio": 3.0,
-    "iowait_percent": 20,
-    "gpu_mem_high": 0.92,
-    "gpu_mem_low": 0.5,
-    "gpu_util_low": 70,
-}
+from rectrain.config import stage_block
+
+# Explicit values (the tests quote them), checked and completed by the schema like a stage's block.
+REPORT_CFG = stage_block(
+    "report",
+    json.dumps(
+        {
+            "title": "rectrain report",
+            "data_wait_share": 0.2,
+            "imbalance_ratio": 3.0,
+            "iowait_percent": 20,
+            "gpu_mem_high": 0.92,
+            "gpu_mem_low": 0.5,
+            "gpu_util_low": 70,
+            "input_efficiency": 0.9,
+            "cpu_busy_percent": 90,
+            "classes_shown": 10,
+        }
+    ),
+)
 
 BENCH_COLUMNS = ["s", "h:m:s", "max_rss", "max_vms", "max_uss", "max_pss", "io_in", "io_out", "mean_load", "cpu_time"]
 
@@ -60,13 +71,16 @@ def make_system(
     iowait: float = 2.0,
     gpus: dict[int, tuple[float, float, float]] | None = None,
     t0: float = 1_700_000_000.0,
+    cpu: float = 50.0,
+    cpu_jitter: float = 5.0,
 ) -> pd.DataFrame:
-    """system.csv; gpus maps index -> (util %, mem used MB, mem total MB); None = CPU-only (no GPU columns)."""
+    """system.csv; gpus maps index -> (util %, mem used MB, mem total MB); None = CPU-only (no GPU columns).
+    CPU busy is `cpu` +- `cpu_jitter` % (within 0..100)."""
     rng = np.random.default_rng(0)
     df = pd.DataFrame(
         {
             "time": t0 + np.arange(n, dtype=float),
-            "cpu_percent": 50 + rng.uniform(-5, 5, n),
+            "cpu_percent": np.clip(cpu + rng.uniform(-cpu_jitter, cpu_jitter, n), 0, 100),
             "iowait_percent": np.full(n, float(iowait)),
             "disk_read_mb_s": 80 + rng.uniform(-10, 10, n),
             "rss_mb": 2000 + rng.uniform(0, 50, n),
@@ -77,6 +91,19 @@ def make_system(
         df[f"gpu{i}_mem_used_mb"] = np.full(n, float(used))
         df[f"gpu{i}_mem_total_mb"] = np.full(n, float(total))
     return df
+
+
+def make_calibration(images_per_s: dict[int, float] | None = None, skipped: str | None = None) -> dict:
+    """run.json's calibration: synthetic-data img/s per rank (keys are strings, as JSON has them)."""
+    rates = {str(r): float(v) for r, v in (images_per_s or {}).items()}
+    return {
+        "images_per_s": rates if skipped is None else {},
+        "steps": 20,
+        "warmup_steps": 5,
+        "seconds": 3.5,
+        "batch_size": 128,
+        "skipped": skipped,
+    }
 
 
 def make_run(world_size: int = 2, gpus: int = 2, rotational: bool | None = False, **overrides) -> dict:
@@ -107,6 +134,7 @@ def make_run(world_size: int = 2, gpus: int = 2, rotational: bool | None = False
         "started": "2026-11-29T10:00:00+00:00",
         "finished": "2026-11-29T10:20:00+00:00",
         "preflight": {},
+        "cores": 16,
     }
     run.update(overrides)
     return run
@@ -147,20 +175,23 @@ def make_manifest(
 
 
 def make_epochs(epochs: int = 2) -> pd.DataFrame:
+    """epochs.csv; two epochs keep the values the tests quote, longer runs follow a learning curve."""
+    e = np.arange(epochs, dtype=float)
+    if epochs <= 2:
+        train_acc, val_top1 = 0.3 + 0.2 * e, 0.25 + 0.2 * e
+    else:
+        train_acc, val_top1 = 0.75 * (1 - np.exp(-e / 15)), 0.72 * (1 - np.exp(-e / 15))
     return pd.DataFrame(
-        [
-            dict(
-                epoch=e,
-                train_loss=2.0 - 0.5 * e,
-                train_acc=0.3 + 0.2 * e,
-                val_loss=2.1 - 0.4 * e,
-                val_top1=0.25 + 0.2 * e,
-                val_top5=0.7 + 0.1 * e,
-                images_per_s=500 + 10 * e,
-                wall_s=30.0,
-            )
-            for e in range(epochs)
-        ]
+        {
+            "epoch": e.astype(int),
+            "train_loss": 2.0 - 0.5 * e if epochs <= 2 else 6.9 * np.exp(-e / 20) + 0.9,
+            "train_acc": train_acc,
+            "val_loss": 2.1 - 0.4 * e if epochs <= 2 else 6.9 * np.exp(-e / 22) + 1.1,
+            "val_top1": val_top1,
+            "val_top5": np.minimum(0.7 + 0.1 * e, 0.93),
+            "images_per_s": 500 + 10 * e,
+            "wall_s": 30.0,
+        }
     )
 
 
@@ -169,6 +200,28 @@ def make_classes(n: int = 4, evil: bool = True) -> pd.DataFrame:
     if evil:
         names[1] = "<script>alert(1)</script>"
     return pd.DataFrame({"label": range(n), "wnid": [f"n{1440764 + i:08d}" for i in range(n)], "name": names})
+
+
+def make_per_class(classes: pd.DataFrame) -> pd.DataFrame:
+    """per_class.csv. Four classes of 10 images keep the values the tests quote; more get 50 images
+    each (ImageNet's val set), seeded accuracies and a seeded most-confused class."""
+    n = len(classes)
+    images = 10 if n == 4 else 50
+    if n == 4:
+        correct, confused, count = [9, 2, 7, 5], [1, 0, 1, 2], [1, 6, 2, 3]
+    else:
+        rng = np.random.default_rng(1)
+        correct = np.clip(rng.normal(0.7 * images, 0.15 * images, n).round(), 0, images).astype(int).tolist()
+        confused = [(i + int(rng.integers(1, n))) % n for i in range(n)]
+        count = [int(rng.integers(0, images - c + 1)) for c in correct]
+    return classes.assign(
+        images=images,
+        correct=correct,
+        accuracy=[c / images for c in correct],
+        most_confused_label=confused,
+        most_confused_wnid=[classes.wnid[j] for j in confused],
+        most_confused_count=count,
+    )
 
 
 def write_run(
@@ -184,6 +237,10 @@ def write_run(
     evil=True,
     stages=("index_raw", "pack/train", "pack/val", "train", "evaluate"),
     ds: str = "demo",
+    cpu: float = 50.0,
+    epochs: int = 2,
+    steps: int = 20,
+    classes: int = 4,
 ) -> dict:
     """Write every stage output of a finished run under root; return the paths (report CLI args)."""
     wait_share = wait_share or {0: 0.02, 1: 0.03}
@@ -194,9 +251,9 @@ def write_run(
     bench = root / "benchmarks"
     for d in (train, ev, pack, index, bench):
         d.mkdir(parents=True, exist_ok=True)
-    make_steps(wait_share).to_csv(train / "steps.csv", index=False)
-    make_system(gpus=gpus, iowait=iowait).to_csv(train / "system.csv", index=False)
-    make_epochs().to_csv(train / "epochs.csv", index=False)
+    make_steps(wait_share, epochs=epochs, steps=steps).to_csv(train / "steps.csv", index=False)
+    make_system(gpus=gpus, iowait=iowait, cpu=cpu).to_csv(train / "system.csv", index=False)
+    make_epochs(epochs).to_csv(train / "epochs.csv", index=False)
     n_gpus = len(gpus or {})
     run = make_run(world_size=len(wait_share), gpus=n_gpus, rotational=rotational, **(run_overrides or {}))
     (train / "run.json").write_text(json.dumps(run))
@@ -208,16 +265,9 @@ def write_run(
             repaired=repaired if split == "train" else None,
         )
         (pack / f"{split}.manifest.json").write_text(json.dumps(man))
-    classes = make_classes(evil=evil)
-    classes.to_csv(index / "classes.tsv", sep="\t", index=False)
-    per_class = classes.assign(
-        images=10,
-        correct=[9, 2, 7, 5],
-        accuracy=[0.9, 0.2, 0.7, 0.5],
-        most_confused_label=[1, 0, 1, 2],
-        most_confused_wnid=[classes.wnid[j] for j in (1, 0, 1, 2)],
-        most_confused_count=[1, 6, 2, 3],
-    )
+    names = make_classes(classes, evil=evil)
+    names.to_csv(index / "classes.tsv", sep="\t", index=False)
+    per_class = make_per_class(names)
     per_class.to_csv(ev / "per_class.csv", index=False)
     (ev / "metrics.json").write_text(
         json.dumps(

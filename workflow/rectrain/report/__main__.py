@@ -9,11 +9,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
-from rectrain import atomic
+from rectrain import atomic, log
+from rectrain.config import ConfigError, fill_defaults
 from rectrain.report import build, load
+
+logger = logging.getLogger(__name__)
+
+
+def read_config(text: str) -> dict:
+    """The whole config from --config-json, checked and completed from the schema, so a partial
+    config typed by hand works and a wrong key is named here."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f'--config-json is not valid JSON ({err}); pass the whole config, e.g. \'{{"dataset": "demo"}}\''
+        ) from None
+    if not isinstance(given, dict):
+        raise ConfigError(f"--config-json must be a JSON object (the whole config), got {given!r}")
+    return fill_defaults(given)
 
 
 def main(argv=None) -> int:
@@ -37,13 +55,18 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    log.setup("report")
 
     t = time.perf_counter()
-    config = json.loads(args.config_json)
+    try:
+        config = read_config(args.config_json)
+    except ConfigError as err:
+        logger.error("%s", err)
+        return 2
     data = load(args.train_dir, args.eval_dir, args.pack_dir, args.index_dir, args.benchmarks, config["dataset"])
     html = build(data, config)
     out = atomic.write_text(args.out, html)  # never a half-written report that looks complete
-    print(f"report: {out} ({len(html) / 1e6:.2f} MB, {time.perf_counter() - t:.1f} s)", file=sys.stderr)
+    logger.info("%s (%.2f MB, %.1f s)", out, len(html) / 1e6, time.perf_counter() - t)
     return 0
 
 

@@ -10,15 +10,25 @@ import jinja2
 import pandas as pd
 import yaml
 
-from rectrain.report import plots, provenance
-from rectrain.report.diagnosis import data_wait_share_by_rank, diagnose, gpu_memory_peak, gpu_util_mean, steady_steps
+from rectrain.report import efficiency, plots, provenance
+from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
+from rectrain.report.stats import (
+    data_wait_share_by_rank,
+    gpu_memory_peak,
+    gpu_util_mean,
+    overall_data_wait_share,
+    steady_steps,
+)
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The pipeline's own checkout (workflow/rectrain/report/ -> repo root): its commit is the code that
 # made the numbers, wherever the workdir (--directory) is.
 CODE_REPO = Path(__file__).resolve().parents[3]
-WORST_CLASSES = 10
+# Epoch tables up to this long are shown whole; longer ones (90 epochs of ImageNet) show the first and
+# last few, every k-th and the best epoch, with the full table behind a toggle.
+EPOCHS_SHOWN = 12
+EPOCH_ENDS = 3
 
 
 def num(value, spec: str = ".1f", missing: str = "-") -> str:
@@ -49,21 +59,27 @@ def _span_s(steps: pd.DataFrame) -> float:
     return float(steps["time"].max() - (steps["time"] - steps["wall_s"]).min())
 
 
-def training_rates(steps: pd.DataFrame) -> dict:
-    """img/s of the whole job and per rank, from the step telemetry (all steps, wall clock)."""
+def training_rates(steps: pd.DataFrame, eff: efficiency.Efficiency | None = None) -> dict:
+    """img/s of the whole job and per rank from the step telemetry (all steps, wall clock), with each
+    rank's steady-state rate against its calibration on synthetic data when `eff` has one."""
     if steps.empty:
         return {"total": None, "per_rank": []}
     span = _span_s(steps)
     shares = data_wait_share_by_rank(steps)
+    paired = {r.rank: r for r in eff.per_rank} if eff is not None else {}
     per_rank = []
     for rank, g in steps.groupby("rank"):
         s = steady_steps(g)
+        pair = paired.get(int(rank))
         per_rank.append(
             {
                 "rank": int(rank),
                 "steps": len(g),
                 "images": int(g["images"].sum()),
                 "img_s": g["images"].sum() / _span_s(g) if _span_s(g) > 0 else None,
+                "steady_img_s": pair.real_img_s if pair else None,
+                "synthetic_img_s": pair.synthetic_img_s if pair else None,
+                "efficiency": pair.ratio if pair else None,
                 # DeepLearningExamples' compute_ips: the rate if the loader never made this rank wait
                 "compute_img_s": s["images"].sum() / s["compute_s"].sum() if s["compute_s"].sum() > 0 else None,
                 "step_ms": 1000 * s["wall_s"].mean(),
@@ -79,6 +95,21 @@ def training_rates(steps: pd.DataFrame) -> dict:
         # a rank's compute time includes waiting in the gradient all-reduce for ranks that were
         # still waiting on data, so the fastest rank's rate is the closest to pure compute
         "compute_total": max(compute) * len(per_rank) if compute else None,
+    }
+
+
+def efficiency_headline(eff: efficiency.Efficiency, steps: pd.DataFrame) -> dict:
+    """The Throughput section's headline: input efficiency overall and the data-wait share beside it."""
+    wait = overall_data_wait_share(steps)
+    cal = eff.calibration or {}
+    return {
+        "measured": eff.measured,
+        "ratio": eff.ratio,
+        "real": eff.real_total,
+        "synthetic": eff.synthetic_total,
+        "note": eff.note,
+        "wait_pct": 100 * wait if wait is not None else None,
+        "calibration": cal if eff.measured else None,
     }
 
 
@@ -109,7 +140,8 @@ def utilization(system: pd.DataFrame) -> dict:
     }
 
 
-def worst_classes(per_class: pd.DataFrame, classes: pd.DataFrame, n: int = WORST_CLASSES) -> pd.DataFrame:
+def class_table(per_class: pd.DataFrame, classes: pd.DataFrame) -> pd.DataFrame:
+    """per_class.csv with numeric accuracy and the name of the class each one is most confused with."""
     if per_class.empty:
         return per_class
     pc = per_class.copy()
@@ -118,14 +150,53 @@ def worst_classes(per_class: pd.DataFrame, classes: pd.DataFrame, n: int = WORST
         dict(zip(classes["wnid"].astype(str), classes["name"].astype(str), strict=True)) if not classes.empty else {}
     )
     pc["most_confused_name"] = pc["most_confused_wnid"].astype(str).map(names).fillna("")
-    return pc.sort_values(["accuracy", "label"]).head(n)
+    return pc
+
+
+def class_views(table: pd.DataFrame, n: int) -> dict[str, pd.DataFrame]:
+    """Worst and best n classes, the n most-confused pairs (a class and the one it is most often taken
+    for, by count), and every class sorted by wnid (the class finder)."""
+    if table.empty:
+        return {k: table for k in ("worst", "best", "confused", "all")}
+    count = pd.to_numeric(table["most_confused_count"], errors="coerce")
+    images = pd.to_numeric(table["images"], errors="coerce")
+    pairs = table.assign(count=count, share=count / images.where(images > 0))
+    return {
+        "worst": table.sort_values(["accuracy", "label"]).head(n),
+        "best": table.sort_values(["accuracy", "label"], ascending=[False, True]).head(n),
+        "confused": pairs[pairs["count"] > 0].sort_values(["count", "label"], ascending=[False, True]).head(n),
+        "all": table.sort_values(["wnid", "label"]),
+    }
+
+
+def epoch_rows(epochs: pd.DataFrame) -> tuple[list[dict], list[dict]]:
+    """(every epoch, the rows shown): short runs whole; long runs the first and last EPOCH_ENDS
+    epochs, every k-th (about EPOCHS_SHOWN rows in all) and the best val top-1, each shown row marked
+    with the number of epochs left out before it. The best epoch is marked in both."""
+    if epochs.empty:
+        return [], []
+    e = epochs.sort_values("epoch").reset_index(drop=True)
+    e["best"] = False
+    if "val_top1" in e and e["val_top1"].notna().any():
+        e.loc[e["val_top1"].idxmax(), "best"] = True
+    every = e.assign(skipped=0).to_dict("records")
+    if len(e) <= EPOCHS_SHOWN:
+        return every, every
+    k = -(-len(e) // (EPOCHS_SHOWN - 2 * EPOCH_ENDS))  # ceil
+    keep = set(range(EPOCH_ENDS)) | set(range(len(e) - EPOCH_ENDS, len(e))) | set(range(k - 1, len(e), k))
+    keep |= set(e.index[e["best"]])
+    rows, last = [], -1
+    for i in sorted(keep):
+        rows.append({**every[i], "skipped": i - last - 1})
+        last = i
+    return every, rows
 
 
 def summary(data: RunData, config: dict, rates: dict) -> dict:
     run, metrics, bench = data.run, data.metrics, data.benchmarks
     devices = run.get("devices") or []
     return {
-        "dataset": config.get("dataset"),
+        "dataset": config["dataset"],
         "model": run.get("model"),
         "devices": ", ".join(map(str, devices)) or "-",
         "world_size": run.get("world_size"),
@@ -151,18 +222,23 @@ def summary(data: RunData, config: dict, rates: dict) -> dict:
 def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
     """The report as one self-contained HTML string."""
     report_cfg = config["report"]
-    findings = diagnose(data.steps, data.system, data.run, data.manifests, report_cfg)
+    findings = diagnose(data.steps, data.system, data.run, data.manifests, report_cfg, image_sizes=data.image_sizes)
     t0 = plots.start_time(data.steps, data.system)
-    rates = training_rates(data.steps)
-    worst = worst_classes(data.per_class, data.classes)
+    eff = efficiency.input_efficiency(data.steps, data.run)
+    rates = training_rates(data.steps, eff)
+    views = class_views(class_table(data.per_class, data.classes), int(report_cfg["classes_shown"]))
+    all_epochs, shown_epochs = epoch_rows(data.epochs)
     context = {
-        "title": report_cfg.get("title", "rectrain report"),
+        "title": report_cfg["title"],
         "summary": summary(data, config, rates),
         "findings": findings,
         "rates": rates,
+        "eff": efficiency_headline(eff, data.steps),
         "util": utilization(data.system),
-        "epochs": data.epochs.sort_values("epoch").to_dict("records") if not data.epochs.empty else [],
-        "worst": worst.to_dict("records"),
+        "epochs": all_epochs,
+        "epoch_summary": shown_epochs,
+        "epochs_collapsed": len(shown_epochs) < len(all_epochs),
+        "classes": {name: view.to_dict("records") for name, view in views.items()},
         "n_classes": len(data.per_class),
         "manifests": data.manifests,
         # both splits usually share one storage warning: say it once
@@ -176,7 +252,7 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
             "gpu": plots.gpu_plot(data.system, t0),
             "cpu_io": plots.cpu_io_plot(data.system, t0),
             "learning": plots.learning_plot(data.epochs),
-            "worst": plots.worst_classes_plot(worst),
+            "classes": plots.classes_plot(views["worst"], views["best"]),
             "stages": plots.stages_plot(data.benchmarks),
         },
         "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=False),

@@ -7,11 +7,20 @@ rule can be tested with synthetic numbers.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping
 
 import pandas as pd
+
+from rectrain.report import efficiency
+from rectrain.report.efficiency import Evidence
+from rectrain.report.stats import (
+    data_wait_share_by_rank,
+    gpu_memory_peak,
+    gpu_util_mean,
+    overall_data_wait_share,
+    train_setting,
+)
 
 # Severity order, most urgent first; "ok" is only used by the single no-problems statement.
 SEVERITIES = ("critical", "warning", "info", "ok")
@@ -19,8 +28,6 @@ SEVERITIES = ("critical", "warning", "info", "ok")
 # Below this data-wait share a rank is not called starved even if it waits N times another rank:
 # 0.4 % vs 0.1 % is a big ratio of nothing.
 MIN_STARVED_SHARE = 0.05
-
-_GPU_COLUMN = re.compile(r"^gpu(\d+)_(util|mem_used_mb|mem_total_mb)$")
 
 
 @dataclass(frozen=True)
@@ -41,64 +48,6 @@ def _pct(share: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Numbers the rules (and the report) share
-
-
-def steady_steps(steps: pd.DataFrame) -> pd.DataFrame:
-    """Steps without the first one of every (rank, epoch): that one includes pipeline start-up
-    (reader prefetch, worker spawn), which is not a steady-state input stall."""
-    if steps.empty:
-        return steps
-    first = steps.groupby(["rank", "epoch"])["step"].transform("min")
-    rest = steps[steps["step"] != first]
-    return rest if not rest.empty else steps
-
-
-def data_wait_share_by_rank(steps: pd.DataFrame) -> pd.Series:
-    """Share of step wall time each rank spent waiting for its next batch (index: rank)."""
-    s = steady_steps(steps)
-    if s.empty:
-        return pd.Series(dtype=float)
-    sums = s.groupby("rank")[["data_wait_s", "wall_s"]].sum()
-    share = sums["data_wait_s"] / sums["wall_s"].where(sums["wall_s"] > 0)
-    return share.dropna().clip(lower=0.0, upper=1.0)
-
-
-def overall_data_wait_share(steps: pd.DataFrame) -> float | None:
-    s = steady_steps(steps)
-    total = float(s["wall_s"].sum()) if not s.empty else 0.0
-    if total <= 0:
-        return None
-    return min(1.0, max(0.0, float(s["data_wait_s"].sum()) / total))
-
-
-def gpu_indices(system: pd.DataFrame) -> list[int]:
-    """GPU indices that have telemetry columns; empty on CPU-only hosts (the columns are absent)."""
-    found = {int(m.group(1)) for c in system.columns if (m := _GPU_COLUMN.match(c))}
-    return sorted(found)
-
-
-def gpu_memory_peak(system: pd.DataFrame) -> dict[int, tuple[float, float]]:
-    """GPU index -> (peak used MB, total MB)."""
-    out = {}
-    for i in gpu_indices(system):
-        used, total = system.get(f"gpu{i}_mem_used_mb"), system.get(f"gpu{i}_mem_total_mb")
-        if used is None or total is None or used.dropna().empty or total.dropna().empty:
-            continue
-        out[i] = (float(used.max()), float(total.max()))
-    return out
-
-
-def gpu_util_mean(system: pd.DataFrame) -> dict[int, float]:
-    out = {}
-    for i in gpu_indices(system):
-        col = system.get(f"gpu{i}_util")
-        if col is not None and not col.dropna().empty:
-            out[i] = float(col.mean())
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # Rules: each returns a Finding or None
 
 
@@ -107,7 +56,7 @@ def input_fix(run: Mapping | None) -> str:
     `loader_note` and its copy of the train block); the generic advice when run.json does not say."""
     run = run or {}
     decode = str(run.get("decode") or "")
-    on_gpu = run.get("backend") == "nccl" or bool(run.get("gpus"))
+    on_gpu = efficiency.on_gpu(run)
     storage = "keep the .rec on an SSD (pack.fast_storage)"
     shrink = "pre-shrink the images once (pack.resize, e.g. 160 for image_size 128)"
 
@@ -147,7 +96,11 @@ def input_fix(run: Mapping | None) -> str:
     )
 
 
-def input_bound(steps: pd.DataFrame, cfg: Mapping, run: Mapping | None = None) -> Finding | None:
+def input_bound(
+    steps: pd.DataFrame, cfg: Mapping, run: Mapping | None = None, ev: Evidence | None = None
+) -> Finding | None:
+    """Data wait above the threshold; with a calibration, also the throughput it costs and the fix
+    that fits the CPU, disk and image-size evidence (without one, the advice for the decoder used)."""
     shares = data_wait_share_by_rank(steps)
     limit = float(cfg["data_wait_share"])
     if shares.empty or shares.max() <= limit:
@@ -155,14 +108,195 @@ def input_bound(steps: pd.DataFrame, cfg: Mapping, run: Mapping | None = None) -
     overall = overall_data_wait_share(steps)
     per_rank = ", ".join(f"rank {r}: {_pct(v)}" for r, v in shares.items())
     worst = int(shares.idxmax())
+    measured = f"data wait is {_pct(overall)} of step time over all ranks ({per_rank}); rank {worst} waits most"
+    threshold = f"report.data_wait_share = {_pct(limit)} of step time"
+    title, fix = "Training is input-bound: the model waits for data", input_fix(run)
+    if ev is not None and ev.eff.measured:
+        if _low_efficiency(ev, cfg):
+            title = "Training is input-bound: the loader cannot keep up"
+        measured += f"; {_efficiency_txt(ev)}"
+        threshold += f"; report.input_efficiency = {float(cfg['input_efficiency']):.2f}"
+        fix = evidence_fix(run or {}, ev, cfg)
     return Finding(
         id="input_bound",
         severity="critical" if shares.max() > 2 * limit else "warning",
-        title="Training is input-bound: the model waits for data",
-        measured=(f"data wait is {_pct(overall)} of step time over all ranks ({per_rank}); rank {worst} waits most"),
-        threshold=f"report.data_wait_share = {_pct(limit)} of step time",
-        fix=input_fix(run),
+        title=title,
+        measured=measured,
+        threshold=threshold,
+        fix=fix,
     )
+
+
+def _efficiency_txt(ev: Evidence) -> str:
+    ranks = ", ".join(f"rank {r.rank}: {r.ratio:.2f}" for r in ev.eff.per_rank if r.ratio is not None)
+    return f"{ev.eff.headline()} ({ranks})"
+
+
+def _low_efficiency(ev: Evidence, cfg: Mapping) -> bool:
+    return ev.eff.measured and ev.eff.ratio is not None and ev.eff.ratio < float(cfg["input_efficiency"])
+
+
+def _efficiency_severity(ev: Evidence, cfg: Mapping) -> str:
+    # as for data wait: critical when twice the tolerated share of throughput is lost
+    return "critical" if 1 - ev.eff.ratio > 2 * (1 - float(cfg["input_efficiency"])) else "warning"
+
+
+def contention(run: Mapping, ev: Evidence, cfg: Mapping) -> Finding | None:
+    """Low efficiency without waiting: decoding slows the steps themselves (shared cores or SMs)."""
+    limit = float(cfg["data_wait_share"])
+    if not _low_efficiency(ev, cfg) or ev.wait is None or ev.wait > limit:
+        return None
+    gpu_decode = efficiency.on_gpu(run) and str(run.get("decode") or "").startswith("gpu")
+    where = "the GPU's SMs" if gpu_decode else "the CPU cores"
+    return Finding(
+        id="contention",
+        severity=_efficiency_severity(ev, cfg),
+        title=f"Decoding competes with the model for {where}",
+        measured=(
+            f"{_efficiency_txt(ev)}, yet data wait is only {_pct(ev.wait)} of step time: the input pipeline's "
+            "cost shows up as slower compute, not as waiting"
+        ),
+        threshold=(
+            f"report.input_efficiency = {float(cfg['input_efficiency']):.2f} with data wait at most "
+            f"report.data_wait_share = {_pct(limit)}"
+        ),
+        fix=evidence_fix(run, ev, cfg),
+    )
+
+
+def _decode_cost_txt(ev: Evidence, run: Mapping) -> str:
+    d = ev.decode
+    if d is None:
+        return "; the busy CPU time could not be split between decoding and the model"
+    model = (
+        f", less the model's own {1000 * d.model_core_s_per_image:.1f} ms per image on "
+        f"{ev.eff.synthetic_total:.1f} img/s in the calibration"
+        if not efficiency.on_gpu(run)
+        else ", all of it counted as input work"
+    )
+    return (
+        f"; the input pipeline costs {1000 * d.core_s_per_image:.1f} ms of CPU per image, "
+        f"{d.per_core_img_s:.0f} img/s per core ({d.busy_cores:.2f} busy cores delivered "
+        f"{ev.eff.real_total:.1f} img/s{model})"
+    )
+
+
+def cpu_bound(run: Mapping, ev: Evidence, cfg: Mapping) -> Finding | None:
+    """CPU busy near 100 % while efficiency is low: the cores, not the disk or the loader's settings."""
+    limit = float(cfg["cpu_busy_percent"])
+    if not _low_efficiency(ev, cfg) or ev.cpu_busy is None or ev.cpu_busy < limit:
+        return None
+    cores = f"{ev.cores}" if ev.cores else "its"
+    if ev.decode is not None:
+        extra = "" if efficiency.on_gpu(run) else f" on top of the {ev.cores} the model itself uses at that rate"
+        need = (
+            f"Feeding the model its {ev.eff.synthetic_total:.0f} img/s needs about {_cores(ev.decode.cores_needed)} "
+            f"of decoding at the measured {ev.decode.per_core_img_s:.0f} img/s per core{extra}; the job has {cores}. "
+        )
+    else:
+        need = f"The job's {cores} cores are all busy. "
+    return Finding(
+        id="cpu_bound",
+        severity=_efficiency_severity(ev, cfg),
+        title="The CPU is the bottleneck",
+        measured=(
+            f"CPU busy {ev.cpu_busy:.0f} % (median while training) of the job's {cores} cores while "
+            f"{_efficiency_txt(ev)}{_decode_cost_txt(ev, run)}"
+        ),
+        threshold=(
+            f"report.cpu_busy_percent = {limit:g} % with input efficiency below "
+            f"report.input_efficiency = {float(cfg['input_efficiency']):.2f}"
+        ),
+        fix=(
+            need + "More decode workers would only split the same busy cores: run the job with more CPU cores "
+            "(snakemake --cores, or more CPUs per GPU on a cluster), or decode less: "
+            + ("; ".join(fix_tips(run, ev, cfg)) or "fewer pixels per image (pack.resize)")
+            + "."
+        ),
+    )
+
+
+def _cores(n: int) -> str:
+    return f"{n} core" if n == 1 else f"{n} cores"
+
+
+def _resize_tip(ev: Evidence) -> str | None:
+    r = ev.resize
+    if r is None or (r.packed_resize and r.packed_resize <= r.target):
+        return None
+    now = f", now {r.packed_resize}" if r.packed_resize else ", now pass-through"
+    head = f"pack a lower-resolution .rec (pack.resize: {r.target}{now})"
+    if r.saving is None:
+        return f"{head}: decode time falls with the pixels removed (the .rec could not be read to measure them)"
+    if r.saving < 0.1:
+        return None
+    return (
+        f"{head}: the packed images average {r.mpx_now:.2f} Mpx (sample of {r.sampled}), {r.mpx_after:.2f} Mpx "
+        f"at {r.target} px on the shorter side, so about {100 * r.saving:.0f} % less decode work"
+    )
+
+
+def _gpu_tip(run: Mapping, idle: float | None) -> str | None:
+    names = efficiency.gpu_names(run)
+    if not names:
+        return None
+    decode = str(run.get("decode") or "")
+    engine = [n for n in names if efficiency.has_hw_jpeg(n)]
+    load = train_setting(run, "dali_hw_decoder_load")
+    now = f" (now {load})" if load is not None else ""
+    if engine and decode.startswith("gpu: DALI"):
+        return (
+            f"raise train.dali_hw_decoder_load{now} toward 0.9: the {engine[0]} has a hardware JPEG decoder, "
+            "and the images it takes leave the SMs to the model"
+        )
+    if engine:
+        return (
+            f"decode on the {engine[0]}'s hardware JPEG decoder (train.loader: dali, train.gpu_decode: true, "
+            f"train.dali_hw_decoder_load{now} toward 0.9)"
+        )
+    if decode.startswith("gpu"):
+        other = (
+            f"decode on the CPU instead (train.gpu_decode: false; about {idle:.1f} cores are idle)"
+            if idle is not None and idle >= 1
+            else "shrinking the images is what helps"
+        )
+        return f"the {names[0]} has no hardware JPEG decoder, so GPU decoding runs on the SMs the model uses: {other}"
+    return None
+
+
+def _idle_cores(ev: Evidence, cfg: Mapping) -> float | None:
+    """Idle cores, when the CPU is below the saturation threshold; None when saturated or unknown."""
+    if ev.cpu_busy is None or not ev.cores or ev.cpu_busy >= float(cfg["cpu_busy_percent"]):
+        return None
+    return ev.cores * (1 - ev.cpu_busy / 100)
+
+
+def fix_tips(run: Mapping, ev: Evidence, cfg: Mapping) -> list[str]:
+    """The fixes the measurements support, most direct first."""
+    tips = []
+    if run.get("loader_note") and efficiency.on_gpu(run):
+        tips.append("install DALI (nvidia-dali-cuda<CUDA major>0): it was requested but not importable")
+    if ev.iowait is not None and max(ev.iowait) > float(cfg["iowait_percent"]):
+        tips.append(
+            f"stage the .rec to faster storage (pack.stage_to_local: true, or pack.fast_storage on an SSD): "
+            f"iowait averaged {ev.iowait[0]:.1f} %, p90 {ev.iowait[1]:.1f} %"
+        )
+    idle = _idle_cores(ev, cfg)
+    decode_on_cpu = not efficiency.on_gpu(run) or str(run.get("decode") or "cpu").startswith("cpu")
+    if idle is not None and idle >= 1 and decode_on_cpu:
+        workers = train_setting(run, "workers")
+        now = f" (now {workers})" if workers is not None else ""
+        tips.append(
+            f"add decode workers (train.workers{now}): the CPU was busy {ev.cpu_busy:.0f} %, "
+            f"about {idle:.1f} of {ev.cores} cores idle"
+        )
+    return tips + [t for t in (_resize_tip(ev), _gpu_tip(run, idle)) if t]
+
+
+def evidence_fix(run: Mapping, ev: Evidence, cfg: Mapping) -> str:
+    """fix_tips as a sentence; the advice for the decoder used when the evidence points at none."""
+    text = "; ".join(fix_tips(run, ev, cfg))
+    return text[0].upper() + text[1:] + "." if text else input_fix(run)
 
 
 def rank_imbalance(steps: pd.DataFrame, system: pd.DataFrame, cfg: Mapping) -> Finding | None:
@@ -195,7 +329,7 @@ def rank_imbalance(steps: pd.DataFrame, system: pd.DataFrame, cfg: Mapping) -> F
         ),
         fix=(
             f"Rank {hi_rank}'s reader is slower: this is the signature of a .rec read from a hard disk "
-            "once the page cache is exhausted (the seed user's one GPU at 100 %, the other at 0-10 %). "
+            "once the page cache is exhausted (one GPU at 100 % while the other sits at 0-10 %). "
             "Move the .rec to an SSD (pack.fast_storage) or stage it to node-local storage "
             "(pack.stage_to_local: true); check that nothing else competes for that rank's CPU cores."
         ),
@@ -214,9 +348,9 @@ def _rotational_sources(run: Mapping, manifests: Mapping[str, Mapping]) -> list[
     return found
 
 
-SEED_LESSON = (
-    "The seed user's run slowed from 70 s to 5 min per 500 steps at 47 % iowait once the page "
-    "cache ran out; moving the .rec to the SSD fixed it."
+HDD_LESSON = (
+    "A .rec on a hard disk has slowed a run from 70 s to 5 min per 500 steps at 47 % iowait once the "
+    "page cache ran out; moving the .rec to an SSD fixed it."
 )
 
 
@@ -232,7 +366,7 @@ def rec_on_rotational(run: Mapping, manifests: Mapping[str, Mapping]) -> Finding
         threshold="any .rec on a device with rotational = 1",
         fix=(
             "Set pack.fast_storage to a directory on an SSD/NVMe and rerun (only pack and the stages "
-            "after it rerun). " + SEED_LESSON
+            "after it rerun). " + HDD_LESSON
         ),
     )
 
@@ -257,15 +391,9 @@ def high_iowait(system: pd.DataFrame, cfg: Mapping) -> Finding | None:
         fix=(
             "Reads of the .rec are too slow for the loader: move the .rec to an SSD (pack.fast_storage), "
             "stage it to local storage (pack.stage_to_local: true), or shrink it (pack.resize) so it fits "
-            "in the page cache. " + SEED_LESSON
+            "in the page cache. " + HDD_LESSON
         ),
     )
-
-
-def train_setting(run: Mapping | None, key: str):
-    """A training setting as the run used it: run.json's own field, else its copy of the train block."""
-    run = run or {}
-    return run[key] if key in run else (run.get("config") or {}).get(key)
 
 
 def _batch_txt(run: Mapping) -> tuple[int | None, int, int | None]:
@@ -303,8 +431,8 @@ def gpu_memory(system: pd.DataFrame, run: Mapping, cfg: Mapping) -> list[Finding
                 threshold=f"report.gpu_mem_high = {_pct(high)} of GPU memory",
                 fix=(
                     f"Use {suggestion}, or train.batch_size: auto. An out-of-memory on the GPU can surface "
-                    "as 'CUDA error: an illegal memory access' instead of an OOM message (the seed user's "
-                    "batch 128 on 11 GB cards)."
+                    "as 'CUDA error: an illegal memory access' instead of an OOM message (a batch "
+                    "of 128 on 11 GB cards has done that)."
                 ),
             )
         )
@@ -413,8 +541,10 @@ def pack_quality(manifests: Mapping[str, Mapping]) -> list[Finding]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _healthy(steps: pd.DataFrame, system: pd.DataFrame) -> Finding:
+def _healthy(steps: pd.DataFrame, system: pd.DataFrame, ev: Evidence) -> Finding:
     parts = []
+    if ev.eff.per_rank:
+        parts.append(f"{ev.eff.headline()}")
     wait = overall_data_wait_share(steps)
     if wait is not None:
         parts.append(f"data wait {_pct(wait)} of step time (compute-bound)")
@@ -442,13 +572,18 @@ def diagnose(
     run: Mapping | None,
     manifests: Mapping[str, Mapping] | None,
     cfg: Mapping,
+    image_sizes: pd.DataFrame | None = None,
 ) -> list[Finding]:
     """All findings, most urgent first. Exactly one 'no_problems' finding when no rule flags a problem
-    (informational findings such as repaired images may accompany it)."""
+    (informational findings such as repaired images may accompany it). `image_sizes` (width, height of
+    a sample of the packed train images) lets the resize advice quote the decode work it saves."""
     run, manifests = run or {}, manifests or {}
+    ev = efficiency.gather(steps, system, run, manifests, image_sizes)
     found: list[Finding] = []
     for f in (
-        input_bound(steps, cfg, run),
+        input_bound(steps, cfg, run, ev),
+        contention(run, ev, cfg),
+        cpu_bound(run, ev, cfg),
         rank_imbalance(steps, system, cfg),
         rec_on_rotational(run, manifests),
         high_iowait(system, cfg),
@@ -459,5 +594,5 @@ def diagnose(
     found += gpu_memory(system, run, cfg)
     found += pack_quality(manifests)
     if not any(f.severity in ("critical", "warning") for f in found):
-        found.append(_healthy(steps, system))
+        found.append(_healthy(steps, system, ev))
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))

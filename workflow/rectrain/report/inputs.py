@@ -6,15 +6,23 @@ empty system.csv) become empty tables, never errors; missing required files name
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-STEP_COLUMNS = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
-SYSTEM_COLUMNS = ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb"]
-EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_top1", "val_top5", "images_per_s", "wall_s"]
+from rectrain.data.images import Skip, read_jpeg_header
+from rectrain.recordio import RecordIOError, scan_records, unpack_record
+from rectrain.train.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
+
+log = logging.getLogger(__name__)
+
+# Packed images whose JPEG headers are read for the resize advice: the .rec is globally shuffled, so
+# its first records are a random sample; 256 headers are a few MB of reading.
+SIZE_SAMPLE = 256
 # Snakemake writes "NA" when the job ended before its first sample and "-" for None.
 BENCH_NA = ["NA", "-"]
 
@@ -31,6 +39,7 @@ class RunData:
     classes: pd.DataFrame
     benchmarks: pd.DataFrame  # one row per rule: rule, s, max_rss, io_in, io_out, cpu_time, mean_load
     paths: dict[str, str] = field(default_factory=dict)
+    image_sizes: pd.DataFrame | None = None  # width, height of a sample of the packed train images
 
 
 def _csv(path: Path, columns: list[str], stage: str, **kw) -> pd.DataFrame:
@@ -78,6 +87,25 @@ def read_benchmarks(files: list[Path], dataset: str = "") -> pd.DataFrame:
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=cols)
 
 
+def sample_image_sizes(manifest: dict | None, n: int = SIZE_SAMPLE) -> pd.DataFrame | None:
+    """width, height of the first n JPEGs of the manifest's .rec; None when it cannot be read (moved,
+    deleted after training, on another machine): the report then gives the resize advice without
+    numbers rather than failing."""
+    rec = Path((manifest or {}).get("rec") or "")
+    if not rec.is_file():
+        return None
+    sizes = []
+    try:
+        for _, payload in itertools.islice(scan_records(rec), n):
+            info = read_jpeg_header(unpack_record(payload)[1])
+            if info is not None and info.width and info.height:
+                sizes.append((info.width, info.height))
+    except (OSError, RecordIOError, Skip) as err:
+        log.warning("could not sample image sizes from %s (%s): the resize advice will have no numbers", rec, err)
+        return None
+    return pd.DataFrame(sizes, columns=["width", "height"]) if sizes else None
+
+
 def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: str) -> RunData:
     train_dir, eval_dir, pack_dir, index_dir = map(Path, (train_dir, eval_dir, pack_dir, index_dir))
     manifests = {}
@@ -105,7 +133,7 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
     )
     return RunData(
         steps=_csv(train_dir / "steps.csv", STEP_COLUMNS, "train"),
-        system=_csv(train_dir / "system.csv", SYSTEM_COLUMNS, "train"),
+        system=_csv(train_dir / "system.csv", SYSTEM_BASE_COLUMNS, "train"),
         epochs=_csv(train_dir / "epochs.csv", EPOCH_COLUMNS, "train"),
         run=_json(train_dir / "run.json", "train"),
         metrics=_json(eval_dir / "metrics.json", "evaluate"),
@@ -114,4 +142,5 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
         classes=classes,
         benchmarks=read_benchmarks(benchmark_files(benchmarks, dataset), dataset),
         paths={"train": str(train_dir), "eval": str(eval_dir), "pack": str(pack_dir), "index": str(index_dir)},
+        image_sizes=sample_image_sizes(manifests.get("train")),
     )

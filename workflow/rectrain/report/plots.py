@@ -17,7 +17,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from rectrain.report.diagnosis import gpu_indices, steady_steps  # noqa: E402
+from rectrain.report.stats import gpu_indices, steady_steps  # noqa: E402
 
 sns.set_theme(style="whitegrid", context="notebook")
 # Class names and paths come from user data: never let matplotlib treat "$...$" as TeX.
@@ -95,7 +95,7 @@ def throughput_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
 
 def step_split_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
     """Left: mean step time per rank split into data wait and compute. Right: data-wait share over
-    time per rank, which shows a stall that starts mid-run (the seed user's page cache running out)."""
+    time per rank, which shows a stall that starts mid-run (a .rec on a hard disk once the page cache runs out)."""
     if steps.empty or t0 is None:
         return None
     s = steady_steps(steps)
@@ -195,20 +195,20 @@ def learning_plot(epochs: pd.DataFrame) -> str | None:
     return to_data_uri(fig)
 
 
-def worst_classes_plot(worst: pd.DataFrame) -> str | None:
-    """Bar chart of the worst classes, labelled by wnid (names may be long or hostile; the table
-    next to it shows them, escaped)."""
+def classes_plot(worst: pd.DataFrame, best: pd.DataFrame) -> str | None:
+    """Bar charts of the worst and the best classes side by side, labelled by wnid (names may be long
+    or hostile; the tables below show them, escaped)."""
     if worst.empty:
         return None
-    fig, ax = plt.subplots(figsize=(10, 0.3 * len(worst) + 1))
-    sns.barplot(
-        x=100 * worst["accuracy"].astype(float),
-        y=worst["wnid"].astype(str),
-        ax=ax,
-        color=sns.color_palette()[3],
-        orient="h",
-    )
-    ax.set(xlabel="val accuracy (%)", ylabel="", xlim=(0, 100), title="Worst classes")
+    rows = max(len(worst), len(best))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.3 * rows + 1.2))
+    for ax, view, colour, title in (
+        (axes[0], worst, sns.color_palette()[3], "Worst classes"),
+        (axes[1], best, sns.color_palette()[2], "Best classes"),
+    ):
+        sns.barplot(x=100 * view["accuracy"].astype(float), y=view["wnid"].astype(str), ax=ax, color=colour, orient="h")
+        ax.set(xlabel="val accuracy (%)", ylabel="", xlim=(0, 100), title=title)
+    fig.tight_layout()
     return to_data_uri(fig)
 
 
