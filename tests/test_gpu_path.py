@@ -1,6 +1,7 @@
 """The GPU path's decisions and knobs, proven on CPU: config/gpu.yaml, loader dispatch without DALI,
 DALI decoder arguments, and the torch loader's raw-bytes + batched-decode train path."""
 
+import dataclasses
 import os
 
 import pytest
@@ -57,7 +58,7 @@ def test_gpu_knobs_have_defaults_and_descriptions():
     ):
         assert "default" in train[key] and train[key].get("description"), key
     filled = check_config({"dataset": "demo"}, SCHEMA, workdir=REPO)["train"]
-    assert DaliOptions.from_config(filled) == DaliOptions()  # the schema and the code agree on defaults
+    assert DaliOptions.from_config(filled) == DaliOptions.defaults()
     opts = DaliOptions.from_config(gpu_config()["train"])
     assert opts.preallocate == (500, 500) and 0 < opts.hw_decoder_load <= 1
 
@@ -111,7 +112,7 @@ def test_unknown_loader_names_the_key():
 def test_dali_decoder_knobs_reach_only_the_mixed_decoder():
     from rectrain.loaders.dali import decoder_args
 
-    opts = DaliOptions(hw_decoder_load=0.9, preallocate=(640, 480))
+    opts = dataclasses.replace(DaliOptions.defaults(), hw_decoder_load=0.9, preallocate=(640, 480))
     args = decoder_args("mixed", opts)
     assert args["hw_decoder_load"] == 0.9 and args["preallocate_width_hint"] == 640
     assert args["preallocate_height_hint"] == 480 and args["device_memory_padding"] == opts.device_memory_padding

@@ -1,8 +1,8 @@
 """Where the .rec lives: which block device, whether it spins, whether it has room.
 
-The seed problem (SPEC 1): the user's second GPU idled at 0-10 % with ~47 % iowait because the
-.rec sat on an HDD once the page cache ran out. Nothing told them. The pack preflight and the
-training telemetry both ask this module which device holds the file and whether it is rotational.
+A .rec on a spinning disk starves the GPUs once the page cache runs out (a user's second GPU idled
+at 0-10 % with ~47 % iowait, and nothing told them why).  The pack preflight and the training
+telemetry both ask this module which device holds the file and whether it is rotational.
 
 Resolution goes through sysfs: st_dev -> /sys/dev/block/MAJ:MIN -> the whole disk (a partition's
 parent), then down device-mapper/md ``slaves/`` and loop ``loop/backing_file`` to the physical
@@ -27,9 +27,9 @@ SPACE_MARGIN = 1.05
 
 ROTATIONAL_WARNING = (
     "WARNING: fast_storage {path} is on a rotational disk ({device}). Training reads the .rec in "
-    "random order; once the page cache is exhausted the GPUs wait on the disk. This is the seed "
-    "problem: the user's second GPU idled at 0-10 % with ~47 % iowait and 500 steps went from 70 s "
-    "to 5 min because the .rec was on an HDD. Fix: point pack.fast_storage at a directory on an SSD/NVMe."
+    "random order; once the page cache is exhausted the GPUs wait on the disk (on one such setup a "
+    "second GPU idled at 0-10 % with ~47 % iowait and 500 steps went from 70 s to 5 min). "
+    "Fix: point pack.fast_storage at a directory on an SSD/NVMe."
 )
 
 

@@ -1,6 +1,6 @@
 """Index a raw ImageNet: which file (or tar member) is which class.
 
-Layouts understood (SPEC section 2), relative to the raw root (or to ILSVRC/Data/CLS-LOC, Kaggle's):
+Layouts understood (docs/architecture.md, "index_raw"), relative to the raw root (or to ILSVRC/Data/CLS-LOC, Kaggle's):
   folders      train/<wnid>/*.JPEG + val/<wnid>/*.JPEG
   flat-kaggle  train/<wnid>/*.JPEG + flat val (val/ or val_flat/) labelled by LOC_val_solution.csv
   flat-devkit  train/<wnid>/*.JPEG + flat val labelled by the devkit's ILSVRC2012_validation_ground_truth.txt

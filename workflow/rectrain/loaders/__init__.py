@@ -34,22 +34,29 @@ EVAL_CROP_FRACTION = 0.875
 class DaliOptions:
     """Knobs of DALI's mixed (GPU) decoder and pipeline; the train block's dali_* keys."""
 
-    hw_decoder_load: float = 0.65
-    prefetch_queue_depth: int = 2
-    device_memory_padding: int = 211025920
-    host_memory_padding: int = 140544512
-    preallocate: tuple[int, int] = (0, 0)  # (width, height) of the largest image; 0 = grow on demand
+    hw_decoder_load: float
+    prefetch_queue_depth: int
+    device_memory_padding: int  # bytes, reserved per decode thread
+    host_memory_padding: int
+    preallocate: tuple[int, int]  # (width, height) of the largest image; 0 = grow on demand
 
     @classmethod
     def from_config(cls, cfg: dict) -> "DaliOptions":
-        d = cls()
+        """From a schema-filled train block."""
         return cls(
-            hw_decoder_load=float(cfg.get("dali_hw_decoder_load", d.hw_decoder_load)),
-            prefetch_queue_depth=int(cfg.get("dali_prefetch_queue_depth", d.prefetch_queue_depth)),
-            device_memory_padding=int(cfg.get("dali_device_memory_padding", d.device_memory_padding)),
-            host_memory_padding=int(cfg.get("dali_host_memory_padding", d.host_memory_padding)),
-            preallocate=tuple(cfg.get("dali_preallocate", d.preallocate)),
+            hw_decoder_load=float(cfg["dali_hw_decoder_load"]),
+            prefetch_queue_depth=int(cfg["dali_prefetch_queue_depth"]),
+            device_memory_padding=int(cfg["dali_device_memory_padding"]),
+            host_memory_padding=int(cfg["dali_host_memory_padding"]),
+            preallocate=tuple(cfg["dali_preallocate"]),
         )
+
+    @classmethod
+    def defaults(cls) -> "DaliOptions":
+        """The schema's defaults (config/schema.yaml is their only home)."""
+        from rectrain.config import stage_block
+
+        return cls.from_config(stage_block("train", "{}"))
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ class LoaderSpec:
     device: str = "cpu"  # where batches land: "cpu" or "cuda:<local rank>"
     gpu_decode: bool = True  # decode JPEGs on the GPU when device is cuda
     seed: int = 0
-    dali: DaliOptions = field(default_factory=DaliOptions)
+    dali: DaliOptions = field(default_factory=DaliOptions.defaults)
 
     @property
     def on_gpu(self) -> bool:

@@ -1,4 +1,4 @@
-"""Read every stage's outputs (CONTRACTS formats) into one RunData for the report.
+"""Read every stage's outputs (formats: docs/architecture.md) into one RunData for the report.
 
 Missing optional pieces (a CPU-only run has no GPU columns, a run too short for the sampler has an
 empty system.csv) become empty tables, never errors; missing required files name the stage to rerun.
