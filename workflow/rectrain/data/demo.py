@@ -257,9 +257,8 @@ def check_config(cfg: dict) -> None:
         )
 
 
-def generate(cfg: dict, out: Path) -> dict:
-    """Write the whole demo tree under out; returns a summary. .done is written last."""
-    check_config(cfg)
+def _clear_owned(out: Path) -> None:
+    """Remove what a previous generation wrote, so a rerun never mixes two seeds."""
     out.mkdir(parents=True, exist_ok=True)
     for name in OWNED:
         target = out / name
@@ -268,83 +267,104 @@ def generate(cfg: dict, out: Path) -> dict:
         elif target.exists() or target.is_symlink():
             target.unlink()
 
-    seed, quality, n_classes = cfg["seed"], cfg["quality"], cfg["classes"]
-    classes = class_list(n_classes)
-    styles = [class_style(seed, k, n_classes) for k in range(n_classes)]
 
-    def make(split: int, k: int, n: int) -> tuple[Image.Image, tuple]:
-        rng = np.random.default_rng([seed, split, k, n])
-        return draw(styles[k], rng, image_size(rng, cfg["min_size"], cfg["max_size"]))
+@dataclass
+class _Painter:
+    """Draws image n of class k in a split, deterministically from the seed."""
 
-    # Defects go to distinct classes spread over the class list (round-robin when there are fewer).
-    defects_by_class: dict[int, list[int]] = {}
+    cfg: dict
+
+    def __post_init__(self):
+        self.classes = class_list(self.cfg["classes"])
+        self.styles = [class_style(self.cfg["seed"], k, self.cfg["classes"]) for k in range(self.cfg["classes"])]
+
+    def draw(self, split: int, k: int, n: int) -> tuple[Image.Image, tuple]:
+        rng = np.random.default_rng([self.cfg["seed"], split, k, n])
+        return draw(self.styles[k], rng, image_size(rng, self.cfg["min_size"], self.cfg["max_size"]))
+
+    def jpeg(self, split: int, k: int, n: int) -> bytes:
+        return jpeg_bytes(self.draw(split, k, n)[0], self.cfg["quality"])
+
+
+def _defects_by_class(cfg: dict) -> dict[int, list[int]]:
+    """Defects go to distinct classes spread over the class list (round-robin when there are fewer)."""
+    n_classes, by_class = cfg["classes"], {}
     if cfg["bad_files"]:
         for i in range(len(DEFECTS)):
-            defects_by_class.setdefault(
-                i * n_classes // len(DEFECTS) if n_classes >= len(DEFECTS) else i % n_classes, []
-            ).append(i)
+            k = i * n_classes // len(DEFECTS) if n_classes >= len(DEFECTS) else i % n_classes
+            by_class.setdefault(k, []).append(i)
+    return by_class
 
-    (out / "archives").mkdir()
-    manifest = []
-    n_train = 0
+
+def _defect_entry(kind: str, action: str, why: str, wnid: str, name: str) -> dict:
+    return {
+        "kind": kind,
+        "expected": action,
+        "why": why,
+        "wnid": wnid,
+        "source": f"train/{wnid}/{name}",
+        "archive_source": f"archives/{TRAIN_TAR}::{wnid}.tar::{name}",
+    }
+
+
+def _class_files(painter: _Painter, k: int, defects: list[int], manifest: list) -> list[tuple[str, bytes]]:
+    """(name, bytes) of one train class: its images, its planted defects, and (class 0) the stray file."""
+    cfg, wnid = painter.cfg, painter.classes[k][0]
+    files = [(f"{wnid}_{n}.JPEG", painter.jpeg(SPLIT_TRAIN, k, n)) for n in range(1, cfg["train_per_class"] + 1)]
+    for j, i in enumerate(defects):
+        kind, action, why = DEFECTS[i]
+        n = cfg["train_per_class"] + 1 + j
+        name = f"{wnid}_{n}.JPEG"
+        files.append((name, defect_bytes(kind, painter.draw(SPLIT_TRAIN, k, n)[0], cfg["quality"])))
+        manifest.append(_defect_entry(kind, action, why, wnid, name))
+    if cfg["bad_files"] and k == 0:
+        files.append((STRAY_NAME, b"\x00" * 64))
+        why = "not an image extension: the indexer lists it in unclassified.tsv"
+        manifest.append(_defect_entry("stray", "unclassified", why, wnid, STRAY_NAME))
+    return sorted(files)
+
+
+def _write_train(painter: _Painter, out: Path, manifest: list) -> int:
+    """train/<wnid>/ folders and the official-style tar of per-class tars; returns the file count."""
+    defects, n_train, n_classes = _defects_by_class(painter.cfg), 0, painter.cfg["classes"]
     with tarfile.open(out / "archives" / TRAIN_TAR, mode="w", format=tarfile.USTAR_FORMAT) as train_tar:
-        for k, (wnid, _) in enumerate(classes):
-            files: list[tuple[str, bytes]] = []
-            for n in range(1, cfg["train_per_class"] + 1):
-                files.append((f"{wnid}_{n}.JPEG", jpeg_bytes(make(SPLIT_TRAIN, k, n)[0], quality)))
-            for j, i in enumerate(defects_by_class.get(k, [])):
-                kind, action, why = DEFECTS[i]
-                n = cfg["train_per_class"] + 1 + j
-                name = f"{wnid}_{n}.JPEG"
-                files.append((name, defect_bytes(kind, make(SPLIT_TRAIN, k, n)[0], quality)))
-                manifest.append(
-                    {
-                        "kind": kind,
-                        "expected": action,
-                        "why": why,
-                        "wnid": wnid,
-                        "source": f"train/{wnid}/{name}",
-                        "archive_source": f"archives/{TRAIN_TAR}::{wnid}.tar::{name}",
-                    }
-                )
-            if cfg["bad_files"] and k == 0:
-                files.append((STRAY_NAME, b"\x00" * 64))
-                manifest.append(
-                    {
-                        "kind": "stray",
-                        "expected": "unclassified",
-                        "why": "not an image extension: the indexer lists it in unclassified.tsv",
-                        "wnid": wnid,
-                        "source": f"train/{wnid}/{STRAY_NAME}",
-                        "archive_source": f"archives/{TRAIN_TAR}::{wnid}.tar::{STRAY_NAME}",
-                    }
-                )
-            files.sort()
+        for k, (wnid, _) in enumerate(painter.classes):
+            files = _class_files(painter, k, defects.get(k, []), manifest)
             for name, data in files:
                 write(out / "train" / wnid / name, data)
             tar_member(train_tar, f"{wnid}.tar", tar_bytes(files))
             n_train += len(files)
             log.info(f"train {k + 1}/{n_classes} {wnid}: {len(files)} files")
+    return n_train
 
+
+def _write_val(painter: _Painter, out: Path) -> tuple[np.ndarray, list, list, np.ndarray]:
+    """val/<wnid>/, val_flat/ and the val tar; returns (labels, Kaggle rows, devkit truth, ILSVRC ids)."""
+    seed, n_classes = painter.cfg["seed"], painter.cfg["classes"]
     # Val: classes interleaved in a fixed random order, numbered 1..N like ILSVRC2012_val_XXXXXXXX.
-    val_labels = np.repeat(np.arange(n_classes), cfg["val_per_class"])
+    val_labels = np.repeat(np.arange(n_classes), painter.cfg["val_per_class"])
     np.random.default_rng([seed, 3]).shuffle(val_labels)
     # ILSVRC2012_IDs are a permutation of 1..C that differs from wnid order, as in the real devkit.
     ilsvrc_id = np.random.default_rng([seed, 4]).permutation(n_classes) + 1
     solution, truth = [], []
     with tarfile.open(out / "archives" / VAL_TAR, mode="w", format=tarfile.USTAR_FORMAT) as val_tar:
         for i, k in enumerate(val_labels.tolist(), start=1):
-            wnid = classes[k][0]
+            wnid = painter.classes[k][0]
             stem = f"ILSVRC2012_val_{i:08d}"
-            img, (x1, y1, x2, y2) = make(SPLIT_VAL, k, i)
-            data = jpeg_bytes(img, quality)
+            img, (x1, y1, x2, y2) = painter.draw(SPLIT_VAL, k, i)
+            data = jpeg_bytes(img, painter.cfg["quality"])
             write(out / "val" / wnid / f"{stem}.JPEG", data)
             write(out / "val_flat" / f"{stem}.JPEG", data)
             tar_member(val_tar, f"{stem}.JPEG", data)
             solution.append((stem, f"{wnid} {x1} {y1} {x2} {y2} "))
             truth.append(int(ilsvrc_id[k]))
     log.info(f"val: {len(val_labels)} images")
+    return val_labels, solution, truth, ilsvrc_id
 
+
+def _write_label_files(out: Path, classes: list, val: tuple) -> None:
+    """Kaggle's CSV and synset mapping, the devkit's ground truth and meta (plain and as .tar.gz)."""
+    _, solution, truth, ilsvrc_id = val
     solution_csv = "ImageId,PredictionString\n" + "".join(f"{a},{b}\n" for a, b in solution)
     mapping_txt = "".join(f"{wnid} {name}\n" for wnid, name in classes)
     truth_txt = "".join(f"{t}\n" for t in truth)
@@ -367,11 +387,22 @@ def generate(cfg: dict, out: Path) -> dict:
     ):
         gz.write(devkit)
 
-    write(out / "defects.json", (json.dumps({"seed": seed, "defects": manifest}, indent=2) + "\n").encode())
+
+def generate(cfg: dict, out: Path) -> dict:
+    """Write the whole demo tree under out; returns a summary. .done is written last."""
+    check_config(cfg)
+    _clear_owned(out)
+    (out / "archives").mkdir()
+    painter, manifest = _Painter(cfg), []
+    n_train = _write_train(painter, out, manifest)
+    val = _write_val(painter, out)
+    _write_label_files(out, painter.classes, val)
+    defects = {"seed": cfg["seed"], "defects": manifest}
+    write(out / "defects.json", (json.dumps(defects, indent=2) + "\n").encode())
     summary = {
-        "classes": n_classes,
+        "classes": cfg["classes"],
         "train_files": n_train,
-        "val_images": int(len(val_labels)),
+        "val_images": int(len(val[0])),
         "defects": len(manifest),
     }
     write(out / ".done", (json.dumps(summary, sort_keys=True) + "\n").encode())

@@ -46,6 +46,7 @@ def decoder_args(decode_device: str, opts: DaliOptions) -> dict:
 
 @pipeline_def
 def _pipeline(
+    *,
     rec: str,
     idx: str,
     shard_id: int,

@@ -77,7 +77,7 @@ class ShardSampler(Sampler[int]):
     padded from its start as DistributedSampler pads; eval: every index exactly once, no padding."""
 
     def __init__(
-        self, n: int, rank: int, world_size: int, batch_size: int, shuffle: bool, seed: int, pad_to_batch: bool
+        self, n: int, rank: int, world_size: int, batch_size: int, *, shuffle: bool, seed: int, pad_to_batch: bool
     ):
         self.n, self.rank, self.world, self.batch = n, rank, world_size, batch_size
         self.shuffle, self.seed, self.pad = shuffle, seed, pad_to_batch
