@@ -84,7 +84,7 @@ def transparent_png(width: int = 64, height: int = 48) -> bytes:
     rgba = np.zeros((height, width, 4), np.uint8)
     rgba[:, : width // 2] = (255, 0, 0, 255)
     rgba[:, width // 2 :] = (0, 255, 0, 0)
-    return png_bytes(Image.fromarray(rgba, "RGBA"))
+    return png_bytes(Image.fromarray(rgba))
 
 
 def animated_gif(frames: int = 3) -> bytes:

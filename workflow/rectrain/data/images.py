@@ -279,10 +279,10 @@ def _high_depth_to_8bit(im: Image.Image, notes: list[str]) -> Image.Image:
         if pixels.size and (pixels.min() < 0 or pixels.max() > 1):
             raise Skip(f"cannot decode: floating-point samples in {pixels.min():g}..{pixels.max():g}, not 0..1")
         notes.append("32-bit floating-point grayscale scaled from 0..1 to 8 bits")
-        return Image.fromarray(np.rint(pixels * 255).astype(np.uint8), "L")
+        return Image.fromarray(np.rint(pixels * 255).astype(np.uint8))
     clipped = np.clip(pixels.astype(np.int64), 0, 65535)
     notes.append("16-bit grayscale scaled to 8 bits (value x 255 / 65535)")
-    return Image.fromarray(((clipped * 255 + 32767) // 65535).astype(np.uint8), "L")
+    return Image.fromarray(((clipped * 255 + 32767) // 65535).astype(np.uint8))
 
 
 def _flatten_alpha(im: Image.Image, notes: list[str]) -> Image.Image:

@@ -212,6 +212,12 @@ def remove_leftovers(*finals: Path) -> None:
                 _remove(path)
 
 
+def _example(skip: dict) -> str:
+    """A skipped file and its reason's details (after the kind, which the summary names already)."""
+    details = skip["reason"].split(":", 1)[1].strip() if ":" in skip["reason"] else ""
+    return f"{skip['source']}: {details}" if details else skip["source"]
+
+
 def check_skips(split: str, n: int, skipped: list[dict], max_share: float) -> None:
     """PackFailed when nothing or too little of the split could be packed, naming the top reasons."""
     if n == 0:
@@ -224,8 +230,7 @@ def check_skips(split: str, n: int, skipped: list[dict], max_share: float) -> No
     for s in skipped:
         example.setdefault(Skip(s["reason"]).kind, s)
     top = "; ".join(
-        f"{count} x {kind} (e.g. {example[kind]['source']}: {example[kind]['reason']})"
-        for kind, count in kinds.most_common(TOP_REASONS)
+        f"{count} x {kind} (e.g. {_example(example[kind])})" for kind, count in kinds.most_common(TOP_REASONS)
     )
     what = "all" if len(skipped) == n else f"{len(skipped)} ({100 * share:.1f} %) of the"
     raise PackFailed(
