@@ -131,6 +131,8 @@ def test_corrupt_scan_data_with_an_intact_end_marker_is_skipped(resize):
         "corrupt JPEG scan data: libjpeg-turbo reports 'Corrupt JPEG data: premature end of data segment'"
     )
     assert prepare(clean, 0, 90) == (clean, None), "the check passes clean data through untouched"
+    if resize == 0:  # pack.check_scan_data: false stores it after the header checks, as im2rec would
+        assert prepare(damaged, 0, 90, check_scan_data=False) == (damaged, None)
 
 
 def test_corrupt_scan_data_is_skipped_by_the_pack_and_the_rest_packed(tmp_path):
@@ -188,12 +190,12 @@ def test_any_failure_on_one_image_is_a_skip_naming_it_and_the_pack_goes_on(tmp_p
     raw, index = write_dataset(tmp_path, files, classes=1)
     real = pack.prepare
 
-    def failing(data, resize, quality):
+    def failing(data, *args):
         if data == files[1][2]:
             raise MemoryError
         if data == files[2][2]:
             raise RuntimeError("a bug in a decoder")
-        return real(data, resize, quality)
+        return real(data, *args)
 
     monkeypatch.setattr(pack, "prepare", failing)
     monkeypatch.setattr(recordio, "MAX_PAYLOAD", 20_000)  # the 400x300 q100 photo is ~60 KB

@@ -355,7 +355,7 @@ def _encode(
         raise Skip(f"cannot decode: {err}") from None
 
 
-def _prepare_jpeg(data: bytes, info: JpegInfo, resize: int, quality: int) -> tuple[bytes, str | None]:
+def _prepare_jpeg(data: bytes, info: JpegInfo, resize: int, quality: int, scan: bool) -> tuple[bytes, str | None]:
     if not info.complete:
         raise Skip("truncated JPEG: no end-of-image marker after the scan data")
     if info.sof is None:
@@ -374,7 +374,7 @@ def _prepare_jpeg(data: bytes, info: JpegInfo, resize: int, quality: int) -> tup
         except ValueError as err:
             problems.append(libjpeg_refusal(str(err)))
     else:
-        lenient = check_scan(data, info)
+        lenient = check_scan(data, info) if scan else None
         if lenient is not None:
             problems.append(lenient)
         elif not problems and keeps_size:
@@ -405,14 +405,15 @@ def _prepare_other(data: bytes, resize: int, quality: int) -> tuple[bytes, str]:
     return image, "; ".join([f"{fmt} content named as JPEG re-encoded as JPEG", *notes])
 
 
-def prepare(data: bytes, resize: int, quality: int) -> tuple[bytes, str | None]:
+def prepare(data: bytes, resize: int, quality: int, check_scan_data: bool = True) -> tuple[bytes, str | None]:
     """The JPEG bytes to store for one source and the repair reason (None when nothing was wrong).
 
-    Raises Skip when the file cannot become a usable image.
+    Raises Skip when the file cannot become a usable image. ``check_scan_data`` False (the pack's
+    pack.check_scan_data) stores a clean-headed JPEG without decoding it at all.
     """
     if not data:
         raise Skip("empty file (0 bytes)")
     info = read_jpeg_header(data)
     if info is None:
         return _prepare_other(data, resize, quality)
-    return _prepare_jpeg(data, info, resize, quality)
+    return _prepare_jpeg(data, info, resize, quality, check_scan_data)

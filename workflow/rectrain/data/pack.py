@@ -99,9 +99,9 @@ class _Packer:
     resize -8 %). Threads also die with the pack, so a SIGKILL leaves nothing running.
     """
 
-    def __init__(self, raw_root: str, resize: int, quality: int):
+    def __init__(self, raw_root: str, cfg: dict):
         self.reader = SourceReader(Path(raw_root).resolve())
-        self.resize, self.quality = resize, quality
+        self.resize, self.quality, self.check_scan_data = cfg["resize"], cfg["quality"], cfg["check_scan_data"]
 
     def one(self, rid: int, source: str, label: int) -> tuple[bytes, str | None]:
         """(framed record, repair reason or None); Skip when the image cannot be packed."""
@@ -109,7 +109,7 @@ class _Packer:
             data = self.reader.read(source)
         except (OSError, KeyError, ValueError, tarfile.TarError) as err:
             raise Skip(f"cannot read source: {err}") from None
-        image, repaired = prepare(data, self.resize, self.quality)
+        image, repaired = prepare(data, self.resize, self.quality, self.check_scan_data)
         try:
             return frame_payload(pack_record((0, float(label), rid, 0), image)), repaired
         except RecordIOError as err:
@@ -293,7 +293,7 @@ def pack_split(
     repaired, skipped = [], []
     expected = {}
     done = 0
-    packer = _Packer(str(raw_root), resize, quality)
+    packer = _Packer(str(raw_root), cfg)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="pack")
     try:
         with RecordWriter(tmp_rec, tmp_idx) as writer:
@@ -370,6 +370,7 @@ def pack_split(
         "quality": quality,
         "shuffle_seed": cfg["shuffle_seed"],
         "max_skipped_share": cfg["max_skipped_share"],
+        "check_scan_data": cfg["check_scan_data"],
         "threads": threads,
         "num_classes": num_classes,
         "storage": result,
