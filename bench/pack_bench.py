@@ -10,7 +10,9 @@ includes the read-back verification of every record; im2rec does none. Prints im
 the ratio (target: >= 1.2 pass-through, >= 2.0 resize 256), and the CPU time per image of each
 tool (all its processes), which other tenants of a shared machine cannot inflate. The headline
 ratio is the whole job, fixed costs included; a second table splits each tool's time into a fixed
-cost per run (from a 10-image run) and the per-image rate beyond it. A benchmark, not a test.
+cost per run (from a 10-image run) and the per-image rate beyond it. Last, the cost of checking a
+pass-through JPEG's scan data (rectrain.data.images.check_scan: a strict 1/8-scale grayscale decode)
+per image, one thread, against the header parse alone and a full RGB decode. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 MXPY = REPO / ".venv-mxnet" / "bin" / "python"
 SMALL = 10  # images in the run that measures each tool's fixed cost
+# (mode, pack.resize, pack.check_scan_data): the default pass-through decodes each JPEG's scan data
+# (1/8 scale) to check it; im2rec never decodes, so the check's cost is shown by a run without it.
+MODES = (("pass-through", 0, True), ("pass-through, no scan check", 0, False), ("resize 256", 256, True))
+TARGETS = {"pass-through": 1.2, "pass-through, no scan check": 1.2, "resize 256": 2.0}
 sys.path.insert(0, str(REPO / "workflow"))
 
+from rectrain.data import images  # noqa: E402
 from rectrain.data import index as rindex  # noqa: E402
 
 
@@ -117,17 +124,17 @@ def run(args) -> dict:
 
     env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
     results = {}
-    for mode, resize in (("pass-through", 0), ("resize 256", 256)):
-        ours_out = out / "ours" / mode.replace(" ", "")
+    for mode, resize, scan in MODES:
+        ours_out = out / "ours" / mode.replace(" ", "").replace(",", "")
         mx_flags = ["--pass-through"] if resize == 0 else ["--resize", str(resize)]
 
-        def ours_cmd(index: Path, resize=resize, ours_out=ours_out) -> list[str]:
+        def ours_cmd(index: Path, resize=resize, scan=scan, ours_out=ours_out) -> list[str]:
             return [
                 sys.executable,
                 "-m",
                 "rectrain.data.pack",
                 "--config-json",
-                json.dumps({"resize": resize, "quality": 90, "shuffle_seed": 0}),
+                json.dumps({"resize": resize, "quality": 90, "shuffle_seed": 0, "check_scan_data": scan}),
                 "--index",
                 str(index),
                 "--raw",
@@ -208,7 +215,31 @@ def run(args) -> dict:
         "repeats": args.repeats,
         "cpu": _cpu_name(),
         "results": results,
+        "scan_check_ms_per_img": scan_check_cost(raw),
     }
+
+
+def scan_check_cost(raw: Path, passes: int = 5) -> dict:
+    """ms per image, one thread, best of ``passes``, over the generated JPEGs (read into memory first)."""
+    import simplejpeg
+
+    datas = [p.read_bytes() for p in sorted((raw / "train").rglob("*.JPEG"))]
+    infos = [images.read_jpeg_header(d) for d in datas]
+    steps = {
+        "header only": lambda d, i: images.read_jpeg_header(d),
+        "header + scan check": lambda d, i: (images.read_jpeg_header(d), images.check_scan(d, i)),
+        "full RGB decode": lambda d, i: simplejpeg.decode_jpeg(d, colorspace="RGB"),
+    }
+    cost = {}
+    for name, step in steps.items():
+        best = float("inf")
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            for data, info in zip(datas, infos, strict=True):
+                step(data, info)
+            best = min(best, time.perf_counter() - t0)
+        cost[name] = 1e3 * best / len(datas)
+    return cost
 
 
 def _cpu_name() -> str:
@@ -236,26 +267,29 @@ def main() -> None:
         f"{r['cores']} ({r['cpu']}), median of {r['repeats']} alternating runs"
     )
     print(
-        f"{'mode':<14}{'rectrain img/s':>16}{'im2rec img/s':>14}{'ratio':>8}{'target':>8}"
+        f"{'mode':<28}{'rectrain img/s':>16}{'im2rec img/s':>14}{'ratio':>8}{'target':>8}"
         f"{'CPU ms/img ours':>17}{'im2rec':>8}{'CPU ratio':>11}"
     )
-    for mode, target in (("pass-through", 1.2), ("resize 256", 2.0)):
+    for mode, target in TARGETS.items():
         x = r["results"][mode]
         print(
-            f"{mode:<14}{x['ours_img_s']:>16.0f}{x['im2rec_img_s']:>14.0f}{x['ratio']:>8.2f}{target:>8.1f}"
+            f"{mode:<28}{x['ours_img_s']:>16.0f}{x['im2rec_img_s']:>14.0f}{x['ratio']:>8.2f}{target:>8.1f}"
             f"{x['ours_cpu_ms_per_img']:>17.2f}{x['im2rec_cpu_ms_per_img']:>8.2f}{x['cpu_ratio']:>11.2f}"
         )
     print(f"fixed cost per run (a {SMALL}-image run less its per-image share) and per-image rate beyond it:")
-    print(f"{'mode':<14}{'fixed s ours':>14}{'im2rec':>8}{'steady img/s ours':>19}{'im2rec':>8}{'ratio':>8}")
-    for mode in ("pass-through", "resize 256"):
+    print(f"{'mode':<28}{'fixed s ours':>14}{'im2rec':>8}{'steady img/s ours':>19}{'im2rec':>8}{'ratio':>8}")
+    for mode in TARGETS:
         x = r["results"][mode]
         if min(x["ours_steady_img_s"], x["im2rec_steady_img_s"]) <= 0:
-            print(f"{mode:<14}  n/a: run-to-run noise exceeds the per-image time; use more --images")
+            print(f"{mode:<28}  n/a: run-to-run noise exceeds the per-image time; use more --images")
             continue
         print(
-            f"{mode:<14}{x['ours_fixed_s']:>14.2f}{x['im2rec_fixed_s']:>8.2f}{x['ours_steady_img_s']:>19.0f}"
+            f"{mode:<28}{x['ours_fixed_s']:>14.2f}{x['im2rec_fixed_s']:>8.2f}{x['ours_steady_img_s']:>19.0f}"
             f"{x['im2rec_steady_img_s']:>8.0f}{x['steady_ratio']:>8.2f}"
         )
+    print("pass-through validation, ms per image on one thread (best of 5 passes over the same images):")
+    for name, ms in r["scan_check_ms_per_img"].items():
+        print(f"  {name:<22}{ms:>7.3f}")
     print(json.dumps(r))
 
 

@@ -22,9 +22,15 @@ rule pack:
         ENV
     threads: config["pack"]["threads"]
     params:
-        # Only the keys that change the bytes written: editing pack.threads or the staging
-        # settings must not repack 140 GB.
-        cfg=json.dumps({k: config["pack"][k] for k in ("resize", "quality", "shuffle_seed")}, sort_keys=True),
+        # Only the keys that change the bytes written or whether they are published: editing
+        # pack.threads or the staging settings must not repack 140 GB.
+        cfg=json.dumps(
+            {
+                k: config["pack"][k]
+                for k in ("resize", "quality", "shuffle_seed", "max_skipped_share", "check_scan_data")
+            },
+            sort_keys=True,
+        ),
         index=lambda wildcards, input: os.path.dirname(input.tsv),
         raw=RAW_ROOT,
     shell:

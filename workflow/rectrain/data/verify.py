@@ -13,13 +13,17 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import sys
 import time
 
 from PIL import Image
 
+from rectrain.log import setup
 from rectrain.recordio import RecordIOError, read_idx, scan_records, unpack_record
 from rectrain.tables import read_tsv
+
+log = logging.getLogger("rectrain.data.verify")  # not __name__: that is __main__ under python -m
 
 
 class VerifyError(RuntimeError):
@@ -72,7 +76,7 @@ def verify_pair(
 
 def _check_decodes(key: int, image: bytes, resize: int) -> None:
     try:
-        with Image.open(io.BytesIO(image)) as im:
+        with Image.open(io.BytesIO(image), formats=("JPEG",)) as im:  # the pack stores only JPEG
             im.load()
             mode, size = im.mode, im.size
     except Exception as err:
@@ -93,6 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--resize", type=int, default=0)
     parser.add_argument("--sample", type=int, default=64)
     args = parser.parse_args(argv)
+    setup("")
     skipped = set()
     if args.manifest:
         with open(args.manifest) as f:
@@ -103,7 +108,7 @@ def main(argv=None) -> int:
     try:
         result = verify_pair(args.rec, args.idx, expected, num_classes, args.resize, args.sample)
     except (VerifyError, RecordIOError) as err:
-        print(f"verify: FAILED: {err}", file=sys.stderr)
+        log.error(f"verify: FAILED: {err}")
         return 1
     print(json.dumps(result))
     return 0
