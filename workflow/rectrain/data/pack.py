@@ -38,6 +38,7 @@ import tarfile
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rectrain import storage
@@ -262,118 +263,158 @@ class Progress:
         )
 
 
-def pack_split(
-    cfg: dict, index_dir: Path, raw_root: Path, split: str, rec: Path, idx: Path, threads: int, sysfs_root=None
-) -> dict:
-    """Pack, verify and publish one split; returns the manifest dict."""
-    t0 = time.time()
-    ids, sources, labels, num_classes = load_index(index_dir, split)
-    n = len(ids)
-    resize, quality = cfg["resize"], cfg["quality"]
-    rec.parent.mkdir(parents=True, exist_ok=True)
-    tmp_rec, tmp_idx = rec.with_name(rec.name + PARTIAL), idx.with_name(idx.name + PARTIAL)
+@dataclass(frozen=True)
+class Target:
+    """Where one split is packed to, and with how many threads."""
+
+    split: str
+    rec: Path
+    idx: Path
+    threads: int
+    sysfs_root: str | None = None
+
+    @property
+    def partial(self) -> tuple[Path, Path]:
+        return self.rec.with_name(self.rec.name + PARTIAL), self.idx.with_name(self.idx.name + PARTIAL)
+
+
+@dataclass
+class Written:
+    """What writing the records produced: the labels to verify, the skips and repairs, the bytes."""
+
+    expected: dict = field(default_factory=dict)
+    skipped: list = field(default_factory=list)
+    repaired: list = field(default_factory=list)
+    bytes_written: int = 0
+
+
+def _prepare(target: Target, raw_root: Path, sources: list[str], cfg: dict) -> dict:
+    """Clear the old pair and check the disk; returns the storage preflight result."""
+    target.rec.parent.mkdir(parents=True, exist_ok=True)
     # An older pair must not survive a failed run looking valid, and no reader may pair the new
     # .rec with the old .idx: the .idx goes first, durably, and comes back only after the new .rec.
-    _remove(idx, rec, tmp_idx, tmp_rec)
-    fsync_path(idx.parent)
-
-    needed = storage.estimate_needed_bytes(source_bytes(raw_root, sources), n, resize, quality)
-    result = storage.preflight(rec.parent, needed, sysfs_root)
+    _remove(target.idx, target.rec, *target.partial)
+    fsync_path(target.idx.parent)
+    n = len(sources)
+    needed = storage.estimate_needed_bytes(source_bytes(raw_root, sources), n, cfg["resize"], cfg["quality"])
+    result = storage.preflight(target.rec.parent, needed, target.sysfs_root)
     log.info(
-        f"pack {split}: {n} images -> {rec} (device {result['device']}, rotational "
+        f"pack {target.split}: {n} images -> {target.rec} (device {result['device']}, rotational "
         f"{result['rotational']}, {result['free_bytes'] / 1e9:.1f} GB free, ~{needed / 1e9:.2f} GB needed)"
     )
     if result["warning"]:
         log.warning(result["warning"])
+    return result
 
+
+def _write_records(batches, n: int, packer: _Packer, pool: ThreadPoolExecutor, target: Target) -> Written:
+    """Prepare every image on the pool and write the records in the order `batches` yields them (the
+    shuffled order); batches are built as they are submitted, so memory stays bounded."""
+    out, progress, done = Written(), Progress(target.split, n), 0
+    with RecordWriter(*target.partial) as writer:
+        pending = deque()  # (batch rows, future) in output order; bounded, so memory is too
+
+        def drain_one() -> None:
+            nonlocal done
+            batch, future = pending.popleft()
+            for (rid, source, label), result in zip(batch, future.result(), strict=True):
+                if isinstance(result, Skip):
+                    out.skipped.append({"id": rid, "source": source, "reason": str(result)})
+                    continue
+                framed, reason = result
+                if reason is not None:
+                    out.repaired.append({"id": rid, "source": source, "reason": reason})
+                writer.write_framed(rid, framed)
+                out.expected[rid] = label
+            done += len(batch)
+            progress.update(done, writer.tell(), len(out.skipped), len(out.repaired))
+
+        for batch in batches:
+            pending.append((batch, pool.submit(packer.batch, batch)))
+            if len(pending) >= target.threads * IN_FLIGHT_PER_WORKER:
+                drain_one()
+        while pending:
+            drain_one()
+        writer.close()
+        out.bytes_written = writer.tell()
+    progress.update(done, out.bytes_written, len(out.skipped), len(out.repaired), force=True)
+    return out
+
+
+def _log_and_check_skips(target: Target, n: int, written: Written, cfg: dict) -> None:
+    written.skipped.sort(key=lambda r: r["id"])
+    written.repaired.sort(key=lambda r: r["id"])
+    for item in written.skipped:
+        log.info(f"skipped id {item['id']} {item['source']}: {item['reason']}")
+    for item in written.repaired:
+        log.info(f"repaired id {item['id']} {item['source']}: {item['reason']}")
+    try:
+        check_skips(target.split, n, written.skipped, cfg["max_skipped_share"])
+    except PackFailed:
+        _remove(*target.partial)  # nothing in them to inspect: every skip is in the log
+        raise
+
+
+def pack_split(cfg: dict, index_dir: Path, raw_root: Path, target: Target) -> dict:
+    """Pack, verify and publish one split; returns the manifest dict."""
+    t0 = time.time()
+    ids, sources, labels, num_classes = load_index(index_dir, target.split)
+    n = len(ids)
+    storage_result = _prepare(target, raw_root, sources, cfg)
     order = list(range(n))
     random.Random(cfg["shuffle_seed"]).shuffle(order)
-    threads = max(1, int(threads))
-    progress = Progress(split, n)
-    repaired, skipped = [], []
-    expected = {}
-    done = 0
+    batches = ([(ids[j], sources[j], labels[j]) for j in order[b : b + BATCH]] for b in range(0, n, BATCH))
+    target = replace(target, threads=max(1, int(target.threads)))
     packer = _Packer(str(raw_root), cfg)
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="pack")
+    pool = ThreadPoolExecutor(target.threads, thread_name_prefix="pack")
     try:
-        with RecordWriter(tmp_rec, tmp_idx) as writer:
-            pending = deque()  # (rows, future) in output order; bounded, so memory is too
-
-            def drain_one() -> None:
-                nonlocal done
-                rows, future = pending.popleft()
-                for (rid, source, label), result in zip(rows, future.result(), strict=True):
-                    if isinstance(result, Skip):
-                        skipped.append({"id": rid, "source": source, "reason": str(result)})
-                        continue
-                    framed, reason = result
-                    if reason is not None:
-                        repaired.append({"id": rid, "source": source, "reason": reason})
-                    writer.write_framed(rid, framed)
-                    expected[rid] = label
-                done += len(rows)
-                progress.update(done, writer.tell(), len(skipped), len(repaired))
-
-            for b in range(0, n, BATCH):
-                rows = [(ids[j], sources[j], labels[j]) for j in order[b : b + BATCH]]
-                pending.append((rows, pool.submit(packer.batch, rows)))
-                if len(pending) >= threads * IN_FLIGHT_PER_WORKER:
-                    drain_one()
-            while pending:
-                drain_one()
-            writer.close()
-            bytes_written = writer.tell()
+        written = _write_records(batches, n, packer, pool, target)
         pack_s = time.time() - t0
-        progress.update(done, bytes_written, len(skipped), len(repaired), force=True)
-        skipped.sort(key=lambda r: r["id"])
-        repaired.sort(key=lambda r: r["id"])
-        for item in skipped:
-            log.info(f"skipped id {item['id']} {item['source']}: {item['reason']}")
-        for item in repaired:
-            log.info(f"repaired id {item['id']} {item['source']}: {item['reason']}")
-        try:
-            check_skips(split, n, skipped, cfg["max_skipped_share"])
-        except PackFailed:
-            _remove(tmp_rec, tmp_idx)  # nothing in them to inspect: every skip is in the log
-            raise
-
-        log.info(f"verify {split}: reading back {len(expected)} records")
+        _log_and_check_skips(target, n, written, cfg)
+        log.info(f"verify {target.split}: reading back {len(written.expected)} records")
         # Forcing the pair to disk waits on the device, reading it back on the page cache: overlap
         # them (~10 % of a pass-through pack's wall time). Both finish before anything is published.
-        synced = pool.submit(fsync_path, tmp_rec, tmp_idx)
-        check = verify_pair(tmp_rec, tmp_idx, expected, num_classes, resize)
+        synced = pool.submit(fsync_path, *target.partial)
+        check = verify_pair(*target.partial, written.expected, num_classes, cfg["resize"])
         synced.result()
     finally:
         pool.shutdown(cancel_futures=True)  # on an error or Ctrl-C, do not finish queued batches
         packer.reader.close()
-    publish(tmp_rec, rec)
-    publish(tmp_idx, idx)  # last: a .rec without its .idx is never taken for a pair
+    publish(target.partial[0], target.rec)
+    publish(target.partial[1], target.idx)  # last: a .rec without its .idx is never taken for a pair
     wall = time.time() - t0
-    log.info(f"pack {split}: verified and published {rec} and {idx} in {wall:.1f} s")
+    log.info(f"pack {target.split}: verified and published {target.rec} and {target.idx} in {wall:.1f} s")
+    timing = {"wall_s": round(wall, 3), "pack_s": round(pack_s, 3), "verify_s": check["verify_s"]}
+    return _manifest(
+        cfg, target, written, timing, {"check": check, "num_classes": num_classes, "n": n, "storage": storage_result}
+    )
+
+
+def _manifest(cfg: dict, target: Target, written: Written, timing: dict, facts: dict) -> dict:
+    """The pack manifest (docs/architecture.md): counts add up, discovered = packed + skipped."""
+    wall, n = timing["wall_s"], facts["n"]
     return {
-        "split": split,
-        "rec": str(rec),
-        "idx": str(idx),
+        "split": target.split,
+        "rec": str(target.rec),
+        "idx": str(target.idx),
         "discovered": n,
-        "packed": len(expected),
-        "skipped": len(skipped),
-        "repaired": repaired,
-        "skipped_files": skipped,
-        "bytes_written": bytes_written,
-        "wall_s": round(wall, 3),
-        "pack_s": round(pack_s, 3),
-        "verify_s": check["verify_s"],
-        "verified_decoded": check["decoded"],
+        "packed": len(written.expected),
+        "skipped": len(written.skipped),
+        "repaired": written.repaired,
+        "skipped_files": written.skipped,
+        "bytes_written": written.bytes_written,
+        **timing,
+        "verified_decoded": facts["check"]["decoded"],
         "images_per_s": round(n / wall, 1) if wall else None,
-        "mb_per_s": round(bytes_written / 1e6 / wall, 2) if wall else None,
-        "resize": resize,
-        "quality": quality,
+        "mb_per_s": round(written.bytes_written / 1e6 / wall, 2) if wall else None,
+        "resize": cfg["resize"],
+        "quality": cfg["quality"],
         "shuffle_seed": cfg["shuffle_seed"],
         "max_skipped_share": cfg["max_skipped_share"],
         "check_scan_data": cfg["check_scan_data"],
-        "threads": threads,
-        "num_classes": num_classes,
-        "storage": result,
+        "threads": target.threads,
+        "num_classes": facts["num_classes"],
+        "storage": facts["storage"],
     }
 
 
@@ -399,9 +440,8 @@ def main(argv=None) -> int:
         with exclusive(args.rec, args.split):
             remove_leftovers(args.rec, args.idx, args.manifest)
             _remove(args.manifest)  # describes the pair this run replaces
-            manifest = pack_split(
-                cfg, args.index, args.raw, args.split, args.rec, args.idx, args.threads or cfg["threads"]
-            )
+            target = Target(args.split, args.rec, args.idx, args.threads or cfg["threads"])
+            manifest = pack_split(cfg, args.index, args.raw, target)
             write_json(args.manifest, manifest)
     except (storage.StorageError, PackBusy) as err:
         log.error(f"pack {args.split}: ERROR: {err}")
