@@ -44,7 +44,7 @@ for wheel in sorted(pathlib.Path(".whl").glob("*/*.whl")):
     tmp.replace(wheel)
 EOF
 # snakemake's wheels first: should a late part be lost, the pipeline still installs (without DALI).
-tar -cf - -C .whl sm dali | xz -6 -T0 > .whl/gpu-wheels.tar.xz && rm -rf .whl/sm .whl/dali
+tar -cf - -C .whl sm dali | xz -1 -T0 > .whl/gpu-wheels.tar.xz && rm -rf .whl/sm .whl/dali
 split -b "${PART_MB}M" .whl/gpu-wheels.tar.xz .whl/gpu-wheels.tar.xz.part- && rm .whl/gpu-wheels.tar.xz
 ls -la .whl
 echo "$(ls .whl | wc -l) parts of ${PART_MB} MiB at most: carry one per run call, in order, without pausing (bench/GPU_RUNBOOK.md)"
