@@ -14,7 +14,8 @@
 # Without DALI the pipeline still runs (torch loader, GPU decode) and the bench marks DALI as skipped.
 #
 # Environment: PYTHON (default python3); GPU_CHECK_WORK (the pipeline's working folder, default the
-# repository); GPU_CHECK_SCRATCH (default $TMPDIR/rectrain-gpu-check); GPU_CHECK_SNAKEMAKE_ARGS (extra
+# repository); GPU_CHECK_SCRATCH (default $TMPDIR/rectrain-gpu-check); GPU_CHECK_WHEELS (the wheel
+# parts, default .whl; unpacked only when snakemake or DALI is missing); GPU_CHECK_SNAKEMAKE_ARGS (extra
 # arguments, e.g. --config overrides for a small CPU rehearsal); GPU_CHECK_DEADLINE_S (end every part
 # by this many seconds after the start, default BUDGET_S - LIMIT_SUMMARY_S: a rehearsal can shorten it).
 set -uo pipefail
@@ -37,6 +38,7 @@ OUTDIR=${1:-${OUT:-bench/out/gpu}}
 mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd)
 WORK=${GPU_CHECK_WORK:-$REPO}
 SCRATCH=${GPU_CHECK_SCRATCH:-${TMPDIR:-/tmp}/rectrain-gpu-check}
+WHEELS=${GPU_CHECK_WHEELS:-$REPO/.whl}
 rm -rf "$SCRATCH/tables" "$SCRATCH/whl"  # a previous run's tables must not pass for this run's
 mkdir -p "$WORK" "$SCRATCH/tables" && WORK=$(cd "$WORK" && pwd)
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-$((BUDGET_S - LIMIT_SUMMARY_S))}
@@ -109,13 +111,16 @@ step "work folder $WORK, scratch $SCRATCH"
 nvidia-smi -L || echo "nvidia-smi not found"
 run_part environment "$(setup_left)" "$PY" -c "import sys, torch, torchvision; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| torchvision', torchvision.__version__, '| GPUs', torch.cuda.device_count())" \
     || { FAILED+=("torch/torchvision missing for $PY: this check needs them preinstalled"); exit 2; }
-if compgen -G ".whl/*.part-a*" >/dev/null; then
+need_sm=0 need_dali=0
+"$PY" -c "import snakemake" 2>/dev/null || need_sm=1
+"$PY" -c "import nvidia.dali" 2>/dev/null || need_dali=1
+if [ $((need_sm + need_dali)) -gt 0 ] && compgen -G "$WHEELS/*.part-a*" >/dev/null; then
     # The wheels travel as one xz'd tar split into parts, one per device call (bench/fetch_gpu_wheels.sh).
-    echo "wheel parts: $(cd .whl && ls -- *.part-* | sed 's/.*part-//' | tr '\n' ' ')"
+    echo "wheel parts: $(cd "$WHEELS" && ls -- *.part-* | sed 's/.*part-//' | tr '\n' ' ')"
     mkdir -p "$SCRATCH/whl"
-    run_part unpack "$(setup_left)" bash -c 'cat .whl/*.part-* | "$0" -c "import sys, tarfile
+    run_part unpack "$(setup_left)" bash -c 'cat "$2"/*.part-* | "$0" -c "import sys, tarfile
 with tarfile.open(fileobj=sys.stdin.buffer, mode=\"r|xz\") as t: t.extractall(sys.argv[1], filter=\"data\")" "$1"' \
-        "$PY" "$SCRATCH/whl" || echo "the wheel archive is damaged or incomplete (a part missing?): installing what was unpacked"
+        "$PY" "$SCRATCH/whl" "$WHEELS" || echo "the wheel archive is damaged or incomplete (a part missing?): installing what was unpacked"
     # A venv that sees the system's torch, with what is missing (no index). snakemake and DALI resolve
     # together (snakemake pins packaging < 26, DALI <= 26.3: one resolve suits both); if that fails (a
     # lost part), snakemake alone from sm/, and the pipeline runs with the torch loader.
@@ -130,15 +135,15 @@ with tarfile.open(fileobj=sys.stdin.buffer, mode=\"r|xz\") as t: t.extractall(sy
             "$VENV/bin/python" -m pip install -q --no-compile "${links[@]}" "$@"
     }
     sm=() dali=()
-    "$PY" -c "import snakemake" 2>/dev/null || sm=(snakemake)
-    if ! "$PY" -c "import nvidia.dali" 2>/dev/null; then
+    [ $need_sm -eq 1 ] && sm=(snakemake)
+    if [ $need_dali -eq 1 ]; then
         for w in "$SCRATCH"/whl/dali/nvidia_dali_cuda*.whl; do [ -e "$w" ] && dali=("$w"); done
     fi
     if [ $((${#sm[@]} + ${#dali[@]})) -gt 0 ]; then
         pip_install "sm dali" "${sm[@]}" "${dali[@]}" \
             || { [ ${#sm[@]} -gt 0 ] && [ ${#dali[@]} -gt 0 ] && pip_install sm "${sm[@]}"; }
     fi
-    PY=$VENV/bin/python
+    "$VENV/bin/python" -c "import snakemake" 2>/dev/null && PY=$VENV/bin/python
 fi
 "$PY" -c "import snakemake" \
     || { FAILED+=("snakemake is not importable: carry its wheels in .whl/ (bench/GPU_RUNBOOK.md)"); exit 2; }

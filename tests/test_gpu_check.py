@@ -76,6 +76,7 @@ def check_env(tmp_path, deadline_s):
         PATH=f"{VENV_PYTHON.parent}{os.pathsep}{os.environ['PATH']}",
         GPU_CHECK_WORK=str(tmp_path / "work"),
         GPU_CHECK_SCRATCH=str(tmp_path / "scratch"),
+        GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"),  # not the worktree's .whl/, should one be there
         GPU_CHECK_DEADLINE_S=str(deadline_s),
         PYTHONUNBUFFERED="1",
     )

@@ -4,6 +4,7 @@ field the device does not support left empty while the sampler keeps writing its
 expected value is written out here, not read back from the code under test."""
 
 import csv
+import logging
 import sys
 import time
 import types
@@ -81,6 +82,9 @@ class FakeNvml(types.ModuleType):
 
 @pytest.fixture
 def fake_nvml(monkeypatch):
+    # A stage's log set-up (rectrain.log.setup, run in-process by other tests) stops propagation to the
+    # root logger, where caplog listens.
+    monkeypatch.setattr(logging.getLogger("rectrain"), "propagate", True)
     fake = FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
