@@ -12,7 +12,9 @@ reports the steady-state img/s over the last --steps, the ratio real/synthetic a
 step time the GPU spent waiting for data.  To reach steady state inside one epoch the bench writes
 its own .rec copies with every record repeated as often as needed (content does not matter for
 throughput; the page cache holds them).
-Writes <out>/gpu_efficiency.md and .json.  Runs on CPU too with tiny settings (tests):
+Writes <out>/gpu_efficiency.md and .json; the .rec copies (about 1 GB at the defaults) go to --scratch,
+or to a temporary folder removed at the end, never to <out> (results must stay small enough to come back
+from a lent GPU machine).  Runs on CPU too with tiny settings (tests):
     python bench/gpu_efficiency.py ... --device cpu --model resnet18 --size 64 --steps 3
 """
 
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -31,6 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
+from rectrain import log as rlog  # noqa: E402
 from rectrain.config import check_config  # noqa: E402
 from rectrain.data.images import prepare  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
@@ -42,8 +47,7 @@ DEFAULT_RUNS = "resnet50:224,resnet18:224,resnet18:160@182,resnet50:160@182"
 LOADERS = ("dali", "torch")
 
 
-def log(msg: str) -> None:
-    print(f"[gpu_efficiency] {msg}", file=sys.stderr, flush=True)
+log = logging.getLogger("rectrain.bench.gpu_efficiency").info
 
 
 def parse_runs(text: str) -> list[tuple[str, int, int]]:
@@ -145,6 +149,25 @@ def synthetic(cfg, d, num_classes: int, n: int):
     return ((x, y) for _ in range(n))
 
 
+def bench_device(text: str) -> torch.device:
+    """--device as a torch.device with an index: 'cuda' -> cuda:0, since torch.cuda.set_device refuses a
+    CUDA device without one ("Expected a torch.device with a specified index"); 'cuda:1', 'cpu' as given."""
+    device = torch.device(text)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", 0)
+    return device
+
+
+def use_device(text: str) -> torch.device:
+    """The bench's device, made current when it is a GPU."""
+    device = bench_device(text)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda but torch sees no GPU: use --device cpu (tiny settings) or a GPU machine")
+        torch.cuda.set_device(device)
+    return device
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -177,6 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rec", required=True, help="packed train .rec (the pipeline's)")
     ap.add_argument("--idx", required=True)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument(
+        "--scratch", type=Path, help="folder for the re-packed .rec copies, kept for reuse (default: a temporary one)"
+    )
     ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"model:size[@rec_side],... (default {DEFAULT_RUNS})")
     ap.add_argument("--model", help="a single run: this model (with --size)")
     ap.add_argument("--size", type=int, help="a single run: this image size")
@@ -199,16 +225,22 @@ def main(argv=None) -> int:
     ap.add_argument("--num-classes", type=int, default=1000)
     ap.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded .rec copies")
     args = ap.parse_args(argv)
+    rlog.setup("gpu_efficiency")
 
     runs = [(args.model, args.size, args.rec_side)] if args.model else parse_runs(args.runs)
     if args.model and not args.size:
         raise SystemExit("--model needs --size")
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda but torch sees no GPU: use --device cpu (tiny settings) or a GPU machine")
-        torch.cuda.set_device(device)
+    device = use_device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.scratch is None:
+        with tempfile.TemporaryDirectory(prefix="gpu_efficiency-") as tmp:
+            return bench(args, runs, device, Path(tmp))
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    return bench(args, runs, device, args.scratch)
+
+
+def bench(args, runs: list[tuple[str, int, int]], device: torch.device, scratch: Path) -> int:
+    """Every run: synthetic ceiling, then each loader from a .rec copy in `scratch`; writes the tables."""
     d = Dist(0, 1, 0, 1, device)
     gpu = device_name(device)
     n = args.warmup + args.steps
@@ -220,63 +252,68 @@ def main(argv=None) -> int:
     for model, size, side in runs:
         cfg = train_config(args, model, size)
         T.set_backend_flags(cfg, device)
-        rec, idx = bench_rec(args.rec, args.idx, args.out, records, side, args.quality, args.workers)
+        rec, idx = bench_rec(args.rec, args.idx, scratch, records, side, args.quality, args.workers)
         log(f"{model} @{size}px (.rec {'side ' + str(side) if side else 'as packed'}): synthetic")
         ceiling = steady(measure(cfg, d, synthetic(cfg, d, args.num_classes, n), args.num_classes, n), args.warmup)
         log(f"  synthetic {ceiling['img_s']:.0f} img/s")
-        for kind in args.loaders.split(","):
-            row = {
-                "gpu": gpu,
-                "model": model,
-                "image_size": size,
-                "rec_side": side,
-                "batch": args.batch,
-                "precision": cfg["precision"],
-                "channels_last": cfg["channels_last"],
-                "compile": cfg["compile"],
-                "workers": cfg["workers"],
-                "synthetic_img_s": ceiling["img_s"],
-            }
-            spec = LoaderSpec(
-                rec,
-                idx,
-                batch_size=args.batch,
-                image_size=size,
-                train=True,
-                workers=cfg["workers"],
-                device=str(device),
-                gpu_decode=True,
-                seed=0,
-                dali=DaliOptions.from_config(cfg),
-            )
-            loader = build_loader(kind, spec)
-            if loader.kind != kind:
-                rows.append({**row, "loader": kind, "skipped": loader.choice.note.split(":")[0] + " (not importable)"})
-                log(f"  {kind}: skipped, {loader.choice.note}")
-                continue
-            if loader.batches_per_epoch < n:
-                raise SystemExit(f"{rec} has {loader.batches_per_epoch} batches per epoch, fewer than {n}")
-            batches = loader.epoch(0)
-            try:
-                real = steady(measure(cfg, d, batches, args.num_classes, n), args.warmup)
-            finally:
-                batches.close()  # stop the loader's workers / pipeline now, not at garbage collection
-            rows.append(
-                {
-                    **row,
-                    "loader": kind,
-                    "decode": loader.choice.decode.split(",")[0],
-                    "real_img_s": real["img_s"],
-                    "ratio": real["img_s"] / ceiling["img_s"],
-                    "data_wait_share": real["data_wait_share"],
-                    "steps": real["steps"],
-                }
-            )
-            log(
-                f"  {kind}: {real['img_s']:.0f} img/s, ratio {rows[-1]['ratio']:.3f}, "
-                f"data wait {real['data_wait_share']:.1%}"
-            )
-            del loader
+        base = {
+            "gpu": gpu,
+            "model": model,
+            "image_size": size,
+            "rec_side": side,
+            "batch": args.batch,
+            "precision": cfg["precision"],
+            "channels_last": cfg["channels_last"],
+            "compile": cfg["compile"],
+            "workers": cfg["workers"],
+            "synthetic_img_s": ceiling["img_s"],
+        }
+        spec = LoaderSpec(
+            rec,
+            idx,
+            batch_size=args.batch,
+            image_size=size,
+            train=True,
+            workers=cfg["workers"],
+            device=str(device),
+            gpu_decode=True,
+            seed=0,
+            dali=DaliOptions.from_config(cfg),
+        )
+        rows += [loader_row(kind, spec, cfg, d, args, base) for kind in args.loaders.split(",")]
+    write_tables(args, rows, gpu, time.monotonic() - t0)
+    return 0
+
+
+def loader_row(kind: str, spec: LoaderSpec, cfg: dict, d, args, base: dict) -> dict:
+    """One loader from the .rec: its steady-state img/s against the synthetic ceiling in `base`, or why
+    it was skipped."""
+    n = args.warmup + args.steps
+    loader = build_loader(kind, spec)
+    if loader.kind != kind:
+        log(f"  {kind}: skipped, {loader.choice.note}")
+        return {**base, "loader": kind, "skipped": loader.choice.note.split(":")[0] + " (not importable)"}
+    if loader.batches_per_epoch < n:
+        raise SystemExit(f"{spec.rec} has {loader.batches_per_epoch} batches per epoch, fewer than {n}")
+    batches = loader.epoch(0)
+    try:
+        real = steady(measure(cfg, d, batches, args.num_classes, n), args.warmup)
+    finally:
+        batches.close()  # stop the loader's workers / pipeline now, not at garbage collection
+    ratio = real["img_s"] / base["synthetic_img_s"]
+    log(f"  {kind}: {real['img_s']:.0f} img/s, ratio {ratio:.3f}, data wait {real['data_wait_share']:.1%}")
+    return {
+        **base,
+        "loader": kind,
+        "decode": loader.choice.decode.split(",")[0],
+        "real_img_s": real["img_s"],
+        "ratio": ratio,
+        "data_wait_share": real["data_wait_share"],
+        "steps": real["steps"],
+    }
+
+
+def write_tables(args, rows: list[dict], gpu: str, wall_s: float) -> None:
     table = markdown(rows)
     meta = {
         "device": gpu,
@@ -284,13 +321,12 @@ def main(argv=None) -> int:
         "cuda": torch.version.cuda,
         "warmup": args.warmup,
         "steps": args.steps,
-        "wall_s": round(time.monotonic() - t0, 1),
+        "wall_s": round(wall_s, 1),
         "argv": sys.argv[1:],
     }
     (args.out / "gpu_efficiency.md").write_text(table)
     (args.out / "gpu_efficiency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(table)
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from helpers import REPO
 from helpers.train_data import write_rec
@@ -27,6 +28,8 @@ def test_gpu_bench_runs_every_loader_and_synthetic_on_cpu(tmp_path):
         str(idx),
         "--out",
         str(out),
+        "--scratch",
+        str(tmp_path / "scratch"),
         "--device",
         "cpu",
         "--runs",
@@ -63,7 +66,10 @@ def test_gpu_bench_runs_every_loader_and_synthetic_on_cpu(tmp_path):
     assert "| img/s real | img/s synthetic | ratio | data-wait share |" in table and table.count("\n| cpu") == 4
     # The bench's .rec copies: enough records for warm-up + steps + prefetch in one epoch, labels kept,
     # and the @28 copy re-encoded to shorter side 28.
-    small = sorted(out.glob("bench_side28_*.rec"))[0]
+    # The copies are scratch data: they go to --scratch, and only the two tables to --out (what comes back
+    # from a lent GPU machine must stay small).
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_efficiency.json", "gpu_efficiency.md"]
+    small = sorted((tmp_path / "scratch").glob("bench_side28_*.rec"))[0]
     with IndexedRecordReader(small, small.with_suffix(".idx")) as reader:
         assert len(reader) >= (1 + 3 + 4) * 4
         header, data = unpack_record(reader.read(reader.keys[13]))
@@ -142,3 +148,50 @@ def test_oom_cap_runs_the_training_preflight_and_refuses_without_a_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a GPU"):
             oom_cap.main(["--out", "/nonexistent"])
+
+
+def _bench_module():
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_efficiency
+
+    return gpu_efficiency
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("cuda", torch.device("cuda", 0)), ("cuda:1", torch.device("cuda", 1)), ("cpu", torch.device("cpu"))],
+)
+def test_bench_device_always_has_an_index_for_cuda(text, expected):
+    assert _bench_module().bench_device(text) == expected
+
+
+def test_bench_with_device_cuda_passes_an_indexed_device_to_set_device(monkeypatch, tmp_path):
+    """`--device cuda` (the default on a GPU box) used to reach torch.cuda.set_device(torch.device("cuda")),
+    which raises "Expected a torch.device with a specified index".  torch's own index check (the one
+    set_device runs first) stands in for the GPU; the run stops right after set_device."""
+    from torch.cuda._utils import _get_device_index
+
+    bench = _bench_module()
+    seen = []
+
+    class SetDeviceCalled(Exception):
+        pass
+
+    def set_device(device):
+        seen.append(device)
+        _get_device_index(device)  # raises ValueError for an unindexed CUDA device, as set_device does
+        raise SetDeviceCalled
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with pytest.raises(SetDeviceCalled):
+        bench.main(["--rec", "r", "--idx", "i", "--out", str(tmp_path), "--device", "cuda"])
+    assert seen == [torch.device("cuda", 0)]
+
+
+def test_unindexed_cuda_device_is_what_torch_refuses():
+    """The premise of the test above: without the normalisation, set_device's index check fails."""
+    from torch.cuda._utils import _get_device_index
+
+    with pytest.raises(ValueError, match="specified index"):
+        _get_device_index(torch.device("cuda"))

@@ -188,7 +188,7 @@ def test_gpu_check_script_is_valid_bash_and_names_each_part():
         "bench/oom_cap.py",
         "bench/gpu_summary.py",
         "--no-index",
-        "*.part-aa",
+        "*.part-*",
         "report.html",
         "summary.txt",
     ):

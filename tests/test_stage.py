@@ -1,7 +1,9 @@
 """Staging the .rec/.idx pair to node-local storage: once per node, verified, skipped when current."""
 
+import json
 import multiprocessing as mp
 import os
+import stat
 
 import pytest
 
@@ -135,3 +137,108 @@ def test_stage_argv_rewrites_both_pairs_to_local_copies(tmp_path):
         "o",
     ]
     assert (local / "val.idx").read_bytes() == (fast / "val.idx").read_bytes()
+
+
+def test_staging_dir_is_created_owner_only(pair, tmp_path):
+    rec, idx = pair
+    local = tmp_path / "base" / "demo"
+    stage_pair(rec, idx, local)
+    assert stat.S_IMODE(os.stat(local).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(local.parent).st_mode) == 0o700, "a parent it creates is private too"
+
+
+def test_existing_staging_dir_with_open_mode_is_tightened(pair, tmp_path):
+    rec, idx = pair
+    local = tmp_path / "local"
+    local.mkdir(mode=0o777)
+    os.chmod(local, 0o777)
+    stage_pair(rec, idx, local)
+    assert stat.S_IMODE(os.stat(local).st_mode) == 0o700
+
+
+def test_symlink_planted_at_the_staging_dir_is_refused(pair, tmp_path):
+    rec, idx = pair
+    elsewhere = tmp_path / "attacker"
+    elsewhere.mkdir()
+    local = tmp_path / "local"
+    local.symlink_to(elsewhere)
+    with pytest.raises(StageError) as err:
+        stage_pair(rec, idx, local)
+    msg = str(err.value)
+    assert str(local) in msg and "symbolic link" in msg and str(elsewhere) in msg and "pack.local_storage" in msg
+    assert list(elsewhere.iterdir()) == [], "nothing may be written through the link"
+
+
+def test_staging_dir_owned_by_another_user_is_refused(pair, tmp_path):
+    rec, idx = pair
+    local = tmp_path / "local"
+    local.mkdir(mode=0o700)
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    os.chown(local, 65534, 65534)  # nobody
+    with pytest.raises(StageError) as err:
+        stage_pair(rec, idx, local)
+    msg = str(err.value)
+    assert str(local) in msg and "uid 65534" in msg and "not to you" in msg and "pack.local_storage" in msg
+    assert list(local.iterdir()) == []
+
+
+def test_staging_under_a_folder_another_user_created_is_refused(pair, tmp_path):
+    """/tmp/rectrain-<you> made first by someone else: they could swap the dataset folder inside it."""
+    rec, idx = pair
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    base = tmp_path / "rectrain-me"
+    base.mkdir(mode=0o755)
+    os.chown(base, 65534, 65534)
+    with pytest.raises(StageError) as err:
+        stage_pair(rec, idx, base / "demo")
+    assert str(base) in str(err.value) and "uid 65534" in str(err.value)
+    assert not (base / "demo").exists()
+
+
+def test_symlinked_stamp_and_copy_are_replaced_not_written_through(pair, tmp_path):
+    rec, idx = pair
+    local = tmp_path / "local"
+    local.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    # Links planted at the stamp name, at the copy's name and at the lock: none may be written through.
+    (local / ("train.rec" + stage.STAMP_SUFFIX)).symlink_to(victim)
+    (local / "train.idx").symlink_to(victim)
+    rec_l, idx_l, copied = stage_pair(rec, idx, local)
+    assert copied and victim.read_text() == "precious"
+    stamp = local / ("train.rec" + stage.STAMP_SUFFIX)
+    assert not stamp.is_symlink() and json.loads(stamp.read_text())["size"] == rec.stat().st_size
+    assert not idx_l.is_symlink() and idx_l.read_bytes() == idx.read_bytes()
+
+
+def test_symlinked_lock_is_refused_without_touching_its_target(pair, tmp_path):
+    rec, idx = pair
+    local = tmp_path / "local"
+    local.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (local / stage.LOCK_NAME).symlink_to(victim)
+    with pytest.raises(StageError, match="staging lock .*refused; remove it"):
+        stage_pair(rec, idx, local)
+    assert victim.read_text() == "precious"
+
+
+def test_stage_argv_logs_its_copies_tagged_stage_in_a_fresh_process(pair, tmp_path):
+    """The train rule's log keeps '[stage] copying ...' lines (the launcher sets up no logging of its own)."""
+    import subprocess
+    import sys
+
+    rec, idx = pair
+    code = (
+        "import sys; from rectrain.train.local_copy import stage_argv; "
+        "stage_argv(['--rec', sys.argv[1], '--idx', sys.argv[2]], sys.argv[3])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(rec), str(idx), str(tmp_path / "local")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == f"[stage] copying {rec} -> {tmp_path / 'local' / 'shared' / 'train.rec'}"
+    assert any(line.startswith("[stage] ") and " MB verified in " in line for line in lines)

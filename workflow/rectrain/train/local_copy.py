@@ -11,6 +11,12 @@ then renamed into place, so a crash never leaves a half-copied pair that looks f
 next to the copy records the source's size, mtime and hash; a later call skips only when the source
 is unchanged and the local files still hash to the stamped value (catches a corrupted local copy).
 
+The node-local directory is private: created owner-only (0700) and refused when it is a symbolic link,
+belongs to another user, or sits in a folder another user owns or may write to without the sticky bit
+(/tmp itself is fine).  A shared /tmp lets anyone create /tmp/rectrain-<you> first; every file in it
+(copies, stamps, the lock) is then created under a unique name without following links and renamed
+into place, so nothing planted there is written through.
+
     python -m rectrain.train.local_copy --rec F/train.rec --idx F/train.idx --local-dir /local/rectrain/demo
 """
 
@@ -21,13 +27,21 @@ import fcntl
 import getpass
 import hashlib
 import json
+import logging
 import os
+import pwd
 import shutil
+import stat
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from rectrain import log as rlog
+from rectrain.atomic import fsync_path, publish
+
+log = logging.getLogger(__name__)
 
 CHUNK = 16 * 1024 * 1024
 STAMP_SUFFIX = ".stage.json"
@@ -47,16 +61,77 @@ def default_local_dir(local_storage: str | None, dataset: str, env=None) -> Path
     return Path(base) / dataset
 
 
+def _owner(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _refuse(path: Path, why: str) -> StageError:
+    return StageError(
+        f"node-local staging directory {path} {why}; staging refuses it because another user could read or "
+        "replace the copy there. Remove it (or ask its owner to), or set pack.local_storage (or $TMPDIR) to a "
+        "directory you own"
+    )
+
+
+def _check_parent(parent: Path) -> None:
+    """A folder another user owns, or may write to without the sticky bit, lets them swap our directory."""
+    st = os.stat(parent)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise _refuse(parent, f"(the folder it is created in) belongs to {_owner(st.st_uid)}, not to you")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise _refuse(parent, "(the folder it is created in) is writable by other users and not sticky")
+
+
+def private_dir(path) -> Path:
+    """Create `path` (and missing parents) owner-only, or check that the existing one is a real directory
+    of this user; tighten its mode to 0700.  Raises StageError naming the path, its owner and the fix."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        _check_parent(d.parent)
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:  # another rank made it first; checked below like any existing one
+            pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(path, f"is a symbolic link (to {os.readlink(path)}, owned by {_owner(st.st_uid)})")
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refuse(path, "exists and is not a directory")
+    if st.st_uid != os.geteuid():
+        raise _refuse(path, f"belongs to {_owner(st.st_uid)}, not to you ({_owner(os.geteuid())})")
+    _check_parent(path.parent)
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700, follow_symlinks=False)
+    return path
+
+
+def _regular_file(path: Path) -> bool:
+    """A regular file, not a link to one."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def sha256_file(path) -> str:
     with open(path, "rb") as fh:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _copy_hashing(src: Path, dst: Path) -> str:
-    """Copy src to dst and return the sha256 of the bytes read from src (one pass over the source,
-    which may be on a slow network filesystem)."""
+    """Copy src to dst (a file just created under a unique name) and return the sha256 of the bytes read
+    from src (one pass over the source, which may be on a slow network filesystem)."""
     digest = hashlib.sha256()
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+    with open(src, "rb") as fin, open(os.open(dst, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW), "wb") as fout:
         while chunk := fin.read(CHUNK):
             digest.update(chunk)
             fout.write(chunk)
@@ -77,10 +152,11 @@ def _source_id(src: Path) -> dict:
 def _is_current(src: Path, local: Path) -> bool:
     """True when `local` is a verified copy of the unchanged `src`."""
     stamp_file = _stamp_path(local)
-    if not local.is_file() or not stamp_file.is_file():
+    if not _regular_file(local) or not _regular_file(stamp_file):
         return False
     try:
-        stamp = json.loads(stamp_file.read_text())
+        with open(os.open(stamp_file, os.O_RDONLY | os.O_NOFOLLOW)) as fh:
+            stamp = json.load(fh)
     except (OSError, ValueError):
         return False
     want = _source_id(src)
@@ -112,13 +188,22 @@ def _stage_file(src: Path, local: Path) -> None:
                 "pack.local_storage to another node-local directory"
             )
         _stamp_path(local).unlink(missing_ok=True)
-        os.replace(tmp, local)
-        stamp = {**source, "sha256": src_hash, "staged": time.time()}
-        stamp_tmp = _stamp_path(local).with_suffix(".part")
-        stamp_tmp.write_text(json.dumps(stamp, indent=1))
-        os.replace(stamp_tmp, _stamp_path(local))
+        publish(tmp, local)  # a rename replaces a planted link; it never writes through it
+        _write_stamp(_stamp_path(local), {**source, "sha256": src_hash, "staged": time.time()})
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _write_stamp(path: Path, stamp: dict) -> None:
+    """Write the stamp under a fresh unique name (mkstemp: O_EXCL, no link followed), then rename it."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        with open(fd, "w") as fh:
+            json.dump(stamp, fh, indent=1)
+        fsync_path(tmp_name)
+        publish(tmp_name, path)
+    finally:
+        Path(tmp_name).unlink(missing_ok=True)
 
 
 def _check_room(sources: list[Path], local_dir: Path) -> None:
@@ -135,7 +220,14 @@ def _check_room(sources: list[Path], local_dir: Path) -> None:
 @contextmanager
 def _node_lock(local_dir: Path):
     """One stager per node directory; other ranks (and other jobs) block here until it is done."""
-    with open(local_dir / LOCK_NAME, "a") as fh:
+    path = local_dir / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        raise StageError(
+            f"cannot open the staging lock {path} ({err.strerror}): a symbolic link there is refused; remove it"
+        ) from err
+    with open(fd, "r+b") as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -156,8 +248,7 @@ def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
                 f"cannot stage {src}: no such file (run the pack step first, or fix "
                 "pack.fast_storage so it points where the pair was written)"
             )
-    local_dir = Path(local_dir)
-    local_dir.mkdir(parents=True, exist_ok=True)
+    local_dir = private_dir(local_dir)
     targets = [local_dir / s.name for s in sources]
     copied = False
     with _node_lock(local_dir):
@@ -166,15 +257,11 @@ def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
             _check_room([s for s, _ in stale], local_dir)
         for src, target in stale:
             started = time.time()
-            print(f"[stage] copying {src} -> {target}", file=sys.stderr, flush=True)
+            log.info(f"copying {src} -> {target}")
             _stage_file(src, target)
             took = max(time.time() - started, 1e-9)
             mb = target.stat().st_size / 1e6
-            print(
-                f"[stage] {target}: {mb:.1f} MB verified in {took:.1f} s ({mb / took:.0f} MB/s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.info(f"{target}: {mb:.1f} MB verified in {took:.1f} s ({mb / took:.0f} MB/s)")
             copied = True
     return targets[0], targets[1], copied
 
@@ -212,6 +299,8 @@ def stage_argv(argv: list[str], local_storage: str | None = None, env=None) -> l
     """Stage every .rec/.idx pair named in a training command line and return the command line
     pointing at the node-local copies.  The dataset name is the pair's directory
     (<fast_storage>/<dataset>/train.rec)."""
+    if not logging.getLogger("rectrain").handlers:  # the launcher has not set logging up: tag our lines
+        rlog.setup("stage")
     for rec_opt, idx_opt in PAIR_OPTIONS:
         rec, idx = _option_value(argv, rec_opt), _option_value(argv, idx_opt)
         if rec is None or idx is None:
@@ -228,10 +317,11 @@ def main(argv=None) -> int:
     ap.add_argument("--idx", required=True)
     ap.add_argument("--local-dir", required=True)
     args = ap.parse_args(argv)
+    rlog.setup("stage")
     try:
         rec, idx, copied = stage_pair(args.rec, args.idx, args.local_dir)
     except StageError as err:
-        print(f"[stage] error: {err}", file=sys.stderr)
+        log.error(f"error: {err}")
         return 1
     print(json.dumps({"rec": str(rec), "idx": str(idx), "copied": copied}))
     return 0

@@ -13,12 +13,16 @@ every (rank, epoch, step) is unique.
 from __future__ import annotations
 
 import csv
+import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 STEP_COLUMNS = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
 EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_top1", "val_top5", "images_per_s", "wall_s"]
@@ -74,11 +78,86 @@ def merge_steps(src_dir: Path, dest: Path, world_size: int) -> Path:
     return dest
 
 
-class _Nvml:
-    """GPU utilisation/memory of the job's visible GPUs via nvidia-ml-py; `handles` is empty without NVML."""
+GPU_FIELDS = ("util", "mem_used_mb", "mem_total_mb")  # system.csv: gpu<i>_<field>, i = the job's CUDA index
 
-    def __init__(self):
-        self.handles = []
+
+def _uuid_key(uuid) -> str:
+    """NVML says 'GPU-<uuid>' / 'MIG-<uuid>', torch's device properties the bare uuid: compare without prefix."""
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    text = text.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return text
+
+
+def _nvml_devices(nv) -> list[tuple[str, object, bool]]:
+    """(uuid as NVML says it, handle, is_mig) for every GPU in NVML order, each followed by its MIG devices."""
+    out = []
+    for i in range(nv.nvmlDeviceGetCount()):
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        uuid = nv.nvmlDeviceGetUUID(h)
+        out.append((uuid.decode() if isinstance(uuid, bytes) else uuid, h, False))
+        try:
+            slots = nv.nvmlDeviceGetMaxMigDeviceCount(h)
+        except Exception:  # noqa: BLE001 - no MIG support on this GPU or driver
+            slots = 0
+        for j in range(slots):
+            try:
+                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
+                mig_uuid = nv.nvmlDeviceGetUUID(mig)
+            except Exception:  # noqa: BLE001 - an empty MIG slot
+                continue
+            out.append((mig_uuid.decode() if isinstance(mig_uuid, bytes) else mig_uuid, mig, True))
+    return out
+
+
+def _torch_uuids() -> list[str] | None:
+    """UUIDs of the GPUs this process's torch uses, in CUDA order; None unless CUDA is already initialised
+    here (the launcher and the Snakefile parse must not create a CUDA context just to count GPUs)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def _match_visible(entry: str, devices: list[tuple[str, object, bool]]):
+    """The NVML handle a CUDA_VISIBLE_DEVICES entry names, or None (CUDA ignores the rest of the list then)."""
+    if entry.lstrip("-").isdigit():
+        # An ordinal.  Without torch's UUIDs the only order at hand is NVML's (PCI bus order), which is
+        # CUDA's only under CUDA_DEVICE_ORDER=PCI_BUS_ID; the count is right either way.
+        n, gpus = int(entry), [h for _, h, mig in devices if not mig]
+        return gpus[n] if 0 <= n < len(gpus) else None
+    # A UUID, possibly abbreviated to a unique prefix, of a GPU (GPU-...) or a MIG device (MIG-...).
+    hits = [h for uuid, h, _ in devices if uuid.lower().startswith(entry.lower())]
+    return hits[0] if len(hits) == 1 and entry[:4].lower() in ("gpu-", "mig-") else None
+
+
+def visible_handles(nv, torch_uuids: list[str] | None, env) -> list:
+    """NVML handles of the job's GPUs in CUDA order (None where a GPU has no NVML counterpart).  Matched by
+    UUID when torch already uses CUDA here, else read from CUDA_VISIBLE_DEVICES as CUDA reads it."""
+    devices = _nvml_devices(nv)
+    if torch_uuids is not None:
+        by_uuid = {_uuid_key(uuid): h for uuid, h, _ in devices}
+        return [by_uuid.get(_uuid_key(u)) for u in torch_uuids]
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [h for _, h, mig in devices if not mig]
+    handles = []
+    for entry in visible.split(","):
+        h = _match_visible(entry.strip(), devices)
+        if h is None:
+            break
+        handles.append(h)
+    return handles
+
+
+class _Nvml:
+    """GPU utilisation/memory of the job's GPUs via nvidia-ml-py; `handles` is empty without NVML.  Each
+    field is read on its own: one the device does not support (a MIG instance's utilisation) stays empty."""
+
+    def __init__(self, env=None):
+        self.handles, self.nv, self._failed = [], None, set()
         try:
             import pynvml
 
@@ -86,50 +165,71 @@ class _Nvml:
         except Exception:  # noqa: BLE001 - no driver / no GPU: GPU columns are simply absent
             return
         self.nv = pynvml
-        count = pynvml.nvmlDeviceGetCount()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = list(range(count))
-        if visible is not None and visible.strip() != "":
-            try:
-                ids = [int(v) for v in visible.split(",") if v.strip()]
-            except ValueError:  # UUIDs: match them
-                uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
-                ids = [uuids.index(u.strip()) for u in visible.split(",") if u.strip() in uuids]
-        elif visible is not None:
-            ids = []
-        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in ids if i < count]
+        try:
+            self.handles = visible_handles(pynvml, _torch_uuids(), os.environ if env is None else env)
+        except Exception as err:  # noqa: BLE001 - telemetry must never stop training
+            log.warning(f"NVML cannot list the GPUs ({err!r}): system.csv gets no GPU columns")
 
     def columns(self) -> list[str]:
-        return [f"gpu{i}_{k}" for i in range(len(self.handles)) for k in ("util", "mem_used_mb", "mem_total_mb")]
+        return [f"gpu{i}_{k}" for i in range(len(self.handles)) for k in GPU_FIELDS]
+
+    def field(self, i: int, name: str, read):
+        """read(handle), or '' when it fails; each failing field is logged once."""
+        h = self.handles[i]
+        try:
+            if h is None:
+                raise LookupError("no NVML device with this GPU's UUID")
+            return read(h)
+        except Exception as err:  # noqa: BLE001 - e.g. NVMLError_NotSupported on a MIG device
+            if (i, name) not in self._failed:
+                self._failed.add((i, name))
+                log.warning(f"NVML: GPU {i} {name} cannot be read ({err!r}); its column stays empty")
+            return ""
 
     def sample(self) -> dict:
-        row = {}
-        for i, h in enumerate(self.handles):
-            mem = self.nv.nvmlDeviceGetMemoryInfo(h)
-            row[f"gpu{i}_util"] = self.nv.nvmlDeviceGetUtilizationRates(h).gpu
-            row[f"gpu{i}_mem_used_mb"] = round(mem.used / 2**20, 1)
-            row[f"gpu{i}_mem_total_mb"] = round(mem.total / 2**20, 1)
+        nv, row = self.nv, {}
+        for i in range(len(self.handles)):
+            row[f"gpu{i}_util"] = self.field(i, "util", lambda h: nv.nvmlDeviceGetUtilizationRates(h).gpu)
+            row[f"gpu{i}_mem_used_mb"] = self.field(
+                i, "mem_used_mb", lambda h: round(nv.nvmlDeviceGetMemoryInfo(h).used / 2**20, 1)
+            )
+            row[f"gpu{i}_mem_total_mb"] = self.field(
+                i, "mem_total_mb", lambda h: round(nv.nvmlDeviceGetMemoryInfo(h).total / 2**20, 1)
+            )
         return row
 
 
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def gpu_inventory() -> list[dict]:
-    """[{index, name, memory_total_mb, driver}] of the visible GPUs, [] without NVML (for run.json)."""
+    """[{index, name, memory_total_mb, driver}] of the job's GPUs (index = CUDA index), [] without NVML
+    (for run.json).  A field NVML cannot read is None."""
     nv = _Nvml()
     if not nv.handles:
         return []
-    driver = nv.nv.nvmlSystemGetDriverVersion()
-    out = []
-    for i, h in enumerate(nv.handles):
-        name = nv.nv.nvmlDeviceGetName(h)
-        out.append(
-            {
-                "index": i,
-                "name": name.decode() if isinstance(name, bytes) else name,
-                "memory_total_mb": round(nv.nv.nvmlDeviceGetMemoryInfo(h).total / 2**20, 1),
-                "driver": driver.decode() if isinstance(driver, bytes) else driver,
-            }
-        )
-    return out
+    try:
+        driver = _text(nv.nv.nvmlSystemGetDriverVersion())
+    except Exception as err:  # noqa: BLE001 - run.json says so rather than failing the run
+        log.warning(f"NVML: the driver version cannot be read ({err!r})")
+        driver = None
+
+    def read(i: int, name: str, fn):
+        value = nv.field(i, name, fn)
+        return None if value == "" else value
+
+    return [
+        {
+            "index": i,
+            "name": read(i, "name", lambda h: _text(nv.nv.nvmlDeviceGetName(h))),
+            "memory_total_mb": read(
+                i, "memory_total_mb", lambda h: round(nv.nv.nvmlDeviceGetMemoryInfo(h).total / 2**20, 1)
+            ),
+            "driver": driver,
+        }
+        for i in range(len(nv.handles))
+    ]
 
 
 class SystemSampler(threading.Thread):
