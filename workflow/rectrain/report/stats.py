@@ -8,7 +8,9 @@ from typing import Mapping
 
 import pandas as pd
 
-_GPU_COLUMN = re.compile(r"^gpu(\d+)_(util|mem_used_mb|mem_total_mb)$")
+from rectrain.train.telemetry import GPU_FIELDS
+
+_GPU_COLUMN = re.compile(rf"^gpu(\d+)_({'|'.join(GPU_FIELDS)})$")
 
 
 def steady_steps(steps: pd.DataFrame) -> pd.DataFrame:
