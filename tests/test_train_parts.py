@@ -2,8 +2,10 @@
 
 import csv
 import random
+import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -99,18 +101,13 @@ def test_merge_steps_concatenates_ranks_with_the_contract_columns(tmp_path):
 
 
 def test_system_sampler_has_gpu_columns_only_for_visible_gpus(tmp_path):
-    import psutil
-
     s = telemetry.SystemSampler(tmp_path / "system.csv", 0.05, None, [psutil.Process()])
     s.start()
-    import time
-
     time.sleep(0.3)
     s.stop()
     with open(tmp_path / "system.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    gpus = [
-        f"gpu{i}_{k}" for i in range(len(telemetry.gpu_inventory())) for k in ("util", "mem_used_mb", "mem_total_mb")
-    ]
+    # The visible GPUs as CUDA counts them, not as the sampler's own NVML inventory does.
+    gpus = [f"gpu{i}_{k}" for i in range(torch.cuda.device_count()) for k in ("util", "mem_used_mb", "mem_total_mb")]
     assert rows and list(rows[0]) == telemetry.SYSTEM_BASE_COLUMNS + gpus
     assert rows[0]["disk_read_mb_s"] == "" and float(rows[0]["rss_mb"]) > 10
