@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Jobs started by Snakemake find this interpreter first.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test report dryrun lint env mxnet-env clean gpu-check
+.PHONY: test report dryrun lint style format env mxnet-env clean gpu-check
 
 env: $(STAMP)
 
@@ -29,7 +29,8 @@ $(MXSTAMP): envs/mxnet-interop.txt
 	$(MXVENV)/bin/python -m pip install -q -r envs/mxnet-interop.txt
 	@touch $@
 
-test: $(STAMP) $(MXSTAMP)
+# Style first: it takes seconds, so a formatting slip fails at once instead of after the suite.
+test: $(STAMP) $(MXSTAMP) style
 	@# pytest exit code 5 means no test ran: that is a failure here, not a pass.
 	$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
@@ -45,6 +46,17 @@ dryrun: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/snakemake --lint
+
+# What `make format` would change: Python (ruff, pyproject.toml [tool.ruff]) and the rules (snakefmt).
+style: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/snakefmt --check Snakefile workflow/rules
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/snakefmt Snakefile workflow/rules
 
 # On a GPU machine: pipeline with config/gpu.yaml + efficiency bench + 11 GB check (bench/GPU_RUNBOOK.md).
 gpu-check:

@@ -16,6 +16,10 @@ min_version("9.11")
 configfile: Path(workflow.basedir) / "config" / "config.yaml"
 
 
+# `snakemake --report report.zip`: this text, plus the outputs marked report(...) in the rules.
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/demo.smk"
 include: "workflow/rules/index.smk"

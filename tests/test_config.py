@@ -1,10 +1,13 @@
 """Bad configs fail before any job runs, and the message names the key and the bad value."""
 
+import importlib.metadata
+import json
+
 import pytest
 import yaml
 from helpers import REPO, snakemake
 
-from rectrain.config import ConfigError, check_config
+from rectrain.config import ConfigError, check_config, known_models
 
 SCHEMA = REPO / "config" / "schema.yaml"
 
@@ -88,12 +91,15 @@ def test_demo_config_is_valid_and_defaults_are_filled():
     assert cfg["pack"]["threads"] >= 1 and cfg["evaluate"]["workers"] >= 0
 
 
-def test_reference_box_config_is_valid_except_its_raw_path(tmp_path):
+def test_reference_box_config_passes_every_check_without_a_warning(tmp_path, caplog):
     with open(REPO / "config" / "imagenet-2gpu.yaml") as fh:
         cfg = yaml.safe_load(fh)
-    cfg["raw"] = str(tmp_path)
+    cfg["raw"] = str(tmp_path)  # its real paths do not exist here
     cfg["pack"]["fast_storage"] = str(tmp_path / "ssd")
-    check_config(cfg, SCHEMA, workdir=REPO)
+    with caplog.at_level("WARNING", logger="rectrain.config"):
+        filled = check_config(cfg, SCHEMA, workdir=REPO)
+    assert [r.message for r in caplog.records] == [], "the shipped config must not need a warning"
+    assert filled["evaluate"]["crop"] is None and filled["report"]["title"], "defaults were filled"
 
 
 @pytest.mark.parametrize("name", ["wrong_type", "unknown_key", "negative_size", "missing_raw", "fast_storage_is_file"])
@@ -109,3 +115,78 @@ def test_snakemake_stops_before_any_job_on_bad_config(name, tmp_path):
     assert expected[0] in out, out
     created = [p for p in work.rglob("*") if ".snakemake" not in p.parts]
     assert created == [], f"files created although the config is invalid: {created}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-checks: combinations every schema rule passes but a later job would fail on.
+
+
+def refusal(update) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_config(merged(update), SCHEMA, workdir=REPO)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("update", "key", "fix"),
+    [
+        ({"train": {"epochs": 2.0}}, "train.epochs", "write 2"),
+        ({"train": {"dali_preallocate": [64.0, 48]}}, "train.dali_preallocate.0", "write 64"),
+        ({"train": {"batch_size": 32.0}}, "train.batch_size", "write 32"),
+    ],
+)
+def test_integer_key_given_a_float_is_refused_naming_the_key(update, key, fix):
+    message = refusal(update)
+    assert f"config key '{key}'" in message and "whole number" in message and fix in message, message
+
+
+@pytest.mark.parametrize(
+    "update", [{"raw": ""}, {"pack": {"fast_storage": ""}}, {"pack": {"local_storage": ""}}], ids=str
+)
+def test_empty_path_string_is_refused_naming_the_key(update):
+    block, value = next(iter(update.items()))
+    key = block if not isinstance(value, dict) else f"{block}.{next(iter(value))}"
+    assert f"config key '{key}' is an empty string" in refusal(update)
+
+
+def test_evaluate_crop_above_evaluate_resize_is_refused():
+    message = refusal({"evaluate": {"crop": 100, "resize": 90}})
+    assert "'evaluate.crop'" in message and "centre crop 100" in message and "'evaluate.resize' = 90" in message
+    # crop: null means train.image_size, and the message says so
+    message = refusal({"train": {"image_size": 64}, "evaluate": {"resize": 48}})
+    assert "centre crop 64 (from train.image_size" in message, message
+
+
+def test_unknown_torchvision_model_is_refused_with_similar_names():
+    message = refusal({"train": {"model": "resnet1000"}})
+    assert "config key 'train.model' = 'resnet1000' is not a torchvision model" in message
+    assert "resnet101" in message, message
+
+
+def test_pack_resize_below_train_image_size_warns(caplog):
+    with caplog.at_level("WARNING", logger="rectrain.config"):
+        check_config(merged({"pack": {"resize": 32}, "train": {"image_size": 64}}), SCHEMA, workdir=REPO)
+    assert any("'pack.resize' = 32" in r.message and "'train.image_size' = 64" in r.message for r in caplog.records)
+
+
+def test_global_batch_without_auto_batch_warns(caplog):
+    with caplog.at_level("WARNING", logger="rectrain.config"):
+        check_config(merged({"train": {"global_batch": 512, "batch_size": 32}}), SCHEMA, workdir=REPO)
+    assert any("'train.global_batch' = 512" in r.message and "ignored" in r.message for r in caplog.records)
+
+
+def test_model_list_is_read_from_the_cache_for_this_torchvision_version(tmp_path, monkeypatch):
+    version = importlib.metadata.version("torchvision")
+    cache = tmp_path / "rectrain" / f"torchvision-{version}-models.json"
+    cache.parent.mkdir()
+    cache.write_text(json.dumps(["only_this_model"]))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert known_models() == {"only_this_model"}
+
+
+def test_out_of_range_number_given_on_the_command_line_says_so(tmp_path):
+    proc = snakemake("-n", "--directory", str(tmp_path), "--config", "train={batch_size: 0}", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "config key 'train.batch_size' = 0 is invalid: 0 is less than the minimum of 1" in out, out[-2000:]
+    assert "is not of type" not in out

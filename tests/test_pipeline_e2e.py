@@ -1,84 +1,358 @@
 """The whole demo pipeline through Snakemake, in a scratch working directory, as `make report` runs it.
 
-One run (module fixture) backs several checks: the report exists, the model learned (so labels
+The pipeline runs once (module fixture) from a copy of the workflow (Snakefile, workflow/, config/,
+envs/, profiles/) inside the scratch directory, so tests that edit code there never change this
+checkout's files or mtimes. That one run backs: the report exists and the model learned (so labels
 stayed aligned from the generator through index, pack, DALI and DDP), a second dry-run schedules
-nothing, and editing one config block schedules exactly that stage and what depends on it.
+nothing, editing one config block or one module schedules exactly the stages that use it and the ones
+after them, and Snakemake's own commands (--summary, --list-changes, --dag, --rulegraph, --report,
+--unlock) work without --cores.
 """
 
+import contextlib
+import csv
 import json
+import os
 import re
+import shutil
+import signal
+import subprocess
+import time
+import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, scheduled_rules, snakemake
+from helpers import REPO, VENV_BIN, scheduled_rules, snakemake
+
+from rectrain.sources import STAGE_ENTRIES, stage_sources
 
 pytestmark = pytest.mark.slow
 
+CHAIN = ["demo_data", "index_raw", "pack", "train", "evaluate", "report"]
 DOWNSTREAM_OF_TRAIN = {"train", "evaluate", "report"}
 DOWNSTREAM_OF_PACK = {"pack", "train", "evaluate", "report"}
+WORKFLOW_PARTS = ["Snakefile", "workflow", "config", "envs", "profiles"]
+# One output of each stage's job in the demo config: the target that isolates that stage.
+STAGE_TARGET = {
+    "demo_data": "results/demo/raw/.done",
+    "index_raw": "results/demo/index/classes.tsv",
+    "pack": "results/fast_storage/demo/train.rec",
+    "train": "results/demo/train/model.pt",
+    "evaluate": "results/demo/eval/metrics.json",
+    "report": "results/report.html",
+}
+REPORT_ITEMS = [
+    "results/report.html",
+    "results/demo/eval/metrics.json",
+    "results/demo/eval/per_class.csv",
+    "results/demo/pack/train.manifest.json",
+    "results/demo/pack/val.manifest.json",
+]
+
+
+class Pipeline:
+    """A finished demo pipeline in `work`, run from its own copy of the workflow."""
+
+    def __init__(self, work: Path, config: dict):
+        self.work, self.config = work, config
+        self.snakefile = work / "Snakefile"
+        self.package = work / "workflow" / "rectrain"
+
+    def smk(self, *args, timeout=300):
+        # --directory first: options such as --configfile and --allowed-rules take every word after them
+        return snakemake("--directory", str(self.work), *args, cwd=self.work, snakefile=self.snakefile, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     work = tmp_path_factory.mktemp("pipeline")
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    cfgfile = work / "config.yaml"
-    cfgfile.write_text(yaml.safe_dump(config))
-    proc = snakemake(
-        "--cores", "2", "--configfile", str(cfgfile), "--directory", str(work), "results/report.html", timeout=1200
-    )
+    for part in WORKFLOW_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(src, work / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, work / part)
+    config = yaml.safe_load((work / "config" / "config.yaml").read_text())
+    run = Pipeline(work, config)
+    proc = run.smk("--cores", "2", "results/report.html", timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return work, config
+    return run
 
 
-def dryrun_with(work, config, tmp_path, **blocks):
-    edited = json.loads(json.dumps(config))
+def dryrun_with(run, tmp_path, **blocks):
+    edited = json.loads(json.dumps(run.config))
     for block, changes in blocks.items():
         edited[block].update(changes)
     cfgfile = tmp_path / "edited.yaml"
     cfgfile.write_text(yaml.safe_dump(edited))
-    proc = snakemake("-n", "--configfile", str(cfgfile), "--directory", str(work), "results/report.html")
+    proc = run.smk("-n", "results/report.html", "--configfile", str(cfgfile))
     assert proc.returncode == 0, proc.stderr
     return set(scheduled_rules(proc.stdout))
 
 
+def job_reasons(dryrun_stdout: str) -> dict[str, list[str]]:
+    """Rule -> the 'reason:' line of each of its jobs in a dry-run's output."""
+    reasons: dict[str, list[str]] = {}
+    for m in re.finditer(r"^(?:local)?rule (\w+):\n((?:[ \t]+.*\n?)*)", dryrun_stdout, re.M):
+        reason = re.search(r"^\s+reason: (.*)$", m.group(2), re.M)
+        reasons.setdefault(m.group(1), []).append(reason.group(1) if reason else "")
+    return reasons
+
+
+def updated_inputs(reason: str) -> set[str]:
+    """The files a job's reason names as 'Updated input files' (edited since its outputs were made)."""
+    m = re.search(r"Updated input files: ([^;]*)", reason)
+    return {f.strip() for f in m.group(1).split(",")} if m else set()
+
+
 def test_pipeline_produces_report_and_learns(pipeline):
-    work, _ = pipeline
-    html = (work / "results" / "report.html").read_text()
+    results = pipeline.work / "results"
+    html = (results / "report.html").read_text()
     assert "Diagnosis" in html and "Throughput" in html
-    metrics = json.loads((work / "results" / "demo" / "eval" / "metrics.json").read_text())
+    metrics = json.loads((results / "demo" / "eval" / "metrics.json").read_text())
     # 10 demo classes: chance is 0.10. A model that reaches 0.6 on held-out images can only do so
     # if every stage kept each image with its own label (a shuffled label map scores ~0.10).
     assert metrics["top1"] >= 0.6, metrics
     assert metrics["images"] == 120
     # Training's own last val pass scores the checkpointed weights on the same records.
-    last_epoch = (work / "results" / "demo" / "train" / "epochs.csv").read_text().strip().splitlines()[-1]
-    val_top1 = float(last_epoch.split(",")[4])
+    with open(results / "demo" / "train" / "epochs.csv", newline="") as fh:
+        last_epoch = list(csv.DictReader(fh))[-1]
+    val_top1 = float(last_epoch["val_top1"])
     assert abs(val_top1 - metrics["top1"]) <= 1 / 120 + 1e-9, (val_top1, metrics)
 
 
 def test_unchanged_config_schedules_nothing(pipeline, tmp_path):
-    work, config = pipeline
-    assert dryrun_with(work, config, tmp_path) == set()
+    assert dryrun_with(pipeline, tmp_path) == set()
 
 
 def test_editing_train_lr_reruns_train_and_dependents_only(pipeline, tmp_path):
-    work, config = pipeline
-    assert dryrun_with(work, config, tmp_path, train={"lr": 0.05}) == DOWNSTREAM_OF_TRAIN
+    assert dryrun_with(pipeline, tmp_path, train={"lr": 0.05}) == DOWNSTREAM_OF_TRAIN
 
 
 def test_editing_pack_quality_reruns_pack_and_everything_after(pipeline, tmp_path):
-    work, config = pipeline
-    assert dryrun_with(work, config, tmp_path, pack={"quality": 80}) == DOWNSTREAM_OF_PACK
+    assert dryrun_with(pipeline, tmp_path, pack={"quality": 80}) == DOWNSTREAM_OF_PACK
 
 
 def test_editing_report_thresholds_reruns_report_only(pipeline, tmp_path):
-    work, config = pipeline
-    assert dryrun_with(work, config, tmp_path, report={"iowait_percent": 30}) == {"report"}
+    assert dryrun_with(pipeline, tmp_path, report={"iowait_percent": 30}) == {"report"}
 
 
-def test_training_code_is_an_input_of_train(pipeline):
-    work, _ = pipeline
-    proc = snakemake("-n", "--forcerun", "train", "--directory", str(work), "results/report.html")
-    job = re.search(r"(?:local)?rule train:\n(.*?)\n\n", proc.stdout, re.S)
-    assert job and "workflow/rectrain/train/trainer.py" in job.group(1), proc.stdout[:3000]
+# ---------------------------------------------------------------------------------------------
+# Code inputs are derived from imports (rectrain.sources): every module a stage imports reruns it.
+
+
+@contextlib.contextmanager
+def edited(paths):
+    """Append a comment line to each file (a real edit: Snakemake ignores a bare touch of a small
+    input whose checksum it recorded), then put back the original bytes and mtimes."""
+    saved = {p: (p.read_bytes(), p.stat()) for p in paths}
+    try:
+        for p in paths:
+            with open(p, "ab") as fh:
+                fh.write(b"\n# edited by test_pipeline_e2e\n")
+        yield
+    finally:
+        for p, (data, st) in saved.items():
+            p.write_bytes(data)
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def closures(package: Path) -> dict[str, set[Path]]:
+    assert set(STAGE_ENTRIES) == set(CHAIN), "a stage was added: extend CHAIN and STAGE_TARGET"
+    return {stage: {p.resolve() for p in stage_sources(stage, package)} for stage in CHAIN}
+
+
+def test_every_module_a_stage_imports_makes_that_stage_rerun(pipeline):
+    """With every module edited at once, each stage checked on its own must name exactly its import
+    closure as its updated inputs: nothing left out (the old hand-written lists missed recordio.py
+    for train), nothing another stage imports."""
+    by_stage = closures(pipeline.package)
+    modules = set().union(*by_stage.values())
+    with edited(sorted(modules)):
+        for stage in CHAIN:
+            # --allowed-rules keeps the earlier stages out of the DAG (their outputs count as source
+            # files); otherwise Snakemake stops at "input files updated by another job" and never
+            # says which of this job's own inputs changed.
+            proc = pipeline.smk("-n", STAGE_TARGET[stage], "--allowed-rules", stage)
+            assert proc.returncode == 0, proc.stderr
+            reasons = job_reasons(proc.stdout).get(stage, [])
+            assert len(reasons) == 1, f"{stage}: expected one scheduled job, got {reasons}\n{proc.stdout[-3000:]}"
+            named = {Path(f).resolve() for f in updated_inputs(reasons[0])}
+            for module in sorted(modules):
+                rel = module.relative_to(pipeline.package)
+                if module in by_stage[stage]:
+                    assert module in named, f"{stage} imports {rel} but editing it does not rerun {stage}"
+                else:
+                    assert module not in named, f"{stage} does not import {rel} but reruns when it changes"
+
+
+def test_editing_a_module_schedules_its_first_stage_and_later_ones_never_earlier(pipeline):
+    """Each module is edited once, together with the modules first used by the same stage (one
+    dry-run per stage instead of one per module); the assertions are per module."""
+    by_stage = closures(pipeline.package)
+    first_user: dict[str, list[Path]] = {}
+    for module in sorted(set().union(*by_stage.values())):
+        first = next(stage for stage in CHAIN if module in by_stage[stage])
+        first_user.setdefault(first, []).append(module)
+    for stage, modules in first_user.items():
+        started = time.monotonic()
+        with edited(modules):
+            proc = pipeline.smk("-n", "results/report.html")
+        print(
+            f"dry-run after editing {len(modules)} module(s) first used by {stage}: {time.monotonic() - started:.1f} s"
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert set(scheduled_rules(proc.stdout)) == set(CHAIN[CHAIN.index(stage) :]), (stage, proc.stdout[-3000:])
+        named = set()
+        for reason in job_reasons(proc.stdout)[stage]:
+            named |= {Path(f).resolve() for f in updated_inputs(reason)}
+        for module in modules:
+            assert module in named, f"editing {module.relative_to(pipeline.package)} does not rerun {stage}"
+    assert pipeline.smk("-n", "results/report.html").stdout.count("Nothing to be done") == 1, "edits not undone"
+
+
+# ---------------------------------------------------------------------------------------------
+# Snakemake's own commands need no --cores (threads are read when a job is expanded, not parsed).
+
+
+def test_summary_lists_every_stage_output_as_up_to_date(pipeline):
+    proc = pipeline.smk("--summary")
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout[proc.stdout.index("output_file\t") :]
+    rows = {row["output_file"]: row for row in csv.DictReader(table.splitlines(), delimiter="\t")}
+    for stage, target in STAGE_TARGET.items():
+        assert rows[target]["rule"] == stage, rows[target]
+        assert (rows[target]["status"], rows[target]["plan"]) == ("ok", "no update"), rows[target]
+
+
+def test_list_changes_code_names_the_outputs_of_a_rule_whose_command_changed(pipeline):
+    assert pipeline.smk("--list-changes", "code").stdout.split() == []
+    rule_file = pipeline.work / "workflow" / "rules" / "report.smk"
+    original = rule_file.read_text()
+    assert " > {log:q} 2>&1" in original
+    try:
+        rule_file.write_text(original.replace(" > {log:q} 2>&1", " >{log:q} 2>&1"))
+        proc = pipeline.smk("--list-changes", "code")
+    finally:
+        rule_file.write_text(original)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["results/report.html"]
+
+
+def test_list_changes_input_names_the_outputs_whose_input_set_changed(pipeline):
+    assert pipeline.smk("--list-changes", "input").stdout.split() == []
+    # Package data is code: a new template file joins the report rule's inputs.
+    extra = pipeline.package / "report" / "templates" / "extra.html.j2"
+    extra.write_text("{# new template #}\n")
+    try:
+        proc = pipeline.smk("--list-changes", "input")
+    finally:
+        extra.unlink()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["results/report.html"]
+
+
+def test_list_changes_params_runs_and_lists_only_pipeline_outputs(pipeline):
+    proc = pipeline.smk("--list-changes", "params")
+    assert proc.returncode == 0, proc.stderr
+    listed = proc.stdout.split()
+    assert listed and all((pipeline.work / f).is_file() for f in listed), listed
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Snakemake 9.27.1 lists one output of every job under --list-changes params even when no param "
+    "changed (persistence.ParamsChange iterates its files whether or not it is a change); the dry-run's "
+    "reasons are right. Passing means the bug is fixed upstream: drop this mark and the README caveat.",
+)
+def test_list_changes_params_is_empty_when_nothing_changed(pipeline):
+    assert pipeline.smk("--list-changes", "params").stdout.split() == []
+
+
+def rulegraph_edges(dot_text: str) -> set[tuple[str, str]]:
+    names = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)"', dot_text, re.M))
+    return {(names[a], names[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dot_text, re.M)}
+
+
+def test_rulegraph_draws_the_chain_in_order(pipeline):
+    proc = pipeline.smk("--rulegraph")
+    assert proc.returncode == 0, proc.stderr
+    edges = rulegraph_edges(proc.stdout)
+    assert set(zip(CHAIN, CHAIN[1:], strict=False)) <= edges, edges
+    order = {rule: i for i, rule in enumerate([*CHAIN, "all"])}
+    assert all(order[a] < order[b] for a, b in edges), f"an edge runs backwards: {edges}"
+
+
+def test_dag_renders_with_graphviz(pipeline, tmp_path):
+    proc = pipeline.smk("--dag")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.lstrip().startswith("digraph")
+    # pack runs once per split: two pack jobs in the job graph
+    assert len(re.findall(r'label = "pack', proc.stdout)) == 2, proc.stdout
+    dot = shutil.which("dot")
+    if dot is None:
+        pytest.skip("graphviz 'dot' not installed (.ci/run installs it): the DOT text was checked, not its rendering")
+    svg = subprocess.run([dot, "-Tsvg"], input=proc.stdout, capture_output=True, text=True, check=True).stdout
+    assert "<svg" in svg and all(f">{rule}" in svg for rule in CHAIN), svg[:2000]
+
+
+def test_snakemake_report_bundles_the_report_and_key_outputs(pipeline, tmp_path):
+    bundle = tmp_path / "report.zip"
+    proc = pipeline.smk("--report", str(bundle))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with zipfile.ZipFile(bundle) as zf:
+        members = {name: zf.read(name) for name in zf.namelist()}
+    items = {name.rsplit("/", 1)[-1]: data for name, data in members.items() if "/data/raw/" in name}
+    for item in REPORT_ITEMS:
+        path = pipeline.work / item
+        assert items.get(path.name) == path.read_bytes(), f"{item} missing or different in the bundle"
+    index = members["report/report.html"].decode()
+    categories = json.loads(re.search(r"categories = (\{.*?\});\n", index).group(1))
+    assert {cat: sorted(f for files in sub.values() for f in files) for cat, sub in categories.items()} == {
+        "Report": ["results/report.html"],
+        "Evaluation": ["results/demo/eval/metrics.json", "results/demo/eval/per_class.csv"],
+        "Pack": ["results/demo/pack/train.manifest.json", "results/demo/pack/val.manifest.json"],
+    }
+    for caption in (
+        "one file with its plots embedded",
+        "Accuracy per class",
+        "Pack manifest of the",
+        "top-1 and top-5",
+    ):
+        assert caption in index, f"caption {caption!r} not in the report"
+
+
+def wait_for_lock(proc: subprocess.Popen, work: Path, timeout=120):
+    locks = work / ".snakemake" / "locks"
+    deadline = time.monotonic() + timeout
+    while not any(locks.glob("*.lock")):
+        assert proc.poll() is None and time.monotonic() < deadline, "Snakemake never took its lock"
+        time.sleep(0.05)
+
+
+def test_unlock_after_a_killed_run_then_the_same_command_finishes(pipeline):
+    """The recovery the README gives: Snakemake killed (power loss, kill -9) leaves its lock; the next
+    run refuses and names --unlock; --unlock needs no --cores; the same command then completes."""
+    command = ["--cores", "1", "--forcerun", "report", "results/report.html"]
+    args = [str(VENV_BIN / "snakemake"), "--snakefile", str(pipeline.snakefile), "--directory", str(pipeline.work)]
+    killed = subprocess.Popen(
+        [*args, *command],
+        cwd=pipeline.work,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_lock(killed, pipeline.work)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    refused = pipeline.smk(*command)  # (Snakemake takes the lock only when there is work to do)
+    assert refused.returncode != 0
+    assert "--unlock" in refused.stdout + refused.stderr, refused.stderr[-2000:]
+    unlock = pipeline.smk("--unlock")
+    assert unlock.returncode == 0 and "Unlocked working directory" in unlock.stdout + unlock.stderr, unlock.stderr
+    rerun = pipeline.smk(*command, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "Nothing to be done" in pipeline.smk("-n", "results/report.html").stdout

@@ -6,19 +6,20 @@ The cluster is Debian's slurm-wlm started here on localhost: one slurmctld and t
 installed or a daemon cannot start in this environment, and the skip message says exactly why.
 """
 
+import json
 import os
 import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO, VENV_BIN
 
-REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
+from rectrain.train.cluster import rendezvous_port
+
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol")
 # The SLURM job step started by Snakemake's executor drops SLURM_CONF from the environment, so the
 # cluster must be configured at the default path.  The marker says the file is ours to replace.
@@ -276,8 +277,7 @@ def test_demo_pipeline_runs_as_slurm_jobs_to_the_report(slurm_cluster, tmp_path)
     assert "one launcher per node: srun --nodes=2" in train_log
     head = re.search(r"--rdzv_endpoint=([\w.-]+):(\d+)", train_log)
     assert head and head.group(1) in slurm_cluster["nodes"], train_log[-3000:]
-    assert int(head.group(2)) == 29500 + int(by_rule["train"][0]) % 1000
-    import json
+    assert int(head.group(2)) == rendezvous_port(by_rule["train"][0], {}), "the port derives from the job id"
 
     info = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
     assert info["world_size"] == 2 and info["nodes"] == 2

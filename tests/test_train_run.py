@@ -51,8 +51,9 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
     per_rank_epoch = defaultdict(list)
     for r in steps:
         wall, wait, compute = float(r["wall_s"]), float(r["data_wait_s"]), float(r["compute_s"])
-        assert wall > 0 and wait >= 0 and compute > 0
-        assert abs(wait + compute - wall) <= 0.03 * wall + 1e-4, r
+        # compute_s is written as wall - wait, so their sum says nothing; compute > 0 is what says the
+        # data wait was measured inside the step (wait < wall)
+        assert wall > 0 and wait >= 0 and compute > 0, r
         per_rank_epoch[r["rank"], r["epoch"]].append(r)
     counts = {k: len(v) for k, v in per_rank_epoch.items()}
     assert len(set(counts.values())) == 1, f"ranks ran different step counts: {counts}"

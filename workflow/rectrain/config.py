@@ -7,7 +7,9 @@ because the raw message buries the key under a dump of the schema.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -17,6 +19,8 @@ import yaml
 
 # config/schema.yaml of this checkout: every key, its type and its default.
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -39,12 +43,27 @@ def describe_errors(config: dict, schema: dict) -> list[str]:
             for name in extra:
                 lines.append(f"unknown config key '{_key(path + [name])}' (allowed here: {', '.join(allowed)})")
             continue
+        if err.validator == "minLength" and err.instance == "":
+            lines.append(
+                f"config key '{_key(path)}' is an empty string: give a path, or leave the key out for its default"
+            )
+            continue
         if err.validator == "oneOf" and err.context:
-            reasons = "; or ".join(sorted({c.message for c in err.context}))
+            reasons = "; or ".join(sorted({c.message for c in _matching_branch_errors(err.context)}))
             lines.append(f"config key '{_key(path)}' = {err.instance!r} is invalid: {reasons}")
             continue
         lines.append(f"config key '{_key(path)}' = {err.instance!r} is invalid: {err.message}")
     return lines
+
+
+def _matching_branch_errors(context: list) -> list:
+    """The oneOf alternatives of the value's own type ('0 is less than the minimum of 1' rather than
+    also "0 is not of type 'string'"); all of them when the value has none of the types."""
+    by_branch: dict = {}
+    for err in context:
+        by_branch.setdefault(err.relative_schema_path[0], []).append(err)
+    typed = [e for errs in by_branch.values() if not any(e.validator == "type" for e in errs) for e in errs]
+    return typed or list(context)
 
 
 def check_paths(config: dict, workdir: Path) -> list[str]:
@@ -80,20 +99,21 @@ def load_schema(schema_path) -> dict:
 
 def coerce_strings(config: dict, schema: dict) -> None:
     """Snakemake's --config hands nested values over as strings (train='{epochs: 1}' gives '1'): a
-    string the schema rejects but whose YAML reading it accepts becomes that value, in place."""
+    string the schema rejects becomes its YAML reading, in place, whenever YAML reads it as a typed
+    value (number, boolean, list, ...), so an out-of-range number is reported as such ('0 is less
+    than the minimum of 1'), not as "'0' is not of type 'integer'"."""
     for key, sub in schema.get("properties", {}).items():
         value = config.get(key)
         if isinstance(value, dict):
             coerce_strings(value, sub)
-        elif isinstance(value, str):
-            check = jsonschema.Draft202012Validator(sub)
-            if check.is_valid(value):
+        elif isinstance(value, str) and value.strip():  # YAML reads "" as null: an empty path stays empty
+            if jsonschema.Draft202012Validator(sub).is_valid(value):
                 continue
             try:
                 parsed = yaml.safe_load(value)
             except yaml.YAMLError:
                 continue
-            if check.is_valid(parsed):
+            if not isinstance(parsed, str):
                 config[key] = parsed
 
 
@@ -113,12 +133,108 @@ def fill_defaults(config: dict, schema_path=SCHEMA_PATH) -> dict:
 
 
 def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
-    """Validate and fill defaults in place, then check paths; raise ConfigError listing every problem."""
+    """Validate and fill defaults in place, then cross-check keys and paths; raise ConfigError listing
+    every problem, and log a warning for each combination that runs but is probably not meant."""
     fill_defaults(config, schema_path)
-    problems = check_paths(config, Path(workdir))
+    problems = whole_numbers(config, load_schema(schema_path)) + cross_check(config)
+    problems += check_paths(config, Path(workdir))
     if problems:
         raise ConfigError(_format(problems))
+    for line in cross_warnings(config):
+        log.warning("config: %s", line)
     return config
+
+
+def _branches(schema: dict) -> list[dict]:
+    return [schema, *schema.get("oneOf", [])]
+
+
+def _types(schema: dict) -> set[str]:
+    types: set[str] = set()
+    for branch in _branches(schema):
+        given = branch.get("type", [])
+        types.update([given] if isinstance(given, str) else given)
+    return types
+
+
+def whole_numbers(value, schema: dict, path=()) -> list[str]:
+    """Integer keys given a float: JSON Schema counts 2.0 as an integer, but the code would get a
+    float (range(2.0) fails hours later), so it is refused here."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        return [line for k, v in value.items() if k in props for line in whole_numbers(v, props[k], (*path, k))]
+    if isinstance(value, list):
+        items = next((b["items"] for b in _branches(schema) if "items" in b), None)
+        return [line for i, v in enumerate(value) if items for line in whole_numbers(v, items, (*path, i))]
+    types = _types(schema)
+    if isinstance(value, float) and "integer" in types and "number" not in types:
+        return [f"config key '{_key(path)}' = {value!r} must be a whole number: write {int(value)}"]
+    return []
+
+
+def cross_check(config: dict) -> list[str]:
+    """Combinations of keys that every schema check passes but that can only fail in a later job."""
+    problems = []
+    train, ev = config["train"], config["evaluate"]
+    crop = ev["crop"] or train["image_size"]
+    if ev["resize"] is not None and crop > ev["resize"]:
+        source = "evaluate.crop" if ev["crop"] else "train.image_size (evaluate.crop: null)"
+        problems.append(
+            f"config key 'evaluate.crop': the centre crop {crop} (from {source}) is larger than the image after "
+            f"'evaluate.resize' = {ev['resize']}; set evaluate.resize >= {crop}, or null for {crop} / 0.875"
+        )
+    models = known_models()
+    if models is not None and train["model"] not in models:
+        near = sorted(m for m in models if m.startswith(train["model"].rstrip("0123456789")))[:8]
+        problems.append(
+            f"config key 'train.model' = {train['model']!r} is not a torchvision model"
+            + (f" (similar: {', '.join(near)})" if near else " (torchvision.models.list_models() lists them)")
+        )
+    return problems
+
+
+def cross_warnings(config: dict) -> list[str]:
+    """Combinations that run but waste work or are ignored."""
+    lines = []
+    pack, train = config["pack"], config["train"]
+    if pack["resize"] and pack["resize"] < train["image_size"]:
+        lines.append(
+            f"'pack.resize' = {pack['resize']} stores images smaller than 'train.image_size' = {train['image_size']}: "
+            "every training crop is upscaled; set pack.resize >= train.image_size (or 0 to keep the originals)"
+        )
+    if train["global_batch"] is not None and train["batch_size"] != "auto":
+        lines.append(
+            f"'train.global_batch' = {train['global_batch']} is used only with batch_size: auto and is ignored "
+            f"with batch_size: {train['batch_size']}"
+        )
+    return lines
+
+
+def known_models() -> set[str] | None:
+    """torchvision's model names (what train.model may be), or None where torchvision is not installed
+    beside Snakemake (the jobs' own environment decides then). Importing torchvision costs seconds,
+    so the list is cached per torchvision version and a dry-run stays fast."""
+    try:
+        version = importlib.metadata.version("torchvision")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = cache_home / "rectrain" / f"torchvision-{version}-models.json"
+    try:
+        return set(json.loads(cache.read_text()))
+    except (OSError, ValueError):
+        pass
+    import torchvision.models
+
+    from rectrain.atomic import write_json
+
+    names = sorted(torchvision.models.list_models())
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_json(cache, names)
+    except OSError as err:  # a read-only home only costs the import next time
+        log.debug("model list not cached at %s: %s", cache, err)
+    return set(names)
 
 
 def _format(lines: list[str]) -> str:

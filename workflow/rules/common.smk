@@ -32,3 +32,10 @@ cfg_json = functools.partial(block_json, config)
 def code(stage):
     """The stage's source files (its import closure): editing one reruns that stage and what follows."""
     return [str(p) for p in stage_sources(stage, Path(workflow.basedir) / "workflow" / "rectrain")]
+
+
+def all_cores(wildcards):
+    """Every core given with --cores (Snakemake also caps threads at --max-threads). Read when a job
+    is expanded, not when the rules are parsed, so commands that run no job (--unlock, --summary,
+    --dag) need no --cores; --report, which lists each job's threads, gets this machine's count."""
+    return workflow.resource_settings.cores or os.cpu_count()

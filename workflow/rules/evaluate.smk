@@ -12,15 +12,15 @@ rule evaluate:
         classes=f"results/{DS}/index/classes.tsv",
         code=code("evaluate"),
     output:
-        metrics=f"results/{DS}/eval/metrics.json",
-        per_class=f"results/{DS}/eval/per_class.csv",
+        metrics=report(f"results/{DS}/eval/metrics.json", caption="../report/metrics.rst", category="Evaluation"),
+        per_class=report(f"results/{DS}/eval/per_class.csv", caption="../report/per_class.rst", category="Evaluation"),
     log:
         f"logs/evaluate/{DS}.log",
     benchmark:
         f"benchmarks/evaluate/{DS}.tsv"
     conda:
         ENV
-    threads: workflow.cores
+    threads: all_cores
     resources:
         # the same GPUs as training (the checkpoint's train block decides the processes at run time)
         gpus=scheduled_gpus(config["train"]["devices"]),

@@ -11,7 +11,12 @@ rule pack:
     output:
         rec=f"{FAST}/{{split}}.rec",
         idx=f"{FAST}/{{split}}.idx",
-        manifest=f"results/{DS}/pack/{{split}}.manifest.json",
+        manifest=report(
+            f"results/{DS}/pack/{{split}}.manifest.json",
+            caption="../report/manifest.rst",
+            category="Pack",
+            labels={"split": "{split}"},
+        ),
     log:
         f"logs/pack/{DS}_{{split}}.log",
     benchmark:

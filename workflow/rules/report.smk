@@ -21,7 +21,7 @@ rule report:
             str(rules.evaluate.benchmark),
         ],
     output:
-        "results/report.html",
+        report("results/report.html", caption="../report/report_html.rst", category="Report"),
     log:
         f"logs/report/{DS}.log",
     benchmark:

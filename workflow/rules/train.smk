@@ -36,7 +36,7 @@ rule train:
         f"benchmarks/train/{DS}.tsv"
     conda:
         ENV
-    threads: workflow.cores
+    threads: all_cores
     resources:
         **train_rule_resources(config["train"]["nodes"]),
         gpus=scheduled_gpus(config["train"]["devices"]),
