@@ -60,7 +60,8 @@ def test_gpu_knobs_have_defaults_and_descriptions():
     filled = check_config({"dataset": "demo"}, SCHEMA, workdir=REPO)["train"]
     assert DaliOptions.from_config(filled) == DaliOptions.defaults()
     opts = DaliOptions.from_config(gpu_config()["train"])
-    assert opts.preallocate == (500, 500) and 0 < opts.hw_decoder_load <= 1
+    # The GPU config preallocates the decoder's buffers (no re-allocation on the first large image).
+    assert min(opts.preallocate) > 0 and 0 < opts.hw_decoder_load <= 1
 
 
 def test_bad_hw_decoder_load_is_rejected_naming_the_key():
@@ -175,21 +176,9 @@ def test_gpu_config_plans_the_whole_pipeline(tmp_path):
         assert f"rule {rule}:" in proc.stdout, rule
 
 
-def test_gpu_check_script_is_valid_bash_and_names_each_part():
+def test_gpu_check_scripts_parse_as_bash():
+    """(What the script does is run for real on CPU in tests/test_gpu_check.py.)"""
     import subprocess
 
-    script = REPO / "bench" / "gpu_check.sh"
     for name in ("gpu_check.sh", "fetch_gpu_wheels.sh"):
         assert subprocess.run(["bash", "-n", str(REPO / "bench" / name)]).returncode == 0, name
-    text = script.read_text()
-    for part in (
-        "config/gpu.yaml",
-        "bench/gpu_efficiency.py",
-        "bench/oom_cap.py",
-        "bench/gpu_summary.py",
-        "--no-index",
-        "*.part-*",
-        "report.html",
-        "summary.txt",
-    ):
-        assert part in text, part

@@ -175,7 +175,7 @@ def test_cli_writes_the_report(tmp_path):
         ]
     )
     assert rc == 0 and out.read_text().startswith("<!DOCTYPE html>")
-    assert not out.with_suffix(".html.tmp").exists()
+    assert not [p.name for p in out.parent.iterdir() if ".tmp" in p.name], "a temporary file was left beside the report"
 
 
 def _cli(paths, out, config_json: str) -> int:
