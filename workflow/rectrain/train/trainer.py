@@ -48,15 +48,26 @@ from rectrain.evaluate import tally
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_workers
 from rectrain.log import setup as setup_logging
 from rectrain.tables import read_classes
+from rectrain.train import calibrate, memory, telemetry
 from rectrain.train import checkpoint as ckpt
-from rectrain.train import memory, telemetry
+from rectrain.train.step import Step, run_steps
 from rectrain.train.stepclock import StepClock
+
+__all__ = ["Step", "run_steps", "main"]  # the step lives in rectrain.train.step; the bench imports it from here
 
 log = logging.getLogger(__name__)
 
 # Config keys that do not change the maths of a run: a checkpoint written under other values of these
 # may still be resumed.  Anything else differing means the checkpoint belongs to another run.
-RESUME_INDEPENDENT_KEYS = {"sample_interval_s", "workers", "collective_timeout_s", "compile"}
+RESUME_INDEPENDENT_KEYS = {
+    "sample_interval_s",
+    "workers",
+    "collective_timeout_s",
+    "compile",
+    "calibration_steps",
+    "calibration_warmup_steps",
+    "watchdog_s",
+}
 # Test hook: simulate `kill -9` right after the checkpoint of this epoch (kill-and-resume test).
 KILL_AFTER_EPOCH_ENV = "RECTRAIN_KILL_AFTER_EPOCH"
 # Test hook: this rank raises as training starts while its peers wait in an all-reduce (crash test).
@@ -234,96 +245,6 @@ def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int
     return optimizer, scheduler, scaler
 
 
-# --- the step ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Step:
-    """What one training step needs: the network (DDP- and compile-wrapped as configured), its loss,
-    optimizer, schedule and scaler, gradient accumulation, numerics, and the rank it runs on."""
-
-    net: torch.nn.Module
-    loss_fn: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    accum: int
-    precision: str
-    channels_last: bool
-    dist: Dist
-
-
-def run_steps(step: Step, epoch: int, batches, steps_log, n_batches: int | None = None, max_steps: int | None = None):
-    """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log.
-
-    The training step itself: the epoch loop and bench/gpu_efficiency.py both run it.  No host sync per
-    step: times come from a StepClock read one step late, loss and hits stay on the device until then,
-    so the host queues step k+1 (and fetches its batch) while the GPU still computes step k."""
-    step.net.train()
-    n_batches = n_batches or max_steps
-    d = step.dist
-    clock = StepClock(d.device)
-    totals = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0}
-
-    def resolve(i, m_prev, m_data, m_end, loss, hits, n, lr):
-        clock.wait(m_end)
-        wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
-        loss_v = loss.item()
-        # Step wall time runs from the end of the previous step, so data wait + compute = wall.
-        steps_log.write(
-            rank=d.rank,
-            epoch=epoch,
-            step=i,
-            time=clock.unix_time(m_end),
-            wall_s=wall,
-            data_wait_s=wait,
-            compute_s=wall - wait,
-            images=n,
-            loss=loss_v,
-            lr=lr,
-        )
-        totals["loss_sum"] += loss_v * n
-        totals["correct"] += hits.item()
-        totals["seen"] += n
-        totals["steps"] += 1
-
-    pending = None
-    m_prev = clock.mark()
-    for i, (x, y) in enumerate(batches):
-        m_data = clock.mark()
-        lr = step.optimizer.param_groups[0]["lr"]
-        out, loss = _forward_backward(step, x, y, last_micro=(i + 1) % step.accum == 0 or i + 1 == n_batches)
-        hits = (out.argmax(1) == y).sum()
-        m_end = clock.mark()
-        if pending:
-            resolve(*pending)
-        pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
-        m_prev = m_end
-        if max_steps is not None and i + 1 >= max_steps:
-            break
-    if pending:
-        resolve(*pending)
-    return totals
-
-
-def _forward_backward(step: Step, x, y, last_micro: bool):
-    """One micro-batch; the optimizer steps (and DDP all-reduces) on the last micro-batch only."""
-    if step.channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    sync = contextlib.nullcontext() if last_micro or step.dist.world_size == 1 else step.net.no_sync()
-    with sync:
-        with models.autocast(step.dist.device, step.precision):
-            out = step.net(x)
-            loss = step.loss_fn(out, y)
-        step.scaler.scale(loss / step.accum).backward()
-    if last_micro:
-        step.scaler.step(step.optimizer)
-        step.scaler.update()
-        step.optimizer.zero_grad(set_to_none=True)
-        step.scheduler.step()
-    return out, loss
-
-
 def train_one_epoch(step: Step, loader, epoch: int, steps_log) -> dict:
     n_batches = loader.batches_per_epoch
     clock = StepClock(torch.device("cpu"))
@@ -335,8 +256,10 @@ def train_one_epoch(step: Step, loader, epoch: int, steps_log) -> dict:
             f"rank {step.dist.rank}: the {loader.kind} loader yielded {t['steps']} batches in epoch {epoch}, "
             f"expected {n_batches} on every rank (the other ranks would wait forever)"
         )
-    loss_sum, correct, seen = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"]], step.dist)
-    return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall}
+    # This rank's steady img/s, summed over ranks as report/efficiency.py sums them.
+    rate = t["steady_images"] / t["steady_wall_s"] if t["steady_wall_s"] > 0 else 0.0
+    loss_sum, correct, seen, rates = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"], rate], step.dist)
+    return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall, "steady": rates}
 
 
 def validate(model: torch.nn.Module, loader, num_classes: int, step: Step) -> dict:
@@ -374,6 +297,8 @@ class Run:
     preflight: dict
     workers: int
     out: Path
+    cores: int = 1  # CPU cores the job may use (--threads, else this process's affinity)
+    calibration: dict | None = None
     fingerprint: dict = field(default_factory=dict)
     code: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
@@ -415,6 +340,7 @@ def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
     optimizer, scheduler, scaler = make_optimizer(cfg, model, batch * accum * d.world_size, opt_steps)
     step = Step(model, loss_fn, optimizer, scheduler, scaler, accum, cfg["precision"], cfg["channels_last"], d)
     run = Run(args, cfg, d, classes, model, step, train_loader, val_loader, batch, preflight, workers, Path(args.out))
+    run.cores = threads
     run.fingerprint, run.code = data_fingerprint(args.rec, args.idx), code_fingerprint()
     return run
 
@@ -494,6 +420,8 @@ def run_info(run: Run, start_epoch: int) -> dict:
         "decode": loader.choice.decode,
         "loader_note": loader.choice.note,
         "workers": run.workers,  # the count 'auto' became, which the diagnosis quotes
+        "cores": run.cores,
+        "calibration": run.calibration,
     }
 
 
@@ -529,6 +457,37 @@ def telemetry_logs(run: Run, start_epoch: int):
             sampler.stop()
 
 
+def calibrate_run(run: Run) -> dict:
+    """run.json's `calibration`: every rank's img/s on synthetic data with this run's step (rectrain.train.calibrate)."""
+    cfg = run.cfg
+    shape = calibrate.Shape(run.batch, cfg["image_size"], len(run.classes))
+    cal = calibrate.calibrate(run.step, run.model, shape, cfg["calibration_steps"], cfg["calibration_warmup_steps"])
+    if run.d.master:
+        if cal["skipped"]:
+            log.info("calibration skipped: %s (no input efficiency for this run)", cal["skipped"])
+        else:
+            log.info(
+                "calibration: %.1f img/s on synthetic data on the device (%s), %d steps after %d warm-up, %.1f s",
+                calibrate.total_rate(cal),
+                ", ".join(f"rank {r}: {v:.1f}" for r, v in cal["images_per_s"].items()),
+                cal["steps"],
+                cal["warmup_steps"],
+                cal["seconds"],
+            )
+    return cal
+
+
+def efficiency_note(stats: dict, calibration: dict | None) -> str:
+    """The epoch log line's input efficiency: the epoch's steady img/s against the calibration's."""
+    ceiling = calibrate.total_rate(calibration)
+    if not ceiling or not stats["steady"]:
+        return ""
+    return (
+        f", input efficiency {stats['steady'] / ceiling:.2f} ({stats['steady']:.1f} img/s steady against "
+        f"{ceiling:.1f} calibrated)"
+    )
+
+
 def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
     """The epoch loop: train, validate, checkpoint (rank 0), until train.epochs."""
     d = run.d
@@ -551,7 +510,7 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
             )
             save_checkpoint(run, epoch, rngs)
             log.info(
-                "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s",
+                "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s%s",
                 epoch,
                 stats["train_loss"],
                 stats["train_acc"],
@@ -560,6 +519,7 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
                 val["val_top5"],
                 stats["images"] / stats["wall_s"],
                 stats["wall_s"],
+                efficiency_note(stats, run.calibration),
             )
         barrier(d)
         if os.environ.get(KILL_AFTER_EPOCH_ENV) == str(epoch):
@@ -610,6 +570,7 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
     run = prepare(args, cfg, d)
     start_epoch, rng_states = resume(run)
     wrap(run)
+    run.calibration = calibrate_run(run)
     run.info = run_info(run, start_epoch)
     if d.master:
         write_json(run.out / "run.json", run.info)
