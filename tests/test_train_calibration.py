@@ -3,6 +3,7 @@ untouched, and with it the report tells an input-bound run from a compute-bound 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -55,3 +56,61 @@ def test_calibration_leaves_two_rank_training_bit_identical(data, tmp_path):
     assert (
         plain["scheduler"]["last_epoch"] == calibrated["scheduler"]["last_epoch"] == 3
     )  # 3 steps of 2 x 8 cover 45 images
+
+
+# The same model on two datasets: 400x300 JPEGs (decoding them costs more than the model's step on
+# one decode thread and one model thread) and 40x30 JPEGs (decoding is nearly free).
+BOUND_MODEL = {"model": "squeezenet1_1", "precision": "fp32", "image_size": 32, "batch_size": 8, "workers": 1}
+
+
+def small_run(tmp_path, name, size):
+    """One epoch of 20 steps, single process, one torch thread and one decode thread; returns the
+    report's view of it: (input efficiency, findings)."""
+    import pandas as pd
+
+    from rectrain.config import stage_block
+    from rectrain.report import diagnosis, efficiency
+
+    d = tmp_path / name
+    d.mkdir()
+    data = packed_dataset(d, n_train=160, n_val=8, image_size=size)
+    out = d / "train"
+    proc = run_train(data, out, "--single-process", "--threads", "1", epochs=1, warmup_epochs=0, **BOUND_MODEL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps, system = pd.read_csv(out / "steps.csv"), pd.read_csv(out / "system.csv")
+    run = json.loads((out / "run.json").read_text())
+    cfg = stage_block("report", "{}")
+    eff = efficiency.input_efficiency(steps, run)
+    return eff, diagnosis.diagnose(steps, system, run, {}, cfg), proc.stderr, cfg
+
+
+def test_report_tells_input_bound_from_compute_bound_by_the_calibration(tmp_path):
+    """Two real runs through the training entry point, read back as the report reads them: large
+    JPEGs are diagnosed input-bound (or contended) with an efficiency below report.input_efficiency,
+    tiny JPEGs on the same model are not."""
+    big, big_findings, big_log, cfg = small_run(tmp_path, "big", (400, 300))
+    tiny, tiny_findings, tiny_log, _ = small_run(tmp_path, "tiny", (40, 30))
+    threshold = cfg["input_efficiency"]
+    # Measured here: 0.43 (400x300) and 1.00 (40x30) on a loaded 2-core box.
+    assert big.measured and big.ratio < threshold - 0.15, big.headline()
+    input_findings = [f for f in big_findings if f.id in ("input_bound", "contention")]
+    assert input_findings, [f.title for f in big_findings]
+    f = input_findings[0]
+    assert f.title in (
+        "Training is input-bound: the loader cannot keep up",
+        "Decoding competes with the model for the CPU cores",
+    )
+    assert f"input efficiency {big.ratio:.2f}" in f.measured and f"{threshold:.2f}" in f.threshold
+    assert logged_efficiency(big_log) == pytest.approx(big.ratio, abs=0.006), "the live log says the same number"
+
+    assert tiny.measured and tiny.ratio >= threshold, tiny.headline()
+    ids = {f.id for f in tiny_findings}
+    assert not ids & {"input_bound", "contention", "cpu_bound"}, [f.title for f in tiny_findings]
+    assert logged_efficiency(tiny_log) == pytest.approx(tiny.ratio, abs=0.006)
+
+
+def logged_efficiency(log: str) -> float:
+    """The input efficiency the epoch's log line states."""
+    found = re.findall(r"epoch 0: .*, input efficiency (\d\.\d\d) \(", log)
+    assert len(found) == 1, log[-2000:]
+    return float(found[0])
