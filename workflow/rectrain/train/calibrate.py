@@ -21,7 +21,6 @@ them reaches a real step.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -85,26 +84,14 @@ def measure(step: Step, batches, steps: int, warmup: int) -> dict:
     return steady(rows.rows, warmup)
 
 
-def _to_cpu(obj):
-    """A copy of a (nested) state dict with every tensor cloned to host memory: a snapshot that costs
-    no device memory."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
 @contextlib.contextmanager
 def restored(step: Step, model: torch.nn.Module):
     """Run the body, then put back every state a training step changes (see the module doc)."""
     saved = {
-        "model": _to_cpu(model.state_dict()),
-        "optimizer": _to_cpu(step.optimizer.state_dict()),
-        "scheduler": _to_cpu(step.scheduler.state_dict()),
-        "scaler": _to_cpu(step.scaler.state_dict()),
+        "model": ckpt.host_copy(model.state_dict()),
+        "optimizer": ckpt.host_copy(step.optimizer.state_dict()),
+        "scheduler": ckpt.host_copy(step.scheduler.state_dict()),
+        "scaler": ckpt.host_copy(step.scaler.state_dict()),
         "rng": ckpt.rng_state(),
     }
     try:

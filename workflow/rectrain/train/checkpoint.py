@@ -7,6 +7,7 @@ directory and are moved into place with os.replace, so a kill never leaves a hal
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 
@@ -42,6 +43,18 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     p = state["python"]
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+
+
+def host_copy(obj):
+    """A copy of a (nested) state dict with every tensor cloned to host memory: a snapshot that costs
+    no device memory (the preflight's and the calibration's)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def save_atomic(obj: dict, path: str | os.PathLike) -> None:

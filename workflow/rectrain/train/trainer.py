@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
+import dataclasses
 import datetime
 import logging
 import math
@@ -45,7 +45,7 @@ from rectrain.config import ConfigError, stage_block
 from rectrain.distributed import Dist, all_gather, all_reduce_sum, barrier
 from rectrain.evaluate import all_reduce as all_reduce_tally
 from rectrain.evaluate import tally
-from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_workers
+from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_loader, resolve_workers
 from rectrain.log import setup as setup_logging
 from rectrain.tables import read_classes
 from rectrain.train import calibrate, memory, telemetry
@@ -132,9 +132,11 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int) -> tuple[int, int, dict]:
-    """(per-device batch, grad_accum, preflight report).  On a GPU, one forward/backward proves the
-    batch fits - or the run stops here with what does fit (rectrain.train.memory)."""
+def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None = None):
+    """(per-device batch, grad_accum, preflight report).  On a GPU, one training step (forward, backward,
+    optimizer step) proves the batch fits beside what the loader and DDP will hold - or the run stops
+    here with what does fit (rectrain.train.memory).  `spec`: the train loader's (batch not yet
+    chosen); by default the one this config builds."""
     auto = cfg["batch_size"] == "auto"
     global_batch = cfg["global_batch"] or (memory.DEFAULT_AUTO_GLOBAL_BATCH if auto else None)
     if d.device.type != "cuda":
@@ -145,9 +147,14 @@ def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int) -> tuple[
                 {"skipped": "no GPU: batch_size auto uses global_batch / world_size"},
             )
         return int(cfg["batch_size"]), int(cfg["grad_accum"]), {"skipped": "no GPU memory to check on CPU"}
-    gpu = memory.GpuInfo.of(d.device)
-    state = copy.deepcopy(model.state_dict())  # the probe steps must not touch BatchNorm statistics
-    args = (
+    spec = spec or loader_spec(cfg, d, "", "", resolve_workers(cfg["workers"], d.local_world_size))
+    choice = resolve_loader(cfg["loader"], spec)
+    held = (
+        memory.loader_reservation(choice, spec, "training"),
+        memory.loader_reservation(choice, spec, "validation"),  # its pipeline stays built for the whole run
+        memory.ddp_reservation(model, d.world_size),
+    )
+    trial = memory.Trial(
         model,
         loss_fn,
         cfg["image_size"],
@@ -155,29 +162,35 @@ def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int) -> tuple[
         d.device,
         cfg["precision"],
         cfg["channels_last"],
+        make_optimizer=lambda: make_optimizer(cfg, model, 256, 1)[0],
     )
+    gpu = memory.GpuInfo.of(d.device)
+    state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
     try:
-        if auto:
-            batch, accum = memory.auto_batch(
-                memory.cuda_try_step(*args, headroom=memory.HEADROOM), global_batch, d.world_size
-            )
-            # Every rank must use the same batch: the smallest GPU decides.
+        budget = memory.device_budget(d.device, held, memory.HEADROOM if auto else 1.0)
+        batch, accum, report = memory.preflight(
+            memory.cuda_try_step(trial, budget),
+            cfg["batch_size"],
+            int(cfg["grad_accum"]),
+            global_batch,
+            d.world_size,
+            gpu,
+        )
+        if auto:  # every rank must use the same batch: the smallest GPU decides
             batch = int(min(all_gather(batch, d)))
-            accum = math.ceil(global_batch / (batch * d.world_size))
-            report = {"auto": True, "batch": batch, "grad_accum": accum, "global_batch": global_batch}
-        else:
-            batch, accum = int(cfg["batch_size"]), int(cfg["grad_accum"])
-            report = memory.check_batch(memory.cuda_try_step(*args), batch, gpu, d.world_size)
-        peak = memory.cuda_try_step(*args)(batch)
+            accum = report["grad_accum"] = math.ceil(global_batch / (batch * d.world_size))
+            report.update(batch=batch, global_batch=global_batch)
+        with memory.autotune_off():
+            need_mb = memory.cuda_try_step(trial, memory.device_budget(d.device, held))(batch)
     finally:
         model.load_state_dict(state)
+    total_mb = budget.available_bytes / memory.MB
     report.update(
-        {
-            "gpu": gpu.label(),
-            "peak_mb": round(peak, 1),
-            "total_mb": round(gpu.total_mb, 1),
-            "share": round(peak / gpu.total_mb, 3),
-        }
+        gpu=gpu.label(),
+        need_mb=round(need_mb, 1),
+        free_mb=round(total_mb, 1),
+        share=round(need_mb / total_mb, 3),
+        held={r.what.split(" (")[0]: round(r.bytes(batch) / memory.MB, 1) for r in budget.held},
     )
     return batch, accum, report
 
@@ -312,19 +325,14 @@ class Run:
         return self.batch * self.step.accum * self.d.world_size
 
 
-def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
-    """Model, preflight batch, loaders and optimizer for this rank."""
-    threads = args.threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, threads // d.local_world_size))
-    torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    classes = read_classes(args.classes)
-    set_backend_flags(cfg, d.device)
-    model, loss_fn = make_model(cfg, len(classes), d.device)
-    batch, accum, preflight = choose_batch(cfg, model, loss_fn, d, len(classes))
-    workers = resolve_workers(cfg["workers"], d.local_world_size, threads)
-    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, cfg["workers"])
-    common = dict(
+def loader_spec(cfg: dict, d: Dist, rec: str, idx: str, workers: int) -> LoaderSpec:
+    """This rank's train loader as the config asks for it; batch_size 0 until the preflight chose it."""
+    return LoaderSpec(
+        rec,
+        idx,
+        batch_size=0,
         image_size=cfg["image_size"],
+        train=True,
         rank=d.rank,
         world_size=d.world_size,
         workers=workers,
@@ -333,8 +341,22 @@ def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
         seed=cfg["seed"],
         dali=DaliOptions.from_config(cfg),
     )
-    train_loader = build_loader(cfg["loader"], LoaderSpec(args.rec, args.idx, batch_size=batch, train=True, **common))
-    val_spec = LoaderSpec(args.val_rec, args.val_idx, batch_size=batch, train=False, **common)
+
+
+def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
+    """Model, preflight batch, loaders and optimizer for this rank."""
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, threads // d.local_world_size))
+    torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    classes = read_classes(args.classes)
+    set_backend_flags(cfg, d.device)
+    model, loss_fn = make_model(cfg, len(classes), d.device)
+    workers = resolve_workers(cfg["workers"], d.local_world_size, threads)
+    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, cfg["workers"])
+    spec = loader_spec(cfg, d, args.rec, args.idx, workers)
+    batch, accum, preflight = choose_batch(cfg, model, loss_fn, d, len(classes), spec)
+    train_loader = build_loader(cfg["loader"], dataclasses.replace(spec, batch_size=batch))
+    val_spec = dataclasses.replace(spec, rec=args.val_rec, idx=args.val_idx, batch_size=batch, train=False)
     val_loader = build_loader(cfg["loader"], val_spec)
     opt_steps = math.ceil(train_loader.batches_per_epoch / accum)
     optimizer, scheduler, scaler = make_optimizer(cfg, model, batch * accum * d.world_size, opt_steps)
