@@ -57,17 +57,6 @@ __all__ = ["Step", "run_steps", "main"]  # the step lives in rectrain.train.step
 
 log = logging.getLogger(__name__)
 
-# Config keys that do not change the maths of a run: a checkpoint written under other values of these
-# may still be resumed.  Anything else differing means the checkpoint belongs to another run.
-RESUME_INDEPENDENT_KEYS = {
-    "sample_interval_s",
-    "workers",
-    "collective_timeout_s",
-    "compile",
-    "calibration_steps",
-    "calibration_warmup_steps",
-    "watchdog_s",
-}
 # Test hook: simulate `kill -9` right after the checkpoint of this epoch (kill-and-resume test).
 KILL_AFTER_EPOCH_ENV = "RECTRAIN_KILL_AFTER_EPOCH"
 # Test hook: this rank raises as training starts while its peers wait in an all-reduce (crash test).
@@ -83,6 +72,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--val-idx", required=True)
     ap.add_argument("--classes", required=True, help="classes.tsv (label, wnid, name)")
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--manifest",
+        default=None,
+        help="the pack manifest of --rec (results/<ds>/pack/train.manifest.json): resume fingerprint",
+    )
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for the whole job (default: all)")
     ap.add_argument(
         "--single-process",
@@ -195,39 +189,10 @@ def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: Loa
     return batch, accum, report
 
 
-def data_fingerprint(rec: str, idx: str) -> dict:
-    return {"rec_bytes": os.path.getsize(rec), "idx_bytes": os.path.getsize(idx)}
-
-
 def code_fingerprint() -> dict:
     """sha256 of each training source file (the train rule's code input, rectrain.sources): a checkpoint
     written by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
     return sources.fingerprint("train")
-
-
-def resumable(state: dict, cfg: dict, fingerprint: dict, world_size: int, code: dict | None = None) -> str | None:
-    """None if the checkpoint continues this run, else why not."""
-
-    def strip(c):
-        return {k: v for k, v in c.items() if k not in RESUME_INDEPENDENT_KEYS}
-
-    if strip(state.get("config", {})) != strip(cfg):
-        changed = sorted(
-            k
-            for k in set(cfg) | set(state.get("config", {}))
-            if k not in RESUME_INDEPENDENT_KEYS and cfg.get(k) != state["config"].get(k)
-        )
-        return f"the train config changed ({', '.join(changed)})"
-    if state.get("data") != fingerprint:
-        return "the training .rec/.idx changed"
-    if code is not None and state.get("code") != code:
-        changed = sorted(
-            f for f in set(code) | set(state.get("code") or {}) if code.get(f) != (state.get("code") or {}).get(f)
-        )
-        return f"the training code changed ({', '.join(changed)})"
-    if state.get("world_size") != world_size:
-        return f"it was written by {state.get('world_size')} processes, this run has {world_size}"
-    return None
 
 
 def set_backend_flags(cfg: dict, device: torch.device) -> None:
@@ -312,8 +277,7 @@ class Run:
     out: Path
     cores: int = 1  # CPU cores the job may use (--threads, else this process's affinity)
     calibration: dict | None = None
-    fingerprint: dict = field(default_factory=dict)
-    code: dict = field(default_factory=dict)
+    identity: ckpt.RunIdentity | None = None
     info: dict = field(default_factory=dict)
 
     @property
@@ -363,26 +327,39 @@ def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
     step = Step(model, loss_fn, optimizer, scheduler, scaler, accum, cfg["precision"], cfg["channels_last"], d)
     run = Run(args, cfg, d, classes, model, step, train_loader, val_loader, batch, preflight, workers, Path(args.out))
     run.cores = threads
-    run.fingerprint, run.code = data_fingerprint(args.rec, args.idx), code_fingerprint()
+    data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
+    run.identity = ckpt.RunIdentity(ckpt.maths_config(cfg), batch, accum, d.world_size, data, code_fingerprint())
     return run
 
 
 def resume(run: Run) -> tuple[int, list | None]:
-    """(first epoch to train, per-rank RNG states) from checkpoints/last.pt when it continues this run."""
-    start_epoch, rng_states = 0, None
+    """(first epoch to train, per-rank RNG states) from checkpoints/last.pt when it continues this run;
+    otherwise the checkpoints of the run it replaces are removed (rank 0, once every rank has decided)."""
+    start_epoch, rng_states, why_not = 0, None, None
     last = run.ck_dir / "last.pt"
     if last.exists():
         state = ckpt.load(last)
-        why_not = resumable(state, run.cfg, run.fingerprint, run.d.world_size, run.code)
-        if why_not:
-            log.info("not resuming from %s: %s; starting from epoch 0", last, why_not)
-        else:
-            run.model.load_state_dict(state["model"])
-            run.step.optimizer.load_state_dict(state["optimizer"])
-            run.step.scheduler.load_state_dict(state["scheduler"])
-            run.step.scaler.load_state_dict(state["scaler"])
+        why_not = ckpt.resumable(state, run.identity)
+        if not why_not and ckpt.finished_marker(run.ck_dir).exists():
+            why_not = (
+                "that run finished and published model.pt, and this job was started again (snakemake --forcerun, "
+                "or its outputs deleted): a new run"
+            )
+        if not why_not:
+            restore(run, state)
             start_epoch, rng_states = state["epoch"] + 1, state["rng"]
-            log.info("resuming from %s: epoch %d done, continuing at epoch %d", last, state["epoch"], start_epoch)
+            if run.d.master:
+                log.info(
+                    "resuming from %s: epoch %d of %d done by the same run (config, batch %d x accum %d, records, "
+                    "%d processes and code all match); continuing at epoch %d",
+                    last,
+                    state["epoch"],
+                    run.cfg["epochs"],
+                    run.batch,
+                    run.step.accum,
+                    run.d.world_size,
+                    start_epoch,
+                )
         del state
     starts = all_gather(start_epoch, run.d)  # also: nobody writes checkpoints before every rank has read last.pt
     if len(set(starts)) > 1:
@@ -390,7 +367,24 @@ def resume(run: Run) -> tuple[int, list | None]:
             f"ranks disagree on the epoch to resume from ({starts}): {run.ck_dir} must be on a "
             "filesystem every node sees (shared --out)"
         )
+    if run.d.master and not start_epoch:  # whatever checkpoints are here belong to another run
+        gone = ckpt.clear(run.ck_dir)
+        if gone:
+            why_not = why_not or f"{last.name} is missing"
+            log.info(
+                "not resuming from %s: %s; removed its checkpoints (%s); starting from epoch 0",
+                last,
+                why_not,
+                ", ".join(gone),
+            )
     return start_epoch, rng_states
+
+
+def restore(run: Run, state: dict) -> None:
+    run.model.load_state_dict(state["model"])
+    run.step.optimizer.load_state_dict(state["optimizer"])
+    run.step.scheduler.load_state_dict(state["scheduler"])
+    run.step.scaler.load_state_dict(state["scaler"])
 
 
 def wrap(run: Run) -> None:
@@ -562,11 +556,7 @@ def save_checkpoint(run: Run, epoch: int, rngs: list) -> None:
         "num_classes": len(run.classes),
         "model_name": run.cfg["model"],
         "image_size": run.cfg["image_size"],
-        "batch_size": run.batch,
-        "grad_accum": run.step.accum,
-        "world_size": run.d.world_size,
-        "data": run.fingerprint,
-        "code": run.code,
+        **run.identity.stamp(),
     }
     ckpt.save_atomic(state, run.ck_dir / f"epoch_{epoch}.pt")
     ckpt.save_atomic(state, run.ck_dir / "last.pt")
@@ -582,6 +572,7 @@ def finish(run: Run) -> None:
     run.info["finished"] = _now()
     write_json(out / "run.json", run.info)
     ckpt.save_atomic(ckpt.load(run.ck_dir / "last.pt"), out / "model.pt")
+    ckpt.mark_finished(run.ck_dir, out / "model.pt")
     log.info("done: %s", out / "model.pt")
 
 
