@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rectrain import watchdog
 from rectrain.distributed import Dist, all_gather
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.step import Step, run_steps
@@ -125,7 +126,8 @@ def calibrate(step: Step, model: torch.nn.Module, shape: Shape, steps: int, warm
         return skipped("train.calibration_steps is 0", shape)
     t0 = time.perf_counter()
     with restored(step, model):
-        result = measure(step, synthetic_batches(shape, d.device, warmup + steps), steps, warmup)
+        batches = watchdog.watched(synthetic_batches(shape, d.device, warmup + steps), "calibration")
+        result = measure(step, batches, steps, warmup)
     seconds = time.perf_counter() - t0
     rates = all_gather(result["img_s"], d)
     seconds = max(all_gather(seconds, d))

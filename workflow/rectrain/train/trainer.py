@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rectrain import distributed, sources
+from rectrain import distributed, sources, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.config import ConfigError, stage_block
@@ -59,6 +60,8 @@ log = logging.getLogger(__name__)
 
 # Test hook: simulate `kill -9` right after the checkpoint of this epoch (kill-and-resume test).
 KILL_AFTER_EPOCH_ENV = "RECTRAIN_KILL_AFTER_EPOCH"
+# Test hook: this rank's loader sleeps for an hour before its second batch (watchdog test).
+STALL_RANK_ENV = "RECTRAIN_STALL_RANK"
 # Test hook: this rank raises as training starts while its peers wait in an all-reduce (crash test).
 FAIL_RANK_ENV = "RECTRAIN_FAIL_RANK"
 
@@ -223,11 +226,21 @@ def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int
     return optimizer, scheduler, scaler
 
 
+def train_batches(loader, epoch: int, rank: int):
+    """The loader's batches of one epoch (with the stalled-loader test hook)."""
+    for i, batch in enumerate(loader.epoch(epoch)):
+        if i == 1 and os.environ.get(STALL_RANK_ENV) == str(rank):
+            log.info("%s=%d: this rank's loader stalls now, as on a hung filesystem", STALL_RANK_ENV, rank)
+            time.sleep(3600)
+        yield batch
+
+
 def train_one_epoch(step: Step, loader, epoch: int, steps_log) -> dict:
     n_batches = loader.batches_per_epoch
     clock = StepClock(torch.device("cpu"))
     start = clock.mark()
-    t = run_steps(step, epoch, loader.epoch(epoch), steps_log, n_batches=n_batches)
+    batches = watchdog.watched(train_batches(loader, epoch, step.dist.rank), f"epoch {epoch}")
+    t = run_steps(step, epoch, batches, steps_log, n_batches=n_batches)
     wall = clock.seconds(start, clock.mark())
     if t["steps"] != n_batches:
         raise RuntimeError(
@@ -249,7 +262,8 @@ def validate(model: torch.nn.Module, loader, num_classes: int, step: Step) -> di
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
     model.eval()
-    t = tally(model, loader.epoch(0), num_classes, step.dist.device, step.precision, channels_last=step.channels_last)
+    batches = watchdog.watched(loader.epoch(0), "validation")
+    t = tally(model, batches, num_classes, step.dist.device, step.precision, channels_last=step.channels_last)
     t = all_reduce_tally(t, step.dist.device)
     n = max(t.images, 1)
     top1 = float(t.confusion.diagonal().sum()) / n
@@ -524,6 +538,7 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
                 images_per_s=stats["images"] / stats["wall_s"],
                 wall_s=stats["wall_s"],
             )
+            watchdog.beat(f"epoch {epoch}: writing the checkpoint")
             save_checkpoint(run, epoch, rngs)
             log.info(
                 "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s%s",
@@ -537,6 +552,8 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
                 stats["wall_s"],
                 efficiency_note(stats, run.calibration),
             )
+        else:
+            watchdog.beat(f"epoch {epoch}: waiting for rank 0's checkpoint")
         barrier(d)
         if os.environ.get(KILL_AFTER_EPOCH_ENV) == str(epoch):
             log.info("%s=%d: killing this process as a crash would", KILL_AFTER_EPOCH_ENV, epoch)
@@ -576,42 +593,51 @@ def finish(run: Run) -> None:
     log.info("done: %s", out / "model.pt")
 
 
+def log_start(run: Run) -> None:
+    d, cfg = run.d, run.cfg
+    log.info(
+        "%d process(es), %s, %s loader, %s @%dpx, batch %d x accum %d x %d = %d, %d train images "
+        "(%d padded per epoch), preflight: %s",
+        d.world_size,
+        run.info["backend"],
+        run.train_loader.kind,
+        cfg["model"],
+        cfg["image_size"],
+        run.batch,
+        run.step.accum,
+        d.world_size,
+        run.global_batch,
+        run.train_loader.size,
+        run.train_loader.padding_per_epoch,
+        run.preflight,
+    )
+
+
 def train(args: argparse.Namespace, cfg: dict) -> None:
     d = distributed.setup(cfg["devices"] != "cpu", cfg["collective_timeout_s"])
     if d.master:
         (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
-    run = prepare(args, cfg, d)
-    start_epoch, rng_states = resume(run)
-    wrap(run)
-    run.calibration = calibrate_run(run)
-    run.info = run_info(run, start_epoch)
-    if d.master:
-        write_json(run.out / "run.json", run.info)
-        log.info(
-            "%d process(es), %s, %s loader, %s @%dpx, batch %d x accum %d x %d = %d, %d train images "
-            "(%d padded per epoch), preflight: %s",
-            d.world_size,
-            run.info["backend"],
-            run.train_loader.kind,
-            cfg["model"],
-            cfg["image_size"],
-            run.batch,
-            run.step.accum,
-            d.world_size,
-            run.global_batch,
-            run.train_loader.size,
-            run.train_loader.padding_per_epoch,
-            run.preflight,
-        )
-    if rng_states is not None:
-        ckpt.set_rng_state(rng_states[d.rank])
-    with telemetry_logs(run, start_epoch) as (steps_log, epochs_log):
-        train_epochs(run, start_epoch, steps_log, epochs_log)
-    barrier(d)
-    if d.master:
-        epochs_log.close()
-        finish(run)
-    barrier(d)
+    with watchdog.Watchdog(cfg["watchdog_s"], d.rank, d.world_size, Path(args.out) / "telemetry"):
+        watchdog.beat("preparing: model, memory preflight, loaders")
+        run = prepare(args, cfg, d)
+        watchdog.beat("reading checkpoints/last.pt")
+        start_epoch, rng_states = resume(run)
+        wrap(run)
+        run.calibration = calibrate_run(run)
+        run.info = run_info(run, start_epoch)
+        if d.master:
+            write_json(run.out / "run.json", run.info)
+            log_start(run)
+        if rng_states is not None:
+            ckpt.set_rng_state(rng_states[d.rank])
+        with telemetry_logs(run, start_epoch) as (steps_log, epochs_log):
+            train_epochs(run, start_epoch, steps_log, epochs_log)
+        watchdog.beat("publishing the outputs")
+        barrier(d)
+        if d.master:
+            epochs_log.close()
+            finish(run)
+        barrier(d)
 
 
 def _explain_failure(exc: BaseException, cfg: dict) -> str:
