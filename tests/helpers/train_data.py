@@ -76,6 +76,8 @@ def tiny_train_config(**overrides):
         "gpu_decode": True,
         "sample_interval_s": 0.2,
         "collective_timeout_s": 60,
+        "calibration_steps": 3,
+        "calibration_warmup_steps": 1,
     }
     cfg.update(overrides)
     return cfg

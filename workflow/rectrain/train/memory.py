@@ -5,7 +5,15 @@ training.  Each GPU rank therefore runs one forward/backward at the configured b
 not fit, a binary search finds the largest batch that does, and the run stops with a message naming
 the GPU, its memory, the failing batch, what fits, and the two fixes.  `batch_size: auto` uses the
 same search (with headroom) and sets gradient accumulation to keep the global batch.
-The search takes any `try_step(batch)` callable, so it is unit-tested on CPU with a fake allocator.
+
+The trial is a whole training step (forward, backward, an optimizer step: momentum is real memory),
+with cuDNN's autotuner off, and its peak is judged against a Budget: the device's free memory
+(torch.cuda.mem_get_info, so the CUDA context and other processes are already out) plus torch's own
+cache, less what will sit beside the step - the loaders' decoders (DALI's mixed decoder reserves
+dali_device_memory_padding per decode thread, plus prefetched batches) and DDP's gradient buckets.
+The loaders' share is estimated from their settings: DALI allocates it only when its pipeline first
+runs, after the batch must be chosen.  The search takes any `try_step(batch)` callable and the budget
+an injectable mem_get_info, so all of it is unit-tested on CPU with fakes.
 """
 
 from __future__ import annotations

@@ -9,12 +9,16 @@ Run button - this module relaunches itself through torchrun when the config asks
 process, or runs as a single process, and says which; it never dies on a missing RANK.  A partial
 --config-json block is completed from config/schema.yaml.
 
-A run, in order (`train`): set up the rank, build the model, check the batch fits (preflight), build
-the loaders and the optimizer, resume a checkpoint of the same run, then per epoch train
-(`run_steps`), validate (rectrain.evaluate's tally) and checkpoint; finally publish the outputs.
+A run, in order (`train`): set up the rank, build the model, check the batch fits beside what the
+loaders will hold (preflight), build the loaders and the optimizer, resume a checkpoint of the same
+run (rectrain.train.checkpoint.RunIdentity) or clear the one it replaces, calibrate (img/s on
+synthetic data, rectrain.train.calibrate), then per epoch train (rectrain.train.step.run_steps),
+validate (rectrain.evaluate's tally) and checkpoint; finally publish the outputs.  A watchdog
+(rectrain.watchdog, train.watchdog_s) ends a rank that stops making progress.
 
 Outputs in --out: checkpoints/epoch_<k>.pt + last.pt (every epoch, atomic), telemetry/ (live CSVs),
-and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last).
+and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last), then
+checkpoints/finished.json (a later start of the job is a forced rerun: it retrains).
 See docs/architecture.md for the formats.
 """
 
