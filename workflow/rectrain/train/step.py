@@ -42,7 +42,8 @@ def run_steps(step: Step, epoch: int, batches, steps_log, n_batches: int | None 
     clock = StepClock(d.device)
     totals = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0, "steady_images": 0, "steady_wall_s": 0.0}
 
-    def resolve(i, m_prev, m_data, m_end, loss, hits, n, lr):
+    def resolve(pending):
+        i, m_prev, m_data, m_end, loss, hits, n, lr = pending
         clock.wait(m_end)
         wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
         loss_v = loss.item()
@@ -76,13 +77,13 @@ def run_steps(step: Step, epoch: int, batches, steps_log, n_batches: int | None 
         hits = (out.argmax(1) == y).sum()
         m_end = clock.mark()
         if pending:
-            resolve(*pending)
+            resolve(pending)
         pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
         m_prev = m_end
         if max_steps is not None and i + 1 >= max_steps:
             break
     if pending:
-        resolve(*pending)
+        resolve(pending)
     return totals
 
 

@@ -133,21 +133,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None = None):
-    """(per-device batch, grad_accum, preflight report).  On a GPU, one training step (forward, backward,
-    optimizer step) proves the batch fits beside what the loader and DDP will hold - or the run stops
-    here with what does fit (rectrain.train.memory).  `spec`: the train loader's (batch not yet
-    chosen); by default the one this config builds."""
-    auto = cfg["batch_size"] == "auto"
-    global_batch = cfg["global_batch"] or (memory.DEFAULT_AUTO_GLOBAL_BATCH if auto else None)
-    if d.device.type != "cuda":
-        if auto:
-            return (
-                math.ceil(global_batch / d.world_size),
-                1,
-                {"skipped": "no GPU: batch_size auto uses global_batch / world_size"},
-            )
-        return int(cfg["batch_size"]), int(cfg["grad_accum"]), {"skipped": "no GPU memory to check on CPU"}
+def preflight_inputs(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None):
+    """(the trial step, what will be held beside it) for choose_batch."""
     spec = spec or loader_spec(cfg, d, "", "", resolve_workers(cfg["workers"], d.local_world_size))
     choice = resolve_loader(cfg["loader"], spec)
     held = (
@@ -165,6 +152,25 @@ def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: Loa
         cfg["channels_last"],
         make_optimizer=lambda: make_optimizer(cfg, model, 256, 1)[0],
     )
+    return trial, held
+
+
+def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None = None):
+    """(per-device batch, grad_accum, preflight report).  On a GPU, one training step (forward, backward,
+    optimizer step) proves the batch fits beside what the loader and DDP will hold - or the run stops
+    here with what does fit (rectrain.train.memory).  `spec`: the train loader's (batch not yet
+    chosen); by default the one this config builds."""
+    auto = cfg["batch_size"] == "auto"
+    global_batch = cfg["global_batch"] or (memory.DEFAULT_AUTO_GLOBAL_BATCH if auto else None)
+    if d.device.type != "cuda":
+        if auto:
+            return (
+                math.ceil(global_batch / d.world_size),
+                1,
+                {"skipped": "no GPU: batch_size auto uses global_batch / world_size"},
+            )
+        return int(cfg["batch_size"]), int(cfg["grad_accum"]), {"skipped": "no GPU memory to check on CPU"}
+    trial, held = preflight_inputs(cfg, model, loss_fn, d, num_classes, spec)
     gpu = memory.GpuInfo.of(d.device)
     state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
     try:
