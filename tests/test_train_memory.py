@@ -1,8 +1,10 @@
-"""OOM preflight: the batch search and the message, driven by a fake allocator that fails above a size."""
+"""OOM preflight: the batch search and the message, driven by a fake allocator that fails above a size,
+and the budget beside the step (loader, DDP) driven by a fake free-memory query."""
 
 import pytest
 import torch
 
+from rectrain.loaders import DaliOptions, LoaderSpec, choose_loader
 from rectrain.train import memory
 
 GPU = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
@@ -80,8 +82,9 @@ def test_nothing_fits_says_so_with_other_fixes():
     ],
 )
 def test_auto_batch_keeps_the_global_batch(limit, global_batch, world, expect):
-    batch, accum = memory.auto_batch(FakeAllocator(limit), global_batch, world)
+    batch, accum, why = memory.auto_batch(FakeAllocator(limit), global_batch, world)
     assert (batch, accum) == expect
+    assert (why is None) == (accum == 1), "a lower batch comes with the reason the wanted one was refused"
     assert batch <= limit and batch * accum * world >= global_batch
 
 
@@ -103,3 +106,116 @@ def test_illegal_memory_access_near_the_limit_gets_the_oom_hint(monkeypatch):
     assert hint and "most likely out of memory" in hint and "GPU 0" in hint and "train.grad_accum" in hint
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3000 * 2**20)
     assert memory.explain_cuda_error(err, torch.device("cuda", 0), 128, 2) is None, "far from the limit: no guess"
+
+
+# --- the budget: what else holds the device -------------------------------------------------------
+
+GB = 2**30
+CARD = 11 * GB  # the reference 2080 Ti
+FREE = int(10.5 * GB)  # after the CUDA context
+
+
+def fake_mem_get_info(device):
+    return FREE, CARD
+
+
+def step_bytes(batch):
+    """ResNet-50-like: ~0.7 GB fixed (weights, optimizer state) + 32 MB per image; 256 needs 8.7 GB."""
+    return int(0.7 * GB) + batch * 32 * 2**20
+
+
+def dali_held(workers=8, image_size=224):
+    spec = LoaderSpec("t.rec", "t.idx", 0, image_size, device="cuda:0", workers=workers, dali=DaliOptions())
+    choice = choose_loader("dali", has_cuda=True, has_dali=True, gpu_decode=True)
+    return (memory.loader_reservation(choice, spec, "training"), memory.loader_reservation(choice, spec, "validation"))
+
+
+def budget(held, headroom=memory.HEADROOM):
+    return memory.device_budget(torch.device("cuda", 0), held, headroom, mem_get_info=fake_mem_get_info)
+
+
+def test_auto_batch_counts_the_decoder_and_says_why_it_chose_lower():
+    """11 GB card: the step alone fits at 256 within the headroom; beside DALI's mixed decoder (8 decode
+    threads x 201 MB padding, per loader, plus prefetched batches) it does not, so auto goes lower."""
+    alone = memory.budgeted(step_bytes, budget(()))
+    assert alone(256) == pytest.approx(step_bytes(256) / 2**20), "the step alone fits at 256"
+    try_step = memory.budgeted(step_bytes, budget(dali_held()))
+    batch, accum, why = memory.auto_batch(try_step, 256, 1)
+    assert (batch, accum) == (128, 2)
+    for part in (
+        "batch 256 needs",
+        "for the training step (model, activations, optimizer state)",
+        "held by the training loader's DALI mixed decoder (dali_device_memory_padding 201 MB per decode thread x 8 "
+        "threads = 1.57 GB, plus 2 prefetched batches and the one in the step",
+        "held by the validation loader's DALI mixed decoder",
+        "over 90% of the 10.50 GB free on the device",
+    ):
+        assert part in why, f"{part!r} missing from: {why}"
+
+
+def test_fixed_batch_that_fits_only_without_the_decoder_stops_naming_its_share():
+    gpu = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
+    try_step = memory.budgeted(step_bytes, budget(dali_held(), headroom=1.0))
+    with pytest.raises(memory.BatchDoesNotFit) as err:
+        memory.check_batch(try_step, 256, gpu, world_size=1)
+    msg = str(err.value)
+    assert "batch 256 per device does not fit on GPU 0" in msg and "largest batch that fits is 192" in msg
+    assert "DALI mixed decoder (dali_device_memory_padding 201 MB per decode thread x 8 threads" in msg
+
+
+def test_decoder_padding_is_counted_per_decode_thread():
+    one, four = dali_held(workers=1)[0], dali_held(workers=4)[0]
+    assert four.fixed_bytes == 4 * one.fixed_bytes == 4 * DaliOptions().device_memory_padding
+    cpu_spec = LoaderSpec("t.rec", "t.idx", 0, 224, device="cpu")
+    assert memory.loader_reservation(choose_loader("dali", False, True), cpu_spec) is None, "nothing on a CPU run"
+
+
+def test_budget_is_the_free_memory_plus_what_torch_already_caches(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: GB // 4)  # the model, already on the card
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    b = budget(dali_held())
+    assert b.available_bytes == FREE + GB // 4
+    assert b.held_bytes(0) == 2 * 8 * DaliOptions().device_memory_padding
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5, raising=False)
+    assert budget(()).available_bytes == CARD // 2, "a per-process cap bounds the budget"
+
+
+def test_preflight_runs_the_search_with_cudnn_autotune_off_and_restores_it(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    seen = []
+
+    def try_step(batch):
+        seen.append(torch.backends.cudnn.benchmark)
+        return FakeAllocator(96)(batch)
+
+    assert memory.preflight(try_step, "auto", 1, 256, 2, GPU)[:2] == (64, 2)
+    assert seen and not any(seen), "cuDNN's autotuner must be off during the trials"
+    assert torch.backends.cudnn.benchmark is True, "and on again afterwards"
+
+
+def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypatch):
+    """choose_batch's wiring: the train block's loader settings (DALI, 8 decode threads, 224 px) become
+    the held memory, free memory comes from mem_get_info, and the report says why auto went lower."""
+    import json
+
+    from rectrain.config import stage_block
+    from rectrain.distributed import Dist
+    from rectrain.train import trainer
+
+    cfg = stage_block("train", json.dumps({"batch_size": "auto", "global_batch": 256, "workers": 8, "image_size": 224}))
+    monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
+    monkeypatch.setattr(memory, "cuda_step_bytes", lambda trial: step_bytes)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
+    model, loss_fn = trainer.make_model(cfg, 5, torch.device("cpu"))
+    d = Dist(0, 1, 0, 1, torch.device("cuda", 0))
+    batch, accum, report = trainer.choose_batch(cfg, model, loss_fn, d, 5)
+    assert (batch, accum) == (128, 2) and report["auto"] and report["global_batch"] == 256
+    assert "per decode thread x 8 threads" in report["why_lower"]
+    # 8 threads x 201 MB padding + (2 prefetched + 1 in use) x 128 float32 images of 224 px, per loader
+    per_loader = (8 * DaliOptions().device_memory_padding + 3 * 128 * 3 * 224 * 224 * 4) / 2**20
+    assert report["held"] == {
+        "held by the training loader's DALI mixed decoder": pytest.approx(per_loader, abs=0.1),
+        "held by the validation loader's DALI mixed decoder": pytest.approx(per_loader, abs=0.1),
+    }
+    assert report["need_mb"] == pytest.approx(step_bytes(128) / 2**20 + 2 * per_loader, abs=0.5)

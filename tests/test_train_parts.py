@@ -9,7 +9,7 @@ import torch
 
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import telemetry
-from rectrain.train.trainer import lr_factor, resumable
+from rectrain.train.trainer import lr_factor
 
 
 def test_lr_warms_up_linearly_then_decays_to_zero_by_cosine():
@@ -40,18 +40,62 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
         ckpt.load(tmp_path / "evil.pt")
 
 
-def test_resume_is_refused_when_the_run_changed():
-    cfg = {"lr": 0.1, "epochs": 4, "workers": 2}
-    state = {"config": dict(cfg), "data": {"rec_bytes": 1}, "world_size": 2}
-    assert resumable(state, cfg, {"rec_bytes": 1}, 2) is None
-    assert resumable(state, dict(cfg, workers=8), {"rec_bytes": 1}, 2) is None, "workers do not change the maths"
-    assert "config changed (epochs)" in resumable(state, dict(cfg, epochs=5), {"rec_bytes": 1}, 2)
-    assert ".rec/.idx changed" in resumable(state, cfg, {"rec_bytes": 2}, 2)
-    assert "2 processes" in resumable(state, cfg, {"rec_bytes": 1}, 1)
-    state["code"] = {"train.py": "aa", "loaders/dali.py": "bb"}
-    assert resumable(state, cfg, {"rec_bytes": 1}, 2, dict(state["code"])) is None
-    edited = dict(state["code"], **{"loaders/dali.py": "cc"})
-    assert "training code changed (loaders/dali.py)" in resumable(state, cfg, {"rec_bytes": 1}, 2, edited)
+def identity(**changes):
+    base = dict(
+        config={"lr": 0.1, "epochs": 4},
+        batch_size=32,
+        grad_accum=1,
+        world_size=2,
+        data={"rec_bytes": 1, "idx_sha256": "a", "headers_sha256": "h"},
+        code={"train.py": "aa", "loaders/dali.py": "bb"},
+    )
+    return ckpt.RunIdentity(**{**base, **changes})
+
+
+def test_resume_is_refused_naming_the_item_that_differs():
+    ident = identity()
+    state = {"config": {"lr": 0.1, "epochs": 4, "workers": 2}, **ident.stamp()}
+    assert ckpt.resumable(state, ident) is None
+    assert ckpt.resumable(dict(state, config={"lr": 0.1, "epochs": 4, "workers": 8}), ident) is None, (
+        "workers: same maths"
+    )
+    cases = {
+        "the train config changed (epochs)": identity(config={"lr": 0.1, "epochs": 5}),
+        "the chosen batch changed (32 x accum 1 then, 16 x accum 2 now)": identity(batch_size=16, grad_accum=2),
+        "written by 2 processes, this run has 1": identity(world_size=1),
+        "the training records changed (headers_sha256)": identity(data=dict(ident.data, headers_sha256="relabelled")),
+        "the training code changed (loaders/dali.py)": identity(code=dict(ident.code, **{"loaders/dali.py": "cc"})),
+    }
+    for why, other in cases.items():
+        assert why in ckpt.resumable(state, other)
+
+
+def _rec(path, labels, name):
+    """A .rec whose records hold the same image bytes in the same order, with these labels."""
+    from rectrain.recordio import IRHeader, RecordWriter, pack_record
+
+    with RecordWriter(path / f"{name}.rec", path / f"{name}.idx") as w:
+        for i, label in enumerate(labels):
+            w.write(i, pack_record(IRHeader(0, float(label), i, 0), b"\xff\xd8 same image bytes \xff\xd9"))
+    return str(path / f"{name}.rec"), str(path / f"{name}.idx")
+
+
+def test_record_fingerprint_sees_a_relabel_with_identical_sizes(tmp_path):
+    a = ckpt.data_fingerprint(*_rec(tmp_path, [0, 1, 2, 3], "a"))
+    b = ckpt.data_fingerprint(*_rec(tmp_path, [1, 0, 2, 3], "b"))
+    assert a["rec_bytes"] == b["rec_bytes"] and a["idx_sha256"] == b["idx_sha256"], "same sizes and offsets"
+    assert a["headers_sha256"] != b["headers_sha256"]
+    assert ckpt.data_fingerprint(*_rec(tmp_path, [0, 1, 2, 3], "c")) == a, "same content, same fingerprint"
+    classes = tmp_path / "classes.tsv"
+    classes.write_text("label\twnid\tname\n0\tn1\tx\n")
+    assert "classes_sha256" in ckpt.data_fingerprint(*_rec(tmp_path, [0], "d"), classes=str(classes))
+
+
+def test_clearing_a_replaced_run_removes_all_its_checkpoints(tmp_path):
+    for name in ("epoch_0.pt", "epoch_1.pt", "epoch_3.pt", "last.pt", ckpt.FINISHED, "notes.txt"):
+        (tmp_path / name).write_text("x")
+    assert ckpt.clear(tmp_path) == ["epoch_0.pt", "epoch_1.pt", "epoch_3.pt", "last.pt", ckpt.FINISHED]
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"], "only checkpoints are removed"
 
 
 def test_step_log_on_resume_drops_the_interrupted_epoch(tmp_path):

@@ -110,12 +110,44 @@ def test_killed_run_resumes_at_next_epoch_and_matches_uninterrupted(data, tmp_pa
     assert a["optimizer"]["state"][0]["momentum_buffer"].equal(b["optimizer"]["state"][0]["momentum_buffer"])
 
 
-def test_changed_config_does_not_resume_an_old_checkpoint(data, tmp_path):
+# Milliseconds per step on this CPU: for tests about what runs, not what is learnt.
+FAST = {"model": "squeezenet1_1", "precision": "fp32", "calibration_steps": 2, "calibration_warmup_steps": 1}
+SINGLE = ["--single-process", "--threads", "1"]
+
+
+def test_changed_config_does_not_resume_and_clears_the_old_runs_checkpoints(data, tmp_path):
     out = tmp_path / "t"
-    assert run_train(data, out, epochs=1, extra=["--single-process"]).returncode == 0
-    proc = run_train(data, out, epochs=1, lr=0.05, extra=["--single-process"])
+    assert run_train(data, out, epochs=2, extra=SINGLE, **FAST).returncode == 0
+    proc = run_train(data, out, epochs=1, extra=SINGLE, **FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "not resuming" in proc.stderr and "the train config changed (lr)" in proc.stderr
+    assert "not resuming" in proc.stderr and "the train config changed (epochs)" in proc.stderr
+    assert "removed its checkpoints (epoch_0.pt, epoch_1.pt, last.pt, finished.json)" in proc.stderr
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["epoch_0.pt", "finished.json", "last.pt"], "no epoch_1.pt of the replaced 2-epoch run"
+
+
+def test_forced_rerun_retrains_but_a_job_killed_after_its_last_checkpoint_only_finishes(data, tmp_path):
+    """The signal is checkpoints/finished.json, written after model.pt: Snakemake deletes the rule's
+    outputs before a forced rerun but not last.pt, so 'outputs missing' alone cannot tell the two apart."""
+    out = tmp_path / "t"
+    killed = run_train(data, out, env_extra={"RECTRAIN_KILL_AFTER_EPOCH": "0"}, epochs=1, extra=SINGLE, **FAST)
+    assert killed.returncode == -signal.SIGKILL and not (out / "model.pt").exists()
+    assert not (out / "checkpoints" / "finished.json").exists()
+    resumed = run_train(data, out, epochs=1, extra=SINGLE, **FAST)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr and "epoch 0 of 1 done by the same run" in resumed.stderr
+    assert "continuing at epoch 1" in resumed.stderr and "epoch 0: train loss" not in resumed.stderr, (
+        "nothing retrained"
+    )
+    assert (out / "model.pt").exists() and (out / "checkpoints" / "finished.json").exists()
+
+    for name in ("model.pt", "steps.csv", "epochs.csv", "system.csv", "run.json"):  # what --forcerun deletes
+        (out / name).unlink()
+    forced = run_train(data, out, epochs=1, extra=SINGLE, **FAST)
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert "not resuming" in forced.stderr and "snakemake --forcerun" in forced.stderr
+    assert "epoch 0: train loss" in forced.stderr, "a forced rerun trains again"
+    assert {r["epoch"] for r in rows(out / "steps.csv")} == {"0"} and (out / "model.pt").exists()
 
 
 @pytest.mark.slow

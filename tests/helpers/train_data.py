@@ -38,11 +38,12 @@ def colour_class(images):
     return torch.cdist(rgb, torch.tensor(PALETTE, dtype=torch.float)).argmin(dim=1)
 
 
-def packed_dataset(path, n_train=45, n_val=15, classes=5):
-    """train/val .rec + classes.tsv under path; returns the train CLI's data arguments."""
+def packed_dataset(path, n_train=45, n_val=15, classes=5, image_size=(40, 30)):
+    """train/val .rec + classes.tsv under path (JPEGs of image_size = (width, height)); returns the
+    train CLI's data arguments."""
     path.mkdir(parents=True, exist_ok=True)
-    rec, idx = write_rec(path, [i % classes for i in range(n_train)], seed=1, name="train")
-    vrec, vidx = write_rec(path, [i % classes for i in range(n_val)], seed=2, name="val")
+    rec, idx = write_rec(path, [i % classes for i in range(n_train)], size=image_size, seed=1, name="train")
+    vrec, vidx = write_rec(path, [i % classes for i in range(n_val)], size=image_size, seed=2, name="val")
     tsv = path / "classes.tsv"
     tsv.write_text("label\twnid\tname\n" + "".join(f"{k}\tn{k:08d}\tcolour {k}\n" for k in range(classes)))
     return ["--rec", rec, "--idx", idx, "--val-rec", vrec, "--val-idx", vidx, "--classes", str(tsv)]
@@ -75,6 +76,8 @@ def tiny_train_config(**overrides):
         "gpu_decode": True,
         "sample_interval_s": 0.2,
         "collective_timeout_s": 60,
+        "calibration_steps": 3,
+        "calibration_warmup_steps": 1,
     }
     cfg.update(overrides)
     return cfg

@@ -30,7 +30,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from rectrain import distributed
+from rectrain import distributed, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.config import ConfigError, stage_block
@@ -259,8 +259,14 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
         )
         loader = build_loader(kind, spec)
         precision = train_cfg.get("precision", "fp32")
-        t = tally(model, loader.epoch(0), num_classes, d.device, precision, channels_last=channels_last)
-        t = all_reduce(t, d.device)
+        # A rank stalled in reading leaves its peers in the all_reduce below, which the collective timeout
+        # ends; but a single process, or every rank stalled at once (a hung filesystem), has no pending
+        # collective: the watchdog ends those, with training's train.watchdog_s.
+        with watchdog.Watchdog(train_cfg.get("watchdog_s", 900), d.rank, d.world_size, Path(out) / ".watchdog"):
+            batches = watchdog.watched(loader.epoch(0), "evaluation")
+            t = tally(model, batches, num_classes, d.device, precision, channels_last=channels_last)
+            watchdog.beat("summing the ranks' tallies")
+            t = all_reduce(t, d.device)
         if not d.master:
             return None
         m = metrics(t, kind, checkpoint)

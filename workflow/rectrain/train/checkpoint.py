@@ -1,19 +1,59 @@
-"""Checkpoints that survive a kill and load without pickle.
+"""Checkpoints that survive a kill, load without pickle, and resume only the run that wrote them.
 
 Everything is stored as tensors, numbers, strings, lists and dicts so `torch.load(weights_only=True)`
 accepts it (no code runs when a checkpoint is loaded).  Writes go to a temporary file in the same
 directory and are moved into place with os.replace, so a kill never leaves a half-written last.pt.
+
+A checkpoint carries its run's identity (RunIdentity): the train config (less the keys that do not
+change the maths), the batch and accumulation the preflight CHOSE (`batch_size: auto` may choose
+differently on another card), the record content, the world size and the sha256 of every training
+source file.  `resumable` compares them and names the first that differs.
+
+Finished runs: after model.pt is published, FINISHED is written beside the checkpoints.  Snakemake
+deletes a rule's outputs before it runs the job, so a train job that starts with FINISHED present
+was asked to run again (`--forcerun train`, or the outputs deleted by hand): it retrains.  A job
+killed at any point before FINISHED (even after its last epoch's checkpoint) resumes instead.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import logging
 import os
 import random
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from rectrain import atomic
+from rectrain.recordio import read_idx
+
+log = logging.getLogger(__name__)
+
+# Config keys that do not change the maths of a run: a checkpoint written under other values of these
+# may still be resumed.  Anything else differing means the checkpoint belongs to another run.
+RESUME_INDEPENDENT_KEYS = frozenset(
+    {
+        "sample_interval_s",
+        "workers",
+        "collective_timeout_s",
+        "compile",
+        "calibration_steps",
+        "calibration_warmup_steps",
+        "watchdog_s",
+    }
+)
+# Written beside the checkpoints once model.pt is published: this run is complete.
+FINISHED = "finished.json"
+# Record headers hashed for the content fingerprint: evenly spaced over the .idx.  Reading every
+# header of ImageNet's .rec would read nearly the whole 140 GB file; 4096 reads take well under a
+# second and catch any relabel that moves more than ~0.1 % of the records (a class-to-label change).
+SAMPLED_RECORDS = 4096
+# Bytes read at each sampled record: the frame and IRHeader (label, id) and the first image bytes.
+SAMPLE_BYTES = 64
 
 
 def rng_state() -> dict:
@@ -44,6 +84,18 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
 
 
+def host_copy(obj):
+    """A copy of a (nested) state dict with every tensor cloned to host memory: a snapshot that costs
+    no device memory (the preflight's and the calibration's)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def save_atomic(obj: dict, path: str | os.PathLike) -> None:
     """torch.save through rectrain.atomic: a kill mid-write leaves the previous checkpoint intact."""
     atomic.write_with(path, lambda tmp: torch.save(obj, tmp))
@@ -52,3 +104,100 @@ def save_atomic(obj: dict, path: str | os.PathLike) -> None:
 def load(path: str | os.PathLike) -> dict:
     """Load a checkpoint without executing pickled code."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def maths_config(cfg: dict) -> dict:
+    """The train block without the keys that do not change what is trained."""
+    return {k: v for k, v in cfg.items() if k not in RESUME_INDEPENDENT_KEYS}
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_fingerprint(rec: str, idx: str, classes: str | None = None, manifest: str | None = None) -> dict:
+    """What the records are: sha256 of the .idx (keys and offsets), of SAMPLED_RECORDS evenly spaced
+    records' headers (labels, ids) and first image bytes, of classes.tsv (label -> class), and of the
+    pack manifest when given; plus the .rec's size."""
+    pairs = read_idx(idx)
+    step = max(1, len(pairs) // SAMPLED_RECORDS)
+    h = hashlib.sha256()
+    fd = os.open(rec, os.O_RDONLY)
+    try:
+        for _, offset in pairs[::step]:
+            h.update(os.pread(fd, SAMPLE_BYTES, offset))
+    finally:
+        os.close(fd)
+    fp = {"rec_bytes": os.path.getsize(rec), "idx_sha256": _sha256(idx), "headers_sha256": h.hexdigest()}
+    if classes:
+        fp["classes_sha256"] = _sha256(classes)
+    if manifest:
+        fp["manifest_sha256"] = _sha256(manifest)
+    return fp
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Everything that makes two trainings the same run (see the module doc)."""
+
+    config: dict  # the train block, RESUME_INDEPENDENT_KEYS removed (see maths_config)
+    batch_size: int
+    grad_accum: int
+    world_size: int
+    data: dict
+    code: dict
+
+    def stamp(self) -> dict:
+        """The checkpoint fields that record this identity, beside its full "config"."""
+        return {
+            "batch_size": self.batch_size,
+            "grad_accum": self.grad_accum,
+            "world_size": self.world_size,
+            "data": self.data,
+            "code": self.code,
+        }
+
+
+def _changed(a: dict, b: dict) -> str:
+    return ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))
+
+
+def resumable(state: dict, ident: RunIdentity) -> str | None:
+    """None if the checkpoint `state` continues the run `ident`, else the item that differs, in words."""
+    old_cfg = maths_config(state.get("config") or {})
+    if old_cfg != ident.config:
+        return f"the train config changed ({_changed(old_cfg, ident.config)})"
+    old, new = (state.get("batch_size"), state.get("grad_accum")), (ident.batch_size, ident.grad_accum)
+    if old != new:
+        return f"the chosen batch changed ({old[0]} x accum {old[1]} then, {new[0]} x accum {new[1]} now)"
+    if state.get("world_size") != ident.world_size:
+        return f"it was written by {state.get('world_size')} processes, this run has {ident.world_size}"
+    if state.get("data") != ident.data:
+        return f"the training records changed ({_changed(state.get('data') or {}, ident.data)})"
+    if state.get("code") != ident.code:
+        return f"the training code changed ({_changed(state.get('code') or {}, ident.code)})"
+    return None
+
+
+def finished_marker(ck_dir: Path) -> Path:
+    return Path(ck_dir) / FINISHED
+
+
+def mark_finished(ck_dir: Path, model: Path) -> None:
+    """After model.pt is published: a later start of this job is a new run (see the module doc)."""
+    atomic.write_json(finished_marker(ck_dir), {"model": str(model)})
+
+
+def clear(ck_dir: Path) -> list[str]:
+    """Remove the checkpoints (and FINISHED) of a run being replaced; returns the names removed."""
+    ck_dir = Path(ck_dir)
+    gone = sorted(p.name for p in ck_dir.glob("epoch_*.pt")) + [
+        n for n in ("last.pt", FINISHED) if (ck_dir / n).exists()
+    ]
+    for name in gone:
+        (ck_dir / name).unlink(missing_ok=True)
+    return gone

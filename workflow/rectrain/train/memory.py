@@ -5,11 +5,20 @@ training.  Each GPU rank therefore runs one forward/backward at the configured b
 not fit, a binary search finds the largest batch that does, and the run stops with a message naming
 the GPU, its memory, the failing batch, what fits, and the two fixes.  `batch_size: auto` uses the
 same search (with headroom) and sets gradient accumulation to keep the global batch.
-The search takes any `try_step(batch)` callable, so it is unit-tested on CPU with a fake allocator.
+
+The trial is a whole training step (forward, backward, an optimizer step: momentum is real memory),
+with cuDNN's autotuner off, and its peak is judged against a Budget: the device's free memory
+(torch.cuda.mem_get_info, so the CUDA context and other processes are already out) plus torch's own
+cache, less what will sit beside the step - the loaders' decoders (DALI's mixed decoder reserves
+dali_device_memory_padding per decode thread, plus prefetched batches) and DDP's gradient buckets.
+The loaders' share is estimated from their settings: DALI allocates it only when its pipeline first
+runs, after the batch must be chosen.  The search takes any `try_step(batch)` callable and the budget
+an injectable mem_get_info, so all of it is unit-tested on CPU with fakes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -17,12 +26,14 @@ from typing import Callable
 import torch
 
 from rectrain import model as models
+from rectrain.loaders import LoaderChoice, LoaderSpec
 
 # `batch_size: auto` keeps peak memory at or under this share of the card.
 HEADROOM = 0.90
 # A CUDA error while reserved memory was above this share of the card is treated as a probable OOM.
 NEAR_LIMIT = 0.85
 DEFAULT_AUTO_GLOBAL_BATCH = 256
+MB = 2**20
 _OOM_TEXT = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cuda_error_out_of_memory")
 
 
@@ -110,80 +121,224 @@ def oom_message(gpu: GpuInfo, batch: int, fits: int, world_size: int, need_mb: f
 
 
 def check_batch(try_step: Callable[[int], object], batch: int, gpu: GpuInfo, world_size: int) -> dict:
-    """Preflight for a fixed batch: returns a report, or raises BatchDoesNotFit with the explanation."""
+    """Preflight for a fixed batch: returns a report, or raises BatchDoesNotFit with the explanation
+    (and, when the budget refused it, what else holds the device's memory)."""
     try:
         try_step(batch)
         return {"batch": batch, "fits": True}
     except Exception as exc:  # noqa: BLE001
         if not is_oom(exc):
             raise
+        why = str(exc) if isinstance(exc, HeadroomExceeded) else None
     fits, peak_mb = _search(try_step, batch)
     # Activation memory grows about linearly with the batch: extrapolate from what fitted.
     need_mb = peak_mb * batch / fits if fits and isinstance(peak_mb, (int, float)) else None
-    raise BatchDoesNotFit(oom_message(gpu, batch, fits, world_size, need_mb))
+    message = oom_message(gpu, batch, fits, world_size, None if why else need_mb)
+    raise BatchDoesNotFit(f"{message}\n{why}" if why else message)
 
 
-def auto_batch(try_step: Callable[[int], object], global_batch: int, world_size: int) -> tuple[int, int]:
-    """(per-device batch, grad_accum) for `batch_size: auto`: largest fitting batch with headroom,
-    accumulation so that batch x accum x world ~= global_batch.  try_step must raise an OOM when peak
-    memory would exceed HEADROOM of the card (see cuda_try_step(headroom=...))."""
+def auto_batch(try_step: Callable[[int], object], global_batch: int, world_size: int) -> tuple[int, int, str | None]:
+    """(per-device batch, grad_accum, why the wanted batch was refused or None) for `batch_size: auto`:
+    largest fitting batch with headroom, accumulation so that batch x accum x world ~= global_batch.
+    try_step must raise an OOM when the batch does not fit its budget (see budgeted(..., headroom))."""
     want = max(1, math.ceil(global_batch / world_size))
     try:
         try_step(want)
-        return want, 1
+        return want, 1, None
     except Exception as exc:  # noqa: BLE001
         if not is_oom(exc):
             raise
+        why = str(exc)
     fits = largest_fitting_batch(try_step, want)
     if fits == 0:
         raise BatchDoesNotFit(
-            f"batch_size: auto found no batch that fits with {HEADROOM:.0%} headroom; " + fix_hint(want, 0, world_size)
+            f"batch_size: auto found no batch that fits with {HEADROOM:.0%} headroom; {why}. "
+            + fix_hint(want, 0, world_size)
         )
     accum = math.ceil(want / fits)
-    return math.ceil(want / accum), accum
+    return math.ceil(want / accum), accum, why
+
+
+@contextlib.contextmanager
+def autotune_off():
+    """cuDNN's autotuner off for the search: it would time every kernel anew for each trial batch (seconds
+    each, and workspace memory that is not the step's); the setting comes back afterwards."""
+    was = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = was
+
+
+def preflight(try_step: Callable[[int], object], batch_setting, accum: int, global_batch: int, world_size: int, gpu):
+    """(batch, grad_accum, report) for train.batch_size (a number: checked; 'auto': searched), with
+    cuDNN autotune off while the trial steps run."""
+    with autotune_off():
+        if batch_setting == "auto":
+            batch, accum, why = auto_batch(try_step, global_batch, world_size)
+            return batch, accum, {"auto": True, "batch": batch, "grad_accum": accum, "why_lower": why}
+        return int(batch_setting), accum, check_batch(try_step, int(batch_setting), gpu, world_size)
 
 
 class HeadroomExceeded(torch.cuda.OutOfMemoryError):
-    """Raised by cuda_try_step when a step fit but left less than the wanted headroom."""
+    """Raised by a budgeted try_step when the step and what else holds the device do not fit its budget."""
 
 
-def cuda_try_step(
-    model: torch.nn.Module,
-    loss_fn,
-    image_size: int,
-    num_classes: int,
-    device: torch.device,
-    precision: str,
-    channels_last: bool,
-    headroom: float | None = None,
-) -> Callable[[int], float]:
-    """A try_step(batch) -> peak MB that runs one forward/backward on random data on `device`."""
-    total = usable_bytes(device)
+# --- what the device holds besides the step -------------------------------------------------------
+
+
+def _mb(n: float) -> str:
+    return f"{n / MB:.0f} MB" if n < 2**30 else f"{n / 2**30:.2f} GB"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Device memory something beside the training step holds: fixed, plus per sample of the batch."""
+
+    what: str  # in words, with the settings that size it
+    fixed_bytes: int = 0
+    per_sample_bytes: int = 0
+
+    def bytes(self, batch: int) -> int:
+        return self.fixed_bytes + self.per_sample_bytes * batch
+
+    def describe(self, batch: int) -> str:
+        return f"{_mb(self.bytes(batch))} {self.what.format(batch_mb=_mb(self.per_sample_bytes * batch))}"
+
+
+def loader_reservation(choice: LoaderChoice, spec: LoaderSpec, role: str = "training") -> Reservation | None:
+    """What a loader (`role`: training, validation) holds on the device, estimated from its settings
+    (None off the GPU); the estimate is what the preflight can know before the first batch.
+
+    DALI's mixed decoder reserves dali_device_memory_padding for nvJPEG in EACH of its decode threads
+    (train.workers), keeps dali_prefetch_queue_depth decoded batches ahead plus the one the step holds,
+    and with dali_preallocate a full-size image buffer per sample.  The torch loader's GPU decode keeps
+    a batch decoding ahead of the one in the step."""
+    if not spec.on_gpu:
+        return None
+    sample = 3 * spec.image_size**2 * 4  # a normalised float32 image
+    if choice.kind == "dali" and choice.decode.startswith("gpu"):
+        threads, depth, pad = max(1, spec.workers), spec.dali.prefetch_queue_depth, spec.dali.device_memory_padding
+        width, height = spec.dali.preallocate
+        what = (
+            f"held by the {role} loader's DALI mixed decoder (dali_device_memory_padding {_mb(pad)} per decode thread x {threads} "
+            f"threads = {_mb(pad * threads)}, plus {depth} prefetched batches and the one in the step: "
+            "{batch_mb}" + (f", with dali_preallocate {width}x{height} buffers" if width and height else "") + ")"
+        )
+        return Reservation(what, pad * threads, (depth + 1) * sample + 3 * width * height)
+    if choice.decode.startswith("gpu"):
+        what = f"held by the {role} loader's GPU decode (torchvision; a batch ahead and one in use: {{batch_mb}})"
+    else:
+        what = f"held by the {role} loader's batches on the device (one ahead and one in use: {{batch_mb}})"
+    return Reservation(what, 0, 2 * sample)
+
+
+def ddp_reservation(model: torch.nn.Module, world_size: int) -> Reservation | None:
+    """DDP's gradient buckets: a second copy of the gradients, allocated at the first backward."""
+    if world_size <= 1:
+        return None
+    size = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return Reservation(f"of DDP gradient buckets ({world_size} processes)", size, 0)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the training step may use: the device's free memory plus what torch already holds (the model
+    and its cache), times the headroom, less what the loader and DDP will hold."""
+
+    available_bytes: int
+    held: tuple[Reservation, ...] = ()
+    headroom: float = 1.0
+
+    def held_bytes(self, batch: int) -> int:
+        return sum(r.bytes(batch) for r in self.held)
+
+    def refusal(self, batch: int, step_bytes: int) -> str:
+        parts = [f"{_mb(step_bytes)} for the training step (model, activations, optimizer state)"]
+        parts += [r.describe(batch) for r in self.held]
+        need = step_bytes + self.held_bytes(batch)
+        share = f"{self.headroom:.0%} of " if self.headroom < 1 else ""
+        return (
+            f"batch {batch} needs {_mb(need)}: " + " + ".join(parts) + f"; over {share}the {_mb(self.available_bytes)} "
+            "free on the device"
+        )
+
+
+def device_budget(device: torch.device, held, headroom: float = 1.0, mem_get_info=None) -> Budget:
+    """The Budget on `device` now: torch.cuda.mem_get_info's free bytes (the CUDA context, other
+    processes and other libraries already taken out) plus torch's own cache, capped by the per-process
+    fraction.  `mem_get_info` is injectable for tests."""
+    free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
+    torch_held = torch.cuda.memory_reserved(device) if torch.cuda.is_available() else 0
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    cap = total * (fraction(device) if fraction and torch.cuda.is_available() else 1.0)
+    return Budget(int(min(free + torch_held, cap)), tuple(r for r in held if r is not None), headroom)
+
+
+def budgeted(step_bytes: Callable[[int], int], budget: Budget | None) -> Callable[[int], float]:
+    """try_step(batch) -> MB the batch needs: the step's measured peak plus what the budget says is held
+    beside it; raises HeadroomExceeded, naming each share, when that is over the budget."""
 
     def try_step(batch: int) -> float:
-        x = y = loss = None
-        try:
-            torch.cuda.reset_peak_memory_stats(device)
-            x = torch.randn(batch, 3, image_size, image_size, device=device)
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            y = torch.randint(0, num_classes, (batch,), device=device)
-            with models.autocast(device, precision):
-                loss = loss_fn(model(x), y)
-            loss.backward()
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-        finally:
-            del x, y, loss
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        if headroom is not None and peak > headroom * total:
-            raise HeadroomExceeded(
-                f"batch {batch} peaks at {peak / 2**20:.0f} MB, over {headroom:.0%} of {total / 2**20:.0f} MB"
-            )
-        return peak / 2**20
+        peak = step_bytes(batch)
+        if budget is None:
+            return peak / MB
+        need = peak + budget.held_bytes(batch)
+        if need > budget.headroom * budget.available_bytes:
+            raise HeadroomExceeded(budget.refusal(batch, peak))
+        return need / MB
 
     return try_step
+
+
+@dataclass
+class Trial:
+    """What a preflight step runs: the model and its loss on random data of the training shape, with
+    the training numerics and a fresh optimizer of the run's kind (its state is real memory)."""
+
+    model: torch.nn.Module
+    loss_fn: torch.nn.Module
+    image_size: int
+    num_classes: int
+    device: torch.device
+    precision: str
+    channels_last: bool
+    make_optimizer: Callable[[], torch.optim.Optimizer] | None = None
+
+
+def cuda_step_bytes(trial: Trial) -> Callable[[int], int]:
+    """step_bytes(batch): peak device memory torch reserves for one forward, backward and optimizer step.
+    The caller restores the weights (the optimizer step moves them)."""
+    device = trial.device
+
+    def step_bytes(batch: int) -> int:
+        x = y = loss = optimizer = None
+        try:
+            torch.cuda.reset_peak_memory_stats(device)
+            x = torch.randn(batch, 3, trial.image_size, trial.image_size, device=device)
+            if trial.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            y = torch.randint(0, trial.num_classes, (batch,), device=device)
+            optimizer = trial.make_optimizer() if trial.make_optimizer else None
+            with models.autocast(device, trial.precision):
+                loss = trial.loss_fn(trial.model(x), y)
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_reserved(device)
+        finally:
+            del x, y, loss, optimizer
+            trial.model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+    return step_bytes
+
+
+def cuda_try_step(trial: Trial, budget: Budget | None = None) -> Callable[[int], float]:
+    """A try_step(batch) -> MB needed that runs one real training step on random data on the GPU."""
+    return budgeted(cuda_step_bytes(trial), budget)
 
 
 def explain_cuda_error(exc: BaseException, device: torch.device, batch: int, world_size: int) -> str | None:

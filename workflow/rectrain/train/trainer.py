@@ -9,12 +9,16 @@ Run button - this module relaunches itself through torchrun when the config asks
 process, or runs as a single process, and says which; it never dies on a missing RANK.  A partial
 --config-json block is completed from config/schema.yaml.
 
-A run, in order (`train`): set up the rank, build the model, check the batch fits (preflight), build
-the loaders and the optimizer, resume a checkpoint of the same run, then per epoch train
-(`run_steps`), validate (rectrain.evaluate's tally) and checkpoint; finally publish the outputs.
+A run, in order (`train`): set up the rank, build the model, check the batch fits beside what the
+loaders will hold (preflight), build the loaders and the optimizer, resume a checkpoint of the same
+run (rectrain.train.checkpoint.RunIdentity) or clear the one it replaces, calibrate (img/s on
+synthetic data, rectrain.train.calibrate), then per epoch train (rectrain.train.step.run_steps),
+validate (rectrain.evaluate's tally) and checkpoint; finally publish the outputs.  A watchdog
+(rectrain.watchdog, train.watchdog_s) ends a rank that stops making progress.
 
 Outputs in --out: checkpoints/epoch_<k>.pt + last.pt (every epoch, atomic), telemetry/ (live CSVs),
-and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last).
+and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last), then
+checkpoints/finished.json (a later start of the job is a forced rerun: it retrains).
 See docs/architecture.md for the formats.
 """
 
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
+import dataclasses
 import datetime
 import logging
 import math
@@ -30,6 +34,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,27 +43,29 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rectrain import distributed, sources
+from rectrain import distributed, sources, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.config import ConfigError, stage_block
 from rectrain.distributed import Dist, all_gather, all_reduce_sum, barrier
 from rectrain.evaluate import all_reduce as all_reduce_tally
 from rectrain.evaluate import tally
-from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_workers
+from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_loader, resolve_workers
 from rectrain.log import setup as setup_logging
 from rectrain.tables import read_classes
+from rectrain.train import calibrate, memory, telemetry
 from rectrain.train import checkpoint as ckpt
-from rectrain.train import memory, telemetry
+from rectrain.train.step import Step, run_steps
 from rectrain.train.stepclock import StepClock
+
+__all__ = ["Step", "run_steps", "main"]  # the step lives in rectrain.train.step; the bench imports it from here
 
 log = logging.getLogger(__name__)
 
-# Config keys that do not change the maths of a run: a checkpoint written under other values of these
-# may still be resumed.  Anything else differing means the checkpoint belongs to another run.
-RESUME_INDEPENDENT_KEYS = {"sample_interval_s", "workers", "collective_timeout_s", "compile"}
 # Test hook: simulate `kill -9` right after the checkpoint of this epoch (kill-and-resume test).
 KILL_AFTER_EPOCH_ENV = "RECTRAIN_KILL_AFTER_EPOCH"
+# Test hook: this rank's loader sleeps for an hour before its second batch (watchdog test).
+STALL_RANK_ENV = "RECTRAIN_STALL_RANK"
 # Test hook: this rank raises as training starts while its peers wait in an all-reduce (crash test).
 FAIL_RANK_ENV = "RECTRAIN_FAIL_RANK"
 
@@ -72,6 +79,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--val-idx", required=True)
     ap.add_argument("--classes", required=True, help="classes.tsv (label, wnid, name)")
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--manifest",
+        default=None,
+        help="the pack manifest of --rec (results/<ds>/pack/train.manifest.json): resume fingerprint",
+    )
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for the whole job (default: all)")
     ap.add_argument(
         "--single-process",
@@ -121,9 +133,33 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int) -> tuple[int, int, dict]:
-    """(per-device batch, grad_accum, preflight report).  On a GPU, one forward/backward proves the
-    batch fits - or the run stops here with what does fit (rectrain.train.memory)."""
+def preflight_inputs(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None):
+    """(the trial step, what will be held beside it) for choose_batch."""
+    spec = spec or loader_spec(cfg, d, "", "", resolve_workers(cfg["workers"], d.local_world_size))
+    choice = resolve_loader(cfg["loader"], spec)
+    held = (
+        memory.loader_reservation(choice, spec, "training"),
+        memory.loader_reservation(choice, spec, "validation"),  # its pipeline stays built for the whole run
+        memory.ddp_reservation(model, d.world_size),
+    )
+    trial = memory.Trial(
+        model,
+        loss_fn,
+        cfg["image_size"],
+        num_classes,
+        d.device,
+        cfg["precision"],
+        cfg["channels_last"],
+        make_optimizer=lambda: make_optimizer(cfg, model, 256, 1)[0],
+    )
+    return trial, held
+
+
+def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None = None):
+    """(per-device batch, grad_accum, preflight report).  On a GPU, one training step (forward, backward,
+    optimizer step) proves the batch fits beside what the loader and DDP will hold - or the run stops
+    here with what does fit (rectrain.train.memory).  `spec`: the train loader's (batch not yet
+    chosen); by default the one this config builds."""
     auto = cfg["batch_size"] == "auto"
     global_batch = cfg["global_batch"] or (memory.DEFAULT_AUTO_GLOBAL_BATCH if auto else None)
     if d.device.type != "cuda":
@@ -134,76 +170,42 @@ def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int) -> tuple[
                 {"skipped": "no GPU: batch_size auto uses global_batch / world_size"},
             )
         return int(cfg["batch_size"]), int(cfg["grad_accum"]), {"skipped": "no GPU memory to check on CPU"}
+    trial, held = preflight_inputs(cfg, model, loss_fn, d, num_classes, spec)
     gpu = memory.GpuInfo.of(d.device)
-    state = copy.deepcopy(model.state_dict())  # the probe steps must not touch BatchNorm statistics
-    args = (
-        model,
-        loss_fn,
-        cfg["image_size"],
-        num_classes,
-        d.device,
-        cfg["precision"],
-        cfg["channels_last"],
-    )
+    state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
     try:
-        if auto:
-            batch, accum = memory.auto_batch(
-                memory.cuda_try_step(*args, headroom=memory.HEADROOM), global_batch, d.world_size
-            )
-            # Every rank must use the same batch: the smallest GPU decides.
+        budget = memory.device_budget(d.device, held, memory.HEADROOM if auto else 1.0)
+        batch, accum, report = memory.preflight(
+            memory.cuda_try_step(trial, budget),
+            cfg["batch_size"],
+            int(cfg["grad_accum"]),
+            global_batch,
+            d.world_size,
+            gpu,
+        )
+        if auto:  # every rank must use the same batch: the smallest GPU decides
             batch = int(min(all_gather(batch, d)))
-            accum = math.ceil(global_batch / (batch * d.world_size))
-            report = {"auto": True, "batch": batch, "grad_accum": accum, "global_batch": global_batch}
-        else:
-            batch, accum = int(cfg["batch_size"]), int(cfg["grad_accum"])
-            report = memory.check_batch(memory.cuda_try_step(*args), batch, gpu, d.world_size)
-        peak = memory.cuda_try_step(*args)(batch)
+            accum = report["grad_accum"] = math.ceil(global_batch / (batch * d.world_size))
+            report.update(batch=batch, global_batch=global_batch)
+        with memory.autotune_off():
+            need_mb = memory.cuda_try_step(trial, memory.device_budget(d.device, held))(batch)
     finally:
         model.load_state_dict(state)
+    total_mb = budget.available_bytes / memory.MB
     report.update(
-        {
-            "gpu": gpu.label(),
-            "peak_mb": round(peak, 1),
-            "total_mb": round(gpu.total_mb, 1),
-            "share": round(peak / gpu.total_mb, 3),
-        }
+        gpu=gpu.label(),
+        need_mb=round(need_mb, 1),
+        free_mb=round(total_mb, 1),
+        share=round(need_mb / total_mb, 3),
+        held={r.what.split(" (")[0]: round(r.bytes(batch) / memory.MB, 1) for r in budget.held},
     )
     return batch, accum, report
-
-
-def data_fingerprint(rec: str, idx: str) -> dict:
-    return {"rec_bytes": os.path.getsize(rec), "idx_bytes": os.path.getsize(idx)}
 
 
 def code_fingerprint() -> dict:
     """sha256 of each training source file (the train rule's code input, rectrain.sources): a checkpoint
     written by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
     return sources.fingerprint("train")
-
-
-def resumable(state: dict, cfg: dict, fingerprint: dict, world_size: int, code: dict | None = None) -> str | None:
-    """None if the checkpoint continues this run, else why not."""
-
-    def strip(c):
-        return {k: v for k, v in c.items() if k not in RESUME_INDEPENDENT_KEYS}
-
-    if strip(state.get("config", {})) != strip(cfg):
-        changed = sorted(
-            k
-            for k in set(cfg) | set(state.get("config", {}))
-            if k not in RESUME_INDEPENDENT_KEYS and cfg.get(k) != state["config"].get(k)
-        )
-        return f"the train config changed ({', '.join(changed)})"
-    if state.get("data") != fingerprint:
-        return "the training .rec/.idx changed"
-    if code is not None and state.get("code") != code:
-        changed = sorted(
-            f for f in set(code) | set(state.get("code") or {}) if code.get(f) != (state.get("code") or {}).get(f)
-        )
-        return f"the training code changed ({', '.join(changed)})"
-    if state.get("world_size") != world_size:
-        return f"it was written by {state.get('world_size')} processes, this run has {world_size}"
-    return None
 
 
 def set_backend_flags(cfg: dict, device: torch.device) -> None:
@@ -234,109 +236,31 @@ def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int
     return optimizer, scheduler, scaler
 
 
-# --- the step ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Step:
-    """What one training step needs: the network (DDP- and compile-wrapped as configured), its loss,
-    optimizer, schedule and scaler, gradient accumulation, numerics, and the rank it runs on."""
-
-    net: torch.nn.Module
-    loss_fn: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    accum: int
-    precision: str
-    channels_last: bool
-    dist: Dist
-
-
-def run_steps(step: Step, epoch: int, batches, steps_log, n_batches: int | None = None, max_steps: int | None = None):
-    """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log.
-
-    The training step itself: the epoch loop and bench/gpu_efficiency.py both run it.  No host sync per
-    step: times come from a StepClock read one step late, loss and hits stay on the device until then,
-    so the host queues step k+1 (and fetches its batch) while the GPU still computes step k."""
-    step.net.train()
-    n_batches = n_batches or max_steps
-    d = step.dist
-    clock = StepClock(d.device)
-    totals = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0}
-
-    def resolve(i, m_prev, m_data, m_end, loss, hits, n, lr):
-        clock.wait(m_end)
-        wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
-        loss_v = loss.item()
-        # Step wall time runs from the end of the previous step, so data wait + compute = wall.
-        steps_log.write(
-            rank=d.rank,
-            epoch=epoch,
-            step=i,
-            time=clock.unix_time(m_end),
-            wall_s=wall,
-            data_wait_s=wait,
-            compute_s=wall - wait,
-            images=n,
-            loss=loss_v,
-            lr=lr,
-        )
-        totals["loss_sum"] += loss_v * n
-        totals["correct"] += hits.item()
-        totals["seen"] += n
-        totals["steps"] += 1
-
-    pending = None
-    m_prev = clock.mark()
-    for i, (x, y) in enumerate(batches):
-        m_data = clock.mark()
-        lr = step.optimizer.param_groups[0]["lr"]
-        out, loss = _forward_backward(step, x, y, last_micro=(i + 1) % step.accum == 0 or i + 1 == n_batches)
-        hits = (out.argmax(1) == y).sum()
-        m_end = clock.mark()
-        if pending:
-            resolve(*pending)
-        pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
-        m_prev = m_end
-        if max_steps is not None and i + 1 >= max_steps:
-            break
-    if pending:
-        resolve(*pending)
-    return totals
-
-
-def _forward_backward(step: Step, x, y, last_micro: bool):
-    """One micro-batch; the optimizer steps (and DDP all-reduces) on the last micro-batch only."""
-    if step.channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    sync = contextlib.nullcontext() if last_micro or step.dist.world_size == 1 else step.net.no_sync()
-    with sync:
-        with models.autocast(step.dist.device, step.precision):
-            out = step.net(x)
-            loss = step.loss_fn(out, y)
-        step.scaler.scale(loss / step.accum).backward()
-    if last_micro:
-        step.scaler.step(step.optimizer)
-        step.scaler.update()
-        step.optimizer.zero_grad(set_to_none=True)
-        step.scheduler.step()
-    return out, loss
+def train_batches(loader, epoch: int, rank: int):
+    """The loader's batches of one epoch (with the stalled-loader test hook)."""
+    for i, batch in enumerate(loader.epoch(epoch)):
+        if i == 1 and os.environ.get(STALL_RANK_ENV) == str(rank):
+            log.info("%s=%d: this rank's loader stalls now, as on a hung filesystem", STALL_RANK_ENV, rank)
+            time.sleep(3600)
+        yield batch
 
 
 def train_one_epoch(step: Step, loader, epoch: int, steps_log) -> dict:
     n_batches = loader.batches_per_epoch
     clock = StepClock(torch.device("cpu"))
     start = clock.mark()
-    t = run_steps(step, epoch, loader.epoch(epoch), steps_log, n_batches=n_batches)
+    batches = watchdog.watched(train_batches(loader, epoch, step.dist.rank), f"epoch {epoch}")
+    t = run_steps(step, epoch, batches, steps_log, n_batches=n_batches)
     wall = clock.seconds(start, clock.mark())
     if t["steps"] != n_batches:
         raise RuntimeError(
             f"rank {step.dist.rank}: the {loader.kind} loader yielded {t['steps']} batches in epoch {epoch}, "
             f"expected {n_batches} on every rank (the other ranks would wait forever)"
         )
-    loss_sum, correct, seen = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"]], step.dist)
-    return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall}
+    # This rank's steady img/s, summed over ranks as report/efficiency.py sums them.
+    rate = t["steady_images"] / t["steady_wall_s"] if t["steady_wall_s"] > 0 else 0.0
+    loss_sum, correct, seen, rates = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"], rate], step.dist)
+    return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall, "steady": rates}
 
 
 def validate(model: torch.nn.Module, loader, num_classes: int, step: Step) -> dict:
@@ -348,7 +272,8 @@ def validate(model: torch.nn.Module, loader, num_classes: int, step: Step) -> di
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
     model.eval()
-    t = tally(model, loader.epoch(0), num_classes, step.dist.device, step.precision, channels_last=step.channels_last)
+    batches = watchdog.watched(loader.epoch(0), "validation")
+    t = tally(model, batches, num_classes, step.dist.device, step.precision, channels_last=step.channels_last)
     t = all_reduce_tally(t, step.dist.device)
     n = max(t.images, 1)
     top1 = float(t.confusion.diagonal().sum()) / n
@@ -374,8 +299,9 @@ class Run:
     preflight: dict
     workers: int
     out: Path
-    fingerprint: dict = field(default_factory=dict)
-    code: dict = field(default_factory=dict)
+    cores: int = 1  # CPU cores the job may use (--threads, else this process's affinity)
+    calibration: dict | None = None
+    identity: ckpt.RunIdentity | None = None
     info: dict = field(default_factory=dict)
 
     @property
@@ -387,19 +313,14 @@ class Run:
         return self.batch * self.step.accum * self.d.world_size
 
 
-def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
-    """Model, preflight batch, loaders and optimizer for this rank."""
-    threads = args.threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, threads // d.local_world_size))
-    torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    classes = read_classes(args.classes)
-    set_backend_flags(cfg, d.device)
-    model, loss_fn = make_model(cfg, len(classes), d.device)
-    batch, accum, preflight = choose_batch(cfg, model, loss_fn, d, len(classes))
-    workers = resolve_workers(cfg["workers"], d.local_world_size, threads)
-    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, cfg["workers"])
-    common = dict(
+def loader_spec(cfg: dict, d: Dist, rec: str, idx: str, workers: int) -> LoaderSpec:
+    """This rank's train loader as the config asks for it; batch_size 0 until the preflight chose it."""
+    return LoaderSpec(
+        rec,
+        idx,
+        batch_size=0,
         image_size=cfg["image_size"],
+        train=True,
         rank=d.rank,
         world_size=d.world_size,
         workers=workers,
@@ -408,33 +329,61 @@ def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
         seed=cfg["seed"],
         dali=DaliOptions.from_config(cfg),
     )
-    train_loader = build_loader(cfg["loader"], LoaderSpec(args.rec, args.idx, batch_size=batch, train=True, **common))
-    val_spec = LoaderSpec(args.val_rec, args.val_idx, batch_size=batch, train=False, **common)
+
+
+def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
+    """Model, preflight batch, loaders and optimizer for this rank."""
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, threads // d.local_world_size))
+    torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    classes = read_classes(args.classes)
+    set_backend_flags(cfg, d.device)
+    model, loss_fn = make_model(cfg, len(classes), d.device)
+    workers = resolve_workers(cfg["workers"], d.local_world_size, threads)
+    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, cfg["workers"])
+    spec = loader_spec(cfg, d, args.rec, args.idx, workers)
+    batch, accum, preflight = choose_batch(cfg, model, loss_fn, d, len(classes), spec)
+    train_loader = build_loader(cfg["loader"], dataclasses.replace(spec, batch_size=batch))
+    val_spec = dataclasses.replace(spec, rec=args.val_rec, idx=args.val_idx, batch_size=batch, train=False)
     val_loader = build_loader(cfg["loader"], val_spec)
     opt_steps = math.ceil(train_loader.batches_per_epoch / accum)
     optimizer, scheduler, scaler = make_optimizer(cfg, model, batch * accum * d.world_size, opt_steps)
     step = Step(model, loss_fn, optimizer, scheduler, scaler, accum, cfg["precision"], cfg["channels_last"], d)
     run = Run(args, cfg, d, classes, model, step, train_loader, val_loader, batch, preflight, workers, Path(args.out))
-    run.fingerprint, run.code = data_fingerprint(args.rec, args.idx), code_fingerprint()
+    run.cores = threads
+    data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
+    run.identity = ckpt.RunIdentity(ckpt.maths_config(cfg), batch, accum, d.world_size, data, code_fingerprint())
     return run
 
 
 def resume(run: Run) -> tuple[int, list | None]:
-    """(first epoch to train, per-rank RNG states) from checkpoints/last.pt when it continues this run."""
-    start_epoch, rng_states = 0, None
+    """(first epoch to train, per-rank RNG states) from checkpoints/last.pt when it continues this run;
+    otherwise the checkpoints of the run it replaces are removed (rank 0, once every rank has decided)."""
+    start_epoch, rng_states, why_not = 0, None, None
     last = run.ck_dir / "last.pt"
     if last.exists():
         state = ckpt.load(last)
-        why_not = resumable(state, run.cfg, run.fingerprint, run.d.world_size, run.code)
-        if why_not:
-            log.info("not resuming from %s: %s; starting from epoch 0", last, why_not)
-        else:
-            run.model.load_state_dict(state["model"])
-            run.step.optimizer.load_state_dict(state["optimizer"])
-            run.step.scheduler.load_state_dict(state["scheduler"])
-            run.step.scaler.load_state_dict(state["scaler"])
+        why_not = ckpt.resumable(state, run.identity)
+        if not why_not and ckpt.finished_marker(run.ck_dir).exists():
+            why_not = (
+                "that run finished and published model.pt, and this job was started again (snakemake --forcerun, "
+                "or its outputs deleted): a new run"
+            )
+        if not why_not:
+            restore(run, state)
             start_epoch, rng_states = state["epoch"] + 1, state["rng"]
-            log.info("resuming from %s: epoch %d done, continuing at epoch %d", last, state["epoch"], start_epoch)
+            if run.d.master:
+                log.info(
+                    "resuming from %s: epoch %d of %d done by the same run (config, batch %d x accum %d, records, "
+                    "%d processes and code all match); continuing at epoch %d",
+                    last,
+                    state["epoch"],
+                    run.cfg["epochs"],
+                    run.batch,
+                    run.step.accum,
+                    run.d.world_size,
+                    start_epoch,
+                )
         del state
     starts = all_gather(start_epoch, run.d)  # also: nobody writes checkpoints before every rank has read last.pt
     if len(set(starts)) > 1:
@@ -442,7 +391,24 @@ def resume(run: Run) -> tuple[int, list | None]:
             f"ranks disagree on the epoch to resume from ({starts}): {run.ck_dir} must be on a "
             "filesystem every node sees (shared --out)"
         )
+    if run.d.master and not start_epoch:  # whatever checkpoints are here belong to another run
+        gone = ckpt.clear(run.ck_dir)
+        if gone:
+            why_not = why_not or f"{last.name} is missing"
+            log.info(
+                "not resuming from %s: %s; removed its checkpoints (%s); starting from epoch 0",
+                last,
+                why_not,
+                ", ".join(gone),
+            )
     return start_epoch, rng_states
+
+
+def restore(run: Run, state: dict) -> None:
+    run.model.load_state_dict(state["model"])
+    run.step.optimizer.load_state_dict(state["optimizer"])
+    run.step.scheduler.load_state_dict(state["scheduler"])
+    run.step.scaler.load_state_dict(state["scaler"])
 
 
 def wrap(run: Run) -> None:
@@ -494,6 +460,8 @@ def run_info(run: Run, start_epoch: int) -> dict:
         "decode": loader.choice.decode,
         "loader_note": loader.choice.note,
         "workers": run.workers,  # the count 'auto' became, which the diagnosis quotes
+        "cores": run.cores,
+        "calibration": run.calibration,
     }
 
 
@@ -529,6 +497,37 @@ def telemetry_logs(run: Run, start_epoch: int):
             sampler.stop()
 
 
+def calibrate_run(run: Run) -> dict:
+    """run.json's `calibration`: every rank's img/s on synthetic data with this run's step (rectrain.train.calibrate)."""
+    cfg = run.cfg
+    shape = calibrate.Shape(run.batch, cfg["image_size"], len(run.classes))
+    cal = calibrate.calibrate(run.step, run.model, shape, cfg["calibration_steps"], cfg["calibration_warmup_steps"])
+    if run.d.master:
+        if cal["skipped"]:
+            log.info("calibration skipped: %s (no input efficiency for this run)", cal["skipped"])
+        else:
+            log.info(
+                "calibration: %.1f img/s on synthetic data on the device (%s), %d steps after %d warm-up, %.1f s",
+                calibrate.total_rate(cal),
+                ", ".join(f"rank {r}: {v:.1f}" for r, v in cal["images_per_s"].items()),
+                cal["steps"],
+                cal["warmup_steps"],
+                cal["seconds"],
+            )
+    return cal
+
+
+def efficiency_note(stats: dict, calibration: dict | None) -> str:
+    """The epoch log line's input efficiency: the epoch's steady img/s against the calibration's."""
+    ceiling = calibrate.total_rate(calibration)
+    if not ceiling or not stats["steady"]:
+        return ""
+    return (
+        f", input efficiency {stats['steady'] / ceiling:.2f} ({stats['steady']:.1f} img/s steady against "
+        f"{ceiling:.1f} calibrated)"
+    )
+
+
 def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
     """The epoch loop: train, validate, checkpoint (rank 0), until train.epochs."""
     d = run.d
@@ -549,9 +548,10 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
                 images_per_s=stats["images"] / stats["wall_s"],
                 wall_s=stats["wall_s"],
             )
+            watchdog.beat(f"epoch {epoch}: writing the checkpoint")
             save_checkpoint(run, epoch, rngs)
             log.info(
-                "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s",
+                "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s%s",
                 epoch,
                 stats["train_loss"],
                 stats["train_acc"],
@@ -560,7 +560,10 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
                 val["val_top5"],
                 stats["images"] / stats["wall_s"],
                 stats["wall_s"],
+                efficiency_note(stats, run.calibration),
             )
+        else:
+            watchdog.beat(f"epoch {epoch}: waiting for rank 0's checkpoint")
         barrier(d)
         if os.environ.get(KILL_AFTER_EPOCH_ENV) == str(epoch):
             log.info("%s=%d: killing this process as a crash would", KILL_AFTER_EPOCH_ENV, epoch)
@@ -580,11 +583,7 @@ def save_checkpoint(run: Run, epoch: int, rngs: list) -> None:
         "num_classes": len(run.classes),
         "model_name": run.cfg["model"],
         "image_size": run.cfg["image_size"],
-        "batch_size": run.batch,
-        "grad_accum": run.step.accum,
-        "world_size": run.d.world_size,
-        "data": run.fingerprint,
-        "code": run.code,
+        **run.identity.stamp(),
     }
     ckpt.save_atomic(state, run.ck_dir / f"epoch_{epoch}.pt")
     ckpt.save_atomic(state, run.ck_dir / "last.pt")
@@ -600,44 +599,55 @@ def finish(run: Run) -> None:
     run.info["finished"] = _now()
     write_json(out / "run.json", run.info)
     ckpt.save_atomic(ckpt.load(run.ck_dir / "last.pt"), out / "model.pt")
+    ckpt.mark_finished(run.ck_dir, out / "model.pt")
     log.info("done: %s", out / "model.pt")
+
+
+def log_start(run: Run) -> None:
+    d, cfg = run.d, run.cfg
+    log.info(
+        "%d process(es), %s, %s loader, %s @%dpx, batch %d x accum %d x %d = %d, %d train images "
+        "(%d padded per epoch), preflight: %s",
+        d.world_size,
+        run.info["backend"],
+        run.train_loader.kind,
+        cfg["model"],
+        cfg["image_size"],
+        run.batch,
+        run.step.accum,
+        d.world_size,
+        run.global_batch,
+        run.train_loader.size,
+        run.train_loader.padding_per_epoch,
+        run.preflight,
+    )
 
 
 def train(args: argparse.Namespace, cfg: dict) -> None:
     d = distributed.setup(cfg["devices"] != "cpu", cfg["collective_timeout_s"])
     if d.master:
         (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
-    run = prepare(args, cfg, d)
-    start_epoch, rng_states = resume(run)
-    wrap(run)
-    run.info = run_info(run, start_epoch)
-    if d.master:
-        write_json(run.out / "run.json", run.info)
-        log.info(
-            "%d process(es), %s, %s loader, %s @%dpx, batch %d x accum %d x %d = %d, %d train images "
-            "(%d padded per epoch), preflight: %s",
-            d.world_size,
-            run.info["backend"],
-            run.train_loader.kind,
-            cfg["model"],
-            cfg["image_size"],
-            run.batch,
-            run.step.accum,
-            d.world_size,
-            run.global_batch,
-            run.train_loader.size,
-            run.train_loader.padding_per_epoch,
-            run.preflight,
-        )
-    if rng_states is not None:
-        ckpt.set_rng_state(rng_states[d.rank])
-    with telemetry_logs(run, start_epoch) as (steps_log, epochs_log):
-        train_epochs(run, start_epoch, steps_log, epochs_log)
-    barrier(d)
-    if d.master:
-        epochs_log.close()
-        finish(run)
-    barrier(d)
+    with watchdog.Watchdog(cfg["watchdog_s"], d.rank, d.world_size, Path(args.out) / "telemetry"):
+        watchdog.beat("preparing: model, memory preflight, loaders")
+        run = prepare(args, cfg, d)
+        watchdog.beat("reading checkpoints/last.pt")
+        start_epoch, rng_states = resume(run)
+        wrap(run)
+        run.calibration = calibrate_run(run)
+        run.info = run_info(run, start_epoch)
+        if d.master:
+            write_json(run.out / "run.json", run.info)
+            log_start(run)
+        if rng_states is not None:
+            ckpt.set_rng_state(rng_states[d.rank])
+        with telemetry_logs(run, start_epoch) as (steps_log, epochs_log):
+            train_epochs(run, start_epoch, steps_log, epochs_log)
+        watchdog.beat("publishing the outputs")
+        barrier(d)
+        if d.master:
+            epochs_log.close()
+            finish(run)
+        barrier(d)
 
 
 def _explain_failure(exc: BaseException, cfg: dict) -> str:

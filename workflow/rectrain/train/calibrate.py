@@ -1,0 +1,148 @@
+"""Calibration: the img/s this run's own training step reaches when data costs nothing.
+
+Before the first epoch every rank runs a short burst of steps (rectrain.train.step.run_steps, the step
+the epochs run) on one synthetic batch already on the device: same network (DDP- and compile-wrapped),
+batch, gradient accumulation, precision, memory format and optimizer step.  Its steady-state img/s
+(warm-up steps dropped) is the ceiling the input pipeline is measured against: real img/s over it is
+the run's input efficiency (report/efficiency.py, and each epoch's log line).  bench/gpu_efficiency.py
+measures its synthetic ceiling with the same `measure`, so the bench and the pipeline agree.
+
+The trained result does not change: the steps run on the real network, between a snapshot and a
+restore of everything they touch - weights and BatchNorm statistics, optimizer state (momentum),
+LR schedule position, GradScaler state and every RNG (torch, CUDA, numpy, python).  Calibrating on
+the real network rather than a deep copy costs no second model in device memory, keeps the DDP
+buckets and the compiled graph the epochs use (a copy would need its own DDP wrapper, and compile
+would compile twice), and warms cuDNN's autotuner for the first epoch.  Under DDP the steps
+all-reduce synthetic gradients among the ranks, which all run the same number of steps; every
+optimizer step ends with zero_grad(set_to_none), and the restore drops the gradients, so nothing of
+them reaches a real step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rectrain import watchdog
+from rectrain.distributed import Dist, all_gather
+from rectrain.train import checkpoint as ckpt
+from rectrain.train.step import Step, run_steps
+
+log = logging.getLogger(__name__)
+
+# The epoch number calibration steps carry in their step rows (kept in memory, never in steps.csv).
+CALIBRATION_EPOCH = -1
+
+
+class StepRows:
+    """A steps_log for run_steps that keeps its rows in memory."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def write(self, **row) -> None:
+        self.rows.append(row)
+
+
+def steady(rows: list[dict], warmup: int) -> dict:
+    """img/s, data-wait share and step count over the steps after `warmup` (all when fewer ran)."""
+    kept = [r for r in rows if r["step"] >= warmup] or rows
+    wall = sum(r["wall_s"] for r in kept)
+    return {
+        "img_s": sum(r["images"] for r in kept) / wall,
+        "data_wait_share": sum(r["data_wait_s"] for r in kept) / wall,
+        "steps": len(kept),
+    }
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a synthetic batch looks like: per-device batch, square image side, classes."""
+
+    batch: int
+    image_size: int
+    num_classes: int
+
+
+def synthetic_batches(shape: Shape, device: torch.device, n: int, seed: int = 0):
+    """One random batch, made once (own generator: the global RNGs are not drawn) and moved to the
+    device, yielded n times: the input pipeline's cost is zero, the ceiling no loader can beat."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(shape.batch, 3, shape.image_size, shape.image_size, generator=g).to(device)
+    y = torch.randint(0, shape.num_classes, (shape.batch,), generator=g).to(device)
+    return ((x, y) for _ in range(n))
+
+
+def measure(step: Step, batches, steps: int, warmup: int) -> dict:
+    """Run warmup + steps training steps on `batches` with the project's step; steady-state numbers."""
+    rows = StepRows()
+    n = warmup + steps
+    run_steps(step, CALIBRATION_EPOCH, batches, rows, n_batches=n, max_steps=n)
+    return steady(rows.rows, warmup)
+
+
+@contextlib.contextmanager
+def restored(step: Step, model: torch.nn.Module):
+    """Run the body, then put back every state a training step changes (see the module doc)."""
+    saved = {
+        "model": ckpt.host_copy(model.state_dict()),
+        "optimizer": ckpt.host_copy(step.optimizer.state_dict()),
+        "scheduler": ckpt.host_copy(step.scheduler.state_dict()),
+        "scaler": ckpt.host_copy(step.scaler.state_dict()),
+        "rng": ckpt.rng_state(),
+    }
+    try:
+        yield
+    finally:
+        model.load_state_dict(saved["model"])  # copies in place: DDP and the compiled graph keep their tensors
+        step.optimizer.load_state_dict(saved["optimizer"])  # replaces the state: no momentum from synthetic data
+        step.scheduler.load_state_dict(saved["scheduler"])
+        if saved["scaler"]:
+            step.scaler.load_state_dict(saved["scaler"])
+        model.zero_grad(set_to_none=True)
+        ckpt.set_rng_state(saved["rng"])
+
+
+def skipped(why: str, shape: Shape) -> dict:
+    return {
+        "images_per_s": {},
+        "steps": 0,
+        "warmup_steps": 0,
+        "seconds": 0.0,
+        "batch_size": shape.batch,
+        "skipped": why,
+    }
+
+
+def calibrate(step: Step, model: torch.nn.Module, shape: Shape, steps: int, warmup: int) -> dict:
+    """Every rank calibrates; returns run.json's `calibration` (every rank's img/s, gathered) on all
+    ranks.  `model` is the unwrapped network under step.net, whose state is restored afterwards."""
+    d: Dist = step.dist
+    if steps <= 0:
+        return skipped("train.calibration_steps is 0", shape)
+    t0 = time.perf_counter()
+    with restored(step, model):
+        batches = watchdog.watched(synthetic_batches(shape, d.device, warmup + steps), "calibration")
+        result = measure(step, batches, steps, warmup)
+    seconds = time.perf_counter() - t0
+    rates = all_gather(result["img_s"], d)
+    seconds = max(all_gather(seconds, d))
+    return {
+        "images_per_s": {str(r): float(v) for r, v in enumerate(rates)},
+        "steps": result["steps"],
+        "warmup_steps": warmup,
+        "seconds": round(seconds, 3),
+        "batch_size": shape.batch,
+        "skipped": None,
+    }
+
+
+def total_rate(calibration: dict | None) -> float | None:
+    """Summed calibration img/s of all ranks (None when skipped): what the epochs' real img/s,
+    summed the same way, is compared with."""
+    rates = (calibration or {}).get("images_per_s") or {}
+    return sum(rates.values()) if rates else None

@@ -1,0 +1,105 @@
+"""One training step, shared by the epoch loop (rectrain.train.trainer), the calibration
+(rectrain.train.calibrate) and bench/gpu_efficiency.py, so all three time the same work."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from rectrain import model as models
+from rectrain.distributed import Dist
+from rectrain.train.stepclock import StepClock
+
+
+@dataclass
+class Step:
+    """What one training step needs: the network (DDP- and compile-wrapped as configured), its loss,
+    optimizer, schedule and scaler, gradient accumulation, numerics, and the rank it runs on."""
+
+    net: torch.nn.Module
+    loss_fn: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    accum: int
+    precision: str
+    channels_last: bool
+    dist: Dist
+
+
+def run_steps(step: Step, epoch: int, batches, steps_log, n_batches: int | None = None, max_steps: int | None = None):
+    """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log.
+
+    No host sync per step: times come from a StepClock read one step late, loss and hits stay on the
+    device until then, so the host queues step k+1 (and fetches its batch) while the GPU still computes
+    step k.  Totals: loss, hits, images, steps, and `steady_images` / `steady_wall_s` without the first
+    step (pipeline start-up), the report's steady state (rectrain.report.stats.steady_steps)."""
+    step.net.train()
+    n_batches = n_batches or max_steps
+    d = step.dist
+    clock = StepClock(d.device)
+    totals = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0, "steady_images": 0, "steady_wall_s": 0.0}
+
+    def resolve(pending):
+        i, m_prev, m_data, m_end, loss, hits, n, lr = pending
+        clock.wait(m_end)
+        wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
+        loss_v = loss.item()
+        # Step wall time runs from the end of the previous step, so data wait + compute = wall.
+        steps_log.write(
+            rank=d.rank,
+            epoch=epoch,
+            step=i,
+            time=clock.unix_time(m_end),
+            wall_s=wall,
+            data_wait_s=wait,
+            compute_s=wall - wait,
+            images=n,
+            loss=loss_v,
+            lr=lr,
+        )
+        totals["loss_sum"] += loss_v * n
+        totals["correct"] += hits.item()
+        totals["seen"] += n
+        totals["steps"] += 1
+        if i > 0:
+            totals["steady_images"] += n
+            totals["steady_wall_s"] += wall
+
+    pending = None
+    m_prev = clock.mark()
+    for i, (x, y) in enumerate(batches):
+        m_data = clock.mark()
+        lr = step.optimizer.param_groups[0]["lr"]
+        out, loss = _forward_backward(step, x, y, last_micro=(i + 1) % step.accum == 0 or i + 1 == n_batches)
+        hits = (out.argmax(1) == y).sum()
+        m_end = clock.mark()
+        if pending:
+            resolve(pending)
+        pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
+        m_prev = m_end
+        if max_steps is not None and i + 1 >= max_steps:
+            break
+    if pending:
+        resolve(pending)
+    return totals
+
+
+def _forward_backward(step: Step, x, y, last_micro: bool):
+    """One micro-batch; the optimizer steps (and DDP all-reduces) on the last micro-batch only."""
+    if step.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    sync = contextlib.nullcontext() if last_micro or step.dist.world_size == 1 else step.net.no_sync()
+    with sync:
+        with models.autocast(step.dist.device, step.precision):
+            out = step.net(x)
+            loss = step.loss_fn(out, y)
+        step.scaler.scale(loss / step.accum).backward()
+    if last_micro:
+        step.scaler.step(step.optimizer)
+        step.scaler.update()
+        step.optimizer.zero_grad(set_to_none=True)
+        step.scheduler.step()
+    return out, loss
