@@ -41,6 +41,7 @@ from rectrain.data.images import prepare  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader  # noqa: E402
 from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record, unpack_record  # noqa: E402
+from rectrain.train import calibrate  # noqa: E402
 from rectrain.train import trainer as T  # noqa: E402
 
 DEFAULT_RUNS = "resnet50:224,resnet18:224,resnet18:160@182,resnet50:160@182"
@@ -91,27 +92,6 @@ def bench_rec(
     return str(rec), str(idx)
 
 
-class StepRows:
-    """A steps_log for run_steps that keeps the rows."""
-
-    def __init__(self):
-        self.rows: list[dict] = []
-
-    def write(self, **row) -> None:
-        self.rows.append(row)
-
-
-def steady(rows: list[dict], warmup: int) -> dict:
-    """img/s and data-wait share over the steps after warm-up."""
-    kept = [r for r in rows if r["step"] >= warmup] or rows
-    wall = sum(r["wall_s"] for r in kept)
-    return {
-        "img_s": sum(r["images"] for r in kept) / wall,
-        "data_wait_share": sum(r["data_wait_s"] for r in kept) / wall,
-        "steps": len(kept),
-    }
-
-
 def train_config(args, model: str, size: int) -> dict:
     block = {
         "model": model,
@@ -130,23 +110,16 @@ def train_config(args, model: str, size: int) -> dict:
     return check_config({"dataset": "bench", "train": block}, REPO / "config" / "schema.yaml", workdir=REPO)["train"]
 
 
-def measure(cfg, d, batches, num_classes: int, steps: int) -> dict:
-    """Train `steps` steps on `batches` with the project's step; steady-state numbers after warm-up."""
+def measure(cfg, d, batches, num_classes: int, args) -> dict:
+    """Steady-state img/s and data-wait share of a fresh model trained on `batches` - through the same
+    measurement every training run's calibration makes (rectrain.train.calibrate)."""
     model, loss_fn = T.make_model(cfg, num_classes, d.device)
-    optimizer, scheduler, scaler = T.make_optimizer(cfg, model, cfg["batch_size"], steps)
-    rows = StepRows()
+    n = args.warmup + args.steps
+    optimizer, scheduler, scaler = T.make_optimizer(cfg, model, cfg["batch_size"], n)
     step = T.Step(model, loss_fn, optimizer, scheduler, scaler, 1, cfg["precision"], cfg["channels_last"], d)
-    T.run_steps(step, 0, batches, rows, max_steps=steps)
+    result = calibrate.measure(step, batches, args.steps, args.warmup)
     del model, optimizer
-    return rows.rows
-
-
-def synthetic(cfg, d, num_classes: int, n: int):
-    """The same batch, already on the device, n times: the ceiling no loader can beat."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(cfg["batch_size"], 3, cfg["image_size"], cfg["image_size"], generator=g).to(d.device)
-    y = torch.randint(0, num_classes, (cfg["batch_size"],), generator=g).to(d.device)
-    return ((x, y) for _ in range(n))
+    return result
 
 
 def bench_device(text: str) -> torch.device:
@@ -254,7 +227,8 @@ def bench(args, runs: list[tuple[str, int, int]], device: torch.device, scratch:
         T.set_backend_flags(cfg, device)
         rec, idx = bench_rec(args.rec, args.idx, scratch, records, side, args.quality, args.workers)
         log(f"{model} @{size}px (.rec {'side ' + str(side) if side else 'as packed'}): synthetic")
-        ceiling = steady(measure(cfg, d, synthetic(cfg, d, args.num_classes, n), args.num_classes, n), args.warmup)
+        shape = calibrate.Shape(cfg["batch_size"], cfg["image_size"], args.num_classes)
+        ceiling = measure(cfg, d, calibrate.synthetic_batches(shape, d.device, n), args.num_classes, args)
         log(f"  synthetic {ceiling['img_s']:.0f} img/s")
         base = {
             "gpu": gpu,
@@ -297,7 +271,7 @@ def loader_row(kind: str, spec: LoaderSpec, cfg: dict, d, args, base: dict) -> d
         raise SystemExit(f"{spec.rec} has {loader.batches_per_epoch} batches per epoch, fewer than {n}")
     batches = loader.epoch(0)
     try:
-        real = steady(measure(cfg, d, batches, args.num_classes, n), args.warmup)
+        real = measure(cfg, d, batches, args.num_classes, args)
     finally:
         batches.close()  # stop the loader's workers / pipeline now, not at garbage collection
     ratio = real["img_s"] / base["synthetic_img_s"]

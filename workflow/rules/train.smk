@@ -23,6 +23,8 @@ rule train:
         val_rec=f"{FAST}/val.rec",
         val_idx=f"{FAST}/val.idx",
         classes=f"results/{DS}/index/classes.tsv",
+        # part of the resume fingerprint: a repack is another run's data
+        manifest=f"results/{DS}/pack/train.manifest.json",
         code=code("train"),
     output:
         model=f"results/{DS}/train/model.pt",
@@ -48,4 +50,5 @@ rule train:
     shell:
         "python -m rectrain.train.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}"
         " --val-rec {input.val_rec:q} --val-idx {input.val_idx:q} --classes {input.classes:q}"
+        " --manifest {input.manifest:q}"
         " --out {params.out:q} --threads {threads}{params.stage} > {log:q} 2>&1"
