@@ -125,7 +125,7 @@ def step_bytes(batch):
 
 
 def dali_held(workers=8, image_size=224):
-    spec = LoaderSpec("t.rec", "t.idx", 0, image_size, device="cuda:0", workers=workers, dali=DaliOptions())
+    spec = LoaderSpec("t.rec", "t.idx", 0, image_size, device="cuda:0", workers=workers, dali=DaliOptions.defaults())
     choice = choose_loader("dali", has_cuda=True, has_dali=True, gpu_decode=True)
     return (memory.loader_reservation(choice, spec, "training"), memory.loader_reservation(choice, spec, "validation"))
 
@@ -165,7 +165,7 @@ def test_fixed_batch_that_fits_only_without_the_decoder_stops_naming_its_share()
 
 def test_decoder_padding_is_counted_per_decode_thread():
     one, four = dali_held(workers=1)[0], dali_held(workers=4)[0]
-    assert four.fixed_bytes == 4 * one.fixed_bytes == 4 * DaliOptions().device_memory_padding
+    assert four.fixed_bytes == 4 * one.fixed_bytes == 4 * DaliOptions.defaults().device_memory_padding
     cpu_spec = LoaderSpec("t.rec", "t.idx", 0, 224, device="cpu")
     assert memory.loader_reservation(choose_loader("dali", False, True), cpu_spec) is None, "nothing on a CPU run"
 
@@ -176,7 +176,7 @@ def test_budget_is_the_free_memory_plus_what_torch_already_caches(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
     b = budget(dali_held())
     assert b.available_bytes == FREE + GB // 4
-    assert b.held_bytes(0) == 2 * 8 * DaliOptions().device_memory_padding
+    assert b.held_bytes(0) == 2 * 8 * DaliOptions.defaults().device_memory_padding
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5, raising=False)
     assert budget(()).available_bytes == CARD // 2, "a per-process cap bounds the budget"
 
@@ -213,7 +213,7 @@ def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypat
     assert (batch, accum) == (128, 2) and report["auto"] and report["global_batch"] == 256
     assert "per decode thread x 8 threads" in report["why_lower"]
     # 8 threads x 201 MB padding + (2 prefetched + 1 in use) x 128 float32 images of 224 px, per loader
-    per_loader = (8 * DaliOptions().device_memory_padding + 3 * 128 * 3 * 224 * 224 * 4) / 2**20
+    per_loader = (8 * DaliOptions.defaults().device_memory_padding + 3 * 128 * 3 * 224 * 224 * 4) / 2**20
     assert report["held"] == {
         "held by the training loader's DALI mixed decoder": pytest.approx(per_loader, abs=0.1),
         "held by the validation loader's DALI mixed decoder": pytest.approx(per_loader, abs=0.1),
