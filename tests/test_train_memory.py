@@ -98,7 +98,7 @@ def test_cuda_error_hint_is_none_on_cpu():
 
 
 def test_illegal_memory_access_near_the_limit_gets_the_oom_hint(monkeypatch):
-    """The seed user's error: explained as OOM when reserved memory was near the card's size."""
+    """An 'illegal memory access' is explained as OOM when reserved memory was near the card's size."""
     monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 10900 * 2**20)

@@ -18,10 +18,12 @@ Each epoch's order is a pure function of (seed, epoch, rank), so a resumed run s
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
-import sys
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -171,7 +173,7 @@ def build_loader(kind: str, spec: LoaderSpec):
     The loader's `.choice` (LoaderChoice) says what runs; a DALI request without DALI falls back to torch."""
     choice = resolve_loader(kind, spec)
     if choice.note:
-        print(f"[loaders] {choice.note}", file=sys.stderr, flush=True)
+        log.warning(choice.note)
     loader = _build(choice.kind, spec)
     loader.choice = choice
     return loader

@@ -1,7 +1,7 @@
 """Copy a .rec/.idx pair to node-local storage once per node before training reads it.
 
 On a cluster the packed pair usually sits on a shared network filesystem; every epoch re-reading it
-from there is the seed lesson (data on slow storage starves the GPUs) made worse, so with
+from there starves the GPUs the way a .rec on a spinning disk does, only worse, so with
 `pack.stage_to_local: true` each node copies the pair to its local SSD first.
 
 Every rank may call `stage_pair`: an exclusive file lock in the local directory makes the first

@@ -1,6 +1,6 @@
 """Training telemetry for the report: per-rank step times, per-epoch metrics, a system sampler.
 
-Files (columns are a contract with the report, see CONTRACTS), written live under <out>/telemetry/:
+Files (columns are a contract with the report, see docs/architecture.md), written live under <out>/telemetry/:
   steps_rank<r>.csv  written by rank r while training; rank 0 merges them into <out>/steps.csv at the end
   epochs.csv         rank 0, one row per epoch
   system_node<k>.csv local rank 0 of node k, one row per sample interval (GPU columns only with NVML)
