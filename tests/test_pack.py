@@ -11,7 +11,7 @@ import cv2
 import numpy as np
 import psutil
 import pytest
-from helpers.packdata import EXPECTED, fake_sysfs, jpeg, kinds, kinds_dataset, photo, run_pack, write_dataset
+from helpers.packdata import EXPECTED, fake_sysfs, jpeg, kinds, kinds_dataset, pack_args, photo, run_pack, write_dataset
 from PIL import Image
 
 from rectrain import storage
@@ -271,26 +271,7 @@ def test_space_preflight_fails_before_writing_anything(tmp_path, monkeypatch, ca
     real = storage.shutil.disk_usage
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: real(p)._replace(free=100))
     out = tmp_path / "out"
-    rc = pack.main(
-        [
-            "--config-json",
-            "{}",
-            "--index",
-            str(index),
-            "--raw",
-            str(raw),
-            "--split",
-            "train",
-            "--rec",
-            str(out / "fast/train.rec"),
-            "--idx",
-            str(out / "fast/train.idx"),
-            "--manifest",
-            str(out / "pack/train.manifest.json"),
-            "--threads",
-            "1",
-        ]
-    )
+    rc = pack.main(pack_args(raw, index, out))
     err = capsys.readouterr().err
     assert rc == 2
     assert "has 100 B (100 bytes) free but this pack needs about" in err and "pack.fast_storage" in err
@@ -307,27 +288,7 @@ def test_sigkill_mid_pack_leaves_no_trusted_pair_and_rerun_verifies(tmp_path):
     import subprocess
     import sys
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "rectrain.data.pack",
-        "--config-json",
-        "{}",
-        "--index",
-        str(index),
-        "--raw",
-        str(raw),
-        "--split",
-        "train",
-        "--rec",
-        str(out / "fast/train.rec"),
-        "--idx",
-        str(out / "fast/train.idx"),
-        "--manifest",
-        str(out / "pack/train.manifest.json"),
-        "--threads",
-        "1",
-    ]
+    cmd = [sys.executable, "-m", "rectrain.data.pack", *pack_args(raw, index, out)]
     env = dict(os.environ, PYTHONPATH=str(pack.__file__).rsplit("/rectrain/", 1)[0])
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
     partial = out / "fast" / "train.rec.partial"

@@ -133,26 +133,11 @@ def kinds_dataset(root: Path) -> tuple[Path, Path, dict[int, str]]:
     return raw, index, kind_of
 
 
-def run_pack(
-    raw: Path,
-    index: Path,
-    out: Path,
-    cfg: dict | None = None,
-    threads: int = 2,
-    env: dict | None = None,
-    split: str = "train",
-    **popen,
-) -> subprocess.CompletedProcess:
-    """`python -m rectrain.data.pack` as the rule runs it; outputs under out/. These datasets plant a
-    few unreadable files among a dozen or so, far above a real dataset's share: the skip limit is
-    raised unless a test sets it."""
-    cfg = {"resize": 0, "quality": 90, "shuffle_seed": 0, "max_skipped_share": 0.5, **(cfg or {})}
-    cmd = [
-        sys.executable,
-        "-m",
-        "rectrain.data.pack",
+def pack_args(raw: Path, index: Path, out: Path, cfg_json: str = "{}", threads: int = 1, split: str = "train"):
+    """The pack command line's arguments as the rule passes them; outputs under out/fast and out/pack."""
+    return [
         "--config-json",
-        json.dumps(cfg),
+        cfg_json,
         "--index",
         str(index),
         "--raw",
@@ -168,6 +153,23 @@ def run_pack(
         "--threads",
         str(threads),
     ]
+
+
+def run_pack(
+    raw: Path,
+    index: Path,
+    out: Path,
+    cfg: dict | None = None,
+    threads: int = 2,
+    env: dict | None = None,
+    split: str = "train",
+    **popen,
+) -> subprocess.CompletedProcess:
+    """`python -m rectrain.data.pack` as the rule runs it; outputs under out/. These datasets plant a
+    few unreadable files among a dozen or so, far above a real dataset's share: the skip limit is
+    raised unless a test sets it."""
+    cfg = {"resize": 0, "quality": 90, "shuffle_seed": 0, "max_skipped_share": 0.5, **(cfg or {})}
+    cmd = [sys.executable, "-m", "rectrain.data.pack", *pack_args(raw, index, out, json.dumps(cfg), threads, split)]
     full_env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"), **(env or {}))
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300, **popen)
 
