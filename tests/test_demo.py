@@ -41,9 +41,10 @@ def defects(raw: Path) -> dict[str, dict]:
     return {d["kind"]: d for d in json.loads((raw / "defects.json").read_text())["defects"]}
 
 
-def test_same_seed_gives_identical_bytes_for_every_file_including_tars(raw, tmp_path):
+@pytest.mark.parametrize("processes", [1, 3], ids=["one process", "three drawing processes"])
+def test_same_seed_gives_identical_bytes_for_every_file_including_tars(raw, tmp_path, processes):
     again = tmp_path / "again"
-    demo.generate(CFG, again)
+    demo.generate(CFG, again, processes=processes)
     first, second = tree(raw), tree(again)
     assert sorted(first) == sorted(second)
     assert "archives/ILSVRC2012_img_train.tar" in first and "archives/ILSVRC2012_devkit_t12.tar.gz" in first

@@ -93,3 +93,45 @@ def test_cli_prints_the_command_it_would_exec():
     assert "CPU processes" in proc.stderr
     assert "torch.distributed.run --standalone --nproc_per_node=2" in proc.stderr
     assert "-m rectrain.train --config-json" in proc.stderr and "--print-only" not in proc.stderr.split("[launch]")[-1]
+
+
+def test_a_gpu_listed_twice_runs_two_ranks_on_it():
+    argv, env, plan = command({"devices": [0, 0]}, gpus=1)
+    assert "--nproc_per_node=2" in argv and env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "shared by that many ranks" in plan.reason and "gloo" in plan.reason
+
+
+def test_ranks_beyond_the_gpus_share_them_round_robin():
+    from rectrain.distributed import rank_device
+
+    assert [rank_device(r, 2, 2) for r in range(2)] == [(0, False), (1, False)]
+    assert [rank_device(r, 2, 1) for r in range(2)] == [(0, True), (0, True)]
+    assert [rank_device(r, 3, 2) for r in range(3)] == [(0, True), (1, True), (0, True)]
+
+
+@pytest.mark.parametrize("gpus, backend, device", [(2, "nccl", 1), (1, "gloo", 0)], ids=["own GPU", "shared GPU"])
+def test_shared_gpu_ranks_join_over_gloo_and_own_gpu_ranks_over_nccl(monkeypatch, gpus, backend, device):
+    """Rank 1 of 2 with `gpus` visible: NCCL refuses two ranks on one GPU, so sharing ranks use gloo."""
+    import torch
+
+    from rectrain import distributed
+
+    joined = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: joined.setdefault("set", dev))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        distributed.dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw)
+    )
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    d = distributed.setup(True, 60)
+    assert d.device == torch.device("cuda", device) == joined["set"]
+    assert joined["backend"] == backend and ("device_id" in joined) == (backend == "nccl")
+
+
+def test_slurm_books_a_shared_gpu_once():
+    from rectrain.train.resources import scheduled_gpus
+
+    assert scheduled_gpus([0, 0]) == 1 and scheduled_gpus([0, 1]) == 2

@@ -60,7 +60,11 @@ def plan_processes(train_cfg: dict, gpu_count: int) -> ProcessPlan:
                 f"train.devices asks for GPU ids {ids} but no GPU is visible; "
                 "set train.devices: cpu (or auto) to train on CPU processes"
             )
-        return ProcessPlan(len(ids), "gpu", ",".join(map(str, ids)), f"train.devices lists GPU ids {ids}")
+        unique = list(dict.fromkeys(ids))
+        why = f"train.devices lists GPU ids {ids}"
+        if len(unique) < len(ids):
+            why += " (a GPU listed more than once is shared by that many ranks, which then talk over gloo: NCCL needs one GPU per rank)"
+        return ProcessPlan(len(ids), "gpu", ",".join(map(str, unique)), why)
     raise ValueError(f"train.devices must be 'auto', 'cpu' or a list of GPU ids, got {devices!r}")
 
 
@@ -125,22 +129,37 @@ class Dist:
         return self.rank == 0
 
 
+def rank_device(local_rank: int, local_world: int, gpu_count: int) -> tuple[int, bool]:
+    """(GPU index, shared) for a local rank: its own GPU = LOCAL_RANK (never the global rank); with
+    more local ranks than visible GPUs (a GPU listed twice in train.devices) they share, round-robin."""
+    if local_world <= gpu_count:
+        return local_rank, False
+    return local_rank % gpu_count, True
+
+
 def setup(use_gpu: bool, timeout_s: float) -> Dist:
-    """What every rank does first (nanoGPT-style): device = LOCAL_RANK (never the global rank), NCCL on
-    GPUs, gloo on CPU, and a collective timeout so a lost peer ends the job instead of hanging it."""
+    """What every rank does first (nanoGPT-style): its device, NCCL on GPUs (gloo on CPU, or when ranks
+    share a GPU, which NCCL refuses), and a collective timeout so a lost peer ends the job instead of
+    hanging it."""
     # Without a launcher (evaluation on one device, a test): rank 0 of 1.
     rank, world, local = (int(os.environ.get(v, d)) for v, d in zip(LAUNCH_VARS, (0, 1, 0), strict=True))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     use_gpu = use_gpu and torch.cuda.is_available()
-    device = torch.device("cuda", local) if use_gpu else torch.device("cpu")
+    shared = False
     if use_gpu:
+        index, shared = rank_device(local, local_world, torch.cuda.device_count())
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
+        nccl = use_gpu and not shared
         dist.init_process_group(
-            "nccl" if use_gpu else "gloo",
+            "nccl" if nccl else "gloo",
             timeout=datetime.timedelta(seconds=float(timeout_s)),
-            **({"device_id": device} if use_gpu else {}),
+            **({"device_id": device} if nccl else {}),
         )
-    return Dist(rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
+    return Dist(rank, world, local, local_world, device)
 
 
 def teardown() -> None:

@@ -14,8 +14,10 @@ rule demo_data:
         f"benchmarks/demo_data/{DS}.tsv"
     conda:
         ENV
+    threads: all_cores
     params:
         cfg=cfg_json("demo"),
         out=lambda wildcards, output: os.path.dirname(output[0]),
     shell:
-        "python -m rectrain.data.demo --config-json {params.cfg:q} --out {params.out:q} > {log:q} 2>&1"
+        "python -m rectrain.data.demo --config-json {params.cfg:q} --out {params.out:q}"
+        " --threads {threads} > {log:q} 2>&1"

@@ -37,7 +37,9 @@ import logging
 import math
 import shutil
 import tarfile
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 
 import numpy as np
@@ -268,6 +270,13 @@ def _clear_owned(out: Path) -> None:
             target.unlink()
 
 
+class _InProcess(Executor):
+    """map() in this process: one drawing process needs no pool (and tests stay single-process)."""
+
+    def map(self, fn, *iterables, timeout=None, chunksize=1):
+        return map(fn, *iterables)
+
+
 @dataclass
 class _Painter:
     """Draws image n of class k in a split, deterministically from the seed."""
@@ -307,9 +316,10 @@ def _defect_entry(kind: str, action: str, why: str, wnid: str, name: str) -> dic
     }
 
 
-def _class_files(painter: _Painter, k: int, defects: list[int], manifest: list) -> list[tuple[str, bytes]]:
-    """(name, bytes) of one train class: its images, its planted defects, and (class 0) the stray file."""
-    cfg, wnid = painter.cfg, painter.classes[k][0]
+def _class_files(painter: _Painter, k: int, defects: list[int]) -> tuple[list[tuple[str, bytes]], list[dict]]:
+    """(name, bytes) of one train class - its images, its planted defects, and (class 0) the stray file -
+    and the defects' manifest entries."""
+    cfg, wnid, manifest = painter.cfg, painter.classes[k][0], []
     files = [(f"{wnid}_{n}.JPEG", painter.jpeg(SPLIT_TRAIN, k, n)) for n in range(1, cfg["train_per_class"] + 1)]
     for j, i in enumerate(defects):
         kind, action, why = DEFECTS[i]
@@ -321,15 +331,22 @@ def _class_files(painter: _Painter, k: int, defects: list[int], manifest: list) 
         files.append((STRAY_NAME, b"\x00" * 64))
         why = "not an image extension: the indexer lists it in unclassified.tsv"
         manifest.append(_defect_entry("stray", "unclassified", why, wnid, STRAY_NAME))
-    return sorted(files)
+    return sorted(files), manifest
 
 
-def _write_train(painter: _Painter, out: Path, manifest: list) -> int:
-    """train/<wnid>/ folders and the official-style tar of per-class tars; returns the file count."""
+def _val_image(painter: _Painter, i: int, k: int) -> tuple[bytes, tuple]:
+    img, box = painter.draw(SPLIT_VAL, k, i)
+    return jpeg_bytes(img, painter.cfg["quality"]), box
+
+
+def _write_train(painter: _Painter, out: Path, manifest: list, pool: Executor) -> int:
+    """train/<wnid>/ folders and the official-style tar of per-class tars; returns the file count.
+    Classes are drawn in parallel (each image has its own RNG) and written in class order."""
     defects, n_train, n_classes = _defects_by_class(painter.cfg), 0, painter.cfg["classes"]
+    jobs = pool.map(_class_files, repeat(painter), range(n_classes), (defects.get(k, []) for k in range(n_classes)))
     with tarfile.open(out / "archives" / TRAIN_TAR, mode="w", format=tarfile.USTAR_FORMAT) as train_tar:
-        for k, (wnid, _) in enumerate(painter.classes):
-            files = _class_files(painter, k, defects.get(k, []), manifest)
+        for k, ((wnid, _), (files, planted)) in enumerate(zip(painter.classes, jobs, strict=True)):
+            manifest.extend(planted)
             for name, data in files:
                 write(out / "train" / wnid / name, data)
             tar_member(train_tar, f"{wnid}.tar", tar_bytes(files))
@@ -338,7 +355,7 @@ def _write_train(painter: _Painter, out: Path, manifest: list) -> int:
     return n_train
 
 
-def _write_val(painter: _Painter, out: Path) -> tuple[np.ndarray, list, list, np.ndarray]:
+def _write_val(painter: _Painter, out: Path, pool: Executor) -> tuple[np.ndarray, list, list, np.ndarray]:
     """val/<wnid>/, val_flat/ and the val tar; returns (labels, Kaggle rows, devkit truth, ILSVRC ids)."""
     seed, n_classes = painter.cfg["seed"], painter.cfg["classes"]
     # Val: classes interleaved in a fixed random order, numbered 1..N like ILSVRC2012_val_XXXXXXXX.
@@ -347,12 +364,12 @@ def _write_val(painter: _Painter, out: Path) -> tuple[np.ndarray, list, list, np
     # ILSVRC2012_IDs are a permutation of 1..C that differs from wnid order, as in the real devkit.
     ilsvrc_id = np.random.default_rng([seed, 4]).permutation(n_classes) + 1
     solution, truth = [], []
+    labels = val_labels.tolist()
+    images = pool.map(_val_image, repeat(painter), range(1, len(labels) + 1), labels, chunksize=16)
     with tarfile.open(out / "archives" / VAL_TAR, mode="w", format=tarfile.USTAR_FORMAT) as val_tar:
-        for i, k in enumerate(val_labels.tolist(), start=1):
+        for i, (k, (data, (x1, y1, x2, y2))) in enumerate(zip(labels, images, strict=True), start=1):
             wnid = painter.classes[k][0]
             stem = f"ILSVRC2012_val_{i:08d}"
-            img, (x1, y1, x2, y2) = painter.draw(SPLIT_VAL, k, i)
-            data = jpeg_bytes(img, painter.cfg["quality"])
             write(out / "val" / wnid / f"{stem}.JPEG", data)
             write(out / "val_flat" / f"{stem}.JPEG", data)
             tar_member(val_tar, f"{stem}.JPEG", data)
@@ -388,14 +405,16 @@ def _write_label_files(out: Path, classes: list, val: tuple) -> None:
         gz.write(devkit)
 
 
-def generate(cfg: dict, out: Path) -> dict:
-    """Write the whole demo tree under out; returns a summary. .done is written last."""
+def generate(cfg: dict, out: Path, processes: int = 1) -> dict:
+    """Write the whole demo tree under out with `processes` drawing processes; returns a summary.
+    .done is written last.  The files are the same whatever the number of processes."""
     check_config(cfg)
     _clear_owned(out)
     (out / "archives").mkdir()
     painter, manifest = _Painter(cfg), []
-    n_train = _write_train(painter, out, manifest)
-    val = _write_val(painter, out)
+    with ProcessPoolExecutor(processes) if processes > 1 else _InProcess() as pool:
+        n_train = _write_train(painter, out, manifest, pool)
+        val = _write_val(painter, out, pool)
     _write_label_files(out, painter.classes, val)
     defects = {"seed": cfg["seed"], "defects": manifest}
     write(out / "defects.json", (json.dumps(defects, indent=2) + "\n").encode())
@@ -416,13 +435,14 @@ def main(argv: list[str] | None = None) -> None:
         "--config-json", required=True, help="the config's demo block as JSON; missing keys take the schema defaults"
     )
     parser.add_argument("--out", required=True, type=Path, help="raw root to write (results/demo/raw)")
+    parser.add_argument("--threads", type=int, default=1, help="drawing processes (the rule's threads)")
     args = parser.parse_args(argv)
     stage_log.setup("demo")
     try:
         cfg = stage_block("demo", args.config_json)
     except ConfigError as err:
         raise SystemExit(f"demo: {err}") from None
-    generate(cfg, args.out)
+    generate(cfg, args.out, processes=args.threads)
 
 
 if __name__ == "__main__":

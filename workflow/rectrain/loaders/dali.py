@@ -56,8 +56,9 @@ def _pipeline(
     eval_resize: int,
     decode_device: str,
     decoder_kwargs: dict,
+    on_gpu: bool,
 ):
-    """Normalised float32 HWC images + float labels, one rank's shard."""
+    """Normalised float32 HWC images + float labels, one rank's shard; both on the GPU when on_gpu."""
     jpegs, labels = fn.readers.mxnet(
         path=rec,
         index_path=idx,
@@ -86,6 +87,12 @@ def _pipeline(
         images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **decoder_kwargs)
         images = fn.resize(images, resize_shorter=eval_resize)
         mirror = False
+    if on_gpu:
+        # Everything leaves the pipeline on the GPU, copied by DALI on its own stream: a CPU output
+        # would be DALI-owned pinned memory that torch copies asynchronously while DALI already
+        # refills it for the next batch (gpu_decode: false).  uint8 before normalising: 4x less to copy.
+        images = images.gpu() if decode_device == "cpu" else images
+        labels = labels.gpu()
     # Normalised float in HWC: viewed as NCHW in torch it is channels_last with no copy.
     images = fn.crop_mirror_normalize(
         images,
@@ -125,6 +132,7 @@ class DaliLoader:
             eval_resize=s.eval_resize,
             decode_device=decode_device,
             decoder_kwargs=decoder_args(decode_device, s.dali),
+            on_gpu=gpu,
             batch_size=s.batch_size,
             num_threads=max(1, s.workers),
             device_id=device_id,

@@ -161,6 +161,11 @@ class TorchLoader:
         # stream (the training loop keeps the host a step ahead), instead of queueing behind it.
         side = torch.cuda.Stream(device) if self.decode_on_device and device.type == "cuda" else None
         for images, labels, _ids in self.batches(epoch):
+            if side:
+                # nvJPEG writes the decoded images from its own stream into tensors allocated on `side`;
+                # the allocator hands `side` memory back as soon as the previous batch's kernels are
+                # queued, not done, so they must be done before nvJPEG may write into it.
+                side.synchronize()
             with torch.cuda.stream(side) if side else contextlib.nullcontext():
                 if self.decode_on_device:
                     images = self._decode_batch(images, device)

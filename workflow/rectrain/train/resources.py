@@ -19,7 +19,7 @@ def scheduled_gpus(devices) -> int:
     """GPUs the train job will hold, for the rule's `resources: gpus`.  Uses NVML, not torch, so the
     Snakefile parses fast; torchrun's process count is still decided by plan_processes at run time."""
     if isinstance(devices, list):
-        return len(devices)
+        return len(set(devices))  # a GPU listed twice is shared by two ranks, still one GPU
     if devices == "cpu":
         return 0
     from rectrain.train.telemetry import gpu_inventory

@@ -416,7 +416,7 @@ def wrap(run: Run) -> None:
     d = run.d
     net = run.model
     if d.world_size > 1:
-        net = DDP(run.model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+        net = DDP(run.model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     run.step.net = torch.compile(net) if run.cfg["compile"] else net
 
 
@@ -655,7 +655,8 @@ def _explain_failure(exc: BaseException, cfg: dict) -> str:
     rank = os.environ.get("RANK", "?")
     batch = cfg.get("batch_size") if isinstance(cfg, dict) else None
     on_gpu = torch.cuda.is_available() and isinstance(cfg, dict) and cfg.get("devices") != "cpu"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    # setup() chose the rank's GPU (ranks may share one); before it ran, this is GPU 0.
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     world = int(os.environ.get("WORLD_SIZE", 1))
     hint = memory.explain_cuda_error(exc, device, batch if isinstance(batch, int) else 0, world)
     return f"rank {rank} failed: {type(exc).__name__}: {exc}" + (f"\n{hint}" if hint else "")
