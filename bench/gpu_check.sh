@@ -16,7 +16,8 @@
 # Environment: PYTHON (default python3); GPU_CHECK_WORK (the pipeline's working folder, default the
 # repository); GPU_CHECK_SCRATCH (default $TMPDIR/rectrain-gpu-check); GPU_CHECK_WHEELS (the wheel
 # parts, default .whl; unpacked only when snakemake or DALI is missing); GPU_CHECK_SNAKEMAKE_ARGS (extra
-# arguments, e.g. --config overrides for a small CPU rehearsal); GPU_CHECK_DEADLINE_S (end every part
+# arguments, e.g. --config overrides for a small CPU rehearsal); GPU_CHECK_EFFICIENCY_ARGS (extra
+# arguments for bench/gpu_efficiency.py, e.g. --runs resnet50:224 --hw-decoder-load 0.9); GPU_CHECK_DEADLINE_S (end every part
 # by this many seconds after the start, default BUDGET_S - LIMIT_SUMMARY_S: a rehearsal can shorten it).
 set -uo pipefail
 
@@ -127,6 +128,9 @@ with tarfile.open(fileobj=sys.stdin.buffer, mode=\"r|xz\") as t: t.extractall(sy
     VENV="$SCRATCH/venv"
     [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV" || rm -rf "$VENV"
     [ -x "$VENV/bin/python" ] || { FAILED+=("no venv module for $PY: cannot install the wheels"); exit 2; }
+    # The venv must also see packages outside the base interpreter's site folders ($PY may itself be a
+    # venv, as on the lent machine): bench/overlay_venv.py.
+    "$PY" "$REPO/bench/overlay_venv.py" "$VENV" || { FAILED+=("overlay_venv.py failed: the venv cannot see $PY's packages"); exit 2; }
     pip_install() {  # pip_install "<wheel folders>" <requirements...>
         local links=(--no-index) d dirs=$1
         shift
@@ -159,8 +163,10 @@ run_part pipeline "$LIMIT_PIPELINE_S" "$PY" -m snakemake --snakefile "$REPO/Snak
 # --- 3. efficiency: loaders vs synthetic -------------------------------------------------------------
 REC=$WORK/results/fast_storage/gpudemo/train.rec
 if [ -f "$REC" ]; then
+    # shellcheck disable=SC2086 # GPU_CHECK_EFFICIENCY_ARGS is a list of words
     run_part efficiency "$LIMIT_EFFICIENCY_S" "$PY" bench/gpu_efficiency.py --rec "$REC" --idx "${REC%.rec}.idx" \
-        --out "$SCRATCH/tables" --scratch "$SCRATCH/efficiency" --steps 25 --warmup 6 --batch 256
+        --out "$SCRATCH/tables" --scratch "$SCRATCH/efficiency" --steps 25 --warmup 6 --batch 256 \
+        ${GPU_CHECK_EFFICIENCY_ARGS:-}
     cp -f "$SCRATCH/tables/gpu_efficiency.md" "$OUTDIR/" 2>/dev/null
 else
     FAILED+=("efficiency (skipped: no $REC, the pipeline did not pack)")

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         + (
             auto.get("error")
             or f"batch {auto['batch']} x grad_accum {auto['grad_accum']} "
-            f"(peak {auto['report'].get('peak_mb')} MB of {auto['report'].get('total_mb')} MB)"
+            f"(needs {auto['report']['need_mb']:.0f} MB of the {auto['report']['free_mb']:.0f} MB free)"
         ),
     ]
     text = "\n".join(lines) + "\n"

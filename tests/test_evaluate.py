@@ -286,3 +286,22 @@ def test_two_ranks_under_torchrun_equal_one_pass(val_set, tmp_path):
     assert a["top1"] == b["top1"] and a["top5"] == b["top5"]
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     pd.testing.assert_frame_equal(pd.read_csv(single / "per_class.csv"), pd.read_csv(two / "per_class.csv"))
+
+
+def test_a_tally_counted_under_inference_mode_is_summed_into_a_normal_tensor(tmp_path):
+    """On the GPU, gloo's all_reduce of a CUDA tensor writes the sum back into it, which an inference
+    tensor forbids (the first GPU run died there, in training's validation). The sum must be a copy."""
+    import torch.distributed as dist
+
+    from rectrain.evaluate import Tally, all_reduce
+
+    with torch.inference_mode():
+        t = Tally(confusion=torch.eye(3, dtype=torch.int64) * 2, top5_hits=5, loss_sum=1.5, seconds=0.5)
+    assert t.confusion.is_inference()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        summed = all_reduce(t, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert not summed.confusion.is_inference()
+    assert summed.images == 6 and summed.top5_hits == 5 and summed.loss_sum == 1.5

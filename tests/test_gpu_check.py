@@ -9,6 +9,7 @@ import signal
 import subprocess
 import tarfile
 import time
+from pathlib import Path
 
 import pytest
 from helpers import REPO
@@ -176,3 +177,29 @@ def test_archive_leaves_out_what_would_pass_its_cap_and_says_so(tmp_path):
         assert tar.extractfile("train/steps.csv").read() == small.read_bytes()
     left_out = gpu_summary.pack([(small, "train/steps.csv"), (big, "report.html")], dest, cap_bytes=4 * MIB)
     assert left_out == [] and 3 * MIB < dest.stat().st_size <= 4 * MIB
+
+
+def test_a_venv_made_from_a_venv_sees_the_interpreters_packages_after_the_overlay(tmp_path):
+    """On the lent machine python3 is itself a venv holding torch and numpy; a venv made from it with
+    --system-site-packages saw neither (the first GPU run failed on `import numpy`). Here a venv with one
+    marker package plays that interpreter."""
+
+    def make_venv(python, path):
+        subprocess.run([str(python), "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True)
+        return path / "bin" / "python"
+
+    def site(python):
+        code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        return Path(subprocess.run([str(python), "-c", code], capture_output=True, text=True).stdout.strip())
+
+    interpreter = make_venv(VENV_PYTHON, tmp_path / "interpreter")
+    (site(interpreter) / "only_in_the_interpreter.py").write_text("MARK = 1\n")
+    venv_python = make_venv(interpreter, tmp_path / "overlay")
+    probe = [str(venv_python), "-c", "import only_in_the_interpreter"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    assert subprocess.run(probe, capture_output=True, env=env).returncode != 0, "the plain venv already sees it"
+    subprocess.run([str(interpreter), str(REPO / "bench" / "overlay_venv.py"), str(tmp_path / "overlay")], check=True)
+    assert subprocess.run(probe, capture_output=True, env=env).returncode == 0
+    # The venv's own packages still come first (what pip installs there wins over the interpreter's).
+    order = subprocess.run([str(venv_python), "-c", "import sys; print(sys.path)"], capture_output=True, text=True)
+    assert order.stdout.index(str(site(venv_python))) < order.stdout.index(str(site(interpreter)))

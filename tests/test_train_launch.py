@@ -126,9 +126,10 @@ def test_shared_gpu_ranks_join_over_gloo_and_own_gpu_ranks_over_nccl(monkeypatch
     )
     for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda: joined["backend"])
     d = distributed.setup(True, 60)
     assert d.device == torch.device("cuda", device) == joined["set"]
-    assert joined["backend"] == backend and ("device_id" in joined) == (backend == "nccl")
+    assert joined["backend"] == d.backend == backend and ("device_id" in joined) == (backend == "nccl")
 
 
 def test_slurm_books_a_shared_gpu_once():

@@ -123,6 +123,7 @@ class Dist:
     local_rank: int
     local_world_size: int
     device: torch.device
+    backend: str = "none (one process)"
 
     @property
     def master(self) -> bool:
@@ -159,7 +160,8 @@ def setup(use_gpu: bool, timeout_s: float) -> Dist:
             timeout=datetime.timedelta(seconds=float(timeout_s)),
             **({"device_id": device} if nccl else {}),
         )
-    return Dist(rank, world, local, local_world, device)
+    backend = dist.get_backend() if world > 1 else Dist.backend
+    return Dist(rank, world, local, local_world, device, backend)
 
 
 def teardown() -> None:

@@ -147,7 +147,9 @@ def all_reduce(t: Tally, device: torch.device) -> Tally:
 
     if not (dist.is_available() and dist.is_initialized()):
         return t
-    conf = t.confusion.to(device)
+    # clone(): the tally was counted under inference_mode, and an inference tensor cannot be updated
+    # in place outside it (gloo's all_reduce of a CUDA tensor copies the sum back into it).
+    conf = t.confusion.to(device).clone()
     sums = torch.tensor([t.top5_hits, t.loss_sum], dtype=torch.float64, device=device)
     secs = torch.tensor([t.seconds], dtype=torch.float64, device=device)
     dist.all_reduce(conf)

@@ -184,7 +184,8 @@ def resize_saving(sizes: pd.DataFrame | None, resize: int) -> tuple[float, float
 
 
 def on_gpu(run: Mapping) -> bool:
-    return run.get("backend") == "nccl" or bool(run.get("gpus"))
+    cuda = any(str(dev).startswith("cuda") for dev in run.get("devices") or [])
+    return run.get("backend") == "nccl" or cuda or bool(run.get("gpus"))
 
 
 def gpu_names(run: Mapping) -> list[str]:

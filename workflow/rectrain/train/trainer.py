@@ -434,8 +434,8 @@ def run_info(run: Run, start_epoch: int) -> dict:
     return {
         "world_size": d.world_size,
         "nodes": cfg["nodes"],
-        "devices": [str(d.device)] if d.device.type == "cpu" else [f"cuda:{i}" for i in range(d.local_world_size)],
-        "backend": "nccl" if d.device.type == "cuda" else "gloo",
+        "devices": local_devices(d),
+        "backend": d.backend,
         "loader": loader.kind,
         "model": cfg["model"],
         "precision": cfg["precision"],
@@ -601,6 +601,14 @@ def finish(run: Run) -> None:
     ckpt.save_atomic(ckpt.load(run.ck_dir / "last.pt"), out / "model.pt")
     ckpt.mark_finished(run.ck_dir, out / "model.pt")
     log.info("done: %s", out / "model.pt")
+
+
+def local_devices(d: Dist) -> list[str]:
+    """The device of each rank on this node (ranks may share a GPU)."""
+    if d.device.type == "cpu":
+        return [str(d.device)]
+    gpus = torch.cuda.device_count()
+    return [f"cuda:{distributed.rank_device(r, d.local_world_size, gpus)[0]}" for r in range(d.local_world_size)]
 
 
 def log_start(run: Run) -> None:
