@@ -333,3 +333,21 @@ def test_run_without_calibration_says_not_measured_and_keeps_the_data_wait_diagn
     assert "input efficiency" not in waited.measured and "pack.fast_storage" in waited.fix
     skipped = run_diag(run=make_run(gpus=2, calibration=make_calibration(skipped="train.calibrate is false")))
     assert "not measured: the calibration did not run (train.calibrate is false)" in skipped["no_problems"].measured
+
+
+def test_gpu_busy_in_the_steps_but_idle_around_them_is_not_called_underused():
+    """The first GPU run: 84-100 % while its 20-step epochs ran, 0 % during start-up, validation and
+    set-up between them - 44 % over the run. Utilisation is judged inside the steps."""
+    steps = make_steps({0: 0.01, 1: 0.01}, epochs=2, steps=10, step_s=0.5)  # epochs at t0+0.5..5, 5.5..10
+    system = make_system(n=40, gpus={0: (0.0, 7000.0, 11264.0)}, cpu_jitter=0.0)  # t0 .. t0+39
+    in_steps = system["time"].between(steps["time"].min(), steps["time"].max())
+    system.loc[in_steps, "gpu0_util"] = 95.0
+    assert system["gpu0_util"].mean() < 30  # the whole-run mean that fooled the old diagnosis
+    found = {f.id for f in diagnose(steps, system, make_run(gpus=1), {"train": make_manifest("train")}, REPORT_CFG)}
+    assert "low_gpu_util" not in found
+    system.loc[in_steps, "gpu0_util"] = 40.0
+    found = {f.id: f for f in diagnose(steps, system, make_run(gpus=1), {}, REPORT_CFG)}
+    assert (
+        "mean GPU util 40 %" in found["low_gpu_util"].measured
+        and "during the training steps" in found["low_gpu_util"].measured
+    )

@@ -67,6 +67,19 @@ def gpu_util_mean(system: pd.DataFrame) -> dict[int, float]:
     return out
 
 
+def during_steps(system: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """The system samples taken while some rank was inside an epoch's training steps (from its first
+    step's end to its last's): start-up, validation and per-epoch set-up left out, which dominate a
+    short run's wall time and would make a busy GPU look idle. All samples when none fall inside."""
+    if system.empty or steps.empty or "time" not in steps or "time" not in system:
+        return system
+    windows = steps.groupby("epoch")["time"].agg(["min", "max"])
+    inside = pd.Series(False, index=system.index)
+    for lo, hi in windows.itertuples(index=False):
+        inside |= system["time"].between(lo, hi)
+    return system[inside] if inside.any() else system
+
+
 def train_setting(run: Mapping | None, key: str):
     """A training setting as the run used it: run.json's own field, else its copy of the train block."""
     run = run or {}
