@@ -10,7 +10,7 @@ import jinja2
 import pandas as pd
 import yaml
 
-from rectrain.report import efficiency, plots, provenance
+from rectrain.report import efficiency, plots, projection, provenance
 from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
 from rectrain.report.stats import (
@@ -20,6 +20,7 @@ from rectrain.report.stats import (
     overall_data_wait_share,
     steady_steps,
 )
+from rectrain.train.progress import duration
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The pipeline's own checkout (workflow/rectrain/report/ -> repo root): its commit is the code that
@@ -52,6 +53,7 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["num"] = num
+    env.filters["duration"] = lambda s: "-" if s is None else duration(s)
     return env
 
 
@@ -216,7 +218,15 @@ def summary(data: RunData, config: dict, rates: dict) -> dict:
         "train_img_s": rates["total"],
         "total_wall_s": float(bench["s"].sum()) if not bench.empty and "s" in bench else None,
         "stages": [(r["rule"], r.get("s")) for r in bench.to_dict("records")],
+        "image_mpx": image_mpx(data.image_sizes),
     }
+
+
+def image_mpx(sizes: pd.DataFrame | None) -> float | None:
+    """Mean megapixels of the sampled packed train images (the per-image cost a projection carries over)."""
+    if sizes is None or sizes.empty:
+        return None
+    return float((sizes["width"] * sizes["height"]).mean() / 1e6)
 
 
 def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
@@ -231,6 +241,8 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
     context = {
         "title": report_cfg["title"],
         "summary": summary(data, config, rates),
+        "projection": projection.project(data.steps, data.epochs, data.run, data.metrics),
+        "imagenet": {"train": projection.IMAGENET_TRAIN, "val": projection.IMAGENET_VAL},
         "findings": findings,
         "rates": rates,
         "eff": efficiency_headline(eff, data.steps),
