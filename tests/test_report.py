@@ -275,6 +275,28 @@ def test_full_run_report_stays_small(full_run_report):
     assert len(full_run_report.encode()) < FULL_RUN_LIMIT_BYTES
 
 
+def test_long_run_plots_are_bands_per_epoch_and_short_runs_bands_over_time(full_run_report):
+    from helpers.synthetic_run import make_steps, make_system
+
+    from rectrain.report import plots
+
+    long_steps = make_steps({0: 0.02, 1: 0.03}, epochs=90, steps=10)
+    axis = plots.time_axis(long_steps, make_system(450))
+    assert axis.label == "epoch"
+    data = plots.throughput_over_time(long_steps, axis)
+    # one row per (series, epoch): 90 epochs x (total, rank 0, rank 1), not 1,800 step points
+    assert len(data) == 270 and sorted(data["x"].unique()) == list(range(90))
+    assert set(data.columns) == {"series", "x", "lo", "mid", "hi"}
+    total = data[data["series"] == "total"]
+    assert (total["mid"] == 128.0).all() and (total["lo"] <= total["mid"]).all() and (total["mid"] <= total["hi"]).all()
+    for alt in ("images per second per epoch", "data-wait share per epoch", "disk reads per epoch"):
+        assert f"{alt} (median and 10-90th percentile band)" in full_run_report
+
+    short = plots.time_axis(make_steps({0: 0.0}), make_system())
+    assert short.label == "time since start (s)"
+    assert plots.throughput_over_time(make_steps({0: 0.0}), short)["x"].nunique() <= 61
+
+
 def _between(html: str, start: str, end: str) -> str:
     return html[html.index(start) : html.index(end, html.index(start))]
 

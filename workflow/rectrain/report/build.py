@@ -233,7 +233,7 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
     """The report as one self-contained HTML string."""
     report_cfg = config["report"]
     findings = diagnose(data.steps, data.system, data.run, data.manifests, report_cfg, image_sizes=data.image_sizes)
-    t0 = plots.start_time(data.steps, data.system)
+    axis = plots.time_axis(data.steps, data.system)
     eff = efficiency.input_efficiency(data.steps, data.run)
     rates = training_rates(data.steps, eff)
     views = class_views(class_table(data.per_class, data.classes), int(report_cfg["classes_shown"]))
@@ -258,11 +258,12 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
             dict.fromkeys(w for m in data.manifests.values() if (w := (m.get("storage") or {}).get("warning")))
         ),
         "stages": data.benchmarks.to_dict("records"),
+        "plot_x": axis.words if axis else "",
         "plots": {
-            "throughput": plots.throughput_plot(data.steps, t0),
-            "step_split": plots.step_split_plot(data.steps, t0),
-            "gpu": plots.gpu_plot(data.system, t0),
-            "cpu_io": plots.cpu_io_plot(data.system, t0),
+            "throughput": plots.throughput_plot(data.steps, axis),
+            "step_split": plots.step_split_plot(data.steps, axis),
+            "gpu": plots.gpu_plot(data.system, axis),
+            "cpu_io": plots.cpu_io_plot(data.system, axis),
             "learning": plots.learning_plot(data.epochs),
             "classes": plots.classes_plot(views["worst"], views["best"]),
             "stages": plots.stages_plot(data.benchmarks),
