@@ -334,8 +334,7 @@ def test_full_run_shows_worst_best_confused_and_a_finder_for_every_class(full_ru
 
 def test_time_projection_from_a_run_of_known_throughput(tmp_path):
     """2 ranks x 32 images per 0.5 s step = 128 img/s steady; 2 epochs of 20 steps; evaluation 400 img/s on
-    40 images (helpers.synthetic_run).  Full ImageNet at batch 128 on 2 ranks: 1,281,167 padded to
-    2 x 5005 x 128 = 1,281,280 images."""
+    40 images (helpers.synthetic_run); full ImageNet: 1,281,167 train and 50,000 val images."""
     from rectrain.report.projection import project
 
     paths = write_run(tmp_path)
@@ -345,9 +344,9 @@ def test_time_projection_from_a_run_of_known_throughput(tmp_path):
     assert (p.run.train_images, p.run.val_images, p.run.epochs) == (1280, 40, 2)
     assert p.run.train_s == pytest.approx(10.0) and p.run.val_s == pytest.approx(0.1)
     assert p.run.run_s == pytest.approx(2 * 10.1)
-    assert (p.imagenet.train_images, p.imagenet.val_images, p.imagenet.epochs) == (1_281_280, 50_000, 2)
-    assert p.imagenet.train_s == pytest.approx(10_010.0) and p.imagenet.val_s == pytest.approx(125.0)
-    assert p.imagenet.run_s == pytest.approx(2 * 10_135.0)
+    assert (p.imagenet.train_images, p.imagenet.val_images, p.imagenet.epochs) == (1_281_167, 50_000, 2)
+    assert p.imagenet.train_s == pytest.approx(1_281_167 / 128) and p.imagenet.val_s == pytest.approx(125.0)
+    assert p.imagenet.run_s == pytest.approx(2 * (1_281_167 / 128 + 125))  # 20,268.2 s
     assert p.measured_run_s == 20 * 60 and p.measured_train_s == 30.0
 
     html = build(data, config(), repo=tmp_path)
@@ -356,8 +355,8 @@ def test_time_projection_from_a_run_of_known_throughput(tmp_path):
     assert head.index("full ImageNet, 2 epochs<b>5 h 37 min</b><small>2 h 48 min per epoch") < head.index("<table>")
     assert "this run, 2 epochs<b>20 s</b><small>10 s per epoch" in head
     assert "At the measured steady <b>128.0 img/s</b>" in head and "the evaluate stage's 400.0 img/s" in head
-    assert "1,281,167 train images, padded to 1,281,280 for 2 rank(s)" in head
-    assert "(2 h 46 min training, 2 min 05 s validation)" in head
+    assert "(1,281,167 train and 50,000 val images)" in head
+    assert "(2 h 46 min training, 2 min 05 s validation)" in head  # 10,009 s and 125 s
 
 
 def test_no_imagenet_projection_for_a_run_of_imagenet_size(tmp_path):

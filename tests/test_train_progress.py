@@ -4,7 +4,8 @@ import logging
 
 import pytest
 
-from rectrain.train.progress import Progress, RunProgress, duration, epoch_eta_s, run_eta_s
+from rectrain.log import duration
+from rectrain.train.progress import Progress, RunProgress, epoch_eta_s, run_eta_s
 
 
 def test_epoch_eta_is_the_remaining_steps_at_the_measured_step_time():

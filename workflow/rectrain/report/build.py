@@ -10,6 +10,7 @@ import jinja2
 import pandas as pd
 import yaml
 
+from rectrain.log import duration
 from rectrain.report import efficiency, plots, projection, provenance
 from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
@@ -20,7 +21,6 @@ from rectrain.report.stats import (
     overall_data_wait_share,
     steady_steps,
 )
-from rectrain.train.progress import duration
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The pipeline's own checkout (workflow/rectrain/report/ -> repo root): its commit is the code that
@@ -242,7 +242,6 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
         "title": report_cfg["title"],
         "summary": summary(data, config, rates),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics),
-        "imagenet": {"train": projection.IMAGENET_TRAIN, "val": projection.IMAGENET_VAL},
         "findings": findings,
         "rates": rates,
         "eff": efficiency_headline(eff, data.steps),

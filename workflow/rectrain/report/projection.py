@@ -4,8 +4,8 @@ The number a user with two GPUs and a deadline wants first.  Computed from measu
   training   steady img/s of all ranks (steps.csv without each epoch's first step, the input
              efficiency's real rate) over the images one epoch trains (steps.csv, padding included)
   validation the evaluate stage's img/s (metrics.json) over the val images, once per epoch
-and for full ImageNet the same rates over 1,281,167 train images (padded to this run's ranks x batch, as
-the loaders pad) and 50,000 val images, for the configured epochs.  Loader start-up (each epoch's first
+and for full ImageNet the same rates over 1,281,167 train images and 50,000 val images, for the
+configured epochs (the loaders' padding to full batches, under ranks x batch images, is left out).  Loader start-up (each epoch's first
 step) and checkpoint writing are not in it; the run's measured wall time stands beside it as a check.
 Pure functions over parsed telemetry, like diagnosis.py.
 """
@@ -18,7 +18,6 @@ from typing import Mapping
 
 import pandas as pd
 
-from rectrain.loaders import train_padding
 from rectrain.report.efficiency import steady_rates
 from rectrain.report.stats import train_setting
 
@@ -88,8 +87,6 @@ def project(steps: pd.DataFrame, epochs_csv: pd.DataFrame, run: Mapping, metrics
     this = plan(images_per_epoch(steps), int(metrics.get("images") or 0), (train_rate, val_rate), epochs)
     full = None
     if this.train_images < IMAGENET_TRAIN:
-        batch = int(train_setting(run, "batch_size") or 1)  # per device: the loaders pad to full batches
-        padded = IMAGENET_TRAIN + train_padding(IMAGENET_TRAIN, ranks, batch)
-        full = plan(padded, IMAGENET_VAL, (train_rate, val_rate), epochs)
+        full = plan(IMAGENET_TRAIN, IMAGENET_VAL, (train_rate, val_rate), epochs)
     wall = epochs_csv["wall_s"].mean() if "wall_s" in epochs_csv and not epochs_csv.empty else None
     return Projection(train_rate, val_rate, ranks, this, full, _run_seconds(run), wall)

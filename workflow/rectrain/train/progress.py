@@ -22,21 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from rectrain.log import duration
+
 log = logging.getLogger(__name__)
-
-
-def duration(seconds: float) -> str:
-    """'45 s', '12 min 05 s', '3 h 07 min', '2 d 04 h': the precision a deadline needs."""
-    if not math.isfinite(seconds):
-        return "unknown"
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    if s < 86400:
-        return f"{s // 3600} h {s % 3600 // 60:02d} min"
-    return f"{s // 86400} d {s % 86400 // 3600:02d} h"
 
 
 def epoch_eta_s(done: int, total: int, step_s: float) -> float:
