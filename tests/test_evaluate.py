@@ -3,7 +3,9 @@ and across process counts, and writes the contracted metrics.json / per_class.cs
 
 import io
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -113,7 +115,10 @@ def val_set(tmp_path_factory):
 
 
 def cfg(loader, **kw):
-    return {"loader": loader, "batch_size": 8, "resize": RESIZE, "crop": None, "workers": 1, **kw}
+    """The evaluate block, completed from the schema as the rule's is."""
+    return stage_block(
+        "evaluate", json.dumps({"loader": loader, "batch_size": 8, "resize": RESIZE, "workers": 1, **kw})
+    )
 
 
 def manual_predictions(vs):
@@ -133,8 +138,8 @@ def manual_predictions(vs):
     return np.array(truth), np.array(pred)
 
 
-def evaluate(vs, loader, out):
-    return run(cfg(loader), vs["ckpt"], vs["rec"], vs["idx"], vs["classes"], str(out))
+def evaluate(vs, loader, out, **kw):
+    return run(cfg(loader, **kw), vs["ckpt"], vs["rec"], vs["idx"], vs["classes"], str(out))
 
 
 def test_torch_loader_top1_matches_a_manual_pil_loop(val_set, tmp_path):
@@ -159,6 +164,19 @@ def test_dali_and_torch_loaders_agree_on_the_same_checkpoint(val_set, tmp_path):
     a = pd.read_csv(tmp_path / "dali" / "per_class.csv", keep_default_na=False)
     b = pd.read_csv(tmp_path / "torch" / "per_class.csv", keep_default_na=False)
     pd.testing.assert_frame_equal(a, b)
+
+
+def test_evaluation_logs_a_progress_line_per_interval_with_batch_k_of_k_and_an_eta(val_set, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="rectrain"):
+        evaluate(val_set, "torch", tmp_path, progress_s=0.001)
+    lines = [m for m in caplog.messages if m.startswith("evaluation batch")]
+    # 31 images in batches of 8: 4 batches, a line after each but the first (the loader's start-up)
+    assert [line.split(":")[0] for line in lines] == [f"evaluation batch {k}/4" for k in (2, 3, 4)]
+    for line in lines:
+        found = re.search(
+            r": ([\d.]+) img/s \(all 1 rank\(s\), last 1 step\(s\)\), data wait (\d+) %, ETA (\d+) s$", line
+        )
+        assert found and float(found[1]) > 0 and 0 <= int(found[2]) <= 100, line
 
 
 def test_outputs_follow_the_contract(val_set, tmp_path):

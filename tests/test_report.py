@@ -275,6 +275,28 @@ def test_full_run_report_stays_small(full_run_report):
     assert len(full_run_report.encode()) < FULL_RUN_LIMIT_BYTES
 
 
+def test_long_run_plots_are_bands_per_epoch_and_short_runs_bands_over_time(full_run_report):
+    from helpers.synthetic_run import make_steps, make_system
+
+    from rectrain.report import plots
+
+    long_steps = make_steps({0: 0.02, 1: 0.03}, epochs=90, steps=10)
+    axis = plots.time_axis(long_steps, make_system(450))
+    assert axis.label == "epoch"
+    data = plots.throughput_over_time(long_steps, axis)
+    # one row per (series, epoch): 90 epochs x (total, rank 0, rank 1), not 1,800 step points
+    assert len(data) == 270 and sorted(data["x"].unique()) == list(range(90))
+    assert set(data.columns) == {"series", "x", "lo", "mid", "hi"}
+    total = data[data["series"] == "total"]
+    assert (total["mid"] == 128.0).all() and (total["lo"] <= total["mid"]).all() and (total["mid"] <= total["hi"]).all()
+    for alt in ("images per second per epoch", "data-wait share per epoch", "disk reads per epoch"):
+        assert f"{alt} (median and 10-90th percentile band)" in full_run_report
+
+    short = plots.time_axis(make_steps({0: 0.0}), make_system())
+    assert short.label == "time since start (s)"
+    assert plots.throughput_over_time(make_steps({0: 0.0}), short)["x"].nunique() <= 61
+
+
 def _between(html: str, start: str, end: str) -> str:
     return html[html.index(start) : html.index(end, html.index(start))]
 
@@ -305,3 +327,43 @@ def test_full_run_shows_worst_best_confused_and_a_finder_for_every_class(full_ru
     finder = classes[classes.index('<details id="class-finder">') :]
     wnids = re.findall(r"<tr><td>\d+</td><td>(n\d{8})</td>", finder)
     assert len(wnids) == 1000 and wnids == sorted(wnids)
+
+
+# --- the time projection: measured throughput -> this run and full ImageNet ---------------------------------
+
+
+def test_time_projection_from_a_run_of_known_throughput(tmp_path):
+    """2 ranks x 32 images per 0.5 s step = 128 img/s steady; 2 epochs of 20 steps; evaluation 400 img/s on
+    40 images (helpers.synthetic_run); full ImageNet: 1,281,167 train and 50,000 val images."""
+    from rectrain.report.projection import project
+
+    paths = write_run(tmp_path)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    p = project(data.steps, data.epochs, data.run, data.metrics)
+    assert p.train_img_s == pytest.approx(128.0) and p.val_img_s == 400.0 and p.ranks == 2
+    assert (p.run.train_images, p.run.val_images, p.run.epochs) == (1280, 40, 2)
+    assert p.run.train_s == pytest.approx(10.0) and p.run.val_s == pytest.approx(0.1)
+    assert p.run.run_s == pytest.approx(2 * 10.1)
+    assert (p.imagenet.train_images, p.imagenet.val_images, p.imagenet.epochs) == (1_281_167, 50_000, 2)
+    assert p.imagenet.train_s == pytest.approx(1_281_167 / 128) and p.imagenet.val_s == pytest.approx(125.0)
+    assert p.imagenet.run_s == pytest.approx(2 * (1_281_167 / 128 + 125))  # 20,268.2 s
+    assert p.measured_run_s == 20 * 60 and p.measured_train_s == 30.0
+
+    html = build(data, config(), repo=tmp_path)
+    summary = html[html.index('<section id="summary">') : html.index('<section id="diagnosis">')]
+    head = summary[summary.index('<div id="projection">') :]
+    assert head.index("full ImageNet, 2 epochs<b>5 h 37 min</b><small>2 h 48 min per epoch") < head.index("<table>")
+    assert "this run, 2 epochs<b>20 s</b><small>10 s per epoch" in head
+    assert "At the measured steady <b>128.0 img/s</b>" in head and "the evaluate stage's 400.0 img/s" in head
+    assert "(1,281,167 train and 50,000 val images)" in head
+    assert "(2 h 46 min training, 2 min 05 s validation)" in head  # 10,009 s and 125 s
+
+
+def test_no_imagenet_projection_for_a_run_of_imagenet_size(tmp_path):
+    from rectrain.report.projection import project
+
+    paths = write_run(tmp_path, epochs=1)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    full = data.steps.assign(images=32_100)  # 2 ranks x 20 steps x 32,100 = 1,284,000 images per epoch
+    p = project(full, data.epochs, data.run, data.metrics)
+    assert p.run.train_images == 1_284_000 and p.imagenet is None

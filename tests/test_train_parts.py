@@ -119,6 +119,23 @@ def test_step_log_on_resume_drops_the_interrupted_epoch(tmp_path):
         assert [r["epoch"] for r in csv.DictReader(f)] == ["0", "1"]
 
 
+def test_step_log_on_resume_keeps_earlier_epochs_drops_a_torn_last_line_and_appends(tmp_path):
+    row = dict(rank=0, step=0, time=1.7e9, wall_s=1.0, data_wait_s=0.25, compute_s=0.75, images=8, loss=1.0, lr=0.1)
+    log = telemetry.step_log(tmp_path, rank=0, start_epoch=0)
+    for epoch in range(2):
+        log.write(epoch=epoch, **row)
+    log.close()
+    path = tmp_path / "steps_rank0.csv"
+    with open(path, "a") as f:
+        f.write("0,2,0,17000")  # killed while writing a row of epoch 2
+    log = telemetry.step_log(tmp_path, rank=0, start_epoch=3)
+    log.write(epoch=3, **row)
+    log.close()
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["epoch"] for r in rows] == ["0", "1", "3"] and rows[2]["lr"] == "0.1"
+
+
 def test_merge_steps_concatenates_ranks_with_the_contract_columns(tmp_path):
     for r in range(2):
         log = telemetry.step_log(tmp_path, rank=r, start_epoch=0)

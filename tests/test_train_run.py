@@ -3,6 +3,7 @@ ranks (telemetry), killed and resumed, and with a crashing rank."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,11 +78,37 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
     assert model["epoch"] == 1 and model["num_classes"] == 5 and model["model_name"] == "resnet18"
 
 
-def test_direct_run_single_process_says_so(data, tmp_path):
-    proc = run_train(data, tmp_path / "t", epochs=1, extra=["--single-process"])
+# rectrain.log.duration's forms: '45 s', '12 min 05 s', '3 h 07 min', '2 d 04 h'
+DURATION = r"\d+ (?:s|min \d\d s|h \d\d min|d \d\d h)"
+UNIT_S = {"s": 1, "min": 60, "h": 3600, "d": 86400}
+
+
+def seconds(text: str) -> int:
+    return sum(int(n) * UNIT_S[unit] for n, unit in re.findall(r"(\d+) (s|min|h|d)\b", text))
+
+
+def test_single_process_run_says_so_and_logs_progress_between_epoch_lines(data, tmp_path):
+    proc = run_train(data, tmp_path / "t", epochs=2, progress_s=0.001, extra=["--single-process"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "running as a single process (rank 0 of 1) because --single-process was given" in proc.stderr
     assert json.loads((tmp_path / "t" / "run.json").read_text())["world_size"] == 1
+    # 45 images in batches of 8: 6 steps per epoch; a line after every step but the first (start-up)
+    line = re.compile(
+        rf"epoch (\d) \(of 2\) step (\d+)/(\d+): ([\d.]+) img/s \(all 1 rank\(s\), last \d+ step\(s\)\), "
+        rf"data wait (\d+) %, ETA ({DURATION}), run ETA ({DURATION})"
+    )
+    found = [m.groups() for m in line.finditer(proc.stderr)]
+    progress_lines = "\n".join(text for text in proc.stderr.splitlines() if "(of 2)" in text)
+    for epoch in ("0", "1"):
+        steps = [(k, total) for e, k, total, *_ in found if e == epoch]
+        assert steps == [(str(k), "6") for k in range(2, 7)], progress_lines
+    for *_, rate, wait, eta, run_eta in found:
+        assert float(rate) > 0 and 0 <= int(wait) <= 100 and seconds(eta) <= seconds(run_eta)
+    assert "validation not measured yet" in proc.stderr, "epoch 0 has no validation time yet"
+    assert "validation and checkpoint" in proc.stderr, "epoch 1's run ETA counts epoch 0's validation"
+    # progress lines come before the epoch's own line; validation (15 images: 2 batches) logs too
+    assert proc.stderr.index("epoch 0 (of 2) step 6/6") < proc.stderr.index("epoch 0: train loss")
+    assert "epoch 0 (of 2) validation batch 2/2:" in proc.stderr
 
 
 @pytest.mark.slow

@@ -37,6 +37,8 @@ from rectrain.config import ConfigError, stage_block
 from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
 from rectrain.log import setup as setup_logging
 from rectrain.train.checkpoint import load as load_checkpoint
+from rectrain.train.progress import Marks, Progress
+from rectrain.train.stepclock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +117,21 @@ def tally(
     precision: str = "fp32",
     *,
     channels_last: bool = False,
+    progress: Progress | None = None,
 ) -> Tally:
     """Confusion matrix, top-5 hits and summed cross-entropy over (images, labels) batches.  The evaluate
-    stage and training's per-epoch validation both count with this."""
+    stage and training's per-epoch validation both count with this.  With `progress` (rank 0, begun
+    for this pass) it logs progress lines from clock marks read once per line."""
     t = Tally(confusion=torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device))
     k = min(5, num_classes)
     hits = torch.zeros((), dtype=torch.int64, device=device)
     loss = torch.zeros((), dtype=torch.float64, device=device)
     start = time.perf_counter()
-    for images, labels in batches:
+    marks = Marks(progress, StepClock(device)) if progress is not None else None
+    for i, (images, labels) in enumerate(batches):
         images, labels = images.to(device), labels.to(device)
+        if marks is not None:
+            marks.data()
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with models.autocast(device, precision):
@@ -136,6 +143,8 @@ def tally(
         t.confusion += torch.bincount(labels * num_classes + topk[:, 0], minlength=num_classes * num_classes).view(
             num_classes, num_classes
         )
+        if marks is not None:
+            marks.end(i, len(labels))
     t.top5_hits, t.loss_sum = int(hits), float(loss)
     t.seconds = time.perf_counter() - start
     return t
@@ -234,6 +243,15 @@ def relaunch_command(train_cfg: dict, argv: list[str], gpu_count: int) -> tuple[
     return distributed.torchrun_command(plan, "rectrain.evaluate", argv)
 
 
+def evaluation_progress(cfg: dict, d: distributed.Dist, batches: int) -> Progress | None:
+    """Rank 0's progress lines every evaluate.progress_s (the other ranks log none)."""
+    if not d.master:
+        return None
+    progress = Progress(cfg["progress_s"], d.world_size)
+    progress.begin("evaluation batch", batches)
+    return progress
+
+
 def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: str) -> dict | None:
     """Evaluate in this process (one rank of torchrun, or alone). Returns the metrics on rank 0."""
     ckpt = load_checkpoint(checkpoint)
@@ -266,7 +284,8 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
         # collective: the watchdog ends those, with training's train.watchdog_s.
         with watchdog.Watchdog(train_cfg.get("watchdog_s", 900), d.rank, d.world_size, Path(out) / ".watchdog"):
             batches = watchdog.watched(loader.epoch(0), "evaluation")
-            t = tally(model, batches, num_classes, d.device, precision, channels_last=channels_last)
+            progress = evaluation_progress(cfg, d, loader.batches_per_epoch)
+            t = tally(model, batches, num_classes, d.device, precision, channels_last=channels_last, progress=progress)
             watchdog.beat("summing the ranks' tallies")
             t = all_reduce(t, d.device)
         if not d.master:

@@ -8,6 +8,7 @@ as `[tag] message`, or `[tag   12.3s] message` with the seconds since start when
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 
@@ -39,3 +40,17 @@ def setup(tag: str, elapsed: bool = False, level: int = logging.INFO) -> logging
         logger.setLevel(level)
         logger.propagate = False
     return logging.getLogger("rectrain")
+
+
+def duration(seconds: float) -> str:
+    """'45 s', '12 min 05 s', '3 h 07 min', '2 d 04 h': the precision a deadline needs (progress lines, the report)."""
+    if not math.isfinite(seconds):
+        return "unknown"
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    if s < 86400:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    return f"{s // 86400} d {s % 86400 // 3600:02d} h"

@@ -10,7 +10,8 @@ import jinja2
 import pandas as pd
 import yaml
 
-from rectrain.report import efficiency, plots, provenance
+from rectrain.log import duration
+from rectrain.report import efficiency, plots, projection, provenance
 from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
 from rectrain.report.stats import (
@@ -52,6 +53,7 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["num"] = num
+    env.filters["duration"] = lambda s: "-" if s is None else duration(s)
     return env
 
 
@@ -216,14 +218,22 @@ def summary(data: RunData, config: dict, rates: dict) -> dict:
         "train_img_s": rates["total"],
         "total_wall_s": float(bench["s"].sum()) if not bench.empty and "s" in bench else None,
         "stages": [(r["rule"], r.get("s")) for r in bench.to_dict("records")],
+        "image_mpx": image_mpx(data.image_sizes),
     }
+
+
+def image_mpx(sizes: pd.DataFrame | None) -> float | None:
+    """Mean megapixels of the sampled packed train images (the per-image cost a projection carries over)."""
+    if sizes is None or sizes.empty:
+        return None
+    return float((sizes["width"] * sizes["height"]).mean() / 1e6)
 
 
 def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
     """The report as one self-contained HTML string."""
     report_cfg = config["report"]
     findings = diagnose(data.steps, data.system, data.run, data.manifests, report_cfg, image_sizes=data.image_sizes)
-    t0 = plots.start_time(data.steps, data.system)
+    axis = plots.time_axis(data.steps, data.system)
     eff = efficiency.input_efficiency(data.steps, data.run)
     rates = training_rates(data.steps, eff)
     views = class_views(class_table(data.per_class, data.classes), int(report_cfg["classes_shown"]))
@@ -231,6 +241,7 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
     context = {
         "title": report_cfg["title"],
         "summary": summary(data, config, rates),
+        "projection": projection.project(data.steps, data.epochs, data.run, data.metrics),
         "findings": findings,
         "rates": rates,
         "eff": efficiency_headline(eff, data.steps),
@@ -246,11 +257,12 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
             dict.fromkeys(w for m in data.manifests.values() if (w := (m.get("storage") or {}).get("warning")))
         ),
         "stages": data.benchmarks.to_dict("records"),
+        "plot_x": axis.words if axis else "",
         "plots": {
-            "throughput": plots.throughput_plot(data.steps, t0),
-            "step_split": plots.step_split_plot(data.steps, t0),
-            "gpu": plots.gpu_plot(data.system, t0),
-            "cpu_io": plots.cpu_io_plot(data.system, t0),
+            "throughput": plots.throughput_plot(data.steps, axis),
+            "step_split": plots.step_split_plot(data.steps, axis),
+            "gpu": plots.gpu_plot(data.system, axis),
+            "cpu_io": plots.cpu_io_plot(data.system, axis),
             "learning": plots.learning_plot(data.epochs),
             "classes": plots.classes_plot(views["worst"], views["best"]),
             "stages": plots.stages_plot(data.benchmarks),

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import base64
 import io
+from dataclasses import dataclass
 
 import matplotlib
 
 matplotlib.use("Agg")  # no display on build machines; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
@@ -24,6 +26,9 @@ sns.set_theme(style="whitegrid", context="notebook")
 plt.rcParams["text.parse_math"] = False
 
 WIDE = (10, 3.6)
+# Runs with this many epochs or more are plotted per epoch (bands), shorter ones over time.
+EPOCH_BINS_FROM = 10
+CPU_SERIES = (("cpu_percent", "CPU busy"), ("iowait_percent", "iowait"))
 
 
 def to_data_uri(fig) -> str:
@@ -43,9 +48,63 @@ def start_time(steps: pd.DataFrame, system: pd.DataFrame) -> float | None:
     return min(starts) if starts else None
 
 
-def _bin_width(span_s: float) -> float:
-    # ~60 points over the run, but never finer than a second (steps are coarser than that)
-    return max(1.0, span_s / 60.0)
+@dataclass(frozen=True)
+class Axis:
+    """The x axis of the time plots.  A long run (EPOCH_BINS_FROM epochs or more: ImageNet's 90 epochs of
+    5005 steps are 900,900 step rows and 60 hours of samples) is drawn per epoch - each row falls in the
+    epoch that had started when it was written, validation included - a short one in ~60 time bins.
+    Each bin is drawn as its median with a band from its 10th to its 90th percentile, so the picture
+    and the page size do not grow with the run."""
+
+    t0: float
+    span_s: float
+    epoch_starts: pd.Series | None  # start time of each epoch, index = epoch, ascending; None: time bins
+
+    @property
+    def label(self) -> str:
+        return "epoch" if self.epoch_starts is not None else "time since start (s)"
+
+    @property
+    def words(self) -> str:
+        """How the plots' alt texts say what a point is."""
+        per = "per epoch" if self.epoch_starts is not None else "over time"
+        return f"{per} (median and 10-90th percentile band)"
+
+    def bins(self, times: pd.Series) -> pd.Series:
+        """The x of each row: its epoch, or the middle of its time bin in seconds since t0."""
+        if self.epoch_starts is not None:
+            at = np.searchsorted(self.epoch_starts.to_numpy(), times.to_numpy(), side="right") - 1
+            return pd.Series(self.epoch_starts.index.to_numpy()[np.clip(at, 0, None)], index=times.index)
+        width = max(1.0, self.span_s / 60.0)  # never finer than a second (steps are coarser than that)
+        return ((times - self.t0) // width) * width + width / 2
+
+
+def time_axis(steps: pd.DataFrame, system: pd.DataFrame) -> Axis | None:
+    t0 = start_time(steps, system)
+    if t0 is None:
+        return None
+    ends = [float(steps["time"].max())] if not steps.empty else []
+    ends += [float(system["time"].max())] if not system.empty and "time" in system else []
+    starts = None
+    if not steps.empty and steps["epoch"].nunique() >= EPOCH_BINS_FROM:
+        starts = (steps["time"] - steps["wall_s"]).groupby(steps["epoch"]).min().sort_values()
+    return Axis(t0, max(ends) - t0, starts)
+
+
+def bands(frame: pd.DataFrame, x: str, y: str, series: str) -> pd.DataFrame:
+    """Per (series, x): the median of y and its 10th and 90th percentiles (columns mid, lo, hi)."""
+    q = frame.dropna(subset=[y]).groupby([series, x])[y].quantile([0.1, 0.5, 0.9]).unstack()
+    return q.set_axis(["lo", "mid", "hi"], axis=1).reset_index()
+
+
+def draw_bands(ax, b: pd.DataFrame, x: str, series: str, colours: dict | None = None, order=None) -> None:
+    """Each series' median as a line, its 10-90th percentile as a shaded band."""
+    for i, name in enumerate(order or sorted(b[series].unique())):
+        g = b[b[series] == name].sort_values(x)
+        colour = (colours or {}).get(name, sns.color_palette()[i % 10])
+        ax.plot(g[x], g["mid"], marker="o", markersize=3, color=colour, label=name)
+        ax.fill_between(g[x], g["lo"], g["hi"], color=colour, alpha=0.2, linewidth=0)
+    ax.legend(fontsize="small")
 
 
 def _rank_order(labels) -> list[str]:
@@ -58,45 +117,30 @@ def _rank_palette(labels) -> dict[str, tuple]:
     return {name: colours[0] if name == "total" else colours[(int(name.split()[-1]) + 1) % 10] for name in set(labels)}
 
 
-def throughput_over_time(steps: pd.DataFrame, t0: float) -> pd.DataFrame:
+def throughput_over_time(steps: pd.DataFrame, axis: Axis) -> pd.DataFrame:
     """img/s per step of each rank, and their sum per (epoch, step) as 'total' (DDP ranks step in
-    lockstep), smoothed over ~1/60 of the run so long runs stay readable."""
-    s = steps.sort_values(["rank", "epoch", "step"]).assign(
-        img_s=steps["images"] / steps["wall_s"].where(steps["wall_s"] > 0), t=steps["time"] - t0
-    )
-    window = max(1, s.groupby("rank").size().max() // 60)
-    per_rank = s.assign(series="rank " + s["rank"].astype(str))
-    total = s.groupby(["epoch", "step"]).agg(img_s=("img_s", "sum"), t=("t", "max")).reset_index()
-    total["series"] = "total"
-    data = pd.concat([total, per_rank], ignore_index=True)[["series", "t", "img_s"]].sort_values(["series", "t"])
-    data["img_s"] = data.groupby("series")["img_s"].transform(lambda v: v.rolling(window, min_periods=1).mean())
-    return data
+    lockstep), as bands per bin of the axis."""
+    s = steps.assign(img_s=steps["images"] / steps["wall_s"].where(steps["wall_s"] > 0))
+    per_rank = s.assign(series="rank " + s["rank"].astype(str))[["series", "time", "img_s"]]
+    total = s.groupby(["epoch", "step"]).agg(img_s=("img_s", "sum"), time=("time", "max")).reset_index()
+    data = pd.concat([total.assign(series="total")[["series", "time", "img_s"]], per_rank], ignore_index=True)
+    return bands(data.assign(x=axis.bins(data["time"])), "x", "img_s", "series")
 
 
-def throughput_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
-    if steps.empty or t0 is None:
+def throughput_plot(steps: pd.DataFrame, axis: Axis | None) -> str | None:
+    if steps.empty or axis is None:
         return None
-    data = throughput_over_time(steps, t0)
+    data = throughput_over_time(steps, axis)
     fig, ax = plt.subplots(figsize=WIDE)
-    sns.lineplot(
-        data=data,
-        x="t",
-        y="img_s",
-        hue="series",
-        hue_order=_rank_order(data["series"]),
-        palette=_rank_palette(data["series"]),
-        marker="o",
-        markersize=3,
-        ax=ax,
-    )
-    ax.set(xlabel="time since start (s)", ylabel="images / s", ylim=(0, None), title="Training throughput")
+    draw_bands(ax, data, "x", "series", _rank_palette(data["series"]), _rank_order(data["series"]))
+    ax.set(xlabel=axis.label, ylabel="images / s", ylim=(0, None), title="Training throughput (median, 10-90 %)")
     return to_data_uri(fig)
 
 
-def step_split_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
-    """Left: mean step time per rank split into data wait and compute. Right: data-wait share over
-    time per rank, which shows a stall that starts mid-run (a .rec on a hard disk once the page cache runs out)."""
-    if steps.empty or t0 is None:
+def step_split_plot(steps: pd.DataFrame, axis: Axis | None) -> str | None:
+    """Left: mean step time per rank split into data wait and compute. Right: data-wait share per bin
+    and rank, which shows a stall that starts mid-run (a .rec on a hard disk once the page cache runs out)."""
+    if steps.empty or axis is None:
         return None
     s = steady_steps(steps)
     fig, (left, right) = plt.subplots(1, 2, figsize=WIDE, gridspec_kw={"width_ratios": [1, 2]})
@@ -105,34 +149,18 @@ def step_split_plot(steps: pd.DataFrame, t0: float | None) -> str | None:
     means.plot.bar(stacked=True, ax=left, color=sns.color_palette()[3:1:-1], rot=0)
     left.set(ylabel="ms per step", title="Step time split")
     left.legend(["data wait", "compute"], fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
-    t = s["time"] - t0
-    width = _bin_width(float(t.max()))
-    binned = (
-        s.assign(bin=(t // width) * width + width / 2)
-        .groupby(["bin", "rank"])[["data_wait_s", "wall_s"]]
-        .sum()
-        .reset_index()
-    )
-    binned["share"] = 100 * binned["data_wait_s"] / binned["wall_s"].where(binned["wall_s"] > 0)
-    binned["rank"] = "rank " + binned["rank"].astype(str)
-    sns.lineplot(
-        data=binned,
-        x="bin",
-        y="share",
-        hue="rank",
-        hue_order=_rank_order(binned["rank"]),
-        palette=_rank_palette(binned["rank"]),
-        marker="o",
-        markersize=3,
-        ax=right,
-    )
-    right.set(xlabel="time since start (s)", ylabel="data wait (% of step)", ylim=(0, 100), title="Data wait over time")
+    share = 100 * s["data_wait_s"] / s["wall_s"].where(s["wall_s"] > 0)
+    data = pd.DataFrame({"x": axis.bins(s["time"]), "share": share, "rank": "rank " + s["rank"].astype(str)})
+    b = bands(data, "x", "share", "rank")
+    draw_bands(right, b, "x", "rank", _rank_palette(b["rank"]), _rank_order(b["rank"]))
+    right.set(xlabel=axis.label, ylabel="data wait (% of step)", ylim=(0, 100), title="Data wait (median, 10-90 %)")
     fig.tight_layout()
     return to_data_uri(fig)
 
 
-def _long_gpu(system: pd.DataFrame, t0: float, kind: str) -> pd.DataFrame:
+def _long_gpu(system: pd.DataFrame, axis: Axis, kind: str) -> pd.DataFrame:
     frames = []
+    x = axis.bins(system["time"])
     for i in gpu_indices(system):
         if kind == "util" and f"gpu{i}_util" in system:
             y = system[f"gpu{i}_util"]
@@ -140,36 +168,37 @@ def _long_gpu(system: pd.DataFrame, t0: float, kind: str) -> pd.DataFrame:
             y = 100 * system[f"gpu{i}_mem_used_mb"] / system[f"gpu{i}_mem_total_mb"]
         else:
             continue
-        frames.append(pd.DataFrame({"t": system["time"] - t0, "value": y, "gpu": f"GPU {i}"}))
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        frames.append(pd.DataFrame({"x": x, "value": y, "gpu": f"GPU {i}"}))
+    return bands(pd.concat(frames, ignore_index=True), "x", "value", "gpu") if frames else pd.DataFrame()
 
 
-def gpu_plot(system: pd.DataFrame, t0: float | None) -> str | None:
-    if system.empty or t0 is None or not gpu_indices(system):
+def gpu_plot(system: pd.DataFrame, axis: Axis | None) -> str | None:
+    if system.empty or axis is None or not gpu_indices(system):
         return None
     fig, (util_ax, mem_ax) = plt.subplots(1, 2, figsize=WIDE)
     for ax, kind, label in ((util_ax, "util", "GPU util (%)"), (mem_ax, "mem", "GPU memory used (%)")):
-        data = _long_gpu(system, t0, kind)
+        data = _long_gpu(system, axis, kind)
         if not data.empty:
-            sns.lineplot(data=data, x="t", y="value", hue="gpu", ax=ax)
-        ax.set(xlabel="time since start (s)", ylabel=label, ylim=(0, 105), title=label)
+            draw_bands(ax, data, "x", "gpu")
+        ax.set(xlabel=axis.label, ylabel=label, ylim=(0, 105), title=label)
     fig.tight_layout()
     return to_data_uri(fig)
 
 
-def cpu_io_plot(system: pd.DataFrame, t0: float | None) -> str | None:
-    if system.empty or t0 is None:
+def cpu_io_plot(system: pd.DataFrame, axis: Axis | None) -> str | None:
+    if system.empty or axis is None:
         return None
-    t = system["time"] - t0
     fig, (cpu_ax, disk_ax) = plt.subplots(1, 2, figsize=WIDE)
-    for col, label in (("cpu_percent", "CPU busy"), ("iowait_percent", "iowait")):
-        if col in system:
-            cpu_ax.plot(t, system[col], label=label)
-    cpu_ax.set(xlabel="time since start (s)", ylabel="% of CPU time", ylim=(0, 105), title="CPU and iowait")
-    cpu_ax.legend(fontsize="small")
+    x = axis.bins(system["time"])
+    cpu = [pd.DataFrame({"x": x, "v": system[c], "s": label}) for c, label in CPU_SERIES if c in system]
+    if cpu:
+        draw_bands(cpu_ax, bands(pd.concat(cpu, ignore_index=True), "x", "v", "s"), "x", "s")
+    cpu_ax.set(xlabel=axis.label, ylabel="% of CPU time", ylim=(0, 105), title="CPU and iowait")
     if "disk_read_mb_s" in system:
-        disk_ax.plot(t, system["disk_read_mb_s"], color=sns.color_palette()[2])
-    disk_ax.set(xlabel="time since start (s)", ylabel="MB/s", title="Disk reads of the .rec device")
+        disk = bands(pd.DataFrame({"x": x, "v": system["disk_read_mb_s"], "s": "reads"}), "x", "v", "s")
+        if not disk.empty:
+            draw_bands(disk_ax, disk, "x", "s", {"reads": sns.color_palette()[2]})
+    disk_ax.set(xlabel=axis.label, ylabel="MB/s", ylim=(0, None), title="Disk reads of the .rec device")
     fig.tight_layout()
     return to_data_uri(fig)
 

@@ -44,6 +44,7 @@ RESUME_INDEPENDENT_KEYS = frozenset(
         "calibration_steps",
         "calibration_warmup_steps",
         "watchdog_s",
+        "progress_s",
     }
 )
 # Written beside the checkpoints once model.pt is published: this run is complete.

@@ -10,6 +10,7 @@ import torch
 
 from rectrain import model as models
 from rectrain.distributed import Dist
+from rectrain.train.progress import Progress
 from rectrain.train.stepclock import StepClock
 
 
@@ -29,8 +30,18 @@ class Step:
     dist: Dist
 
 
-def run_steps(step: Step, epoch: int, batches, steps_log, n_batches: int | None = None, max_steps: int | None = None):
-    """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log.
+def run_steps(
+    step: Step,
+    epoch: int,
+    batches,
+    steps_log,
+    n_batches: int | None = None,
+    max_steps: int | None = None,
+    *,
+    progress: Progress | None = None,
+):
+    """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log, and
+    the resolved times into `progress` (rank 0's progress lines, rectrain.train.progress).
 
     No host sync per step: times come from a StepClock read one step late, loss and hits stay on the
     device until then, so the host queues step k+1 (and fetches its batch) while the GPU still computes
@@ -38,19 +49,45 @@ def run_steps(step: Step, epoch: int, batches, steps_log, n_batches: int | None 
     step (pipeline start-up), the report's steady state (rectrain.report.stats.steady_steps)."""
     step.net.train()
     n_batches = n_batches or max_steps
-    d = step.dist
-    clock = StepClock(d.device)
-    totals = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0, "steady_images": 0, "steady_wall_s": 0.0}
+    clock = StepClock(step.dist.device)
+    book = _Book(clock, steps_log, step.dist.rank, epoch, progress)
+    pending = None
+    m_prev = clock.mark()
+    for i, (x, y) in enumerate(batches):
+        m_data = clock.mark()
+        lr = step.optimizer.param_groups[0]["lr"]
+        out, loss = _forward_backward(step, x, y, last_micro=(i + 1) % step.accum == 0 or i + 1 == n_batches)
+        hits = (out.argmax(1) == y).sum()
+        m_end = clock.mark()
+        if pending:
+            book.resolve(pending)
+        pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
+        m_prev = m_end
+        if max_steps is not None and i + 1 >= max_steps:
+            break
+    if pending:
+        book.resolve(pending)
+    return book.totals
 
-    def resolve(pending):
+
+class _Book:
+    """A step's bookkeeping once its times can be read (one step late): its telemetry row, the
+    epoch's totals, the progress lines."""
+
+    def __init__(self, clock: StepClock, steps_log, rank: int, epoch: int, progress: Progress | None):
+        self.clock, self.steps_log, self.rank, self.epoch, self.progress = clock, steps_log, rank, epoch, progress
+        self.totals = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0, "steady_images": 0, "steady_wall_s": 0.0}
+
+    def resolve(self, pending: tuple) -> None:
         i, m_prev, m_data, m_end, loss, hits, n, lr = pending
+        clock, totals = self.clock, self.totals
         clock.wait(m_end)
         wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
         loss_v = loss.item()
         # Step wall time runs from the end of the previous step, so data wait + compute = wall.
-        steps_log.write(
-            rank=d.rank,
-            epoch=epoch,
+        self.steps_log.write(
+            rank=self.rank,
+            epoch=self.epoch,
             step=i,
             time=clock.unix_time(m_end),
             wall_s=wall,
@@ -67,24 +104,10 @@ def run_steps(step: Step, epoch: int, batches, steps_log, n_batches: int | None 
         if i > 0:
             totals["steady_images"] += n
             totals["steady_wall_s"] += wall
-
-    pending = None
-    m_prev = clock.mark()
-    for i, (x, y) in enumerate(batches):
-        m_data = clock.mark()
-        lr = step.optimizer.param_groups[0]["lr"]
-        out, loss = _forward_backward(step, x, y, last_micro=(i + 1) % step.accum == 0 or i + 1 == n_batches)
-        hits = (out.argmax(1) == y).sum()
-        m_end = clock.mark()
-        if pending:
-            resolve(pending)
-        pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
-        m_prev = m_end
-        if max_steps is not None and i + 1 >= max_steps:
-            break
-    if pending:
-        resolve(pending)
-    return totals
+        if self.progress is not None:
+            self.progress.add(i, wall, wait, n)
+            if self.progress.due():
+                self.progress.line(i + 1)
 
 
 def _forward_backward(step: Step, x, y, last_micro: bool):

@@ -55,6 +55,7 @@ from rectrain.log import setup as setup_logging
 from rectrain.tables import read_classes
 from rectrain.train import calibrate, memory, telemetry
 from rectrain.train import checkpoint as ckpt
+from rectrain.train.progress import Progress, RunProgress
 from rectrain.train.step import Step, run_steps
 from rectrain.train.stepclock import StepClock
 
@@ -245,12 +246,12 @@ def train_batches(loader, epoch: int, rank: int):
         yield batch
 
 
-def train_one_epoch(step: Step, loader, epoch: int, steps_log) -> dict:
+def train_one_epoch(step: Step, loader, epoch: int, steps_log, progress: Progress | None = None) -> dict:
     n_batches = loader.batches_per_epoch
     clock = StepClock(torch.device("cpu"))
     start = clock.mark()
     batches = watchdog.watched(train_batches(loader, epoch, step.dist.rank), f"epoch {epoch}")
-    t = run_steps(step, epoch, batches, steps_log, n_batches=n_batches)
+    t = run_steps(step, epoch, batches, steps_log, n_batches=n_batches, progress=progress)
     wall = clock.seconds(start, clock.mark())
     if t["steps"] != n_batches:
         raise RuntimeError(
@@ -263,7 +264,7 @@ def train_one_epoch(step: Step, loader, epoch: int, steps_log) -> dict:
     return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall, "steady": rates}
 
 
-def validate(model: torch.nn.Module, loader, num_classes: int, step: Step) -> dict:
+def validate(model: torch.nn.Module, loader, num_classes: int, step: Step, progress: Progress | None = None) -> dict:
     """Loss, top-1, top-5 over the whole val .rec with the evaluate stage's own tally (each rank its
     shard, summed across ranks), so epochs.csv and metrics.json count the same way."""
     # Each rank's BatchNorm statistics drifted on its own shard since the last forward; validate the
@@ -273,7 +274,15 @@ def validate(model: torch.nn.Module, loader, num_classes: int, step: Step) -> di
             dist.broadcast(buf, src=0)
     model.eval()
     batches = watchdog.watched(loader.epoch(0), "validation")
-    t = tally(model, batches, num_classes, step.dist.device, step.precision, channels_last=step.channels_last)
+    t = tally(
+        model,
+        batches,
+        num_classes,
+        step.dist.device,
+        step.precision,
+        channels_last=step.channels_last,
+        progress=progress,
+    )
     t = all_reduce_tally(t, step.dist.device)
     n = max(t.images, 1)
     top1 = float(t.confusion.diagonal().sum()) / n
@@ -529,45 +538,60 @@ def efficiency_note(stats: dict, calibration: dict | None) -> str:
 
 
 def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
-    """The epoch loop: train, validate, checkpoint (rank 0), until train.epochs."""
+    """The epoch loop: train, validate, checkpoint (rank 0), until train.epochs; rank 0 logs progress
+    lines every train.progress_s."""
     d = run.d
+    progress = RunProgress(run.cfg["progress_s"], d.world_size, run.cfg["epochs"]) if d.master else None
     for epoch in range(start_epoch, run.cfg["epochs"]):
         if os.environ.get(FAIL_RANK_ENV) == str(d.rank):
             raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={d.rank})")
-        stats = train_one_epoch(run.step, run.train_loader, epoch, steps_log)
-        val = validate(run.model, run.val_loader, len(run.classes), run.step)
+        if progress:
+            progress.begin_epoch(epoch, run.train_loader.batches_per_epoch)
+        stats = train_one_epoch(run.step, run.train_loader, epoch, steps_log, progress=progress)
+        after_steps = time.monotonic()
+        if progress:
+            progress.begin(f"epoch {epoch} (of {run.cfg['epochs']}) validation batch", run.val_loader.batches_per_epoch)
+        val = validate(run.model, run.val_loader, len(run.classes), run.step, progress=progress)
         rngs = all_gather(ckpt.rng_state(), d)
         if d.master:
-            epochs_log.write(
-                epoch=epoch,
-                train_loss=stats["train_loss"],
-                train_acc=stats["train_acc"],
-                val_loss=val["val_loss"],
-                val_top1=val["val_top1"],
-                val_top5=val["val_top5"],
-                images_per_s=stats["images"] / stats["wall_s"],
-                wall_s=stats["wall_s"],
-            )
-            watchdog.beat(f"epoch {epoch}: writing the checkpoint")
-            save_checkpoint(run, epoch, rngs)
-            log.info(
-                "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s%s",
-                epoch,
-                stats["train_loss"],
-                stats["train_acc"],
-                val["val_loss"],
-                val["val_top1"],
-                val["val_top5"],
-                stats["images"] / stats["wall_s"],
-                stats["wall_s"],
-                efficiency_note(stats, run.calibration),
-            )
+            end_epoch(run, epoch, stats, val, (rngs, epochs_log))
         else:
             watchdog.beat(f"epoch {epoch}: waiting for rank 0's checkpoint")
         barrier(d)
+        if progress:
+            progress.between_s = time.monotonic() - after_steps
         if os.environ.get(KILL_AFTER_EPOCH_ENV) == str(epoch):
             log.info("%s=%d: killing this process as a crash would", KILL_AFTER_EPOCH_ENV, epoch)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def end_epoch(run: Run, epoch: int, stats: dict, val: dict, saved: tuple) -> None:
+    """Rank 0 after an epoch: its epochs.csv row, the checkpoint (with every rank's RNG state), the epoch line."""
+    rngs, epochs_log = saved
+    epochs_log.write(
+        epoch=epoch,
+        train_loss=stats["train_loss"],
+        train_acc=stats["train_acc"],
+        val_loss=val["val_loss"],
+        val_top1=val["val_top1"],
+        val_top5=val["val_top5"],
+        images_per_s=stats["images"] / stats["wall_s"],
+        wall_s=stats["wall_s"],
+    )
+    watchdog.beat(f"epoch {epoch}: writing the checkpoint")
+    save_checkpoint(run, epoch, rngs)
+    log.info(
+        "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s%s",
+        epoch,
+        stats["train_loss"],
+        stats["train_acc"],
+        val["val_loss"],
+        val["val_top1"],
+        val["val_top5"],
+        stats["images"] / stats["wall_s"],
+        stats["wall_s"],
+        efficiency_note(stats, run.calibration),
+    )
 
 
 def save_checkpoint(run: Run, epoch: int, rngs: list) -> None:

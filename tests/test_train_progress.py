@@ -1,0 +1,87 @@
+"""Progress lines between epoch lines: the ETA arithmetic and what a line says, with a fake clock."""
+
+import logging
+
+import pytest
+
+from rectrain.log import duration
+from rectrain.train.progress import Progress, RunProgress, epoch_eta_s, run_eta_s
+
+
+def test_epoch_eta_is_the_remaining_steps_at_the_measured_step_time():
+    assert epoch_eta_s(1000, 5005, 0.25) == pytest.approx(4005 * 0.25)
+    assert epoch_eta_s(5005, 5005, 0.25) == 0
+    assert epoch_eta_s(6000, 5005, 0.25) == 0  # never negative
+
+
+def test_run_eta_adds_the_later_epochs_and_the_measured_validation_per_epoch():
+    # epoch 10 of 90, step 1000 of 5005 at 0.25 s: 4005 steps left here, then 79 epochs of 5005 steps,
+    # and 60 s of validation + checkpoint after this epoch and after each of the 79 others
+    expected = 4005 * 0.25 + 60 + 79 * (5005 * 0.25 + 60)
+    assert run_eta_s(1000, 5005, 0.25, 10, 90, 60.0) == pytest.approx(expected)
+    assert run_eta_s(1000, 5005, 0.25, 10, 90, None) == pytest.approx(4005 * 0.25 + 79 * 5005 * 0.25)
+    assert run_eta_s(5005, 5005, 0.25, 89, 90, 60.0) == pytest.approx(60.0)  # the last validation only
+
+
+def test_durations_read_at_the_precision_a_deadline_needs():
+    assert [duration(s) for s in (0.4, 45, 725, 3 * 3600 + 7 * 60 + 30, 2 * 86400 + 4 * 3600 + 59)] == [
+        "0 s",
+        "45 s",
+        "12 min 05 s",
+        "3 h 07 min",
+        "2 d 04 h",
+    ]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_line_is_logged_once_per_interval_from_the_steps_since_the_last_line(caplog):
+    clock = FakeClock()
+    p = RunProgress(interval_s=30, world_size=2, epochs=3, clock=clock)
+    p.begin_epoch(1, total=100)
+    lines = []
+    with caplog.at_level(logging.INFO, logger="rectrain.train.progress"):
+        for i in range(100):
+            # step 0 (loader start-up) takes 10 s and is left out; later steps 1 s, 0.2 s of it waiting
+            wall = 10.0 if i == 0 else 1.0
+            clock.now += wall
+            p.add(i, wall, 0.2 if i else 9.0, 64)
+            if p.due():
+                lines.append(p.line(i + 1))
+    # due at 30 s: step 0 ends at 10 s, then 20 steps of 1 s -> the line after step 21, then every 30 steps
+    assert [line.split(":")[0] for line in lines] == [f"epoch 1 (of 3) step {k}/100" for k in (21, 51, 81)]
+    assert caplog.messages == lines
+    first = lines[0]
+    assert "128.0 img/s (all 2 rank(s), last 20 step(s))" in first  # 64 images x 2 ranks / 1 s
+    assert "data wait 20 %" in first
+    assert "ETA 1 min 19 s" in first  # 79 steps x 1 s
+    # and one more epoch of 100 x 1 s after this one; validation not measured yet
+    assert "run ETA 2 min 59 s + validation (1 epoch(s) after this one; validation not measured yet)" in first
+    assert "last 30 step(s)" in lines[1]
+
+
+def test_run_eta_counts_validation_once_measured():
+    clock = FakeClock()
+    p = RunProgress(interval_s=1, world_size=1, epochs=3, clock=clock)
+    p.between_s = 30.0
+    p.begin_epoch(1, total=100)
+    for i in range(3):
+        clock.now += 1.0
+        p.add(i, 1.0, 0.0, 10)
+    line = p.line(3)
+    # 97 s here + 30 s validation, then 100 s + 30 s for the last epoch
+    assert "run ETA 4 min 17 s (1 epoch(s) after this one; validation and checkpoint 30 s per epoch)" in line
+
+
+def test_no_line_before_a_steady_step():
+    clock = FakeClock()
+    p = Progress(interval_s=0, world_size=1, clock=clock)
+    p.begin("evaluation batch", 10)
+    p.add(0, 5.0, 5.0, 8)
+    assert p.due() and p.line(1) is None
