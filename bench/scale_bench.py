@@ -1,7 +1,7 @@
 """ImageNet scale: does the pipeline's cost per image stay flat and its memory bounded from 10 k to 1.28 M?
 
     .venv/bin/python bench/scale_bench.py --sizes 10000 100000 [1281167] [--layouts folders archives]
-        [--work /tmp/rectrain_scale] [--clean] [--table-only]
+        [--work /tmp/rectrain_scale] [--index-only] [--clean] [--table-only]
 
 For each size and raw layout (bench/scale_data.py writes the tree: N tiny JPEGs in 1000 classes, as
 class folders and as the official nested archives) it runs the stages the way the Snakemake rules
@@ -235,14 +235,17 @@ def run_stages(r: Run) -> None:
     stage.detail["nothing_to_do"] = "Nothing to be done" in (r.dir / "logs" / "dry-run.log").read_text()
 
 
-def bench_one(work: Path, n: int, layout: str, threads: int, loader_images: int) -> dict:
+def bench_one(work: Path, n: int, layout: str, threads: int, loader_images: int, index_only: bool = False) -> dict:
     r = Run(work, n, layout)
     shutil.rmtree(r.run, ignore_errors=True)
     t0 = time.perf_counter()
     made = scale_data.generate(n, r.data, (layout,))
     print(f"{n} images, {layout}: data ready in {time.perf_counter() - t0:.1f} s {made['seconds']}", flush=True)
-    data_stages(r, threads, loader_images)
-    run_stages(r)
+    if index_only:
+        r.stage("index", py("rectrain.data.index", "--config-json", "{}", "--raw", r.raw, "--out", r.index), r.n)
+    else:
+        data_stages(r, threads, loader_images)
+        run_stages(r)
     result = {
         "images": n,
         "layout": layout,
@@ -361,6 +364,7 @@ def main(argv=None) -> None:
         default=10_000,
         help="images each loader reads (its first batch is the start-up time that matters)",
     )
+    ap.add_argument("--index-only", action="store_true", help="generate and index only (the index stage's scaling)")
     ap.add_argument("--clean", action="store_true", help="delete each size's data and run folders after it")
     ap.add_argument("--table-only", action="store_true", help="print the table of the results under --work")
     args = ap.parse_args(argv)
@@ -370,7 +374,7 @@ def main(argv=None) -> None:
     print(load_note(), flush=True)
     for n in [] if args.table_only else args.sizes:
         for layout in args.layouts:
-            bench_one(work, n, layout, args.threads, args.loader_images)
+            bench_one(work, n, layout, args.threads, args.loader_images, args.index_only)
             if args.clean:
                 shutil.rmtree(work / str(n) / layout / "run", ignore_errors=True)
                 shutil.rmtree(work / str(n) / "data" / layout, ignore_errors=True)
