@@ -11,13 +11,14 @@ The ``.idx`` is text, ``key\\toffset\\n`` per record, offset of the record's fir
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import numbers
 import os
 import struct
 from collections import namedtuple
 from typing import Callable, Iterator
+
+import numpy as np
 
 MAGIC = 0xCED7230A
 MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -182,6 +183,23 @@ def read_idx(idx_path: str | os.PathLike) -> list[tuple[int, int]]:
     return pairs
 
 
+def idx_arrays(idx_path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, offsets) of an .idx as int64 arrays in line order: read_idx's pairs without two Python
+    ints and a tuple per line (ImageNet's 1.28 M lines: ~0.2 s and 20 MB instead of ~1.5 s and ~150 MB)."""
+    with open(idx_path, "rb") as f:
+        data = f.read()
+    lines = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+    try:
+        flat = np.fromstring(data, dtype=np.int64, sep=" ") if data.strip() else np.empty(0, np.int64)
+    except ValueError:
+        flat = None
+    if flat is None or flat.size != 2 * lines:
+        # a malformed line (read_idx names it) or a form the fast parse does not take (extra fields)
+        flat = np.array(read_idx(idx_path), dtype=np.int64).reshape(-1)
+    pairs = flat.reshape(-1, 2)
+    return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+
 def _parse_record(read: Callable[[int, int], bytes], offset: int, file_size: int, where: str) -> tuple[bytes, int]:
     """Decode the record starting at ``offset``; returns (payload, offset just past it).
 
@@ -269,15 +287,15 @@ class IndexedRecordReader:
 
     def __init__(self, rec_path: str | os.PathLike, idx_path: str | os.PathLike):
         self.rec_path, self.idx_path = os.fspath(rec_path), os.fspath(idx_path)
-        pairs = read_idx(self.idx_path)
-        self._offsets = {}
-        for key, offset in pairs:
-            if key in self._offsets:
-                raise RecordIOError(f"{self.idx_path}: key {key} appears twice")
-            self._offsets[key] = offset
-        pairs.sort(key=lambda kv: kv[1])
-        self.keys = [k for k, _ in pairs]
-        self._sorted_offsets = [o for _, o in pairs]
+        # Arrays, not a dict and lists: a few bytes per record, and forked DataLoader workers share
+        # the pages instead of copying them as reference counts change.
+        keys, offsets = idx_arrays(self.idx_path)
+        by_key = np.argsort(keys, kind="stable")
+        self._by_key, self._key_offsets = keys[by_key], offsets[by_key]
+        if (dup := np.flatnonzero(self._by_key[1:] == self._by_key[:-1])).size:
+            raise RecordIOError(f"{self.idx_path}: key {self._by_key[dup[0]]} appears twice")
+        in_file = np.argsort(offsets, kind="stable")
+        self.file_keys, self._sorted_offsets = keys[in_file], offsets[in_file]
         self._file_size = os.stat(self.rec_path).st_size
         self._fd = None
         self._pid = None
@@ -294,8 +312,8 @@ class IndexedRecordReader:
     def read_at(self, offset: int) -> bytes:
         """Payload of the record whose magic word is at ``offset``."""
         # One read covers the whole record when the next record's offset is known.
-        i = bisect.bisect_right(self._sorted_offsets, offset)
-        end = self._sorted_offsets[i] if i < len(self._sorted_offsets) else self._file_size
+        i = int(np.searchsorted(self._sorted_offsets, offset, side="right"))
+        end = int(self._sorted_offsets[i]) if i < len(self._sorted_offsets) else self._file_size
         if not 0 <= offset < end:
             return _parse_record(self._pread, offset, self._file_size, self.rec_path)[0]
         block = self._pread(offset, end - offset)
@@ -308,21 +326,30 @@ class IndexedRecordReader:
 
         return _parse_record(read, offset, self._file_size, self.rec_path)[0]
 
+    @property
+    def keys(self) -> list[int]:
+        """Record keys in file order (file_keys is the same as an int64 array)."""
+        return self.file_keys.tolist()
+
     def offset(self, key: int) -> int:
-        try:
-            return self._offsets[key]
-        except KeyError:
-            raise KeyError(f"record key {key} is not in {self.idx_path}") from None
+        i = int(np.searchsorted(self._by_key, key))
+        if i == len(self._by_key) or self._by_key[i] != key:
+            raise KeyError(f"record key {key} is not in {self.idx_path}")
+        return int(self._key_offsets[i])
 
     def read(self, key: int) -> bytes:
         return self.read_at(self.offset(key))
 
+    def nth(self, i: int) -> tuple[int, bytes]:
+        """(key, payload) of the i-th record in file order."""
+        return int(self.file_keys[i]), self.read_at(int(self._sorted_offsets[i]))
+
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.file_keys)
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         """(key, payload) in file order."""
-        for key, offset in zip(self.keys, self._sorted_offsets, strict=True):
+        for key, offset in zip(self.file_keys.tolist(), self._sorted_offsets.tolist(), strict=True):
             yield key, self.read_at(offset)
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ import os
 import re
 import stat
 import tarfile
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -90,14 +91,91 @@ class LayoutError(Exception):
     """The raw root does not hold a layout we can index (the message says what was looked for)."""
 
 
+class Rows:
+    """The (source, wnid) rows of one split, held compactly: ImageNet's 1.28 M rows as Python tuples of
+    strings would take ~200 MB, here ~40 bytes each. Rows come in groups sharing a source prefix (a
+    class folder, a per-class tar, the flat val): per row only the rest of the source (UTF-8, in one
+    buffer) and a class code are kept. Iterating yields (source, wnid) tuples, one at a time."""
+
+    def __init__(self):
+        self._names = bytearray()
+        self._ends = array("q")  # row i's name is _names[_ends[i - 1]:_ends[i]]
+        self._codes = array("i")  # row i's wnid is wnids[_codes[i]]
+        self._groups: list[tuple[str, int]] = []  # (prefix, first row), in the order added
+        self.wnids: list[str] = []
+        self._code: dict[str, int] = {}
+
+    def group(self, prefix: str) -> None:
+        """Rows added from now on have sources prefix + name."""
+        self._groups.append((prefix, len(self._ends)))
+
+    def add(self, name: str, wnid: str) -> None:
+        if (code := self._code.get(wnid)) is None:
+            code = self._code[wnid] = len(self.wnids)
+            self.wnids.append(wnid)
+        # surrogateescape: a file name that is not valid UTF-8 comes back exactly as os.scandir gave it
+        self._names += name.encode("utf-8", "surrogateescape")
+        self._ends.append(len(self._names))
+        self._codes.append(code)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        for g, (prefix, lo) in enumerate(self._groups):
+            yield from self._group_rows(prefix, lo, self._group_end(g))
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (Rows, list)) else NotImplemented
+
+    def _group_end(self, g: int) -> int:
+        return self._groups[g + 1][1] if g + 1 < len(self._groups) else len(self._ends)
+
+    def _group_rows(self, prefix: str, lo: int, hi: int) -> Iterator[tuple[str, str]]:
+        names, ends, codes, wnids = self._names, self._ends, self._codes, self.wnids
+        start = ends[lo - 1] if lo else 0
+        for i in range(lo, hi):
+            yield prefix + names[start : ends[i]].decode("utf-8", "surrogateescape"), wnids[codes[i]]
+            start = ends[i]
+
+    def classes(self) -> set[str]:
+        """The wnids that have at least one row."""
+        return {self.wnids[c] for c in set(self._codes)}
+
+    def sorted(self) -> Iterator[tuple[str, str]]:
+        """The rows in sorted() order, sorting one group at a time: group by prefix, then rows inside it,
+        which is the same order when no prefix starts another (class folders and tars never do; else
+        every row is sorted at once)."""
+        order = sorted(range(len(self._groups)), key=lambda g: self._groups[g][0])
+        prefixes = [self._groups[g][0] for g in order]
+        if any(b.startswith(a) for a, b in zip(prefixes, prefixes[1:], strict=False)):
+            yield from sorted(self)
+            return
+        for g in order:
+            prefix, lo = self._groups[g]
+            yield from sorted(self._group_rows(prefix, lo, self._group_end(g)))
+
+    def keep(self, wnids: set[str]) -> tuple[Rows, list[tuple[str, str]]]:
+        """(the rows of these wnids, the other rows as (source, wnid))."""
+        kept, dropped = Rows(), []
+        for g, (prefix, lo) in enumerate(self._groups):
+            kept.group(prefix)
+            for source, wnid in self._group_rows(prefix, lo, self._group_end(g)):
+                if wnid in wnids:
+                    kept.add(source[len(prefix) :], wnid)
+                else:
+                    dropped.append((source, wnid))
+        return kept, dropped
+
+
 @dataclass
 class Found:
     """What discovery saw: (source, wnid) rows per split, unclassified (source, reason), class names.
 
     layout: per split, how it was read; warnings: findings to say once in the log (see module doc)."""
 
-    train: list[tuple[str, str]] = field(default_factory=list)
-    val: list[tuple[str, str]] = field(default_factory=list)
+    train: Rows = field(default_factory=Rows)
+    val: Rows = field(default_factory=Rows)
     unclassified: list[tuple[str, str]] = field(default_factory=list)
     names: dict[str, str] = field(default_factory=dict)
     layout: dict[str, str] = field(default_factory=dict)
@@ -199,9 +277,9 @@ def _hidden(name: str) -> bool:
     return name.startswith(".")
 
 
-def walk_class_folders(top: Path, raw: Path, found: Found, kinds: _Kinds) -> list[tuple[str, str]]:
-    """(source, wnid) for images in top/<wnid>/; everything else goes to found.unclassified."""
-    rows, empty = [], []
+def walk_class_folders(top: Path, raw: Path, found: Found, kinds: _Kinds) -> Rows:
+    """(source, wnid) rows for images in top/<wnid>/; everything else goes to found.unclassified."""
+    rows, empty = Rows(), []
     for entry in _scan(top):
         path = Path(entry.path)
         kind, why = kinds.of(entry)
@@ -211,7 +289,7 @@ def walk_class_folders(top: Path, raw: Path, found: Found, kinds: _Kinds) -> lis
             found.unclassified += [(_rel(p, raw), "hidden or unnameable class directory") for p in _files_below(path)]
         else:
             before = len(rows)
-            rows += _walk_class(path, entry.name, raw, found, kinds)
+            _walk_class(path, entry.name, raw, found, kinds, rows)
             if len(rows) == before:
                 empty.append(entry.name)
     if empty:
@@ -219,8 +297,9 @@ def walk_class_folders(top: Path, raw: Path, found: Found, kinds: _Kinds) -> lis
     return rows
 
 
-def _walk_class(folder: Path, wnid: str, raw: Path, found: Found, kinds: _Kinds) -> list[tuple[str, str]]:
-    rows, prefix = [], _rel(folder, raw) + "/"  # sources built as strings: no Path per file
+def _walk_class(folder: Path, wnid: str, raw: Path, found: Found, kinds: _Kinds, rows: Rows) -> None:
+    prefix = _rel(folder, raw) + "/"  # sources built as strings: no Path per file
+    rows.group(prefix)
     for sub in _scan(folder):
         kind, why = kinds.of(sub)
         if kind == "dir":
@@ -232,20 +311,22 @@ def _walk_class(folder: Path, wnid: str, raw: Path, found: Found, kinds: _Kinds)
         elif (reason := unclassifiable(sub.name)) is not None:
             found.unclassified.append((prefix + sub.name, reason))
         else:
-            rows.append((prefix + sub.name, wnid))
-    return rows
+            rows.add(sub.name, wnid)
 
 
-def label_flat(items: Iterable[tuple[str, str]], truth: dict[str, str], how: str, found: Found) -> list:
-    """items: (source, file name); truth: val stem -> wnid. Unlabelled or odd files are listed."""
-    rows = []
-    for source, name in items:
-        if (reason := unclassifiable(name)) is not None:
-            found.unclassified.append((source, reason))
-        elif (wnid := truth.get(PurePosixPath(name).stem)) is None:
-            found.unclassified.append((source, f"no ground truth for this image in {how}"))
+def label_flat(prefix: str, names: Iterable[str], truth: dict[str, str], how: str, found: Found) -> Rows:
+    """Rows of the sources prefix + name, labelled by truth (val stem -> wnid) from each name's last
+    part. Unlabelled or odd files are listed."""
+    rows = Rows()
+    rows.group(prefix)
+    for name in names:
+        base = PurePosixPath(name).name
+        if (reason := unclassifiable(base)) is not None:
+            found.unclassified.append((prefix + name, reason))
+        elif (wnid := truth.get(PurePosixPath(base).stem)) is None:
+            found.unclassified.append((prefix + name, f"no ground truth for this image in {how}"))
         else:
-            rows.append((source, wnid))
+            rows.add(name, wnid)
     return rows
 
 
@@ -413,11 +494,11 @@ def _need(thing, what: str, layout: str, raw: Path, instead: str = ""):
     return thing
 
 
-def index_train_tar(r: _Raw, reader: SourceReader, found: Found) -> list[tuple[str, str]]:
+def index_train_tar(r: _Raw, reader: SourceReader, found: Found) -> Rows:
     """Rows of the per-class tars inside the train archive. An empty per-class tar is an error: the
     official archive has none, so its class vanishing means a damaged download."""
     outer = r.rel(r.train_tar)
-    rows, files, classes = [], 0, 0
+    rows, files, classes = Rows(), 0, 0
     for name, _, _ in reader.scan((outer,)):
         if not name.endswith(".tar") or any(c in name for c in UNNAMEABLE):
             found.unclassified.append((f"{outer}{SEP}{name}", "not a per-class <wnid>.tar"))
@@ -425,12 +506,13 @@ def index_train_tar(r: _Raw, reader: SourceReader, found: Found) -> list[tuple[s
             continue
         wnid, members, before = PurePosixPath(name).stem, reader.scan((outer, name)), len(rows)
         classes, files = classes + 1, files + len(members)
+        prefix = f"{outer}{SEP}{name}{SEP}"
+        rows.group(prefix)
         for member, _, _ in members:
-            source = f"{outer}{SEP}{name}{SEP}{member}"
-            if (reason := unclassifiable(PurePosixPath(member).name)) is not None:
-                found.unclassified.append((source, reason))
+            if (reason := unclassifiable(member)) is not None:
+                found.unclassified.append((prefix + member, reason))
             else:
-                rows.append((source, wnid))
+                rows.add(member, wnid)
         if len(rows) == before:
             raise LayoutError(
                 f"{outer}{SEP}{name} holds no images ({len(members)} members): class {wnid} would be missing "
@@ -503,7 +585,7 @@ def _index_val(r: _Raw, layout: str, reader: SourceReader, found: Found, absent:
         what = "flat val folder (val/ or val_flat/ holding ILSVRC2012_val_*.JPEG)"
         _need(r.val_flat, what, layout, r.raw, _describe(r.images / "val", r.raw))
         truth, how = _val_labels(r, {"flat-kaggle": "kaggle", "flat-devkit": "devkit"}.get(layout), layout)
-        items = []
+        names = []
         for entry in _scan(r.val_flat):
             kind_, why = r.kinds.of(entry)
             path = Path(entry.path)
@@ -512,16 +594,16 @@ def _index_val(r: _Raw, layout: str, reader: SourceReader, found: Found, absent:
             elif kind_ == "other":
                 found.unclassified.append((r.rel(path), why))
             else:
-                items.append((r.rel(path), entry.name))
-        found.val = label_flat(items, truth, how, found)
+                names.append(entry.name)
+        found.val = label_flat(r.rel(r.val_flat) + "/", names, truth, how, found)
         found.layout["val"] = f"{r.rel(r.val_flat)}/ labelled by {how}"
     else:
         _need(r.val_tar, VAL_TAR, layout, r.raw)
         truth, how = _val_labels(r, None, layout)
         outer = r.rel(r.val_tar)
-        items = [(f"{outer}{SEP}{name}", PurePosixPath(name).name) for name, _, _ in reader.scan((outer,))]
-        found.val = label_flat(items, truth, how, found)
-        found.archive_counts["val"] = (len(items), 0)
+        names = [name for name, _, _ in reader.scan((outer,))]
+        found.val = label_flat(f"{outer}{SEP}", names, truth, how, found)
+        found.archive_counts["val"] = (len(names), 0)
         found.layout["val"] = f"{outer} (read in place) labelled by {how}"
 
 
@@ -559,16 +641,9 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto", absent_splits: I
 
 def _keep_train_classes(found: Found) -> Counter:
     """Val rows of a wnid that is not a train class move to unclassified; returns those wnids' counts."""
-    classes = {wnid for _, wnid in found.train}
-    keep, missing = [], Counter()
-    for source, wnid in found.val:
-        if wnid in classes:
-            keep.append((source, wnid))
-        else:
-            missing[wnid] += 1
-            found.unclassified.append((source, f"wnid {wnid} is not one of the train classes"))
-    found.val = keep
-    return missing
+    found.val, dropped = found.val.keep(found.train.classes())
+    found.unclassified += [(source, f"wnid {wnid} is not one of the train classes") for source, wnid in dropped]
+    return Counter(wnid for _, wnid in dropped)
 
 
 def _check_not_empty(found: Found, absent: set[str]) -> None:
@@ -609,7 +684,7 @@ def _check_classes(found: Found, missing: Counter) -> None:
         found.warnings.append(
             f"{len(empty)} class folders in {where}/ hold no images and are not classes (e.g. {', '.join(empty[:3])})"
         )
-    wnids = sorted({wnid for _, wnid in found.train})
+    wnids = sorted(found.train.classes())
     if odd := [w for w in wnids if not WNID.fullmatch(w)]:
         found.warnings.append(
             f"{len(odd)} of {len(wnids)} train classes are not WordNet ids (n + 8 digits), e.g. "
@@ -648,16 +723,16 @@ def _write_tsv(path: Path, header: list[str], rows: Iterable) -> None:
 
 def write_index(found: Found, out: Path) -> dict:
     """Write the four TSVs; returns counts. discover() has already moved val rows of non-train classes."""
-    wnids = sorted({wnid for _, wnid in found.train})
+    wnids = sorted(found.train.classes())
     label = {wnid: i for i, wnid in enumerate(wnids)}
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
     for split in SPLITS:
-        rows = sorted(getattr(found, split))
+        rows = getattr(found, split)
         _write_tsv(
             out / f"{split}.tsv",
             ["id", "source", "label", "wnid"],
-            ((i, source, label[wnid], wnid) for i, (source, wnid) in enumerate(rows)),
+            ((i, source, label[wnid], wnid) for i, (source, wnid) in enumerate(rows.sorted())),
         )
         counts[split] = len(rows)
     _write_tsv(out / "classes.tsv", ["label", "wnid", "name"], ((label[w], w, found.names.get(w, "")) for w in wnids))

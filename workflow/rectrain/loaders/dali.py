@@ -26,7 +26,7 @@ from rectrain.loaders import (
     train_batches_per_epoch,
     train_padding,
 )
-from rectrain.recordio import read_idx
+from rectrain.recordio import idx_arrays
 
 
 def decoder_args(decode_device: str, opts: DaliOptions) -> dict:
@@ -111,7 +111,7 @@ class DaliLoader:
 
     def __init__(self, spec: LoaderSpec):
         self.spec = spec
-        self.size = len(read_idx(spec.idx))
+        self.size = len(idx_arrays(spec.idx)[0])
         w, b = spec.world_size, spec.batch_size
         self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -56,14 +56,13 @@ class RecordDataset(Dataset):
 
     def __init__(self, rec: str, idx: str, transform=None, decode: bool = True):
         self.reader = IndexedRecordReader(rec, idx)
-        self.keys = list(self.reader.keys)
         self.transform, self.decode = transform, decode
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.reader)
 
     def __getitem__(self, i: int):
-        header, data = unpack_record(self.reader.read(self.keys[i]))
+        header, data = unpack_record(self.reader.nth(i)[1])
         if not self.decode:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8), _label(header), header.id
         image = Image.open(io.BytesIO(data)).convert("RGB")
@@ -86,18 +85,19 @@ class ShardSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _order(self) -> list[int]:
+    def _order(self) -> np.ndarray:
         if not self.shuffle:
-            return list(range(self.n))
+            return np.arange(self.n)
         g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch, 0))
-        return torch.randperm(self.n, generator=g).tolist()
+        return torch.randperm(self.n, generator=g).numpy()
 
     def __iter__(self):
+        # An array, not a list of Python ints: ImageNet's epoch order is 1.28 M entries.
         order = self._order()
         if self.pad:
             total = self.world * train_batches_per_epoch(self.n, self.world, self.batch) * self.batch
-            order = (order * math.ceil(total / self.n))[:total]
-        return iter(order[self.rank :: self.world])
+            order = np.resize(order, total)  # the permutation repeated from its start, as DistributedSampler pads
+        return map(int, order[self.rank :: self.world])
 
     def __len__(self) -> int:
         if self.pad:
