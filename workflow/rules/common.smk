@@ -9,6 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
 from rectrain.config import ConfigError, block_json, check_config, prepare_job_env
+from rectrain.driver_check import DEVICES_ENV
 from rectrain.sources import stage_sources
 
 prepare_job_env(Path(workflow.basedir) / "workflow")
@@ -17,6 +18,10 @@ try:
     check_config(config, Path(workflow.basedir) / "config" / "schema.yaml")
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
+
+# For the index rule's driver check: an environment variable, not a param, so that changing
+# train.devices does not re-index and repack.
+os.environ[DEVICES_ENV] = json.dumps(config["train"]["devices"])
 
 DS = config["dataset"]
 DEMO_ROOT = "results/demo/raw"

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rectrain import distributed, sources, watchdog
+from rectrain import distributed, driver_check, sources, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.config import ConfigError, stage_block
@@ -99,7 +99,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def relaunch_or_single(cfg: dict, argv: list[str], single: bool) -> None:
     """Called when RANK/WORLD_SIZE/LOCAL_RANK are missing: exec the same command under torchrun when
     the config asks for several processes, else set this process up as rank 0 of 1."""
-    plan = distributed.plan_processes(cfg, distributed.visible_gpu_count())
+    gpu_count = distributed.visible_gpu_count()
+    driver_check.stop_on_mismatch(cfg["devices"], gpu_count > 0, "train")
+    plan = distributed.plan_processes(cfg, gpu_count)
     missing = ", ".join(v for v in distributed.LAUNCH_VARS if v not in os.environ)
     if plan.nproc > 1 and cfg["nodes"] == 1 and not single:
         log.info(
