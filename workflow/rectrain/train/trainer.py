@@ -75,8 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--config-json", required=True, help="the train block of the config, as JSON (partial is fine)")
     ap.add_argument("--rec", required=True)
     ap.add_argument("--idx", required=True)
-    ap.add_argument("--val-rec", required=True)
-    ap.add_argument("--val-idx", required=True)
+    ap.add_argument("--val-rec", help="the val .rec; without it (no val split) no epoch is validated")
+    ap.add_argument("--val-idx")
     ap.add_argument("--classes", required=True, help="classes.tsv (label, wnid, name)")
     ap.add_argument("--out", required=True)
     ap.add_argument(
@@ -346,8 +346,12 @@ def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
     spec = loader_spec(cfg, d, args.rec, args.idx, workers)
     batch, accum, preflight = choose_batch(cfg, model, loss_fn, d, len(classes), spec)
     train_loader = build_loader(cfg["loader"], dataclasses.replace(spec, batch_size=batch))
-    val_spec = dataclasses.replace(spec, rec=args.val_rec, idx=args.val_idx, batch_size=batch, train=False)
-    val_loader = build_loader(cfg["loader"], val_spec)
+    val_loader = None
+    if args.val_rec:
+        val_spec = dataclasses.replace(spec, rec=args.val_rec, idx=args.val_idx, batch_size=batch, train=False)
+        val_loader = build_loader(cfg["loader"], val_spec)
+    else:
+        log.info("no val split (--val-rec not given, index.absent_splits): epochs are not validated")
     opt_steps = math.ceil(train_loader.batches_per_epoch / accum)
     optimizer, scheduler, scaler = make_optimizer(cfg, model, batch * accum * d.world_size, opt_steps)
     step = Step(model, loss_fn, optimizer, scheduler, scaler, accum, cfg["precision"], cfg["channels_last"], d)
@@ -537,7 +541,7 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
         if os.environ.get(FAIL_RANK_ENV) == str(d.rank):
             raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={d.rank})")
         stats = train_one_epoch(run.step, run.train_loader, epoch, steps_log)
-        val = validate(run.model, run.val_loader, len(run.classes), run.step)
+        val = validate(run.model, run.val_loader, len(run.classes), run.step) if run.val_loader else NO_VAL
         rngs = all_gather(ckpt.rng_state(), d)
         if d.master:
             epochs_log.write(
@@ -553,13 +557,11 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
             watchdog.beat(f"epoch {epoch}: writing the checkpoint")
             save_checkpoint(run, epoch, rngs)
             log.info(
-                "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s%s",
+                "epoch %d: train loss %.3f acc %.3f, %s, %.0f img/s, %.1f s%s",
                 epoch,
                 stats["train_loss"],
                 stats["train_acc"],
-                val["val_loss"],
-                val["val_top1"],
-                val["val_top5"],
+                val_text(val),
                 stats["images"] / stats["wall_s"],
                 stats["wall_s"],
                 efficiency_note(stats, run.calibration),
@@ -570,6 +572,16 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
         if os.environ.get(KILL_AFTER_EPOCH_ENV) == str(epoch):
             log.info("%s=%d: killing this process as a crash would", KILL_AFTER_EPOCH_ENV, epoch)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+# epochs.csv's val columns stay empty for a dataset without a val split.
+NO_VAL = {"val_loss": None, "val_top1": None, "val_top5": None, "val_images": 0}
+
+
+def val_text(val: dict) -> str:
+    if val["val_loss"] is None:
+        return "no val split"
+    return f"val loss {val['val_loss']:.3f} top-1 {val['val_top1']:.3f} top-5 {val['val_top5']:.3f}"
 
 
 def save_checkpoint(run: Run, epoch: int, rngs: list) -> None:
