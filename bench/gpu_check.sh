@@ -127,7 +127,12 @@ with tarfile.open(fileobj=sys.stdin.buffer, mode=\"r|xz\") as t: t.extractall(sy
     # lost part), snakemake alone from sm/, and the pipeline runs with the torch loader.
     VENV="$SCRATCH/venv"
     [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV" || rm -rf "$VENV"
-    [ -x "$VENV/bin/python" ] || { FAILED+=("no venv module for $PY: cannot install the wheels"); exit 2; }
+    # Without ensurepip (a Debian python3 without python3-venv) the venv cannot get a pip of its own:
+    # use the system's, which --system-site-packages makes importable inside it. (pip --target is no
+    # way out: it ignores installed packages, so DALI's numpy, left out of the wheels, cannot resolve.)
+    [ -x "$VENV/bin/python" ] || { "$PY" -m pip --version >/dev/null 2>&1 \
+        && "$PY" -m venv --without-pip --system-site-packages "$VENV"; } || rm -rf "$VENV"
+    [ -x "$VENV/bin/python" ] || { FAILED+=("no venv module or no pip for $PY: cannot install the wheels"); exit 2; }
     # The venv must also see packages outside the base interpreter's site folders ($PY may itself be a
     # venv, as on the lent machine): bench/overlay_venv.py.
     "$PY" "$REPO/bench/overlay_venv.py" "$VENV" || { FAILED+=("overlay_venv.py failed: the venv cannot see $PY's packages"); exit 2; }

@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -258,8 +259,30 @@ def block_json(config: dict, block: str) -> str:
     return json.dumps(config[block], sort_keys=True)
 
 
-def prepare_job_env(package_dir) -> None:
+def prepare_job_env(package_dir, executable: str = sys.executable) -> None:
     """Make jobs' `python -m rectrain.<stage>` find this package and, unless a conda env is
-    activated for the job, the interpreter Snakemake itself runs in (an unactivated .venv)."""
+    activated for the job (its activation puts the env's python first), the interpreter Snakemake
+    itself runs in (an unactivated .venv, or a system python3 with no `python` beside it)."""
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(package_dir), os.environ.get("PYTHONPATH")) if p)
-    os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
+    first = dict.fromkeys([str(python_dir(executable)), str(Path(executable).parent)])
+    os.environ["PATH"] = os.pathsep.join((*first, os.environ.get("PATH", "")))
+
+
+def python_dir(executable: str, workdir=".") -> Path:
+    """A folder whose `python` runs `executable`: the interpreter's own folder when its `python` is that
+    program, else .snakemake/rectrain-bin/ holding a wrapper (many machines have only `python3`, and a
+    `python` found further along the PATH lacks the packages).  A wrapper, not a link: a venv's
+    interpreter finds its packages only when started by its own path."""
+    exe = Path(executable)
+    own = exe.parent / "python"
+    if own.is_file() and os.path.samefile(own, exe):
+        return exe.parent
+    folder = (Path(workdir) / ".snakemake" / "rectrain-bin").resolve()
+    wrapper, text = folder / "python", f'#!/bin/sh\nexec {shlex.quote(str(exe))} "$@"\n'
+    if not wrapper.is_file() or wrapper.read_text() != text:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".python.{os.getpid()}"
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, wrapper)  # whole, executable, even when several Snakemake processes parse at once
+    return folder

@@ -2,6 +2,7 @@
 import functools
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
 from rectrain.config import ConfigError, block_json, check_config, prepare_job_env
+from rectrain.driver_check import DEVICES_ENV
 from rectrain.sources import stage_sources
 
 prepare_job_env(Path(workflow.basedir) / "workflow")
@@ -18,12 +20,19 @@ try:
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
 
+# For the index rule's driver check: an environment variable, not a param, so that changing
+# train.devices does not re-index and repack.
+os.environ[DEVICES_ENV] = json.dumps(config["train"]["devices"])
+
 DS = config["dataset"]
 DEMO_ROOT = "results/demo/raw"
 RAW_ROOT = config["raw"] or DEMO_ROOT
 # Where the .rec/.idx pairs live: the user's SSD, per dataset.
 FAST = f"{config['pack']['fast_storage'].rstrip('/')}/{DS}"
-SPLITS = ["train", "val"]
+# index.absent_splits: [val] - a dataset without a val split packs and trains on train alone; there is
+# nothing to evaluate, so the report is built without the evaluate stage and says so.
+HAS_VAL = "val" not in config["index"]["absent_splits"]
+SPLITS = ["train", "val"] if HAS_VAL else ["train"]
 ENV = "../../envs/rectrain.yaml"
 # A rule's params: carry only its own block, so a change there reruns that rule and its dependents.
 cfg_json = functools.partial(block_json, config)
@@ -39,3 +48,13 @@ def all_cores(wildcards):
     is expanded, not when the rules are parsed, so commands that run no job (--unlock, --summary,
     --dag) need no --cores; --report, which lists each job's threads, gets this machine's count."""
     return workflow.resource_settings.cores or os.cpu_count()
+
+
+def val_pair(wildcards):
+    """The val .rec/.idx; asking for evaluate on a dataset without val says why it cannot run."""
+    if not HAS_VAL:
+        raise WorkflowError(
+            "evaluate: this dataset has no val split (index.absent_splits lists val), so there is nothing to "
+            "evaluate on; the report is built without it. Remove val from index.absent_splits once a val split exists."
+        )
+    return {"rec": f"{FAST}/val.rec", "idx": f"{FAST}/val.idx"}

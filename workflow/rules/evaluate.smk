@@ -6,9 +6,8 @@
 
 rule evaluate:
     input:
+        unpack(val_pair),
         checkpoint=f"results/{DS}/train/model.pt",
-        rec=f"{FAST}/val.rec",
-        idx=f"{FAST}/val.idx",
         classes=f"results/{DS}/index/classes.tsv",
         code=code("evaluate"),
     output:

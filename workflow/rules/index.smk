@@ -1,5 +1,8 @@
 # index_raw: which file (or tar member, read in place) is which class; labels = sorted wnids like
 # im2rec --recursive. Writes train/val/classes/unclassified TSVs; see workflow/rectrain/data/index.py.
+# The first real stage starts with rectrain.driver_check: a GPU machine whose driver is too old for the
+# torch build stops here, not after hours of packing. That check is no code input of this rule: editing
+# it must not re-index (and so repack) a dataset; it changes no output.
 
 
 rule index_raw:
@@ -21,5 +24,6 @@ rule index_raw:
         raw=lambda wildcards, input: os.path.dirname(input.marker[0]) if input.marker else RAW_ROOT,
         out=lambda wildcards, output: os.path.dirname(output[0]),
     shell:
+        "python -m rectrain.driver_check > {log:q} 2>&1 && "
         "python -m rectrain.data.index --config-json {params.cfg:q} --raw {params.raw:q} --out {params.out:q}"
-        " > {log:q} 2>&1"
+        " >> {log:q} 2>&1"

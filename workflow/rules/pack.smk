@@ -22,7 +22,7 @@ rule pack:
     benchmark:
         f"benchmarks/pack/{DS}_{{split}}.tsv"
     wildcard_constraints:
-        split="train|val",
+        split="|".join(SPLITS),
     conda:
         ENV
     threads: config["pack"]["threads"]

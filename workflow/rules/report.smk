@@ -8,7 +8,7 @@
 rule report:
     input:
         train=expand(f"results/{DS}/train/{{name}}", name=["steps.csv", "epochs.csv", "system.csv", "run.json"]),
-        eval=rules.evaluate.output,
+        eval=rules.evaluate.output if HAS_VAL else [],
         manifests=expand(f"results/{DS}/pack/{{split}}.manifest.json", split=SPLITS),
         classes=f"results/{DS}/index/classes.tsv",
         code=code("report"),
@@ -18,7 +18,7 @@ rule report:
             str(rules.index_raw.benchmark),
             *expand(str(rules.pack.benchmark), split=SPLITS),
             str(rules.train.benchmark),
-            str(rules.evaluate.benchmark),
+            *([str(rules.evaluate.benchmark)] if HAS_VAL else []),
         ],
     output:
         report("results/report.html", caption="../report/report_html.rst", category="Report"),
@@ -33,10 +33,11 @@ rule report:
         # config["report"]; a change anywhere reruns only this cheap job.
         cfg=json.dumps(config, sort_keys=True),
         train=lambda wildcards, input: os.path.dirname(input.train[0]),
-        eval=lambda wildcards, input: os.path.dirname(input.eval[0]),
+        # no val split: no evaluate stage, and the report says so
+        eval=lambda wildcards, input: f" --eval-dir {shlex.quote(os.path.dirname(input.eval[0]))}" if input.eval else "",
         pack=lambda wildcards, input: os.path.dirname(input.manifests[0]),
         index=lambda wildcards, input: os.path.dirname(input.classes),
     shell:
-        "python -m rectrain.report --config-json {params.cfg:q} --train-dir {params.train:q}"
-        " --eval-dir {params.eval:q} --pack-dir {params.pack:q} --index-dir {params.index:q}"
+        "python -m rectrain.report --config-json {params.cfg:q} --train-dir {params.train:q}{params.eval}"
+        " --pack-dir {params.pack:q} --index-dir {params.index:q}"
         " --benchmarks {input.benchmarks:q} --out {output:q} > {log:q} 2>&1"

@@ -18,10 +18,10 @@ STAGE_ARG = (
 
 rule train:
     input:
+        # validated after every epoch, unless the dataset has no val split (index.absent_splits)
+        **({"val_rec": f"{FAST}/val.rec", "val_idx": f"{FAST}/val.idx"} if HAS_VAL else {}),
         rec=f"{FAST}/train.rec",
         idx=f"{FAST}/train.idx",
-        val_rec=f"{FAST}/val.rec",
-        val_idx=f"{FAST}/val.idx",
         classes=f"results/{DS}/index/classes.tsv",
         # part of the resume fingerprint: a repack is another run's data
         manifest=f"results/{DS}/pack/train.manifest.json",
@@ -47,8 +47,11 @@ rule train:
         cfg=cfg_json("train"),
         out=lambda wildcards, output: os.path.dirname(output.model),
         stage=STAGE_ARG,
+        val=lambda wildcards, input: (
+            f" --val-rec {shlex.quote(input.val_rec)} --val-idx {shlex.quote(input.val_idx)}" if HAS_VAL else ""
+        ),
     shell:
-        "python -m rectrain.train.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}"
-        " --val-rec {input.val_rec:q} --val-idx {input.val_idx:q} --classes {input.classes:q}"
+        "python -m rectrain.train.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}{params.val}"
+        " --classes {input.classes:q}"
         " --manifest {input.manifest:q}"
         " --out {params.out:q} --threads {threads}{params.stage} > {log:q} 2>&1"

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         help="the whole config (report block thresholds, and the rest shown under Provenance)",
     )
     ap.add_argument("--train-dir", required=True)
-    ap.add_argument("--eval-dir", required=True)
+    ap.add_argument("--eval-dir", help="the evaluate stage's folder; omitted when the dataset has no val split")
     ap.add_argument("--pack-dir", required=True)
     ap.add_argument("--index-dir", required=True)
     ap.add_argument(

@@ -215,6 +215,8 @@ def summary(data: RunData, config: dict, rates: dict) -> dict:
         "eval_images": metrics.get("images"),
         "eval_loader": metrics.get("loader"),
         "eval_img_s": metrics.get("images_per_s"),
+        # no evaluate stage ran: the dataset has no val split (index.absent_splits)
+        "no_val": not data.paths.get("eval") and not metrics,
         "train_img_s": rates["total"],
         "total_wall_s": float(bench["s"].sum()) if not bench.empty and "s" in bench else None,
         "stages": [(r["rule"], r.get("s")) for r in bench.to_dict("records")],

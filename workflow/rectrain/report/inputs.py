@@ -107,7 +107,8 @@ def sample_image_sizes(manifest: dict | None, n: int = SIZE_SAMPLE) -> pd.DataFr
 
 
 def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: str) -> RunData:
-    train_dir, eval_dir, pack_dir, index_dir = map(Path, (train_dir, eval_dir, pack_dir, index_dir))
+    """Every stage's outputs; eval_dir None: a dataset without a val split, so no evaluation (metrics {})."""
+    train_dir, pack_dir, index_dir = map(Path, (train_dir, pack_dir, index_dir))
     manifests = {}
     for split in ("train", "val"):
         p = pack_dir / f"{split}.manifest.json"
@@ -124,23 +125,32 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
         keep_default_na=False,
         dtype={"wnid": str, "name": str},
     )
-    per_class = _csv(
-        eval_dir / "per_class.csv",
-        [],
-        "evaluate",
-        keep_default_na=False,
-        dtype={"wnid": str, "name": str, "most_confused_wnid": str},
-    )
+    metrics, per_class = {}, pd.DataFrame()
+    if eval_dir is not None:
+        eval_dir = Path(eval_dir)
+        metrics = _json(eval_dir / "metrics.json", "evaluate")
+        per_class = _csv(
+            eval_dir / "per_class.csv",
+            [],
+            "evaluate",
+            keep_default_na=False,
+            dtype={"wnid": str, "name": str, "most_confused_wnid": str},
+        )
     return RunData(
         steps=_csv(train_dir / "steps.csv", STEP_COLUMNS, "train"),
         system=_csv(train_dir / "system.csv", SYSTEM_BASE_COLUMNS, "train"),
         epochs=_csv(train_dir / "epochs.csv", EPOCH_COLUMNS, "train"),
         run=_json(train_dir / "run.json", "train"),
-        metrics=_json(eval_dir / "metrics.json", "evaluate"),
+        metrics=metrics,
         per_class=per_class,
         manifests=manifests,
         classes=classes,
         benchmarks=read_benchmarks(benchmark_files(benchmarks, dataset), dataset),
-        paths={"train": str(train_dir), "eval": str(eval_dir), "pack": str(pack_dir), "index": str(index_dir)},
+        paths={
+            "train": str(train_dir),
+            "eval": str(eval_dir) if eval_dir else None,
+            "pack": str(pack_dir),
+            "index": str(index_dir),
+        },
         image_sizes=sample_image_sizes(manifests.get("train")),
     )

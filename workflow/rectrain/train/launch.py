@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 
-from rectrain import distributed
+from rectrain import distributed, driver_check
 from rectrain.config import ConfigError, stage_block
 from rectrain.log import setup as setup_logging
 from rectrain.train import cluster
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if own.stage_to_local:
         train_argv = stage.stage_argv(train_argv, None if own.stage_to_local == "auto" else own.stage_to_local)
-    plan = distributed.plan_processes(cfg, distributed.visible_gpu_count())
+    gpu_count = distributed.visible_gpu_count()
+    driver_check.stop_on_mismatch(cfg["devices"], gpu_count > 0, "launch")
+    plan = distributed.plan_processes(cfg, gpu_count)
     cmd, env = distributed.torchrun_command(
         plan,
         "rectrain.train",

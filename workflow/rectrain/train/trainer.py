@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rectrain import distributed, sources, watchdog
+from rectrain import distributed, driver_check, sources, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.config import ConfigError, stage_block
@@ -76,8 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--config-json", required=True, help="the train block of the config, as JSON (partial is fine)")
     ap.add_argument("--rec", required=True)
     ap.add_argument("--idx", required=True)
-    ap.add_argument("--val-rec", required=True)
-    ap.add_argument("--val-idx", required=True)
+    ap.add_argument("--val-rec", help="the val .rec; without it (no val split) no epoch is validated")
+    ap.add_argument("--val-idx")
     ap.add_argument("--classes", required=True, help="classes.tsv (label, wnid, name)")
     ap.add_argument("--out", required=True)
     ap.add_argument(
@@ -100,7 +100,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def relaunch_or_single(cfg: dict, argv: list[str], single: bool) -> None:
     """Called when RANK/WORLD_SIZE/LOCAL_RANK are missing: exec the same command under torchrun when
     the config asks for several processes, else set this process up as rank 0 of 1."""
-    plan = distributed.plan_processes(cfg, distributed.visible_gpu_count())
+    gpu_count = distributed.visible_gpu_count()
+    driver_check.stop_on_mismatch(cfg["devices"], gpu_count > 0, "train")
+    plan = distributed.plan_processes(cfg, gpu_count)
     missing = ", ".join(v for v in distributed.LAUNCH_VARS if v not in os.environ)
     if plan.nproc > 1 and cfg["nodes"] == 1 and not single:
         log.info(
@@ -353,8 +355,12 @@ def prepare(args: argparse.Namespace, cfg: dict, d: Dist) -> Run:
     spec = loader_spec(cfg, d, args.rec, args.idx, workers)
     batch, accum, preflight = choose_batch(cfg, model, loss_fn, d, len(classes), spec)
     train_loader = build_loader(cfg["loader"], dataclasses.replace(spec, batch_size=batch))
-    val_spec = dataclasses.replace(spec, rec=args.val_rec, idx=args.val_idx, batch_size=batch, train=False)
-    val_loader = build_loader(cfg["loader"], val_spec)
+    val_loader = None
+    if args.val_rec:
+        val_spec = dataclasses.replace(spec, rec=args.val_rec, idx=args.val_idx, batch_size=batch, train=False)
+        val_loader = build_loader(cfg["loader"], val_spec)
+    else:
+        log.info("no val split (--val-rec not given, index.absent_splits): epochs are not validated")
     opt_steps = math.ceil(train_loader.batches_per_epoch / accum)
     optimizer, scheduler, scaler = make_optimizer(cfg, model, batch * accum * d.world_size, opt_steps)
     step = Step(model, loss_fn, optimizer, scheduler, scaler, accum, cfg["precision"], cfg["channels_last"], d)
@@ -549,9 +555,12 @@ def train_epochs(run: Run, start_epoch: int, steps_log, epochs_log) -> None:
             progress.begin_epoch(epoch, run.train_loader.batches_per_epoch)
         stats = train_one_epoch(run.step, run.train_loader, epoch, steps_log, progress=progress)
         after_steps = time.monotonic()
-        if progress:
-            progress.begin(f"epoch {epoch} (of {run.cfg['epochs']}) validation batch", run.val_loader.batches_per_epoch)
-        val = validate(run.model, run.val_loader, len(run.classes), run.step, progress=progress)
+        val = NO_VAL
+        if run.val_loader:
+            if progress:
+                what = f"epoch {epoch} (of {run.cfg['epochs']}) validation batch"
+                progress.begin(what, run.val_loader.batches_per_epoch)
+            val = validate(run.model, run.val_loader, len(run.classes), run.step, progress=progress)
         rngs = all_gather(ckpt.rng_state(), d)
         if d.master:
             end_epoch(run, epoch, stats, val, (rngs, epochs_log))
@@ -581,17 +590,25 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, saved: tuple) -> Non
     watchdog.beat(f"epoch {epoch}: writing the checkpoint")
     save_checkpoint(run, epoch, rngs)
     log.info(
-        "epoch %d: train loss %.3f acc %.3f, val loss %.3f top-1 %.3f top-5 %.3f, %.0f img/s, %.1f s%s",
+        "epoch %d: train loss %.3f acc %.3f, %s, %.0f img/s, %.1f s%s",
         epoch,
         stats["train_loss"],
         stats["train_acc"],
-        val["val_loss"],
-        val["val_top1"],
-        val["val_top5"],
+        val_text(val),
         stats["images"] / stats["wall_s"],
         stats["wall_s"],
         efficiency_note(stats, run.calibration),
     )
+
+
+# epochs.csv's val columns stay empty for a dataset without a val split.
+NO_VAL = {"val_loss": None, "val_top1": None, "val_top5": None, "val_images": 0}
+
+
+def val_text(val: dict) -> str:
+    if val["val_loss"] is None:
+        return "no val split"
+    return f"val loss {val['val_loss']:.3f} top-1 {val['val_top1']:.3f} top-5 {val['val_top5']:.3f}"
 
 
 def save_checkpoint(run: Run, epoch: int, rngs: list) -> None:
