@@ -9,7 +9,7 @@ Records go out in a seeded shuffled order (DALI shuffles only inside a small win
 id = the index row id and label = the index label, so any record traces back to its source file.
 A pool of threads reads, checks, (re)encodes and frames images; the main thread writes them in
 order. At most a fixed number of batches are in flight and the index is held as arrays
-(rectrain.data.indextable), so memory grows by ~50 bytes per image, not with the data.
+(rectrain.data.indextable), so memory grows by ~50-60 bytes per image (bench/RESULTS.md), not with the data.
 
 pack.read_order picks how the raw images are read (rectrain.data.readorder): straight in the
 output order, or in storage order - archive members by offset, folders by path and inode, for a raw
