@@ -97,12 +97,13 @@ def animated_gif(frames: int = 3) -> bytes:
 
 def write_dataset(root: Path, files: list[tuple[str, int, bytes]], classes: int) -> tuple[Path, Path]:
     """Write raw files and an index like rectrain.data.index does; files = (source, label, bytes).
+    An archive member (`a.tar::m`) is only indexed: the caller writes the archive.
     Returns (raw_root, index_dir)."""
     raw, index = root / "raw", root / "index"
     index.mkdir(parents=True, exist_ok=True)
     written = {}
     for source, _, data in files:
-        if source not in written:
+        if source not in written and "::" not in source:
             path = raw / source
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)

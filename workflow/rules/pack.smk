@@ -36,9 +36,14 @@ rule pack:
             },
             sort_keys=True,
         ),
+        # How the pair is made, not its bytes (the .rec is the same in either read order): outside
+        # cfg and given as functions, whose values Snakemake does not compare, so editing them never repacks.
+        read_order=lambda wildcards: config["pack"]["read_order"],
+        progress_s=lambda wildcards: config["pack"]["progress_s"],
         index=lambda wildcards, input: os.path.dirname(input.tsv),
         raw=RAW_ROOT,
     shell:
         "python -m rectrain.data.pack --config-json {params.cfg:q} --index {params.index:q} --raw {params.raw:q}"
         " --split {wildcards.split} --rec {output.rec:q} --idx {output.idx:q}"
-        " --manifest {output.manifest:q} --threads {threads} > {log:q} 2>&1"
+        " --manifest {output.manifest:q} --threads {threads} --read-order {params.read_order}"
+        " --progress-s {params.progress_s} > {log:q} 2>&1"

@@ -237,10 +237,15 @@ class SourceReader:
         chain = tuple(source.split(SEP))
         if len(chain) == 1:
             return (self.root / _relative(source)).read_bytes()
-        fd, start, size = self.span(chain)
-        data = os.pread(fd, size, start)
+        _, start, size = self.span(chain)
+        return self.read_span(chain[0], start, size, source)
+
+    def read_span(self, rel: str, start: int, size: int, source: str = "") -> bytes:
+        """Bytes [start, start + size) of the archive file `rel` under the root: a member located by
+        scan(), read without building or caching a member table (the pack's storage-order reads)."""
+        data = os.pread(self._fd(rel), size, start)
         if len(data) != size:
-            raise OSError(f"{source}: archive ended after {len(data)} of {size} bytes (truncated download?)")
+            raise OSError(f"{source or rel}: archive ended after {len(data)} of {size} bytes (truncated download?)")
         return data
 
     def close(self) -> None:

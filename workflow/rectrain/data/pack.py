@@ -8,7 +8,14 @@
 Records go out in a seeded shuffled order (DALI shuffles only inside a small window), each with
 id = the index row id and label = the index label, so any record traces back to its source file.
 A pool of threads reads, checks, (re)encodes and frames images; the main thread writes them in
-order. At most a fixed number of batches are in flight, so memory does not grow with the dataset.
+order. At most a fixed number of batches are in flight and the index is held as arrays
+(rectrain.data.indextable), so memory grows by ~50-60 bytes per image (bench/RESULTS.md), not with the data.
+
+pack.read_order picks how the raw images are read (rectrain.data.readorder): straight in the
+output order, or in storage order - archive members by offset, folders by path and inode, for a raw
+root on an HDD or a network share - shuffled through bucket files beside the .rec. The .rec is
+the same either way; the manifest says which ran and why. Every pack.progress_s seconds the log
+says images done of total, img/s and the ETA of each step (read, assemble, verify).
 
 One image never ends the pack: whatever fails on it (unreadable, corrupt, a decompression bomb,
 out of memory, a record too large, a bug) makes it a skip with the reason, listed in the manifest.
@@ -20,12 +27,13 @@ rectrain.data.verify, and only then renamed. A reader never sees a new .rec with
 while an .idx exists, the .rec beside it is the one it indexes. A lock on the pair
 (``.<name>.rec.lock``) stops a second pack of the same pair at once, naming the first; each split
 has its own, so the train and val packs still run side by side. A killed pack leaves only
-``*.partial`` and atomic-write temporaries, which the next run deletes under that lock.
+``*.partial``, bucket files and atomic-write temporaries, which the next run deletes under that lock.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
 import ctypes
 import fcntl
@@ -39,21 +47,25 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
 
 from rectrain import storage
 from rectrain.atomic import fsync_path, publish, temporary_name, write_json
 from rectrain.config import ConfigError, stage_block
+from rectrain.data import indextable, readorder
 from rectrain.data.archives import SourceReader
 from rectrain.data.images import Skip, prepare
-from rectrain.data.verify import VerifyError, verify_pair
+from rectrain.data.indextable import BadIndex, IndexTable
+from rectrain.data.verify import Expected, VerifyError, verify_pair
 from rectrain.log import setup
 from rectrain.recordio import RecordIOError, RecordWriter, frame_payload, pack_record
-from rectrain.tables import read_tsv
 
 BATCH = 32  # images per task: amortises scheduling, small enough to keep every thread busy
 IN_FLIGHT_PER_WORKER = 4
-PROGRESS_EVERY_S = 5.0
 PARTIAL = ".partial"
 TOP_REASONS = 3  # skip causes named when the pack fails for too many skips
 
@@ -104,10 +116,13 @@ class _Packer:
         self.reader = SourceReader(Path(raw_root).resolve())
         self.resize, self.quality, self.check_scan_data = cfg["resize"], cfg["quality"], cfg["check_scan_data"]
 
-    def one(self, rid: int, source: str, label: int) -> tuple[bytes, str | None]:
-        """(framed record, repair reason or None); Skip when the image cannot be packed."""
+    def one(self, rid: int, source: str, label: int, where=None) -> tuple[bytes, str | None]:
+        """(framed record, repair reason or None); Skip when the image cannot be packed. `where` is
+        the member's (file, offset, size) when the storage order located it, or why it cannot be read."""
+        if isinstance(where, Exception):
+            raise Skip(f"cannot read source: {where}")
         try:
-            data = self.reader.read(source)
+            data = self.reader.read(source) if where is None else self.reader.read_span(*where, source)
         except (OSError, KeyError, ValueError, tarfile.TarError) as err:
             raise Skip(f"cannot read source: {err}") from None
         image, repaired = prepare(data, self.resize, self.quality, self.check_scan_data)
@@ -116,11 +131,12 @@ class _Packer:
         except RecordIOError as err:
             raise Skip(f"record too large: {err}") from None
 
-    def batch(self, rows: list[tuple[int, str, int]]) -> list[tuple[bytes, str | None] | Skip]:
+    def batch(self, items: list[tuple]) -> list[tuple[bytes, str | None] | Skip]:
+        """items: (row, id, source, label, location or None)."""
         out = []
-        for rid, source, label in rows:
+        for _, rid, source, label, where in items:
             try:
-                out.append(self.one(rid, source, label))
+                out.append(self.one(rid, source, label, where))
             except Skip as err:
                 out.append(err)
             except MemoryError:  # this image's buffers are gone with the frames; the next ones fit again
@@ -134,36 +150,22 @@ class _Packer:
 # ---- parent side -------------------------------------------------------------------------------
 
 
-def load_index(index_dir: Path, split: str) -> tuple[list[int], list[str], list[int], int]:
-    """ids, sources, labels of <split>.tsv and the class count from classes.tsv."""
-    tsv = index_dir / f"{split}.tsv"
-    rows = read_tsv(tsv)
-    ids = [int(r["id"]) for r in rows]
-    if len(set(ids)) != len(ids):
-        raise SystemExit(f"{tsv}: duplicate ids; rebuild the index (rule index_raw)")
-    num_classes = len(read_tsv(index_dir / "classes.tsv"))
-    labels = [int(r["label"]) for r in rows]
-    bad = next((i for i, lab in zip(ids, labels, strict=True) if not 0 <= lab < num_classes), None)
-    if bad is not None:
-        raise SystemExit(f"{tsv}: id {bad} has a label outside 0..{num_classes - 1}; rebuild the index")
-    return ids, [r["source"] for r in rows], labels, num_classes
-
-
-def source_bytes(raw_root: Path, sources: list[str]) -> int:
+def source_bytes(raw_root: Path, sources: Iterable[str]) -> int:
     """Bytes the sources occupy; an archive member counts as its whole outer archive, once."""
     total = 0
     archives = set()
+    root = f"{raw_root}/"  # a str, not a Path per source: 4x faster over 1.28 M files
     for src in sources:
         if "::" in src:
             archives.add(src.split("::", 1)[0])
             continue
         try:
-            total += os.path.getsize(raw_root / src)
+            total += os.stat(root + src).st_size
         except OSError:
             pass  # reported per image as a skip when the worker cannot read it
     for archive in archives:
         try:
-            total += os.path.getsize(raw_root / archive)
+            total += os.stat(root + archive).st_size
         except OSError:
             pass
     return total
@@ -202,10 +204,11 @@ def exclusive(rec: Path, split: str):
 
 
 def remove_leftovers(*finals: Path) -> None:
-    """Delete what an interrupted pack of these outputs left: ``*.partial`` and atomic-write
-    temporaries. Only under the lock: another live pack's files are never touched."""
+    """Delete what an interrupted pack of these outputs left: ``*.partial``, the storage order's
+    bucket files and atomic-write temporaries. Only under the lock: another live pack's files are never touched."""
     for final in finals:
-        stale = [final.with_name(final.name + PARTIAL)]
+        partial = final.with_name(final.name + PARTIAL)
+        stale = [partial, *final.parent.glob(readorder.bucket_glob(partial))]
         stale += final.parent.glob(temporary_name(final).name.rsplit(".tmp", 1)[0] + ".tmp*")
         for path in stale:
             if path.exists():
@@ -242,36 +245,47 @@ def check_skips(split: str, n: int, skipped: list[dict], max_share: float) -> No
     )
 
 
+def _clock(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 class Progress:
-    def __init__(self, split: str, total: int):
-        self.split, self.total = split, total
+    """Says every `every_s` seconds how far a step is: done of total, img/s and the ETA, then
+    whatever `detail()` adds (called only when a line is written)."""
+
+    def __init__(self, what: str, total: int, every_s: float, detail=lambda: ""):
+        self.what, self.total, self.every_s, self.detail = what, total, every_s, detail
         self.start = self.last = time.time()
 
-    def update(self, done: int, nbytes: int, skipped: int, repaired: int, force: bool = False) -> None:
+    def update(self, done: int, force: bool = False) -> None:
         now = time.time()
-        if not force and now - self.last < PROGRESS_EVERY_S:
+        if not force and now - self.last < self.every_s:
             return
         self.last = now
-        elapsed = max(now - self.start, 1e-9)
-        rate = done / elapsed
+        rate = done / max(now - self.start, 1e-9)
         eta = (self.total - done) / rate if rate > 0 else float("inf")
-        eta_s = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta != float("inf") else "?"
+        extra = self.detail()
         log.info(
-            f"pack {self.split}: {done}/{self.total} images ({100 * done / max(self.total, 1):.1f} %), "
-            f"{rate:.0f} img/s, {nbytes / 1e6 / elapsed:.1f} MB/s, ETA {eta_s}, "
-            f"skipped {skipped}, repaired {repaired}"
+            f"{self.what}: {done}/{self.total} images ({100 * done / max(self.total, 1):.1f} %), "
+            f"{rate:.0f} img/s, ETA {_clock(eta)}{', ' + extra if extra else ''}"
         )
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where one split is packed to, and with how many threads."""
+    """Where one split is packed to, and how: threads, read order (pack.read_order), seconds
+    between progress lines."""
 
     split: str
     rec: Path
     idx: Path
     threads: int
     sysfs_root: str | None = None
+    read_order: str = "auto"
+    progress_s: float = 10.0
 
     @property
     def partial(self) -> tuple[Path, Path]:
@@ -280,65 +294,155 @@ class Target:
 
 @dataclass
 class Written:
-    """What writing the records produced: the labels to verify, the skips and repairs, the bytes."""
+    """What packing the records produced: which index rows were packed, the skips and repairs, the
+    bytes of the .rec."""
 
-    expected: dict = field(default_factory=dict)
+    packed: np.ndarray
     skipped: list = field(default_factory=list)
     repaired: list = field(default_factory=list)
     bytes_written: int = 0
 
+    def take(self, item: tuple, result) -> bytes | None:
+        """The framed record of a worker's result, or None for a skip (listed with its reason)."""
+        row, rid, source, _, _ = item
+        if isinstance(result, Skip):
+            self.skipped.append({"id": rid, "source": source, "reason": str(result)})
+            return None
+        framed, reason = result
+        if reason is not None:
+            self.repaired.append({"id": rid, "source": source, "reason": reason})
+        self.packed[row] = True
+        return framed
 
-def _prepare(target: Target, raw_root: Path, sources: list[str], cfg: dict) -> dict:
-    """Clear the old pair and check the disk; returns the storage preflight result."""
+    def status(self, nbytes: int, elapsed: float) -> str:
+        return (
+            f"{nbytes / 1e6 / max(elapsed, 1e-9):.1f} MB/s, skipped {len(self.skipped)}, repaired {len(self.repaired)}"
+        )
+
+
+def shuffled_order(n: int, seed: int) -> np.ndarray:
+    """Index row at each output position: Python's seeded shuffle (the order every earlier pack
+    wrote), run on a compact array instead of a list of 1.28 M int objects."""
+    order = array.array("q", range(n))
+    random.Random(seed).shuffle(order)
+    return np.frombuffer(order, dtype=np.int64) if n else np.zeros(0, np.int64)
+
+
+def _prepare(target: Target, raw_root: Path, table: IndexTable, cfg: dict, choice: dict) -> tuple[dict, int]:
+    """Clear the old pair and check the disk; returns the storage preflight result and the number
+    of bucket files the storage order spools through (0 when reading in shuffled order)."""
     target.rec.parent.mkdir(parents=True, exist_ok=True)
     # An older pair must not survive a failed run looking valid, and no reader may pair the new
     # .rec with the old .idx: the .idx goes first, durably, and comes back only after the new .rec.
     _remove(target.idx, target.rec, *target.partial)
     fsync_path(target.idx.parent)
-    n = len(sources)
-    needed = storage.estimate_needed_bytes(source_bytes(raw_root, sources), n, cfg["resize"], cfg["quality"])
+    n = len(table)
+    needed = storage.estimate_needed_bytes(
+        source_bytes(raw_root, table.iter_sources()), n, cfg["resize"], cfg["quality"]
+    )
+    buckets = readorder.bucket_count(needed) if choice["used"] == "storage" else 0
+    if buckets:
+        needed += -(-needed // buckets)  # the .rec grows while the last bucket is still on disk
     result = storage.preflight(target.rec.parent, needed, target.sysfs_root)
     log.info(
         f"pack {target.split}: {n} images -> {target.rec} (device {result['device']}, rotational "
         f"{result['rotational']}, {result['free_bytes'] / 1e9:.1f} GB free, ~{needed / 1e9:.2f} GB needed)"
     )
+    log.info(f"pack {target.split}: read order {choice['used']}: {choice['reason']}")
     if result["warning"]:
         log.warning(result["warning"])
-    return result
+    return result, buckets
 
 
-def _write_records(batches, n: int, packer: _Packer, pool: ThreadPoolExecutor, target: Target) -> Written:
-    """Prepare every image on the pool and write the records in the order `batches` yields them (the
-    shuffled order); batches are built as they are submitted, so memory stays bounded."""
-    out, progress, done = Written(), Progress(target.split, n), 0
-    with RecordWriter(*target.partial) as writer:
-        pending = deque()  # (batch rows, future) in output order; bounded, so memory is too
+def _pump(items, packer: _Packer, pool: ThreadPoolExecutor, threads: int, sink, progress: Progress) -> None:
+    """Prepare `items` on the pool in batches and hand each (item, result) to `sink` in the items'
+    order; batches are cut as they are submitted and at most a few per thread are in flight, so
+    memory stays bounded."""
+    pending, done = deque(), 0  # (batch, future) in item order
 
-        def drain_one() -> None:
-            nonlocal done
-            batch, future = pending.popleft()
-            for (rid, source, label), result in zip(batch, future.result(), strict=True):
-                if isinstance(result, Skip):
-                    out.skipped.append({"id": rid, "source": source, "reason": str(result)})
-                    continue
-                framed, reason = result
-                if reason is not None:
-                    out.repaired.append({"id": rid, "source": source, "reason": reason})
-                writer.write_framed(rid, framed)
-                out.expected[rid] = label
-            done += len(batch)
-            progress.update(done, writer.tell(), len(out.skipped), len(out.repaired))
+    def drain_one() -> None:
+        nonlocal done
+        batch, future = pending.popleft()
+        for item, result in zip(batch, future.result(), strict=True):
+            sink(item, result)
+        done += len(batch)
+        progress.update(done)
 
-        for batch in batches:
-            pending.append((batch, pool.submit(packer.batch, batch)))
-            if len(pending) >= target.threads * IN_FLIGHT_PER_WORKER:
-                drain_one()
-        while pending:
+    items = iter(items)
+    while batch := list(islice(items, BATCH)):
+        pending.append((batch, pool.submit(packer.batch, batch)))
+        if len(pending) >= threads * IN_FLIGHT_PER_WORKER:
             drain_one()
+    while pending:
+        drain_one()
+    progress.update(done, force=True)
+
+
+def _shuffled_items(table: IndexTable, order: np.ndarray) -> Iterator[tuple]:
+    for b in range(0, len(order), BATCH):
+        rows = order[b : b + BATCH].tolist()
+        labels = table.labels[rows].tolist()
+        yield from zip(rows, table.ids[rows].tolist(), table.sources(rows), labels, [None] * len(rows), strict=True)
+
+
+def _pack_shuffled(table: IndexTable, order: np.ndarray, packer: _Packer, pool: ThreadPoolExecutor, target: Target):
+    """Read the images in the output order and write each record as it comes (a random read each)."""
+    written = Written(np.zeros(len(table), dtype=bool))
+    with RecordWriter(*target.partial) as writer:
+        t0 = time.time()
+        progress = Progress(
+            f"pack {target.split}",
+            len(table),
+            target.progress_s,
+            lambda: written.status(writer.tell(), time.time() - t0),
+        )
+
+        def sink(item, result) -> None:
+            framed = written.take(item, result)
+            if framed is not None:
+                writer.write_framed(item[1], framed)
+
+        _pump(_shuffled_items(table, order), packer, pool, target.threads, sink, progress)
         writer.close()
-        out.bytes_written = writer.tell()
-    progress.update(done, out.bytes_written, len(out.skipped), len(out.repaired), force=True)
-    return out
+        written.bytes_written = writer.tell()
+    return written
+
+
+def _pack_storage(
+    table: IndexTable, order: np.ndarray, packer: _Packer, pool: ThreadPoolExecutor, target: Target, k: int
+):
+    """Read the images in storage order into bucket files by output position, then assemble the .rec
+    in output order (rectrain.data.readorder). Returns (Written, seconds reading, seconds assembling)."""
+    n = len(table)
+    written = Written(np.zeros(n, dtype=bool))
+    positions = np.empty(n, dtype=np.int64)
+    positions[order] = np.arange(n, dtype=np.int64)
+    buckets = readorder.Buckets(target.partial[0], positions, k)
+    try:
+        t0 = time.time()
+        spooled = Progress(
+            f"pack {target.split}: read",
+            n,
+            target.progress_s,
+            lambda: written.status(buckets.spooled_bytes, time.time() - t0),
+        )
+
+        def sink(item, result) -> None:
+            framed = written.take(item, result)
+            if framed is not None:
+                buckets.put(item[0], framed)
+
+        _pump(readorder.storage_order(table, packer.reader), packer, pool, target.threads, sink, spooled)
+        t1 = time.time()
+        with RecordWriter(*target.partial) as writer:
+            assembled = Progress(f"pack {target.split}: assemble", n, target.progress_s)
+            buckets.assemble(writer, order, table.ids, assembled.update)
+            assembled.update(n, force=True)
+            writer.close()
+            written.bytes_written = writer.tell()
+    finally:
+        buckets.remove()
+    return written, t1 - t0, time.time() - t1
 
 
 def _log_and_check_skips(target: Target, n: int, written: Written, cfg: dict) -> None:
@@ -355,39 +459,59 @@ def _log_and_check_skips(target: Target, n: int, written: Written, cfg: dict) ->
         raise
 
 
+def _records(table: IndexTable, raw_root: Path, cfg: dict, choice: dict, target: Target, pool) -> tuple[Written, dict]:
+    """Pack every row into the partial pair in the seeded output order; returns what was written and
+    the read order's timings."""
+    order = shuffled_order(len(table), cfg["shuffle_seed"])
+    packer = _Packer(str(raw_root), cfg)
+    try:
+        if choice["used"] == "storage":
+            written, read_s, assemble_s = _pack_storage(table, order, packer, pool, target, choice["buckets"])
+            return written, {"read_s": round(read_s, 3), "assemble_s": round(assemble_s, 3)}
+        return _pack_shuffled(table, order, packer, pool, target), {}
+    finally:
+        packer.reader.close()
+
+
+def _verify(table: IndexTable, num_classes: int, written: Written, target: Target, pool, resize: int) -> dict:
+    """Read the partial pair back completely while forcing it to disk."""
+    expected = Expected(table.ids[written.packed], table.labels[written.packed])
+    log.info(f"verify {target.split}: reading back {len(expected)} records")
+    progress = Progress(f"verify {target.split}", len(expected), target.progress_s)
+    # Forcing the pair to disk waits on the device, reading it back on the page cache: overlap
+    # them (~10 % of a pass-through pack's wall time). Both finish before anything is published.
+    synced = pool.submit(fsync_path, *target.partial)
+    check = verify_pair(*target.partial, expected, num_classes, resize, progress=progress.update)
+    synced.result()
+    progress.update(check["records"], force=True)
+    return check
+
+
 def pack_split(cfg: dict, index_dir: Path, raw_root: Path, target: Target) -> dict:
     """Pack, verify and publish one split; returns the manifest dict."""
     t0 = time.time()
-    ids, sources, labels, num_classes = load_index(index_dir, target.split)
-    n = len(ids)
-    storage_result = _prepare(target, raw_root, sources, cfg)
-    order = list(range(n))
-    random.Random(cfg["shuffle_seed"]).shuffle(order)
-    batches = ([(ids[j], sources[j], labels[j]) for j in order[b : b + BATCH]] for b in range(0, n, BATCH))
+    table, num_classes = indextable.load(index_dir, target.split)
+    n = len(table)
+    choice = readorder.choose(target.read_order, raw_root, target.sysfs_root)
+    storage_result, choice["buckets"] = _prepare(target, raw_root, table, cfg, choice)
     target = replace(target, threads=max(1, int(target.threads)))
-    packer = _Packer(str(raw_root), cfg)
     pool = ThreadPoolExecutor(target.threads, thread_name_prefix="pack")
     try:
-        written = _write_records(batches, n, packer, pool, target)
+        written, read_timing = _records(table, raw_root, cfg, choice, target, pool)
         pack_s = time.time() - t0
         _log_and_check_skips(target, n, written, cfg)
-        log.info(f"verify {target.split}: reading back {len(written.expected)} records")
-        # Forcing the pair to disk waits on the device, reading it back on the page cache: overlap
-        # them (~10 % of a pass-through pack's wall time). Both finish before anything is published.
-        synced = pool.submit(fsync_path, *target.partial)
-        check = verify_pair(*target.partial, written.expected, num_classes, cfg["resize"])
-        synced.result()
+        check = _verify(table, num_classes, written, target, pool, cfg["resize"])
     finally:
         pool.shutdown(cancel_futures=True)  # on an error or Ctrl-C, do not finish queued batches
-        packer.reader.close()
+        table.close()
     publish(target.partial[0], target.rec)
     publish(target.partial[1], target.idx)  # last: a .rec without its .idx is never taken for a pair
     wall = time.time() - t0
     log.info(f"pack {target.split}: verified and published {target.rec} and {target.idx} in {wall:.1f} s")
     timing = {"wall_s": round(wall, 3), "pack_s": round(pack_s, 3), "verify_s": check["verify_s"]}
-    return _manifest(
-        cfg, target, written, timing, {"check": check, "num_classes": num_classes, "n": n, "storage": storage_result}
-    )
+    facts = {"check": check, "num_classes": num_classes, "n": n, "storage": storage_result}
+    facts["read_order"] = {**choice, **read_timing}
+    return _manifest(cfg, target, written, timing, facts)
 
 
 def _manifest(cfg: dict, target: Target, written: Written, timing: dict, facts: dict) -> dict:
@@ -398,7 +522,7 @@ def _manifest(cfg: dict, target: Target, written: Written, timing: dict, facts: 
         "rec": str(target.rec),
         "idx": str(target.idx),
         "discovered": n,
-        "packed": len(written.expected),
+        "packed": int(written.packed.sum()),
         "skipped": len(written.skipped),
         "repaired": written.repaired,
         "skipped_files": written.skipped,
@@ -415,6 +539,7 @@ def _manifest(cfg: dict, target: Target, written: Written, timing: dict, facts: 
         "threads": target.threads,
         "num_classes": facts["num_classes"],
         "storage": facts["storage"],
+        "read_order": facts["read_order"],
     }
 
 
@@ -428,6 +553,10 @@ def main(argv=None) -> int:
     parser.add_argument("--idx", required=True, type=Path)
     parser.add_argument("--manifest", required=True, type=Path)
     parser.add_argument("--threads", type=int, default=None, help="worker threads (default: pack.threads)")
+    # Outside --config-json (like --threads): they change how the pair is made, not its bytes, so the
+    # rule does not repack when they change.
+    parser.add_argument("--read-order", choices=readorder.READ_ORDERS, help="default: pack.read_order")
+    parser.add_argument("--progress-s", type=float, help="seconds between progress lines (default: pack.progress_s)")
     args = parser.parse_args(argv)
     setup("")  # the rule log's lines stay bare, as they always were
     try:
@@ -440,10 +569,17 @@ def main(argv=None) -> int:
         with exclusive(args.rec, args.split):
             remove_leftovers(args.rec, args.idx, args.manifest)
             _remove(args.manifest)  # describes the pair this run replaces
-            target = Target(args.split, args.rec, args.idx, args.threads or cfg["threads"])
+            target = Target(
+                args.split,
+                args.rec,
+                args.idx,
+                args.threads or cfg["threads"],
+                read_order=args.read_order or cfg["read_order"],
+                progress_s=args.progress_s or cfg["progress_s"],
+            )
             manifest = pack_split(cfg, args.index, args.raw, target)
             write_json(args.manifest, manifest)
-    except (storage.StorageError, PackBusy) as err:
+    except (storage.StorageError, PackBusy, BadIndex) as err:
         log.error(f"pack {args.split}: ERROR: {err}")
         return 2
     except PackFailed as err:

@@ -17,11 +17,12 @@ import logging
 import sys
 import time
 
+import numpy as np
 from PIL import Image
 
+from rectrain.data.indextable import BadIndex, load
 from rectrain.log import setup
-from rectrain.recordio import RecordIOError, read_idx, scan_records, unpack_record
-from rectrain.tables import read_tsv
+from rectrain.recordio import RecordIOError, iter_idx, scan_records, unpack_record
 
 log = logging.getLogger("rectrain.data.verify")  # not __name__: that is __main__ under python -m
 
@@ -30,47 +31,97 @@ class VerifyError(RuntimeError):
     """The pair is not what the index says it should be; the message names the record."""
 
 
+class Expected:
+    """Record id -> label of every record the pair must hold, in arrays: ~5 bytes a record where a
+    dict took ~100 (1.28 M records). Ids are looked up in a dense table when they are compact (the
+    index's ids are 0..N-1), else by binary search."""
+
+    def __init__(self, ids, labels):
+        ids, labels = np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+        self.count = len(ids)
+        self._base = int(ids.min()) if self.count else 0
+        span = int(ids.max()) - self._base + 1 if self.count else 0
+        self._dense = span <= 2 * self.count + 1024
+        if self._dense:
+            self._labels = np.full(span, -1, dtype=np.int32)  # -1: not expected (labels are >= 0)
+            self._labels[ids - self._base] = labels
+        else:
+            order = np.argsort(ids, kind="stable")
+            self._ids, self._labels = ids[order], labels[order].astype(np.int32)
+        self.seen = np.zeros(len(self._labels), dtype=bool)
+
+    @classmethod
+    def from_dict(cls, labels: dict[int, int]) -> "Expected":
+        return cls(list(labels), list(labels.values()))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def slot(self, key: int) -> int | None:
+        """Where the record id is kept, or None when it is not expected."""
+        if self._dense:
+            s = key - self._base
+            return s if 0 <= s < len(self._labels) and self._labels[s] >= 0 else None
+        s = int(np.searchsorted(self._ids, key))
+        return s if s < self.count and self._ids[s] == key else None
+
+    def label(self, slot: int) -> int:
+        return int(self._labels[slot])
+
+
+def _check_record(offset: int, key: int, payload: bytes, expected: Expected, num_classes: int) -> bytes:
+    """The record's image bytes once its header agrees with the .idx and the index."""
+    header, image = unpack_record(payload)
+    if header.id != key:
+        raise VerifyError(f"record at byte offset {offset} has id {header.id} but its .idx key is {key}")
+    slot = expected.slot(key)
+    if slot is None:
+        raise VerifyError(f"record id {key} at byte offset {offset} is not an index row that was packed")
+    if expected.seen[slot]:
+        raise VerifyError(f"record id {key} appears twice (second at byte offset {offset})")
+    expected.seen[slot] = True
+    label = header.label
+    if header.flag != 0 or label != int(label) or not 0 <= int(label) < num_classes:
+        raise VerifyError(
+            f"record id {key}: label {label!r} (flag {header.flag}) is not a class index in 0..{num_classes - 1}"
+        )
+    if int(label) != expected.label(slot):
+        raise VerifyError(f"record id {key}: label {int(label)} but the index says {expected.label(slot)}")
+    return image
+
+
 def verify_pair(
-    rec_path, idx_path, expected_labels: dict[int, int], num_classes: int, resize: int = 0, sample: int = 64
+    rec_path, idx_path, expected: Expected, num_classes: int, resize: int = 0, sample: int = 64, *, progress=None
 ) -> dict:
-    """Verify the pair against ``expected_labels`` (record id -> label of every record that must be
-    there). Returns {records, bytes, decoded, verify_s}; raises VerifyError/RecordIOError."""
+    """Verify the pair against ``expected`` (every record that must be there, with its label),
+    reading the .rec and the .idx side by side (nothing per record kept but a bit in ``expected``).
+    ``progress(done)`` is called after each record. Returns {records, decoded, verify_s}; raises
+    VerifyError/RecordIOError."""
     start = time.time()
-    idx = read_idx(idx_path)
-    if len(idx) != len(expected_labels):
-        raise VerifyError(f"{idx_path} lists {len(idx)} records but {len(expected_labels)} were packed")
-    n = len(idx)
+    n = len(expected)
     sample_at = {round(i * (n - 1) / max(sample - 1, 1)) for i in range(min(sample, n))} if n else set()
-    seen = set()
-    count = 0
-    decoded = 0
+    count = decoded = 0
+    expected.seen[:] = False
+    entries = iter_idx(idx_path)
     for i, (offset, payload) in enumerate(scan_records(rec_path)):
-        if i >= n:
-            raise VerifyError(f"{rec_path} holds a record at byte offset {offset} beyond the {n} in {idx_path}")
-        key, idx_offset = idx[i]
+        entry = next(entries, None)
+        if entry is None:
+            raise VerifyError(f"{rec_path} holds a record at byte offset {offset} beyond the {i} in {idx_path}")
+        key, idx_offset = entry
         if offset != idx_offset:
             raise VerifyError(f"record {i} (key {key}) starts at byte offset {offset} but {idx_path} says {idx_offset}")
-        header, image = unpack_record(payload)
-        if header.id != key:
-            raise VerifyError(f"record at byte offset {offset} has id {header.id} but its .idx key is {key}")
-        if key in seen:
-            raise VerifyError(f"record id {key} appears twice (second at byte offset {offset})")
-        seen.add(key)
-        if key not in expected_labels:
-            raise VerifyError(f"record id {key} at byte offset {offset} is not an index row that was packed")
-        label = header.label
-        if header.flag != 0 or label != int(label) or not 0 <= int(label) < num_classes:
-            raise VerifyError(
-                f"record id {key}: label {label!r} (flag {header.flag}) is not a class index in 0..{num_classes - 1}"
-            )
-        if int(label) != expected_labels[key]:
-            raise VerifyError(f"record id {key}: label {int(label)} but the index says {expected_labels[key]}")
+        image = _check_record(offset, key, payload, expected, num_classes)
         if i in sample_at:
             _check_decodes(key, image, resize)
             decoded += 1
         count += 1
+        if progress is not None:
+            progress(count)
+    listed = count + sum(1 for _ in entries)
+    if listed != count:
+        raise VerifyError(f"{rec_path} holds {count} records but {idx_path} lists {listed}: truncated .rec")
     if count != n:
-        raise VerifyError(f"{rec_path} holds {count} records but {idx_path} lists {n}: truncated .rec")
+        raise VerifyError(f"{idx_path} lists {count} records but {n} were packed")
     return {"records": count, "decoded": decoded, "verify_s": round(time.time() - start, 3)}
 
 
@@ -102,9 +153,13 @@ def main(argv=None) -> int:
     if args.manifest:
         with open(args.manifest) as f:
             skipped = {row["id"] for row in json.load(f)["skipped_files"]}
-    rows = read_tsv(f"{args.index}/{args.split}.tsv")
-    expected = {int(r["id"]): int(r["label"]) for r in rows if int(r["id"]) not in skipped}
-    num_classes = len(read_tsv(f"{args.index}/classes.tsv"))
+    try:
+        table, num_classes = load(args.index, args.split)
+    except BadIndex as err:
+        log.error(f"verify: FAILED: {err}")
+        return 1
+    keep = ~np.isin(table.ids, np.fromiter(skipped, dtype=np.int64, count=len(skipped)))
+    expected = Expected(table.ids[keep], table.labels[keep])
     try:
         result = verify_pair(args.rec, args.idx, expected, num_classes, args.resize, args.sample)
     except (VerifyError, RecordIOError) as err:
