@@ -97,7 +97,9 @@ def test_check_cut_at_its_deadline_still_reports_and_returns_only_what_can_come_
     assert "pipeline: no " in summary and "training did not finish" in summary
     # Cut while it ran, or (on a loaded machine, where the environment check alone can take 20 s) before.
     assert re.search(
-        r"FAILED: pipeline \((rc=124, timed out after \d+ s|skipped: no time left before the 30 s deadline)\)", summary
+        # 137: still running 5 s after timeout's TERM (a loaded machine), so killed: cut all the same.
+        r"FAILED: pipeline \((rc=(124|137), timed out after \d+ s|skipped: no time left before the 30 s deadline)\)",
+        summary,
     ), summary
     assert "FAILED: efficiency (skipped: no " in summary
     assert "FAILED: oom_cap (skipped: no time left before the 30 s deadline)" in summary
