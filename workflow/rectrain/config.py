@@ -94,8 +94,9 @@ def check_paths(config: dict, workdir: Path) -> list[str]:
 
 
 def load_schema(schema_path) -> dict:
+    # libyaml's safe loader when built in: the schema is read on every Snakefile parse (the dry-run).
     with open(schema_path) as fh:
-        return yaml.safe_load(fh)
+        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def coerce_strings(config: dict, schema: dict) -> None:

@@ -47,24 +47,52 @@ def _module_name(path: Path, package_dir: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _import_statements(tree: ast.Module):
+    """Import statements anywhere in the module's statements (function and class bodies, if/try/with
+    blocks): only statements are walked, never expressions, which are most of a tree's nodes and can
+    hold no import statement."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            todo.extend(getattr(node, field, None) or ())
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(path: Path, mtime_ns: int, size: int) -> tuple[tuple[int, str, tuple[str, ...]], ...]:
+    """(level, module, names) of each import statement; parsed once per file version (every stage's
+    closure visits the shared modules: the dry-run parses each file once instead of once per stage)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    out = []
+    for node in _import_statements(tree):
+        if isinstance(node, ast.Import):
+            out.extend((0, alias.name, ()) for alias in node.names)
+        else:
+            out.append((node.level, node.module or "", tuple(alias.name for alias in node.names)))
+    return tuple(out)
+
+
 def imported_names(path: Path, package_dir: Path = PACKAGE_DIR) -> set[str]:
     """rectrain modules `path` imports anywhere in its body (lazy imports inside functions too).
     `from a.b import c` names a.b and, when c is a submodule, a.b.c."""
     this = _module_name(path, package_dir)
     is_pkg = path.name == "__init__.py"
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against this module's package
-                anchor = this.split(".")
-                anchor = anchor[: len(anchor) - node.level + (1 if is_pkg else 0)]
-                base = ".".join([*anchor, *([node.module] if node.module else [])])
-            else:
-                base = node.module or ""
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
+    st = path.stat()
+    for level, module, imported in _imports(path, st.st_mtime_ns, st.st_size):
+        if not imported:  # import a.b
+            names.add(module)
+            continue
+        if level:  # relative: resolve against this module's package
+            anchor = this.split(".")
+            anchor = anchor[: len(anchor) - level + (1 if is_pkg else 0)]
+            base = ".".join([*anchor, *([module] if module else [])])
+        else:
+            base = module
+        names.add(base)
+        names.update(f"{base}.{name}" for name in imported)
     return {n for n in names if n.split(".")[0] == PACKAGE}
 
 
