@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -11,8 +12,8 @@ from rectrain import sources
 from rectrain.sources import PACKAGE_DIR, STAGE_ENTRIES, import_closure, stage_sources
 
 
-def rel(paths):
-    return {str(p.relative_to(PACKAGE_DIR)) for p in paths}
+def rel(paths, package_dir: Path = PACKAGE_DIR) -> set[str]:
+    return {str(p.relative_to(package_dir)) for p in paths}
 
 
 @pytest.mark.parametrize("stage", sorted(STAGE_ENTRIES))
@@ -67,10 +68,56 @@ def test_fingerprint_changes_when_a_source_changes(tmp_path):
     (pkg / "data" / "demo.py").write_text("X = 1\n")
     before = sources.fingerprint("demo_data", pkg)
     (pkg / "data" / "demo.py").write_text("X = 2\n")
-    sources._stage_sources.cache_clear()
+    sources.all_stage_sources.cache_clear()
     after = sources.fingerprint("demo_data", pkg)
     assert set(before) == {"__init__.py", "data/__init__.py", "data/demo.py"}
     assert before["data/demo.py"] != after["data/demo.py"]
+
+
+def small_package(root: Path) -> Path:
+    pkg = root / "rectrain"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / "__init__.py").write_text("")
+    (pkg / "data" / "demo.py").write_text("X = 1\n")
+    return pkg
+
+
+def closure_now(stage: str, pkg: Path) -> set[str]:
+    """A new process's view: nothing remembered in memory, only what is on disk."""
+    sources.all_stage_sources.cache_clear()
+    return rel(stage_sources(stage, pkg), pkg)
+
+
+def test_a_dry_run_reuses_the_saved_closures_without_parsing_any_module(tmp_path, monkeypatch):
+    pkg = small_package(tmp_path)
+    first = closure_now("demo_data", pkg)
+    assert (pkg / sources.CACHE).is_file()
+
+    def must_not_parse(*args):
+        raise AssertionError("the closures were derived again although no file of the package changed")
+
+    monkeypatch.setattr(sources, "_closures", must_not_parse)
+    assert closure_now("demo_data", pkg) == first == {"__init__.py", "data/__init__.py", "data/demo.py"}
+
+
+def test_the_saved_closures_follow_an_edited_import_and_a_new_module(tmp_path):
+    pkg = small_package(tmp_path)
+    assert "helper.py" not in closure_now("demo_data", pkg)
+    # an edit that adds an import of a module that does not exist yet: the closure cannot hold it...
+    (pkg / "data" / "demo.py").write_text("from rectrain import helper\nX = 1\n")
+    assert "helper.py" not in closure_now("demo_data", pkg)
+    # ...until the file is created, which changes the package's listing
+    (pkg / "helper.py").write_text("from rectrain import extra\n")
+    (pkg / "extra.py").write_text("")
+    assert {"helper.py", "extra.py"} <= closure_now("demo_data", pkg)
+
+
+def test_an_unreadable_saved_closure_is_derived_again(tmp_path):
+    pkg = small_package(tmp_path)
+    closure_now("demo_data", pkg)
+    (pkg / sources.CACHE).write_text("{not json")
+    assert closure_now("demo_data", pkg) == {"__init__.py", "data/__init__.py", "data/demo.py"}
 
 
 def test_unknown_stage_is_named():

@@ -136,3 +136,20 @@ def test_slurm_books_a_shared_gpu_once():
     from rectrain.train.resources import scheduled_gpus
 
     assert scheduled_gpus([0, 0]) == 1 and scheduled_gpus([0, 1]) == 2
+
+
+def test_scheduled_gpus_asks_nvml_only_where_its_library_loads(monkeypatch):
+    from rectrain.train import resources, telemetry
+
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    def inventory_not_expected():
+        raise AssertionError("pynvml was imported on a machine without the NVML library")
+
+    monkeypatch.setattr(resources.ctypes, "CDLL", no_library)
+    monkeypatch.setattr(telemetry, "gpu_inventory", inventory_not_expected)
+    assert resources.scheduled_gpus("auto") == 0
+    monkeypatch.setattr(resources.ctypes, "CDLL", lambda name: object())
+    monkeypatch.setattr(telemetry, "gpu_inventory", lambda: [{"index": 0}, {"index": 1}])
+    assert resources.scheduled_gpus("auto") == 2

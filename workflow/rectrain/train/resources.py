@@ -8,6 +8,7 @@ the environment (RECTRAIN_GPUS_PER_NODE, RECTRAIN_CPUS_PER_GPU), not in files.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 
@@ -20,11 +21,21 @@ def scheduled_gpus(devices) -> int:
     Snakefile parses fast; torchrun's process count is still decided by plan_processes at run time."""
     if isinstance(devices, list):
         return len(set(devices))  # a GPU listed twice is shared by two ranks, still one GPU
-    if devices == "cpu":
+    if devices == "cpu" or not nvml_loads():
         return 0
     from rectrain.train.telemetry import gpu_inventory
 
     return len(gpu_inventory())
+
+
+def nvml_loads() -> bool:
+    """Whether the driver's NVML library loads (what pynvml tries first on Linux).  Without it there is
+    no GPU to count, and every dry-run on a machine without a driver skips pynvml's 0.15 s import."""
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def train_rule_resources(nodes: int) -> dict:
