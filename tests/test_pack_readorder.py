@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 
 import numpy as np
@@ -127,23 +128,28 @@ def _mixed_dataset(root):
     return raw, index
 
 
-def test_archive_members_are_read_in_offset_order_and_folder_files_by_inode(tmp_path, monkeypatch):
+def test_archive_members_are_read_in_offset_order_and_folder_files_by_inode_by_one_reader(tmp_path, monkeypatch):
     raw, index = _mixed_dataset(tmp_path)
-    reads = []
+    reads, readers = [], set()
     real_span, real_read = SourceReader.read_span, SourceReader.read
 
     def read_span(self, rel, start, size, source=""):
         reads.append(("archive", rel, start))
+        readers.add(threading.current_thread().name)
         return real_span(self, rel, start, size, source)
 
     def read(self, source):
         reads.append(("file", source, os.stat(raw / source).st_ino))
+        readers.add(threading.current_thread().name)
         return real_read(self, source)
 
     monkeypatch.setattr(SourceReader, "read_span", read_span)
     monkeypatch.setattr(SourceReader, "read", read)
-    args = pack_args(raw, index, tmp_path / "out", json.dumps({"read_order": "storage"}), threads=1)
+    monkeypatch.setattr(pack, "BATCH", 4)  # 8 batches for 3 worker threads
+    args = pack_args(raw, index, tmp_path / "out", json.dumps({"read_order": "storage"}), threads=3)
     assert pack.main(args) == 0
+    # one stream of reads: worker threads reading their own batches would interleave on the disk
+    assert readers == {threading.main_thread().name}, f"raw reads came from {sorted(readers)}"
     offsets = [start for kind, rel, start in reads if kind == "archive"]
     inodes = [ino for kind, _, ino in reads if kind == "file"]
     assert len(offsets) == 24 and len(inodes) == 8 and {r[1] for r in reads if r[0] == "archive"} == {"train.tar"}

@@ -135,8 +135,21 @@ def test_verdicts_flag_what_misses_issue_12s_targets():
     )
     assert any(x.startswith("FAIL folders pack train: time/img x1.30 CPU (x1.50 wall)") for x in lines)
     assert "FAIL folders pack train: peak 600 MiB at 1,280,000 (target < 512)" in lines
-    assert any(x.startswith("PASS folders snakemake -n: 1.90 s") for x in lines)
+    assert any(x.startswith("PASS folders snakemake -n: median 1.90 s of 1 (runs 1.90-1.90 s)") for x in lines)
     assert any(x.startswith("PASS folders dali loader: first batch 1.50 s") for x in lines)
+
+
+def test_dry_run_verdict_is_on_the_median_and_quotes_the_spread_and_snakemakes_own_start_up():
+    def verdict(walls):
+        median = sorted(walls)[len(walls) // 2]
+        detail = {"nothing_to_do": True, "walls": walls, "version_walls": [2.0, 2.2, 1.9]}
+        return scale_bench.dry_run_verdict("archives", 1_281_167, {"wall_s": median, "detail": detail})
+
+    assert verdict([2.4, 3.9, 2.6]) == (
+        "PASS archives snakemake -n: median 2.60 s of 3 (runs 2.40-3.90 s; Snakemake's own start-up, --version, "
+        "median 2.00 s) at 1,281,167, nothing to do (target < 3.0 s, nothing to do)"
+    )
+    assert verdict([3.1, 2.5, 3.3]).startswith("FAIL archives snakemake -n: median 3.10 s of 3")
 
 
 def test_stage_peak_is_the_commands_own_not_the_benchmarks(tmp_path):

@@ -36,6 +36,8 @@ OFFICIAL_COUNTS = {"classes": 1000, "train": 1_281_167, "val": 50_000}
 BLOCK = 512  # tar header and padding unit
 # Characters that would break a TSV row or the `::` source syntax.
 UNNAMEABLE = ("\t", "\n", "\r", SEP)
+# What reading one source can raise when that source, not the pack, is at fault: the image becomes a skip.
+READ_ERRORS = (OSError, KeyError, ValueError, tarfile.TarError)
 
 
 class UnsafeArchiveMember(ValueError):

@@ -42,7 +42,6 @@ import os
 import random
 import socket
 import sys
-import tarfile
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -57,7 +56,7 @@ from rectrain import storage
 from rectrain.atomic import fsync_path, publish, temporary_name, write_json
 from rectrain.config import ConfigError, stage_block
 from rectrain.data import indextable, readorder
-from rectrain.data.archives import SourceReader
+from rectrain.data.archives import READ_ERRORS, SourceReader
 from rectrain.data.images import Skip, prepare
 from rectrain.data.indextable import BadIndex, IndexTable
 from rectrain.data.verify import Expected, VerifyError, verify_pair
@@ -116,15 +115,16 @@ class _Packer:
         self.reader = SourceReader(Path(raw_root).resolve())
         self.resize, self.quality, self.check_scan_data = cfg["resize"], cfg["quality"], cfg["check_scan_data"]
 
-    def one(self, rid: int, source: str, label: int, where=None) -> tuple[bytes, str | None]:
-        """(framed record, repair reason or None); Skip when the image cannot be packed. `where` is
-        the member's (file, offset, size) when the storage order located it, or why it cannot be read."""
-        if isinstance(where, Exception):
-            raise Skip(f"cannot read source: {where}")
-        try:
-            data = self.reader.read(source) if where is None else self.reader.read_span(*where, source)
-        except (OSError, KeyError, ValueError, tarfile.TarError) as err:
-            raise Skip(f"cannot read source: {err}") from None
+    def one(self, rid: int, source: str, label: int, data=None) -> tuple[bytes, str | None]:
+        """(framed record, repair reason or None); Skip when the image cannot be packed. `data` is the
+        source's bytes when the storage order read them already, or the error reading them."""
+        if isinstance(data, Exception):
+            raise Skip(f"cannot read source: {data}")
+        if data is None:
+            try:
+                data = self.reader.read(source)
+            except READ_ERRORS as err:
+                raise Skip(f"cannot read source: {err}") from None
         image, repaired = prepare(data, self.resize, self.quality, self.check_scan_data)
         try:
             return frame_payload(pack_record((0, float(label), rid, 0), image)), repaired
@@ -132,11 +132,11 @@ class _Packer:
             raise Skip(f"record too large: {err}") from None
 
     def batch(self, items: list[tuple]) -> list[tuple[bytes, str | None] | Skip]:
-        """items: (row, id, source, label, location or None)."""
+        """items: (row, id, source, label, its bytes, the error reading them, or None: read it here)."""
         out = []
-        for _, rid, source, label, where in items:
+        for _, rid, source, label, data in items:
             try:
-                out.append(self.one(rid, source, label, where))
+                out.append(self.one(rid, source, label, data))
             except Skip as err:
                 out.append(err)
             except MemoryError:  # this image's buffers are gone with the frames; the next ones fit again
@@ -432,7 +432,8 @@ def _pack_storage(
             if framed is not None:
                 buckets.put(item[0], framed)
 
-        _pump(readorder.storage_order(table, packer.reader), packer, pool, target.threads, sink, spooled)
+        items = readorder.read_in_order(readorder.storage_order(table, packer.reader), packer.reader)
+        _pump(items, packer, pool, target.threads, sink, spooled)
         t1 = time.time()
         with RecordWriter(*target.partial) as writer:
             assembled = Progress(f"pack {target.split}: assemble", n, target.progress_s)

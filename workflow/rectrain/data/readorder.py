@@ -24,14 +24,13 @@ from __future__ import annotations
 import array
 import os
 import posixpath
-import tarfile
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from rectrain import storage
-from rectrain.data.archives import SEP, SourceReader
+from rectrain.data.archives import READ_ERRORS, SEP, SourceReader
 from rectrain.data.indextable import IndexTable
 
 READ_ORDERS = ("auto", "storage", "shuffled")
@@ -97,7 +96,7 @@ def _group_position(key: tuple[str, ...], reader: SourceReader) -> tuple:
         return (1, chain[0], 0)
     try:
         return (1, chain[0], reader.span(chain)[1])
-    except (OSError, KeyError, ValueError, tarfile.TarError):
+    except READ_ERRORS:
         return (1, chain[0], -1)  # unreadable: its rows become skips, wherever they are read
 
 
@@ -117,7 +116,7 @@ def _archive_order(reader: SourceReader, chain: tuple[str, ...], sources: list[s
     error that makes the source unreadable (one scan of the archive, not one per member)."""
     try:
         listing = reader.scan(chain)
-    except (OSError, KeyError, ValueError, tarfile.TarError) as err:
+    except READ_ERRORS as err:
         return [(i, err) for i in range(len(sources))]
     wanted = {s.split(SEP)[-1]: i for i, s in enumerate(sources)}
     found = [(wanted.pop(name), (chain[0], offset, size)) for name, offset, size in listing if name in wanted]
@@ -149,6 +148,22 @@ def storage_order(table: IndexTable, reader: SourceReader) -> Iterator[tuple[int
             ranked = _archive_order(reader, key[1:], sources)
         for i, where in ranked:
             yield rows[i], ids[i], sources[i], labels[i], where
+
+
+def read_in_order(items: Iterator[tuple], reader: SourceReader) -> Iterator[tuple]:
+    """The storage-order items with each one's bytes (or the error reading it) in place of its
+    location, read here one after another.  One stream of reads is what a disk head serves fastest:
+    worker threads reading their own batches would interleave their streams, and the head would seek
+    between them on nearly every image (bench/hdd_bench.py)."""
+    for row, rid, source, label, where in items:
+        if not isinstance(where, Exception):
+            try:
+                where = reader.read(source) if where is None else reader.read_span(*where, source)
+            except READ_ERRORS as err:
+                where = err
+            except MemoryError:
+                where = MemoryError("out of memory while reading it")
+        yield row, rid, source, label, where
 
 
 # ---- the external shuffle ----------------------------------------------------------------------
