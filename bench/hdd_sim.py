@@ -30,7 +30,6 @@ import json
 import os
 import stat
 import struct
-import threading
 import time
 from dataclasses import dataclass
 
@@ -72,10 +71,11 @@ class Disk:
 
 
 class Head:
-    """Where the disk head is and what moving it costs; one request at a time."""
+    """Where the disk head is and what moving it costs.  FUSE runs single-threaded here (nothreads),
+    so requests reach it one at a time, as they reach one head."""
 
     def __init__(self, disk: Disk):
-        self.disk, self.at, self.lock = disk, -1, threading.Lock()
+        self.disk, self.at = disk, -1
         self.stats = {"reads": 0, "seeks": 0, "short_seeks": 0, "bytes": 0, "busy_s": 0.0}
 
     def move(self, gap: int) -> float:
@@ -95,12 +95,11 @@ class Head:
         return seconds
 
     def serve(self, spans: list[tuple[int, int]], nbytes: int) -> None:
-        with self.lock:
-            seconds = self.cost(spans)
-            self.stats["reads"] += 1
-            self.stats["bytes"] += nbytes
-            self.stats["busy_s"] += seconds
-            time.sleep(seconds)
+        seconds = self.cost(spans)
+        self.stats["reads"] += 1
+        self.stats["bytes"] += nbytes
+        self.stats["busy_s"] += seconds
+        time.sleep(seconds)
 
 
 def physical_spans(layout: list[tuple[int, int, int]], offset: int, size: int) -> list[tuple[int, int]]:
@@ -136,7 +135,7 @@ class SlowView(Operations):
         if flags & (os.O_WRONLY | os.O_RDWR):
             raise FuseOSError(errno.EROFS)
         fd = os.open(self._real(path), os.O_RDONLY)
-        if stat.S_ISREG(os.fstat(fd).st_mode) and fd not in self.layouts:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
             self.layouts[fd] = extents(self._real(path))
         return fd
 
