@@ -311,7 +311,7 @@ def test_a_tally_counted_under_inference_mode_is_summed_into_a_normal_tensor(tmp
     tensor forbids (the first GPU run died there, in training's validation). The sum must be a copy."""
     import torch.distributed as dist
 
-    from rectrain.evaluate import Tally, all_reduce
+    from rectrain.metrics import Tally, all_reduce
 
     with torch.inference_mode():
         t = Tally(confusion=torch.eye(3, dtype=torch.int64) * 2, top5_hits=5, loss_sum=1.5, seconds=0.5)

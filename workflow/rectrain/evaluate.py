@@ -4,7 +4,7 @@ python -m rectrain.evaluate --config-json '<evaluate block>' --checkpoint result
     --rec <fast>/<ds>/val.rec --idx <fast>/<ds>/val.idx --classes results/<ds>/index/classes.tsv \
     --out results/<ds>/eval
 
-Devices: the same plan as training (rectrain.train.launch.plan_processes on the checkpoint's train config).
+Devices: the same plan as training (rectrain.distributed.plan_processes on the checkpoint's train config).
 With several GPUs the command re-executes itself under torchrun, one process per GPU, each reading a
 contiguous shard of the .rec with padding dropped (the loaders' eval mode), and the per-rank tallies
 (confusion matrix, top-5 hits, loss sum) are summed with all_reduce - so the result equals one pass
@@ -22,13 +22,11 @@ import argparse
 import logging
 import os
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
 from rectrain import distributed, watchdog
 from rectrain import model as models
@@ -36,9 +34,9 @@ from rectrain.atomic import write_json
 from rectrain.config import ConfigError, stage_block
 from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
 from rectrain.log import setup as setup_logging
+from rectrain.metrics import Tally, all_reduce, tally
 from rectrain.train.checkpoint import load as load_checkpoint
-from rectrain.train.progress import Marks, Progress
-from rectrain.train.stepclock import StepClock
+from rectrain.train.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +50,6 @@ class EvalSpec(LoaderSpec):
     @property
     def eval_resize(self) -> int:
         return self.resize or int(round(self.image_size / EVAL_CROP_FRACTION))
-
-
-@dataclass
-class Tally:
-    """Sums over evaluated images; additive across ranks and batches."""
-
-    confusion: torch.Tensor  # [C, C] int64, row = true label, column = predicted
-    top5_hits: int = 0
-    loss_sum: float = 0.0
-    seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def images(self) -> int:
-        return int(self.confusion.sum())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,65 +89,6 @@ def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist) ->
 
 # ---------------------------------------------------------------------------------------------
 # The pass over the data
-
-
-@torch.inference_mode()
-def tally(
-    model: torch.nn.Module,
-    batches,
-    num_classes: int,
-    device: torch.device,
-    precision: str = "fp32",
-    *,
-    channels_last: bool = False,
-    progress: Progress | None = None,
-) -> Tally:
-    """Confusion matrix, top-5 hits and summed cross-entropy over (images, labels) batches.  The evaluate
-    stage and training's per-epoch validation both count with this.  With `progress` (rank 0, begun
-    for this pass) it logs progress lines from clock marks read once per line."""
-    t = Tally(confusion=torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device))
-    k = min(5, num_classes)
-    hits = torch.zeros((), dtype=torch.int64, device=device)
-    loss = torch.zeros((), dtype=torch.float64, device=device)
-    start = time.perf_counter()
-    marks = Marks(progress, StepClock(device)) if progress is not None else None
-    for i, (images, labels) in enumerate(batches):
-        images, labels = images.to(device), labels.to(device)
-        if marks is not None:
-            marks.data()
-        if channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        with models.autocast(device, precision):
-            logits = model(images)
-        logits = logits.float()
-        loss += F.cross_entropy(logits, labels, reduction="sum").double()
-        topk = logits.topk(k, dim=1).indices
-        hits += (topk == labels[:, None]).any(dim=1).sum()
-        t.confusion += torch.bincount(labels * num_classes + topk[:, 0], minlength=num_classes * num_classes).view(
-            num_classes, num_classes
-        )
-        if marks is not None:
-            marks.end(i, len(labels))
-    t.top5_hits, t.loss_sum = int(hits), float(loss)
-    t.seconds = time.perf_counter() - start
-    return t
-
-
-def all_reduce(t: Tally, device: torch.device) -> Tally:
-    """Sum the tallies of every rank (no-op without a process group). Time = the slowest rank's."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return t
-    # clone(): the tally was counted under inference_mode, and an inference tensor cannot be updated
-    # in place outside it (gloo's all_reduce of a CUDA tensor copies the sum back into it).
-    conf = t.confusion.to(device).clone()
-    sums = torch.tensor([t.top5_hits, t.loss_sum], dtype=torch.float64, device=device)
-    secs = torch.tensor([t.seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(conf)
-    dist.all_reduce(sums)
-    dist.all_reduce(secs, op=dist.ReduceOp.MAX)
-    return Tally(confusion=conf, top5_hits=int(round(sums[0].item())), loss_sum=float(sums[1]), seconds=float(secs))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ A run, in order (`train`): set up the rank, build the model, check the batch fit
 loaders will hold (preflight), build the loaders and the optimizer, resume a checkpoint of the same
 run (rectrain.train.checkpoint.RunIdentity) or clear the one it replaces, calibrate (img/s on
 synthetic data, rectrain.train.calibrate), then per epoch train (rectrain.train.step.run_steps),
-validate (rectrain.evaluate's tally) and checkpoint; finally publish the outputs.  A watchdog
+validate (rectrain.metrics' tally, as the evaluate stage counts) and checkpoint; finally publish the outputs.  A watchdog
 (rectrain.watchdog, train.watchdog_s) ends a rank that stops making progress.
 
 Outputs in --out: checkpoints/epoch_<k>.pt + last.pt (every epoch, atomic), telemetry/ (live CSVs),
@@ -48,10 +48,10 @@ from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.config import ConfigError, stage_block
 from rectrain.distributed import Dist, all_gather, all_reduce_sum, barrier
-from rectrain.evaluate import all_reduce as all_reduce_tally
-from rectrain.evaluate import tally
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_loader, resolve_workers
 from rectrain.log import setup as setup_logging
+from rectrain.metrics import all_reduce as all_reduce_tally
+from rectrain.metrics import tally
 from rectrain.tables import read_classes
 from rectrain.train import calibrate, memory, telemetry
 from rectrain.train import checkpoint as ckpt
@@ -267,7 +267,7 @@ def train_one_epoch(step: Step, loader, epoch: int, steps_log, progress: Progres
 
 
 def validate(model: torch.nn.Module, loader, num_classes: int, step: Step, progress: Progress | None = None) -> dict:
-    """Loss, top-1, top-5 over the whole val .rec with the evaluate stage's own tally (each rank its
+    """Loss, top-1, top-5 over the whole val .rec with the evaluate stage's tally (rectrain.metrics) (each rank its
     shard, summed across ranks), so epochs.csv and metrics.json count the same way."""
     # Each rank's BatchNorm statistics drifted on its own shard since the last forward; validate the
     # weights that get checkpointed (rank 0's), or epochs.csv disagrees with the evaluate stage.
