@@ -36,11 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
 from rectrain import log as rlog  # noqa: E402
-from rectrain.config import check_config  # noqa: E402
 from rectrain.data.images import prepare  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader  # noqa: E402
 from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record, unpack_record  # noqa: E402
+from rectrain.snakefile.checks import check_config  # noqa: E402
 from rectrain.train import calibrate  # noqa: E402
 from rectrain.train import trainer as T  # noqa: E402
 

@@ -22,8 +22,8 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from rectrain.config import check_config  # noqa: E402
 from rectrain.report import diagnosis  # noqa: E402
+from rectrain.snakefile.checks import check_config  # noqa: E402
 
 
 def _read(path: Path) -> str | None:

@@ -19,8 +19,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from rectrain.config import check_config  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
+from rectrain.snakefile.checks import check_config  # noqa: E402
 from rectrain.train import memory  # noqa: E402
 from rectrain.train import trainer as T  # noqa: E402
 

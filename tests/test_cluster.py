@@ -79,7 +79,7 @@ def test_multi_node_outside_slurm_explains_the_ways_out():
 
 
 def test_train_rule_resources_book_one_task_per_node():
-    from rectrain.train.resources import train_rule_resources
+    from rectrain.snakefile.resources import train_rule_resources
 
     assert train_rule_resources(1) == {"nodes": 1}
     res = train_rule_resources(4)
@@ -87,7 +87,7 @@ def test_train_rule_resources_book_one_task_per_node():
 
 
 def test_gpu_request_per_node_from_environment():
-    from rectrain.train.resources import ResourceError, gpu_gres, gpus_per_node
+    from rectrain.snakefile.resources import ResourceError, gpu_gres, gpus_per_node
 
     assert gpus_per_node({"RECTRAIN_GPUS_PER_NODE": "4"}) == 4
     assert gpu_gres({}) == "gpu:1"
@@ -98,7 +98,7 @@ def test_gpu_request_per_node_from_environment():
 
 
 def test_cpus_booked_per_node_scale_with_gpus():
-    from rectrain.train.resources import cpus_per_node
+    from rectrain.snakefile.resources import cpus_per_node
 
     assert cpus_per_node({}) == 8
     assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "4", "RECTRAIN_CPUS_PER_GPU": "12"}) == 48

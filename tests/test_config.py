@@ -7,7 +7,8 @@ import pytest
 import yaml
 from helpers import REPO, snakemake
 
-from rectrain.config import ConfigError, check_config, known_models
+from rectrain.config import ConfigError
+from rectrain.snakefile.checks import check_config, known_models
 
 SCHEMA = REPO / "config" / "schema.yaml"
 
@@ -96,7 +97,7 @@ def test_reference_box_config_passes_every_check_without_a_warning(tmp_path, cap
         cfg = yaml.safe_load(fh)
     cfg["raw"] = str(tmp_path)  # its real paths do not exist here
     cfg["pack"]["fast_storage"] = str(tmp_path / "ssd")
-    with caplog.at_level("WARNING", logger="rectrain.config"):
+    with caplog.at_level("WARNING", logger="rectrain.snakefile.checks"):
         filled = check_config(cfg, SCHEMA, workdir=REPO)
     assert [r.message for r in caplog.records] == [], "the shipped config must not need a warning"
     assert filled["evaluate"]["crop"] is None and filled["report"]["title"], "defaults were filled"
@@ -164,13 +165,13 @@ def test_unknown_torchvision_model_is_refused_with_similar_names():
 
 
 def test_pack_resize_below_train_image_size_warns(caplog):
-    with caplog.at_level("WARNING", logger="rectrain.config"):
+    with caplog.at_level("WARNING", logger="rectrain.snakefile.checks"):
         check_config(merged({"pack": {"resize": 32}, "train": {"image_size": 64}}), SCHEMA, workdir=REPO)
     assert any("'pack.resize' = 32" in r.message and "'train.image_size' = 64" in r.message for r in caplog.records)
 
 
 def test_global_batch_without_auto_batch_warns(caplog):
-    with caplog.at_level("WARNING", logger="rectrain.config"):
+    with caplog.at_level("WARNING", logger="rectrain.snakefile.checks"):
         check_config(merged({"train": {"global_batch": 512, "batch_size": 32}}), SCHEMA, workdir=REPO)
     assert any("'train.global_batch' = 512" in r.message and "ignored" in r.message for r in caplog.records)
 

@@ -11,9 +11,9 @@ from helpers import REPO
 from helpers.train_data import colour_class, write_rec
 
 from rectrain import loaders
-from rectrain.config import check_config
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, choose_loader, resolve_workers
 from rectrain.loaders.pytorch import TorchLoader
+from rectrain.snakefile.checks import check_config
 
 SCHEMA = REPO / "config" / "schema.yaml"
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import REPO, VENV_BIN, scheduled_rules, snakemake
+from helpers.config_edits import another_value, block_keys, filled
 
 from rectrain.sources import STAGE_ENTRIES, stage_sources
 
@@ -136,6 +137,96 @@ def test_editing_pack_quality_reruns_pack_and_everything_after(pipeline, tmp_pat
 
 def test_editing_report_thresholds_reruns_report_only(pipeline, tmp_path):
     assert dryrun_with(pipeline, tmp_path, report={"iowait_percent": 30}) == {"report"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rerun relevance comes from the schema (x-rerun: false = operational): every key, one edit each.
+
+# The stage that reads each block: an edit there reruns it and every later stage.
+FIRST_STAGE = {"demo": "demo_data", "index": "index_raw", "pack": "pack", "train": "train", "evaluate": "evaluate"}
+FIRST_STAGE["report"] = "report"
+# A dataset without its val split packs only train and has no evaluate stage.
+SPECIAL = {("index", "absent_splits"): {"index_raw", "pack", "train", "report"}}
+
+
+def key_edits(pipeline, operational: bool):
+    config = filled(pipeline.work / "config" / "config.yaml")
+    for block, key, spec, is_operational in block_keys():
+        if is_operational == operational:
+            yield block, key, another_value(block, key, spec, config[block][key])
+
+
+def test_each_operational_key_edit_schedules_nothing(pipeline, tmp_path):
+    """Intervals, timeouts, worker and thread counts, read order, calibration, autotuning: editing one
+    after a finished run reruns no stage (the old rules retrained for train.progress_s and repacked for
+    pack.progress_s, which they passed as a function: Snakemake 9 compares those too)."""
+    edits = list(key_edits(pipeline, operational=True))
+    assert len(edits) >= 20, edits
+    wrong = {}
+    for block, key, value in edits:
+        scheduled = dryrun_with(pipeline, tmp_path, **{block: {key: value}})
+        if scheduled:
+            wrong[f"{block}.{key} = {value!r}"] = sorted(scheduled)
+    assert not wrong, f"operational edits that schedule stages: {wrong}"
+
+
+def test_each_output_key_edit_reruns_its_stage_and_the_later_ones(pipeline, tmp_path):
+    edits = list(key_edits(pipeline, operational=False))
+    wrong = {}
+    for block, key, value in edits:
+        expected = SPECIAL.get((block, key), set(CHAIN[CHAIN.index(FIRST_STAGE[block]) :]))
+        scheduled = dryrun_with(pipeline, tmp_path, **{block: {key: value}})
+        if scheduled != expected:
+            wrong[f"{block}.{key} = {value!r}"] = (sorted(scheduled), sorted(expected))
+    assert not wrong, f"edits that schedule other stages than their own and the later ones (got, expected): {wrong}"
+
+
+def test_editing_snakefile_support_schedules_nothing(pipeline):
+    """Config checks, the jobs' environment, params and resource booking run while the Snakefile is
+    parsed; no stage imports them, so editing them (this package's rectrain.snakefile) reruns nothing."""
+    support = sorted((pipeline.package / "snakefile").glob("*.py"))
+    assert {p.name for p in support} >= {"checks.py", "jobenv.py", "params.py", "resources.py"}, support
+    with edited(support):
+        proc = pipeline.smk("-n", "results/report.html")
+    assert proc.returncode == 0, proc.stderr
+    assert scheduled_rules(proc.stdout) == {}, proc.stdout[-3000:]
+
+
+def test_editing_the_evaluate_stage_writer_reruns_evaluate_and_report_only(pipeline):
+    """Training counts validation with rectrain.metrics, not with the evaluate stage's module."""
+    with edited([pipeline.package / "evaluate.py"]):
+        proc = pipeline.smk("-n", "results/report.html")
+    assert proc.returncode == 0, proc.stderr
+    assert set(scheduled_rules(proc.stdout)) == {"evaluate", "report"}, proc.stdout[-3000:]
+
+
+def test_running_the_gpu_config_then_the_default_leaves_the_default_run_up_to_date(pipeline, tmp_path):
+    """Each dataset generates its demo images under its own results/<dataset>/raw: config/gpu.yaml's
+    100-class demo no longer overwrites the default demo's images (which then reran every stage).
+    Run up to its pack, made small (its training needs a GPU-sized run)."""
+    small = tmp_path / "small.yaml"
+    small.write_text(
+        yaml.safe_dump(
+            {
+                "demo": {
+                    "classes": 3,
+                    "train_per_class": 4,
+                    "val_per_class": 2,
+                    "min_size": 40,
+                    "max_size": 60,
+                    "bad_files": False,
+                }
+            }
+        )
+    )
+    targets = ["results/fast_storage/gpudemo/train.rec", "results/fast_storage/gpudemo/val.rec"]
+    configs = ["--configfile", "config/gpu.yaml", str(small)]
+    proc = pipeline.smk("--cores", "2", *targets, *configs, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (pipeline.work / "results" / "gpudemo" / "raw" / ".done").exists()
+    again = pipeline.smk("-n", "results/report.html")
+    assert again.returncode == 0, again.stderr
+    assert scheduled_rules(again.stdout) == {}, again.stdout[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
-from rectrain.config import python_dir
+from rectrain.snakefile.jobenv import python_dir
 
 pytestmark = pytest.mark.slow
 

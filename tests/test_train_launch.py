@@ -133,13 +133,14 @@ def test_shared_gpu_ranks_join_over_gloo_and_own_gpu_ranks_over_nccl(monkeypatch
 
 
 def test_slurm_books_a_shared_gpu_once():
-    from rectrain.train.resources import scheduled_gpus
+    from rectrain.snakefile.resources import scheduled_gpus
 
     assert scheduled_gpus([0, 0]) == 1 and scheduled_gpus([0, 1]) == 2
 
 
 def test_scheduled_gpus_asks_nvml_only_where_its_library_loads(monkeypatch):
-    from rectrain.train import resources, telemetry
+    from rectrain.snakefile import resources
+    from rectrain.train import telemetry
 
     def no_library(name):
         raise OSError(f"{name}: cannot open shared object file")

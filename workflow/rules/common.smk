@@ -9,8 +9,12 @@ from pathlib import Path
 # The package the rules call lives in workflow/; importable here even when not pip-installed.
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
-from rectrain.config import ConfigError, block_json, check_config, prepare_job_env
+from rectrain.config import ConfigError
 from rectrain.driver_check import DEVICES_ENV
+from rectrain.snakefile.checks import check_config
+from rectrain.snakefile.jobenv import export_operational, prepare_job_env
+from rectrain.snakefile.params import block_params, report_params
+from rectrain.snakefile.resources import scheduled_gpus, train_rule_resources
 from rectrain.sources import stage_sources
 
 prepare_job_env(Path(workflow.basedir) / "workflow")
@@ -20,12 +24,17 @@ try:
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
 
+# Operational keys (x-rerun: false in the schema: intervals, timeouts, thread and worker counts, ...)
+# reach the jobs through the environment, not params: editing one reruns nothing.
+export_operational(config)
+
 # For the index rule's driver check: an environment variable, not a param, so that changing
 # train.devices does not re-index and repack.
 os.environ[DEVICES_ENV] = json.dumps(config["train"]["devices"])
 
 DS = config["dataset"]
-DEMO_ROOT = "results/demo/raw"
+# A generated demo set belongs to its dataset: two configs never regenerate each other's images.
+DEMO_ROOT = f"results/{DS}/raw"
 RAW_ROOT = config["raw"] or DEMO_ROOT
 # Where the .rec/.idx pairs live: the user's SSD, per dataset.
 FAST = f"{config['pack']['fast_storage'].rstrip('/')}/{DS}"
@@ -34,8 +43,9 @@ FAST = f"{config['pack']['fast_storage'].rstrip('/')}/{DS}"
 HAS_VAL = "val" not in config["index"]["absent_splits"]
 SPLITS = ["train", "val"] if HAS_VAL else ["train"]
 ENV = "../../envs/rectrain.yaml"
-# A rule's params: carry only its own block, so a change there reruns that rule and its dependents.
-cfg_json = functools.partial(block_json, config)
+# A rule's params: carry only its own block's output-changing keys (rectrain.snakefile.params), so a
+# change there reruns that rule and its dependents, and an operational edit reruns nothing.
+cfg_json = functools.partial(block_params, config)
 
 
 def code(stage):

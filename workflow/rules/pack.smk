@@ -27,23 +27,13 @@ rule pack:
         ENV
     threads: config["pack"]["threads"]
     params:
-        # Only the keys that change the bytes written or whether they are published: editing
-        # pack.threads or the staging settings must not repack 140 GB.
-        cfg=json.dumps(
-            {
-                k: config["pack"][k]
-                for k in ("resize", "quality", "shuffle_seed", "max_skipped_share", "check_scan_data")
-            },
-            sort_keys=True,
-        ),
-        # How the pair is made, not its bytes (the .rec is the same in either read order): outside
-        # cfg and given as functions, whose values Snakemake does not compare, so editing them never repacks.
-        read_order=lambda wildcards: config["pack"]["read_order"],
-        progress_s=lambda wildcards: config["pack"]["progress_s"],
+        # The pack block's output-changing keys; threads, read order, progress interval and staging are
+        # operational (x-rerun: false) and reach the job through the environment, so editing them never
+        # repacks 140 GB.
+        cfg=cfg_json("pack"),
         index=lambda wildcards, input: os.path.dirname(input.tsv),
         raw=RAW_ROOT,
     shell:
         "python -m rectrain.data.pack --config-json {params.cfg:q} --index {params.index:q} --raw {params.raw:q}"
         " --split {wildcards.split} --rec {output.rec:q} --idx {output.idx:q}"
-        " --manifest {output.manifest:q} --threads {threads} --read-order {params.read_order}"
-        " --progress-s {params.progress_s} > {log:q} 2>&1"
+        " --manifest {output.manifest:q} --threads {threads} > {log:q} 2>&1"

@@ -29,9 +29,9 @@ rule report:
     conda:
         ENV
     params:
-        # The whole config: the report shows it under Provenance and takes its thresholds from
-        # config["report"]; a change anywhere reruns only this cheap job.
-        cfg=json.dumps(config, sort_keys=True),
+        # Every block's output-changing keys: the report shows the config under Provenance and takes its
+        # thresholds from config["report"]; a real change anywhere reruns only this cheap job.
+        cfg=report_params(config),
         train=lambda wildcards, input: os.path.dirname(input.train[0]),
         # no val split: no evaluate stage, and the report says so
         eval=lambda wildcards, input: f" --eval-dir {shlex.quote(os.path.dirname(input.eval[0]))}" if input.eval else "",

@@ -1,19 +1,10 @@
 # train: the packed .rec/.idx -> a trained model, with per-rank telemetry for the report.
 # The rule execs torchrun (rectrain.train.launch) with one process per GPU, or train.cpu_processes CPU
-# processes when there is none.  params carry only the train block, and the training code itself is
-# an input, so editing train.* or the training modules reruns training and what follows, nothing before.
+# processes when there is none.  params carry the train block's output-changing keys, and the training
+# code itself is an input, so editing train.* or the training modules reruns training and what follows,
+# nothing before; operational keys (train.progress_s, workers, ..., pack.stage_to_local) rerun nothing.
 # A killed run resumes from results/<ds>/train/checkpoints/last.pt (not a declared output, so
 # Snakemake keeps it); the outputs below are written only when all epochs are done.
-import shlex
-
-from rectrain.train.resources import scheduled_gpus, train_rule_resources
-
-# pack.stage_to_local: each node copies the pair to its local disk before training (rectrain.train.local_copy).
-STAGE_ARG = (
-    f" --stage-to-local {shlex.quote(config['pack']['local_storage'] or 'auto')}"
-    if config["pack"]["stage_to_local"]
-    else ""
-)
 
 
 rule train:
@@ -46,7 +37,6 @@ rule train:
     params:
         cfg=cfg_json("train"),
         out=lambda wildcards, output: os.path.dirname(output.model),
-        stage=STAGE_ARG,
         val=lambda wildcards, input: (
             f" --val-rec {shlex.quote(input.val_rec)} --val-idx {shlex.quote(input.val_idx)}" if HAS_VAL else ""
         ),
@@ -54,4 +44,4 @@ rule train:
         "python -m rectrain.train.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}{params.val}"
         " --classes {input.classes:q}"
         " --manifest {input.manifest:q}"
-        " --out {params.out:q} --threads {threads}{params.stage} > {log:q} 2>&1"
+        " --out {params.out:q} --threads {threads} > {log:q} 2>&1"

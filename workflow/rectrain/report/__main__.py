@@ -14,7 +14,7 @@ import sys
 import time
 
 from rectrain import atomic, log
-from rectrain.config import ConfigError, fill_defaults
+from rectrain.config import ConfigError, complete_config
 from rectrain.report import build, load
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def read_config(text: str) -> dict:
         ) from None
     if not isinstance(given, dict):
         raise ConfigError(f"--config-json must be a JSON object (the whole config), got {given!r}")
-    return fill_defaults(given)
+    return complete_config(given)
 
 
 def main(argv=None) -> int:

@@ -4,8 +4,8 @@ Everything is stored as tensors, numbers, strings, lists and dicts so `torch.loa
 accepts it (no code runs when a checkpoint is loaded).  Writes go to a temporary file in the same
 directory and are moved into place with os.replace, so a kill never leaves a half-written last.pt.
 
-A checkpoint carries its run's identity (RunIdentity): the train config (less the keys that do not
-change the maths), the batch and accumulation the preflight CHOSE (`batch_size: auto` may choose
+A checkpoint carries its run's identity (RunIdentity): the train config (less the operational keys,
+x-rerun: false in the schema), the batch and accumulation the preflight CHOSE (`batch_size: auto` may choose
 differently on another card), the record content, the world size and the sha256 of every training
 source file.  `resumable` compares them and names the first that differs.
 
@@ -29,24 +29,11 @@ import numpy as np
 import torch
 
 from rectrain import atomic
+from rectrain.config import output_part
 from rectrain.recordio import read_idx
 
 log = logging.getLogger(__name__)
 
-# Config keys that do not change the maths of a run: a checkpoint written under other values of these
-# may still be resumed.  Anything else differing means the checkpoint belongs to another run.
-RESUME_INDEPENDENT_KEYS = frozenset(
-    {
-        "sample_interval_s",
-        "workers",
-        "collective_timeout_s",
-        "compile",
-        "calibration_steps",
-        "calibration_warmup_steps",
-        "watchdog_s",
-        "progress_s",
-    }
-)
 # Written beside the checkpoints once model.pt is published: this run is complete.
 FINISHED = "finished.json"
 # Record headers hashed for the content fingerprint: evenly spaced over the .idx.  Reading every
@@ -108,8 +95,9 @@ def load(path: str | os.PathLike) -> dict:
 
 
 def maths_config(cfg: dict) -> dict:
-    """The train block without the keys that do not change what is trained."""
-    return {k: v for k, v in cfg.items() if k not in RESUME_INDEPENDENT_KEYS}
+    """The train block without its operational keys (x-rerun: false in the schema, the same split the
+    rule's params use): a checkpoint written under other intervals, timeouts or worker counts is resumed."""
+    return output_part("train", cfg)
 
 
 def _sha256(path: str | os.PathLike) -> str:
@@ -145,7 +133,7 @@ def data_fingerprint(rec: str, idx: str, classes: str | None = None, manifest: s
 class RunIdentity:
     """Everything that makes two trainings the same run (see the module doc)."""
 
-    config: dict  # the train block, RESUME_INDEPENDENT_KEYS removed (see maths_config)
+    config: dict  # the train block without its operational keys (see maths_config)
     batch_size: int
     grad_accum: int
     world_size: int

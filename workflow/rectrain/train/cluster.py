@@ -11,7 +11,7 @@ SLURM's own tools do the work: `scontrol show hostnames` expands node lists ('gp
 `srun` starts the per-node tasks, torchrun does the rest.  Everything here is pure apart from the
 injected `run` (scontrol), so the decisions are unit-tested without a cluster.
 
-What the rules book on a cluster (nodes, GPUs, CPUs) is rectrain.train.resources.
+What the rules book on a cluster (nodes, GPUs, CPUs) is rectrain.snakefile.resources.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--stage-to-local",
         metavar="DIR",
-        help="copy the .rec/.idx pairs to node-local DIR first ('auto': $TMPDIR); pack.stage_to_local",
+        default=staging_dir(),
+        help="copy the .rec/.idx pairs to node-local DIR first ('auto': $TMPDIR); default from pack.stage_to_local",
     )
     own, _ = ap.parse_known_args(argv)
     train_argv = [a for a in argv if a != "--print-only"]
@@ -75,6 +76,13 @@ def main(argv: list[str] | None = None) -> None:
     if own.print_only:
         return
     os.execvpe(cmd[0], cmd, env)
+
+
+def staging_dir() -> str | None:
+    """pack.stage_to_local / pack.local_storage as configured (operational keys: the Snakefile exports
+    them to the job's environment rather than in the rule's params) as a --stage-to-local value."""
+    pack = stage_block("pack", "{}")
+    return (pack["local_storage"] or "auto") if pack["stage_to_local"] else None
 
 
 def _drop_option(argv: list[str], name: str) -> list[str]:

@@ -1,0 +1,55 @@
+"""Edits of one config key at a time, derived from config/schema.yaml: for the rerun tests, which must
+cover every key the schema has (a key added later is covered without touching the tests)."""
+
+import yaml
+
+from rectrain.config import SCHEMA_PATH, fill_defaults, load_schema
+
+# Keys whose generic edit would be refused by a cross-field check, or would mean something else
+# than "this key changed" (a list value, a path, a model name): the values used instead, the first
+# that differs from the current one.
+EXPLICIT = {
+    ("train", "devices"): ["cpu", "auto"],
+    ("train", "workers"): [1, 2],
+    ("train", "batch_size"): [16, 8],
+    ("train", "model"): ["resnet34", "resnet18"],
+    ("train", "dali_preallocate"): [[64, 64], [0, 0]],
+    ("evaluate", "resize"): [80, 96],
+    ("evaluate", "crop"): [48, 56],
+    ("evaluate", "workers"): [1, 2],
+    ("pack", "resize"): [80, 96],
+    ("pack", "fast_storage"): ["results/fast_storage_b", "results/fast_storage_c"],
+    ("index", "absent_splits"): [["val"], []],
+}
+
+
+def filled(config_path) -> dict:
+    """A config file with the schema's defaults filled in, as the Snakefile sees it."""
+    return fill_defaults(yaml.safe_load(open(config_path)))
+
+
+def block_keys():
+    """(block, key, its schema, operational?) for every key of every block."""
+    for block, spec in load_schema(SCHEMA_PATH)["properties"].items():
+        for key, sub in spec.get("properties", {}).items():
+            yield block, key, sub, sub.get("x-rerun") is False
+
+
+def another_value(block: str, key: str, spec: dict, current):
+    """A valid value of the key other than `current`."""
+    if (block, key) in EXPLICIT:
+        return next(v for v in EXPLICIT[(block, key)] if v != current)
+    if "enum" in spec:
+        return next(v for v in spec["enum"] if v != current)
+    if isinstance(current, bool):
+        return not current
+    if isinstance(current, int):
+        return current + 1 if current + 1 <= spec.get("maximum", current + 1) else current - 1
+    if isinstance(current, float):
+        return current / 2 if current > 0 else 0.5
+    if current is None:
+        types = spec["type"] if isinstance(spec.get("type"), list) else [spec.get("type")]
+        return 64 if "integer" in types else "/tmp/rectrain-edited"
+    if isinstance(current, str):
+        return current + " (edited)"
+    raise AssertionError(f"no edit for {block}.{key} = {current!r} ({spec})")

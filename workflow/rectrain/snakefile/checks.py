@@ -1,0 +1,148 @@
+"""Whole-config checks made while the Snakefile is parsed, before Snakemake removes any output:
+cross-field rules, paths, and combinations that run but are probably not meant. Stages never import
+this module (editing a message here reruns nothing); they complete their own block with
+rectrain.config.stage_block.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+from pathlib import Path
+
+from rectrain.config import SCHEMA_PATH, ConfigError, fill_defaults, format_problems, key_path, load_schema
+
+log = logging.getLogger(__name__)
+
+
+def check_paths(config: dict, workdir: Path) -> list[str]:
+    """Paths that must exist (raw) or be creatable and writable (fast_storage)."""
+    problems = []
+    raw = config.get("raw")
+    if raw is not None:
+        raw_path = (workdir / raw) if not os.path.isabs(raw) else Path(raw)
+        if not raw_path.is_dir():
+            problems.append(
+                f"config key 'raw' = {raw!r}: no such directory. Point it at the ImageNet root "
+                "(holding train/ and val/, or ILSVRC2012_img_train.tar), or set raw: null for the demo set."
+            )
+    fast = config["pack"]["fast_storage"]
+    fast_path = (workdir / fast) if not os.path.isabs(fast) else Path(fast)
+    existing = fast_path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        problems.append(f"config key 'pack.fast_storage' = {fast!r}: {existing} is a file, not a directory.")
+    elif not os.access(existing, os.W_OK):
+        problems.append(
+            f"config key 'pack.fast_storage' = {fast!r}: {existing} is not writable; "
+            "choose a directory on an SSD you can write to."
+        )
+    return problems
+
+
+def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
+    """Validate and fill defaults in place, then cross-check keys and paths; raise ConfigError listing
+    every problem, and log a warning for each combination that runs but is probably not meant."""
+    fill_defaults(config, schema_path)
+    problems = whole_numbers(config, load_schema(schema_path)) + cross_check(config)
+    problems += check_paths(config, Path(workdir))
+    if problems:
+        raise ConfigError(format_problems(problems))
+    for line in cross_warnings(config):
+        log.warning("config: %s", line)
+    return config
+
+
+def _branches(schema: dict) -> list[dict]:
+    return [schema, *schema.get("oneOf", [])]
+
+
+def _types(schema: dict) -> set[str]:
+    types: set[str] = set()
+    for branch in _branches(schema):
+        given = branch.get("type", [])
+        types.update([given] if isinstance(given, str) else given)
+    return types
+
+
+def whole_numbers(value, schema: dict, path=()) -> list[str]:
+    """Integer keys given a float: JSON Schema counts 2.0 as an integer, but the code would get a
+    float (range(2.0) fails hours later), so it is refused here."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        return [line for k, v in value.items() if k in props for line in whole_numbers(v, props[k], (*path, k))]
+    if isinstance(value, list):
+        items = next((b["items"] for b in _branches(schema) if "items" in b), None)
+        return [line for i, v in enumerate(value) if items for line in whole_numbers(v, items, (*path, i))]
+    types = _types(schema)
+    if isinstance(value, float) and "integer" in types and "number" not in types:
+        return [f"config key '{key_path(path)}' = {value!r} must be a whole number: write {int(value)}"]
+    return []
+
+
+def cross_check(config: dict) -> list[str]:
+    """Combinations of keys that every schema check passes but that can only fail in a later job."""
+    problems = []
+    train, ev = config["train"], config["evaluate"]
+    crop = ev["crop"] or train["image_size"]
+    if ev["resize"] is not None and crop > ev["resize"]:
+        source = "evaluate.crop" if ev["crop"] else "train.image_size (evaluate.crop: null)"
+        problems.append(
+            f"config key 'evaluate.crop': the centre crop {crop} (from {source}) is larger than the image after "
+            f"'evaluate.resize' = {ev['resize']}; set evaluate.resize >= {crop}, or null for {crop} / 0.875"
+        )
+    models = known_models()
+    if models is not None and train["model"] not in models:
+        near = sorted(m for m in models if m.startswith(train["model"].rstrip("0123456789")))[:8]
+        problems.append(
+            f"config key 'train.model' = {train['model']!r} is not a torchvision model"
+            + (f" (similar: {', '.join(near)})" if near else " (torchvision.models.list_models() lists them)")
+        )
+    return problems
+
+
+def cross_warnings(config: dict) -> list[str]:
+    """Combinations that run but waste work or are ignored."""
+    lines = []
+    pack, train = config["pack"], config["train"]
+    if pack["resize"] and pack["resize"] < train["image_size"]:
+        lines.append(
+            f"'pack.resize' = {pack['resize']} stores images smaller than 'train.image_size' = {train['image_size']}: "
+            "every training crop is upscaled; set pack.resize >= train.image_size (or 0 to keep the originals)"
+        )
+    if train["global_batch"] is not None and train["batch_size"] != "auto":
+        lines.append(
+            f"'train.global_batch' = {train['global_batch']} is used only with batch_size: auto and is ignored "
+            f"with batch_size: {train['batch_size']}"
+        )
+    return lines
+
+
+def known_models() -> set[str] | None:
+    """torchvision's model names (what train.model may be), or None where torchvision is not installed
+    beside Snakemake (the jobs' own environment decides then). Importing torchvision costs seconds,
+    so the list is cached per torchvision version and a dry-run stays fast."""
+    try:
+        version = importlib.metadata.version("torchvision")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = cache_home / "rectrain" / f"torchvision-{version}-models.json"
+    try:
+        return set(json.loads(cache.read_text()))
+    except (OSError, ValueError):
+        pass
+    import torchvision.models
+
+    from rectrain.atomic import write_json
+
+    names = sorted(torchvision.models.list_models())
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_json(cache, names)
+    except OSError as err:  # a read-only home only costs the import next time
+        log.debug("model list not cached at %s: %s", cache, err)
+    return set(names)

@@ -1,0 +1,49 @@
+"""The environment of the jobs the rules start: this package and this interpreter first on their
+paths, and every block's operational config values (rectrain.config.OPERATIONAL_ENV), which reach the
+jobs here rather than through `params:` so that editing one reruns nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from rectrain.config import OPERATIONAL_ENV, operational_part
+
+
+def export_operational(config: dict) -> None:
+    """Every block's operational values (x-rerun: false in the schema) for the jobs to read back."""
+    blocks = {name: operational_part(name, values) for name, values in config.items() if isinstance(values, dict)}
+    os.environ[OPERATIONAL_ENV] = json.dumps({name: ops for name, ops in blocks.items() if ops}, sort_keys=True)
+
+
+def prepare_job_env(package_dir, executable: str = sys.executable) -> None:
+    """Make jobs' `python -m rectrain.<stage>` find this package and, unless a conda env is
+    activated for the job (its activation puts the env's python first), the interpreter Snakemake
+    itself runs in (an unactivated .venv, or a system python3 with no `python` beside it)."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(package_dir), os.environ.get("PYTHONPATH")) if p)
+    first = dict.fromkeys([str(python_dir(executable)), str(Path(executable).parent)])
+    os.environ["PATH"] = os.pathsep.join((*first, os.environ.get("PATH", "")))
+
+
+def python_dir(executable: str, workdir=".") -> Path:
+    """A folder whose `python` runs `executable`: the interpreter's own folder when its `python` is that
+    program, else .snakemake/rectrain-bin/ holding a wrapper (many machines have only `python3`, and a
+    `python` found further along the PATH lacks the packages).  A wrapper, not a link: a venv's
+    interpreter finds its packages only when started by its own path."""
+    exe = Path(executable)
+    own = exe.parent / "python"
+    if own.is_file() and os.path.samefile(own, exe):
+        return exe.parent
+    folder = (Path(workdir) / ".snakemake" / "rectrain-bin").resolve()
+    wrapper, text = folder / "python", f'#!/bin/sh\nexec {shlex.quote(str(exe))} "$@"\n'
+    if not wrapper.is_file() or wrapper.read_text() != text:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".python.{os.getpid()}"
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, wrapper)  # whole, executable, even when several Snakemake processes parse at once
+    return folder

@@ -1,0 +1,25 @@
+"""The rules' `params:`: each block's values that change its stage's output, as canonical JSON.
+
+Snakemake reruns a job whose params changed, so a rule's params carry exactly the keys whose edit must
+rerun it (rectrain.config.output_part: the schema's keys not marked `x-rerun: false`), and nothing
+else - no operational value, not even through a function (Snakemake 9 compares those too).
+"""
+
+from __future__ import annotations
+
+import json
+
+from rectrain.config import output_part
+
+
+def block_params(config: dict, block: str) -> str:
+    """The `params: cfg` of the rule that runs `block`'s stage."""
+    return json.dumps(output_part(block, config[block]), sort_keys=True)
+
+
+def report_params(config: dict) -> str:
+    """The report's params: every block's output part (it prints the config and takes its thresholds
+    from `report`), so a finished run's report reruns for a real change anywhere and for no operational one."""
+    return json.dumps(
+        {name: output_part(name, v) if isinstance(v, dict) else v for name, v in config.items()}, sort_keys=True
+    )
