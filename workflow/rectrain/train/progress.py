@@ -144,7 +144,7 @@ class Marks:
         end = self.clock.mark()
         self.pending.append((index, self.prev, self._data, end, images))
         self.prev = end
-        if not self.progress.due():
+        if not self.progress.due() and index + 1 != self.progress.total:  # the last batch always gets its line
             return
         self.clock.wait(end)
         for i, start, data, stop, n in self.pending:

@@ -106,7 +106,9 @@ class _Book:
             totals["steady_wall_s"] += wall
         if self.progress is not None:
             self.progress.add(i, wall, wait, n)
-            if self.progress.due():
+            # The pass's last step always gets its line: the log then ends each pass on its own numbers,
+            # whatever the machine's speed (resolved one step late, it comes right after the one before).
+            if self.progress.due() or i + 1 == self.progress.total:
                 self.progress.line(i + 1)
 
 
