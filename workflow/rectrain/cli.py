@@ -26,7 +26,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rectrain import log as stage_log
 from rectrain.config import ConfigError, fill_defaults, stage_block
@@ -35,8 +35,8 @@ WHOLE = "*"  # `block`: the whole config (the report prints every block), comple
 
 log = logging.getLogger(__name__)
 
-Arguments = Callable[[argparse.ArgumentParser], object]
-Run = Callable[[argparse.Namespace, "dict | None"], "int | None"]
+Arguments = Callable[[argparse.ArgumentParser], Any]  # adds the stage's options
+Run = Callable[[argparse.Namespace, Any], Any]  # run(args, cfg) -> exit code, or None for 0
 
 
 def main(
@@ -60,7 +60,7 @@ def main(
     arguments(parser): adds the stage's own options.  run(args, cfg): the stage; cfg None without a block.
     errors: exception type -> exit code, for errors whose message says what to fix (the most specific
       class of the error that is listed wins).
-    bare: log lines without the tag (pack and verify logs read as they always have; errors keep it).
+    bare: log lines without the tag (the pack's rule log reads as it always has); the error line keeps it.
     elapsed: `[tag 12.3s]` prefixes (training).
     passthrough: the arguments this stage does not know are the next program's (the launcher hands
       them to rectrain.train): parse_known_args and no -h of its own.
