@@ -108,7 +108,7 @@ def test_cpus_booked_per_node_scale_with_gpus():
 # --- rectrain.train.launch wired to the allocation (print-only: nothing is started) --------------------
 
 
-def _launch_print(monkeypatch, capsys, env, cfg, extra=()):
+def _launch_print(monkeypatch, capsys, env, cfg, extra=(), rc=0):
     import json
 
     from rectrain import distributed
@@ -127,7 +127,7 @@ def _launch_print(monkeypatch, capsys, env, cfg, extra=()):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(distributed, "visible_gpu_count", lambda: 0)
-    launch.main(["--config-json", json.dumps(cfg), "--print-only", *extra, "--out", "o"])
+    assert launch.main(["--config-json", json.dumps(cfg), "--print-only", *extra, "--out", "o"]) == rc
     return capsys.readouterr().err
 
 
@@ -164,8 +164,8 @@ def test_launch_single_node_is_standalone_inside_slurm(monkeypatch, capsys):
 
 
 def test_launch_multi_node_without_slurm_fails_with_the_fix(monkeypatch, capsys):
-    with pytest.raises(SystemExit, match="not a SLURM job"):
-        _launch_print(monkeypatch, capsys, {}, {"nodes": 2, "devices": "cpu", "cpu_processes": 1})
+    err = _launch_print(monkeypatch, capsys, {}, {"nodes": 2, "devices": "cpu", "cpu_processes": 1}, rc=1)
+    assert "[launch] " in err and "not a SLURM job" in err
 
 
 def test_launch_stages_pairs_before_torchrun(monkeypatch, capsys, tmp_path):

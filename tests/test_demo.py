@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from rectrain.data import demo
-from rectrain.data.archives import open_source
+from rectrain.data.archives import SourceReader
 
 CFG = {
     "classes": 10,
@@ -115,9 +115,10 @@ def test_defects_are_in_distinct_classes_and_same_bytes_in_folder_and_archive(ra
     assert set(planted) == {kind for kind, _, _ in demo.DEFECTS} | {"stray"}
     image_defects = [d for d in planted.values() if d["kind"] != "stray"]
     assert len({d["wnid"] for d in image_defects}) == len(image_defects)
-    for d in planted.values():
-        assert d["expected"] in ("repair", "skip", "keep", "unclassified")
-        assert open_source(raw, d["source"]) == open_source(raw, d["archive_source"])
+    with SourceReader(raw) as reader:
+        for d in planted.values():
+            assert d["expected"] in ("repair", "skip", "keep", "unclassified")
+            assert reader.read(d["source"]) == reader.read(d["archive_source"])
 
 
 def _open(raw, kind) -> bytes:

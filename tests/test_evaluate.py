@@ -171,7 +171,7 @@ def test_evaluation_logs_a_progress_line_per_interval_with_batch_k_of_k_and_an_e
         evaluate(val_set, "torch", tmp_path, progress_s=0.001)
     lines = [m for m in caplog.messages if m.startswith("evaluation batch")]
     # 31 images in batches of 8: 4 batches, a line after each but the first (the loader's start-up)
-    assert [line.split(":")[0] for line in lines] == [f"evaluation batch {k}/4" for k in (2, 3, 4)]
+    assert [line.split(":")[0] for line in lines] == [f"evaluation batch {k}/4 ({25 * k:.1f} %)" for k in (2, 3, 4)]
     for line in lines:
         found = re.search(
             r": ([\d.]+) img/s \(all 1 rank\(s\), last 1 step\(s\)\), data wait (\d+) %, ETA (\d+) s$", line

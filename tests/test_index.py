@@ -13,8 +13,8 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from rectrain.data import archives, demo, index
-from rectrain.data.archives import SourceReader, UnsafeArchiveMember, open_source
+from rectrain.data import demo, index
+from rectrain.data.archives import SourceReader, UnsafeArchiveMember
 from rectrain.data.index import LayoutError, discover, write_index
 
 CFG = {
@@ -101,22 +101,13 @@ def test_stray_file_is_listed_unclassified_with_a_reason(indexes):
         assert row["source"].endswith("Thumbs.db") and "not an image extension" in row["reason"]
 
 
-def test_open_source_reads_the_same_bytes_from_folder_and_archive(indexes, raw):
+def test_source_reader_reads_the_same_bytes_from_folder_and_archive(indexes, raw):
     folder = {image_name(r["source"]): r["source"] for r in indexes["folders"]["train"] + indexes["folders"]["val"]}
     archive = {image_name(r["source"]): r["source"] for r in indexes["archives"]["train"] + indexes["archives"]["val"]}
     assert folder.keys() == archive.keys()
-    for name in folder:
-        assert open_source(raw, archive[name]) == open_source(raw, folder[name]) == (raw / folder[name]).read_bytes()
-
-
-def test_iter_sources_in_storage_order_yields_every_source_once(indexes, raw):
-    sources = [r["source"] for r in reversed(indexes["archives"]["train"])]
-    got = list(archives.iter_sources(raw, sources, storage_order=True))
-    assert sorted(s for s, _ in got) == sorted(sources)
-    reader = SourceReader(raw)
-    offsets = [reader.locate(s)[1] for s, _ in got]
-    assert offsets == sorted(offsets)
-    assert all(data == open_source(raw, s) for s, data in got)
+    with SourceReader(raw) as reader:
+        for name in folder:
+            assert reader.read(archive[name]) == reader.read(folder[name]) == (raw / folder[name]).read_bytes()
 
 
 def test_source_reader_survives_pickling_into_workers(indexes, raw):
@@ -254,7 +245,8 @@ def test_handmade_archives_with_long_names_read_by_offset(tmp_path):
         "ILSVRC2012_img_train.tar::n01440764.tar::n01440764_1.JPEG",
         f"ILSVRC2012_img_train.tar::n01440764.tar::{long_name}",
     ]
-    assert [open_source(root, s) for s in sources] == [b"first", b"second"]
+    with SourceReader(root) as reader:
+        assert [reader.read(s) for s in sources] == [b"first", b"second"]
 
 
 @pytest.mark.parametrize("member", ["../../x.JPEG", "/abs/x.JPEG"])

@@ -103,7 +103,7 @@ def test_flat_val_without_labels_in_folder_layout_is_an_error_naming_split_layou
     assert "Found instead: 8 x not an image extension (.txt;" in msg
     assert "absent_splits: [val]" in msg
     proc = run_cli("--raw", str(root), "--out", str(tmp_path / "out"))
-    assert proc.returncode == 1 and "index: val: no images indexed." in proc.stderr
+    assert proc.returncode == 1 and "[index] val: no images indexed." in proc.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from rectrain.log import duration
-from rectrain.train.progress import Progress, RunProgress, epoch_eta_s, run_eta_s
+from rectrain.progress import Progress, RunProgress, epoch_eta_s, run_eta_s
 
 
 def test_epoch_eta_is_the_remaining_steps_at_the_measured_step_time():
@@ -46,7 +46,7 @@ def test_a_line_is_logged_once_per_interval_from_the_steps_since_the_last_line(c
     p = RunProgress(interval_s=30, world_size=2, epochs=3, clock=clock)
     p.begin_epoch(1, total=100)
     lines = []
-    with caplog.at_level(logging.INFO, logger="rectrain.train.progress"):
+    with caplog.at_level(logging.INFO, logger="rectrain.progress"):
         for i in range(100):
             # step 0 (loader start-up) takes 10 s and is left out; later steps 1 s, 0.2 s of it waiting
             wall = 10.0 if i == 0 else 1.0
@@ -55,7 +55,7 @@ def test_a_line_is_logged_once_per_interval_from_the_steps_since_the_last_line(c
             if p.due():
                 lines.append(p.line(i + 1))
     # due at 30 s: step 0 ends at 10 s, then 20 steps of 1 s -> the line after step 21, then every 30 steps
-    assert [line.split(":")[0] for line in lines] == [f"epoch 1 (of 3) step {k}/100" for k in (21, 51, 81)]
+    assert [line.split(":")[0] for line in lines] == [f"epoch 1 (of 3) step {k}/100 ({k}.0 %)" for k in (21, 51, 81)]
     assert caplog.messages == lines
     first = lines[0]
     assert "128.0 img/s (all 2 rank(s), last 20 step(s))" in first  # 64 images x 2 ranks / 1 s
@@ -115,3 +115,21 @@ def test_a_pass_ends_on_its_last_steps_line_even_when_no_interval_has_passed(cap
         run_steps(step, 0, iter(batches), NoLog(), n_batches=len(batches), progress=progress)
     lines = [m for m in caplog.messages if m.startswith("epoch 0 step")]
     assert [line.split(":")[0] for line in lines] == ["epoch 0 step 5/5"], lines
+
+
+def test_a_counted_pass_says_images_done_of_total_the_rate_so_far_and_the_eta(caplog):
+    # the pack's read / assemble / verify steps: only a count of images done, no step times
+    clock = FakeClock()
+    p = Progress(interval_s=10, clock=clock)
+    p.begin("pack train: read", 1000, lambda done, per_image: ", 1.0 MB/s", unit="images")
+    with caplog.at_level(logging.INFO, logger="rectrain.progress"):
+        clock.now = 5.0
+        assert p.count(100) is None  # not due yet
+        clock.now = 10.0
+        first = p.count(250)
+        clock.now = 11.0
+        assert p.count(260) is None  # the next line is due 10 s after the last
+        last = p.count(1000, force=True)  # the step's end: a line now
+    assert first == "pack train: read 250/1000 images (25.0 %): 25.0 img/s, ETA 30 s, 1.0 MB/s"
+    assert last == "pack train: read 1000/1000 images (100.0 %): 90.9 img/s, ETA 0 s, 1.0 MB/s"
+    assert caplog.messages == [first, last]

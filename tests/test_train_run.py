@@ -94,7 +94,7 @@ def test_single_process_run_says_so_and_logs_progress_between_epoch_lines(data, 
     assert json.loads((tmp_path / "t" / "run.json").read_text())["world_size"] == 1
     # 45 images in batches of 8: 6 steps per epoch; a line after every step but the first (start-up)
     line = re.compile(
-        rf"epoch (\d) \(of 2\) step (\d+)/(\d+): ([\d.]+) img/s \(all 1 rank\(s\), last \d+ step\(s\)\), "
+        rf"epoch (\d) \(of 2\) step (\d+)/(\d+) \([\d.]+ %\): ([\d.]+) img/s \(all 1 rank\(s\), last \d+ step\(s\)\), "
         rf"data wait (\d+) %, ETA ({DURATION}), run ETA ({DURATION})"
     )
     found = [m.groups() for m in line.finditer(proc.stderr)]
@@ -108,7 +108,7 @@ def test_single_process_run_says_so_and_logs_progress_between_epoch_lines(data, 
     assert "validation and checkpoint" in proc.stderr, "epoch 1's run ETA counts epoch 0's validation"
     # progress lines come before the epoch's own line; validation (15 images: 2 batches) logs too
     assert proc.stderr.index("epoch 0 (of 2) step 6/6") < proc.stderr.index("epoch 0: train loss")
-    assert "epoch 0 (of 2) validation batch 2/2:" in proc.stderr
+    assert "epoch 0 (of 2) validation batch 2/2 (100.0 %):" in proc.stderr
 
 
 @pytest.mark.slow

@@ -28,15 +28,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rectrain import distributed, watchdog
+from rectrain import cli, distributed, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
-from rectrain.config import ConfigError, stage_block
 from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
-from rectrain.log import setup as setup_logging
 from rectrain.metrics import Tally, all_reduce, tally
+from rectrain.progress import Progress
+from rectrain.tables import read_classes
 from rectrain.train.checkpoint import load as load_checkpoint
-from rectrain.train.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +138,10 @@ def per_class(confusion: torch.Tensor, classes: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def read_classes(path: str | os.PathLike, num_classes: int) -> pd.DataFrame:
-    classes = pd.read_csv(path, sep="\t", keep_default_na=False, dtype={"wnid": str, "name": str})
+def class_table(path: str | os.PathLike, num_classes: int) -> pd.DataFrame:
+    """classes.tsv (rectrain.tables.read_classes: label, wnid, name, as strings) as a table, checked
+    against the checkpoint's class count."""
+    classes = pd.DataFrame(read_classes(path), columns=["label", "wnid", "name"])
     if len(classes) != num_classes:
         raise ValueError(
             f"{path} lists {len(classes)} classes but the checkpoint's model has {num_classes}: "
@@ -184,7 +185,7 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
     d = distributed.setup(train_cfg.get("devices") != "cpu", train_cfg.get("collective_timeout_s", 600))
     try:
         num_classes = int(ckpt["num_classes"])
-        classes = read_classes(classes_path, num_classes)
+        classes = class_table(classes_path, num_classes)
         model = model_from_checkpoint(ckpt).to(d.device)
         channels_last = d.device.type == "cuda"
         if channels_last:
@@ -229,37 +230,28 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
         distributed.teardown()
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(
-        prog="python -m rectrain.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--config-json", required=True, help="the evaluate config block")
+def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--rec", required=True)
     ap.add_argument("--idx", required=True)
     ap.add_argument("--classes", required=True, help="classes.tsv of the index (label, wnid, name)")
     ap.add_argument("--out", required=True, help="folder for metrics.json and per_class.csv")
     ap.add_argument("--single-process", action="store_true", help="never relaunch under torchrun")
-    return ap.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    setup_logging("evaluate")
-    try:
-        cfg = stage_block("evaluate", args.config_json)
-    except ConfigError as err:
-        raise SystemExit(f"[evaluate] {err}") from None
+def _run(args: argparse.Namespace, cfg: dict) -> None:
     if not distributed.launched() and not args.single_process:
         train_cfg = load_checkpoint(args.checkpoint).get("config") or {}
-        relaunch = relaunch_command(train_cfg, argv, distributed.visible_gpu_count())
+        relaunch = relaunch_command(train_cfg, args.argv, distributed.visible_gpu_count())
         if relaunch:
             cmd, env = relaunch
             log.info("one process per training GPU: %s", " ".join(cmd))
             os.execve(cmd[0], cmd, env)
     run(cfg, args.checkpoint, args.rec, args.idx, args.classes, args.out)
-    return 0
+
+
+def main(argv=None) -> int:
+    return cli.main("evaluate", "evaluate", _arguments, _run, argv)
 
 
 if __name__ == "__main__":

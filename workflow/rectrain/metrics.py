@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rectrain import model as models
-from rectrain.train.progress import Marks, Progress
+from rectrain.progress import Marks, Progress
 from rectrain.train.stepclock import StepClock
 
 

@@ -20,9 +20,7 @@ import io
 import os
 import re
 import tarfile
-from functools import lru_cache
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Iterator
 
 SEP = "::"
 TRAIN_TAR, VAL_TAR = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"
@@ -260,25 +258,3 @@ class SourceReader:
 
     def __exit__(self, *exc):
         self.close()
-
-
-@lru_cache(maxsize=8)
-def _reader(raw_root: str) -> SourceReader:
-    return SourceReader(Path(raw_root).resolve())
-
-
-def open_source(raw_root: str | os.PathLike, source: str) -> bytes:
-    """Bytes of one index source; member tables are cached per process and raw root."""
-    return _reader(os.fspath(raw_root)).read(source)
-
-
-def iter_sources(
-    raw_root: str | os.PathLike, sources: Iterable[str], storage_order: bool = False
-) -> Iterator[tuple[str, bytes]]:
-    """(source, bytes) for each source; storage_order=True reads in on-disk order (sequential I/O)."""
-    reader = _reader(os.fspath(raw_root))
-    sources = list(sources)
-    if storage_order:
-        sources.sort(key=lambda s: reader.locate(s)[:2])
-    for source in sources:
-        yield source, reader.read(source)

@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import shutil
+import sys
 import tarfile
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -45,8 +46,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from rectrain import log as stage_log
-from rectrain.config import ConfigError, stage_block
+from rectrain import cli
 from rectrain.data.archives import (
     DEVKIT_DIR,
     DEVKIT_TGZ,
@@ -351,7 +351,7 @@ def _write_train(painter: _Painter, out: Path, manifest: list, pool: Executor) -
                 write(out / "train" / wnid / name, data)
             tar_member(train_tar, f"{wnid}.tar", tar_bytes(files))
             n_train += len(files)
-            log.info(f"train {k + 1}/{n_classes} {wnid}: {len(files)} files")
+            log.info("train %d/%d %s: %d files", k + 1, n_classes, wnid, len(files))
     return n_train
 
 
@@ -375,7 +375,7 @@ def _write_val(painter: _Painter, out: Path, pool: Executor) -> tuple[np.ndarray
             tar_member(val_tar, f"{stem}.JPEG", data)
             solution.append((stem, f"{wnid} {x1} {y1} {x2} {y2} "))
             truth.append(int(ilsvrc_id[k]))
-    log.info(f"val: {len(val_labels)} images")
+    log.info("val: %d images", len(val_labels))
     return val_labels, solution, truth, ilsvrc_id
 
 
@@ -425,25 +425,22 @@ def generate(cfg: dict, out: Path, processes: int = 1) -> dict:
         "defects": len(manifest),
     }
     write(out / ".done", (json.dumps(summary, sort_keys=True) + "\n").encode())
-    log.info(f"done: {summary}")
+    log.info("done: %s", summary)
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--config-json", required=True, help="the config's demo block as JSON; missing keys take the schema defaults"
-    )
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="raw root to write (results/demo/raw)")
     parser.add_argument("--threads", type=int, default=1, help="drawing processes (the rule's threads)")
-    args = parser.parse_args(argv)
-    stage_log.setup("demo")
-    try:
-        cfg = stage_block("demo", args.config_json)
-    except ConfigError as err:
-        raise SystemExit(f"demo: {err}") from None
+
+
+def _run(args: argparse.Namespace, cfg: dict) -> None:
     generate(cfg, args.out, processes=args.threads)
 
 
+def main(argv: list[str] | None = None) -> int:
+    return cli.main("demo", "demo", _arguments, _run, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

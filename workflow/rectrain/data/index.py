@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import stat
+import sys
 import tarfile
 from array import array
 from collections import Counter
@@ -55,9 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
-from rectrain import log as stage_log
+from rectrain import cli
 from rectrain.atomic import replacing
-from rectrain.config import ConfigError, stage_block
 from rectrain.data.archives import (
     DEVKIT_DIR,
     DEVKIT_TGZ,
@@ -84,6 +84,12 @@ IMAGE_EXTS = (".jpeg", ".jpg", ".png")  # im2rec's default --exts
 VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})$")
 WNID = re.compile(r"n\d{8}")
 LAYOUTS = ("auto", "folders", "flat-kaggle", "flat-devkit", "archives")
+# What to rearrange when a split is not found: the pipeline always detects (no config key forces a layout).
+ARRANGE = (
+    f"Arrange the raw root (the config's raw:, or its ILSVRC/Data/CLS-LOC/) as one of the layouts the index "
+    f"reads: train/<wnid>/*.JPEG or {TRAIN_TAR}; and val/<wnid>/*.JPEG, a flat val/ (or val_flat/) of "
+    f"ILSVRC2012_val_*.JPEG beside {KAGGLE_CSV} or the devkit ground truth, or {VAL_TAR}."
+)
 SPLITS = ("train", "val")
 
 
@@ -487,9 +493,12 @@ class _Raw:
 
 def _need(thing, what: str, layout: str, raw: Path, instead: str = ""):
     if not thing:
+        found = f"; found instead: {instead}" if instead else ""
+        if layout == "auto":  # the pipeline's case: the raw root is what the user can change
+            raise LayoutError(f"no {what} under {raw}{found}. {ARRANGE}")
         raise LayoutError(
-            f"--layout {layout}: no {what} under {raw}{f'; found instead: {instead}' if instead else ''}. "
-            f"Choose another --layout (or auto), or point the config's raw: at a folder holding it."
+            f"--layout {layout}: no {what} under {raw}{found}. Run python -m rectrain.data.index with another "
+            f"--layout (auto detects; or one of {', '.join(LAYOUTS[1:])}), or with --raw at a folder holding it."
         )
     return thing
 
@@ -662,7 +671,7 @@ def _check_not_empty(found: Found, absent: set[str]) -> None:
         )
         raise LayoutError(
             f"{split}: no images indexed. Layout detected: {found.detected[split]} ({found.layout[split]}). "
-            f"Found instead: {instead}. Fix the folder or force another --layout; {fix}."
+            f"Found instead: {instead}. {ARRANGE} {fix[0].upper()}{fix[1:]}."
         )
 
 
@@ -741,32 +750,41 @@ def write_index(found: Found, out: Path) -> dict:
     return counts
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Index a raw ImageNet (folders, flat val or the official tars).")
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", required=True, type=Path, help="raw ImageNet root")
     parser.add_argument("--out", required=True, type=Path, help="output folder (results/<dataset>/index)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="auto", help="force a layout (default: detect)")
-    parser.add_argument("--config-json", default="{}", help="the config's index block as JSON (default: all defaults)")
-    args = parser.parse_args(argv)
-    stage_log.setup("index")
-    try:
-        cfg = stage_block("index", args.config_json)
-        found = discover(args.raw, args.layout, cfg["absent_splits"])
-    except (LayoutError, UnsafeArchiveMember, CorruptArchive, ConfigError) as exc:
-        raise SystemExit(f"index: {exc}") from None
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="auto",
+        help="force a layout (default: detect; by hand only, the pipeline always detects)",
+    )
+
+
+def _run(args: argparse.Namespace, cfg: dict) -> None:
+    found = discover(args.raw, args.layout, cfg["absent_splits"])
     for split, how in found.layout.items():
-        log.info(f"{split}: {how}")
+        log.info("%s: %s", split, how)
     for warning in found.warnings:
-        log.warning(f"warning: {warning}")
+        log.warning("warning: %s", warning)
     counts = write_index(found, args.out)
     reasons = Counter(reason for _, reason in found.unclassified)
     log.info(
-        f"train {counts['train']} images, val {counts['val']} images, {counts['classes']} classes, "
-        f"{counts['unclassified']} unclassified -> {args.out}"
+        "train %d images, val %d images, %d classes, %d unclassified -> %s",
+        counts["train"],
+        counts["val"],
+        counts["classes"],
+        counts["unclassified"],
+        args.out,
     )
     for reason, n in reasons.most_common(5):
-        log.info(f"  unclassified: {n} x {reason}")
+        log.info("  unclassified: %d x %s", n, reason)
+
+
+def main(argv: list[str] | None = None) -> int:
+    errors = {LayoutError: 1, UnsafeArchiveMember: 1, CorruptArchive: 1}
+    return cli.main("index", "index", _arguments, _run, argv, errors=errors, config_required=False)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -52,15 +52,15 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from rectrain import storage
+from rectrain import cli, storage
 from rectrain.atomic import fsync_path, publish, temporary_name, write_json
-from rectrain.config import ConfigError, stage_block
+from rectrain.config import ConfigError
 from rectrain.data import indextable, readorder
 from rectrain.data.archives import READ_ERRORS, SourceReader
 from rectrain.data.images import Skip, prepare
 from rectrain.data.indextable import BadIndex, IndexTable
 from rectrain.data.verify import Expected, VerifyError, verify_pair
-from rectrain.log import setup
+from rectrain.progress import Progress
 from rectrain.recordio import RecordIOError, RecordWriter, frame_payload, pack_record
 
 BATCH = 32  # images per task: amortises scheduling, small enough to keep every thread busy
@@ -77,6 +77,10 @@ class PackFailed(RuntimeError):
 
 class PackBusy(RuntimeError):
     """Another pack holds the lock of this output pair; names it."""
+
+
+class NotVerified(RuntimeError):
+    """The written pair failed its read-back (VerifyError, RecordIOError): left as *.partial, not published."""
 
 
 # ---- worker side -------------------------------------------------------------------------------
@@ -142,7 +146,7 @@ class _Packer:
             except MemoryError:  # this image's buffers are gone with the frames; the next ones fit again
                 out.append(Skip("out of memory: MemoryError while reading, decoding or encoding this image"))
             except Exception as err:  # one file must never end a pack that may have run for hours
-                log.warning(f"unexpected error on id {rid} {source}:", exc_info=True)
+                log.warning("unexpected error on id %s %s:", rid, source, exc_info=True)
                 out.append(Skip(f"unexpected error: {type(err).__name__}: {err}"))
         return out
 
@@ -212,7 +216,7 @@ def remove_leftovers(*finals: Path) -> None:
         stale += final.parent.glob(temporary_name(final).name.rsplit(".tmp", 1)[0] + ".tmp*")
         for path in stale:
             if path.exists():
-                log.info(f"removing {path}, left by an interrupted pack")
+                log.info("removing %s, left by an interrupted pack", path)
                 _remove(path)
 
 
@@ -245,33 +249,12 @@ def check_skips(split: str, n: int, skipped: list[dict], max_share: float) -> No
     )
 
 
-def _clock(seconds: float) -> str:
-    if seconds == float("inf"):
-        return "?"
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-class Progress:
-    """Says every `every_s` seconds how far a step is: done of total, img/s and the ETA, then
-    whatever `detail()` adds (called only when a line is written)."""
-
-    def __init__(self, what: str, total: int, every_s: float, detail=lambda: ""):
-        self.what, self.total, self.every_s, self.detail = what, total, every_s, detail
-        self.start = self.last = time.time()
-
-    def update(self, done: int, force: bool = False) -> None:
-        now = time.time()
-        if not force and now - self.last < self.every_s:
-            return
-        self.last = now
-        rate = done / max(now - self.start, 1e-9)
-        eta = (self.total - done) / rate if rate > 0 else float("inf")
-        extra = self.detail()
-        log.info(
-            f"{self.what}: {done}/{self.total} images ({100 * done / max(self.total, 1):.1f} %), "
-            f"{rate:.0f} img/s, ETA {_clock(eta)}{', ' + extra if extra else ''}"
-        )
+def _progress(what: str, total: int, every_s: float, status=None) -> Progress:
+    """The progress lines of one pack step (rectrain.progress): images done of total, img/s, the ETA,
+    then whatever `status()` adds (called only when a line is written)."""
+    progress = Progress(every_s)
+    progress.begin(what, total, (lambda done, per_image: f", {status()}") if status else None, unit="images")
+    return progress
 
 
 @dataclass(frozen=True)
@@ -345,12 +328,18 @@ def _prepare(target: Target, raw_root: Path, table: IndexTable, cfg: dict, choic
         needed += -(-needed // buckets)  # the .rec grows while the last bucket is still on disk
     result = storage.preflight(target.rec.parent, needed, target.sysfs_root)
     log.info(
-        f"pack {target.split}: {n} images -> {target.rec} (device {result['device']}, rotational "
-        f"{result['rotational']}, {result['free_bytes'] / 1e9:.1f} GB free, ~{needed / 1e9:.2f} GB needed)"
+        "pack %s: %d images -> %s (device %s, rotational %s, %.1f GB free, ~%.2f GB needed)",
+        target.split,
+        n,
+        target.rec,
+        result["device"],
+        result["rotational"],
+        result["free_bytes"] / 1e9,
+        needed / 1e9,
     )
-    log.info(f"pack {target.split}: read order {choice['used']}: {choice['reason']}")
+    log.info("pack %s: read order %s: %s", target.split, choice["used"], choice["reason"])
     if result["warning"]:
-        log.warning(result["warning"])
+        log.warning("%s", result["warning"])
     return result, buckets
 
 
@@ -366,7 +355,7 @@ def _pump(items, packer: _Packer, pool: ThreadPoolExecutor, threads: int, sink, 
         for item, result in zip(batch, future.result(), strict=True):
             sink(item, result)
         done += len(batch)
-        progress.update(done)
+        progress.count(done)
 
     items = iter(items)
     while batch := list(islice(items, BATCH)):
@@ -375,7 +364,7 @@ def _pump(items, packer: _Packer, pool: ThreadPoolExecutor, threads: int, sink, 
             drain_one()
     while pending:
         drain_one()
-    progress.update(done, force=True)
+    progress.count(done, force=True)
 
 
 def _shuffled_items(table: IndexTable, order: np.ndarray) -> Iterator[tuple]:
@@ -390,7 +379,7 @@ def _pack_shuffled(table: IndexTable, order: np.ndarray, packer: _Packer, pool: 
     written = Written(np.zeros(len(table), dtype=bool))
     with RecordWriter(*target.partial) as writer:
         t0 = time.time()
-        progress = Progress(
+        progress = _progress(
             f"pack {target.split}",
             len(table),
             target.progress_s,
@@ -420,7 +409,7 @@ def _pack_storage(
     buckets = readorder.Buckets(target.partial[0], positions, k)
     try:
         t0 = time.time()
-        spooled = Progress(
+        spooled = _progress(
             f"pack {target.split}: read",
             n,
             target.progress_s,
@@ -436,9 +425,9 @@ def _pack_storage(
         _pump(items, packer, pool, target.threads, sink, spooled)
         t1 = time.time()
         with RecordWriter(*target.partial) as writer:
-            assembled = Progress(f"pack {target.split}: assemble", n, target.progress_s)
-            buckets.assemble(writer, order, table.ids, assembled.update)
-            assembled.update(n, force=True)
+            assembled = _progress(f"pack {target.split}: assemble", n, target.progress_s)
+            buckets.assemble(writer, order, table.ids, assembled.count)
+            assembled.count(n, force=True)
             writer.close()
             written.bytes_written = writer.tell()
     finally:
@@ -450,9 +439,9 @@ def _log_and_check_skips(target: Target, n: int, written: Written, cfg: dict) ->
     written.skipped.sort(key=lambda r: r["id"])
     written.repaired.sort(key=lambda r: r["id"])
     for item in written.skipped:
-        log.info(f"skipped id {item['id']} {item['source']}: {item['reason']}")
+        log.info("skipped id %s %s: %s", item["id"], item["source"], item["reason"])
     for item in written.repaired:
-        log.info(f"repaired id {item['id']} {item['source']}: {item['reason']}")
+        log.info("repaired id %s %s: %s", item["id"], item["source"], item["reason"])
     try:
         check_skips(target.split, n, written.skipped, cfg["max_skipped_share"])
     except PackFailed:
@@ -477,14 +466,14 @@ def _records(table: IndexTable, raw_root: Path, cfg: dict, choice: dict, target:
 def _verify(table: IndexTable, num_classes: int, written: Written, target: Target, pool, resize: int) -> dict:
     """Read the partial pair back completely while forcing it to disk."""
     expected = Expected(table.ids[written.packed], table.labels[written.packed])
-    log.info(f"verify {target.split}: reading back {len(expected)} records")
-    progress = Progress(f"verify {target.split}", len(expected), target.progress_s)
+    log.info("verify %s: reading back %d records", target.split, len(expected))
+    progress = _progress(f"verify {target.split}", len(expected), target.progress_s)
     # Forcing the pair to disk waits on the device, reading it back on the page cache: overlap
     # them (~10 % of a pass-through pack's wall time). Both finish before anything is published.
     synced = pool.submit(fsync_path, *target.partial)
-    check = verify_pair(*target.partial, expected, num_classes, resize, progress=progress.update)
+    check = verify_pair(*target.partial, expected, num_classes, resize, progress=progress.count)
     synced.result()
-    progress.update(check["records"], force=True)
+    progress.count(check["records"], force=True)
     return check
 
 
@@ -508,7 +497,7 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, target: Target) -> di
     publish(target.partial[0], target.rec)
     publish(target.partial[1], target.idx)  # last: a .rec without its .idx is never taken for a pair
     wall = time.time() - t0
-    log.info(f"pack {target.split}: verified and published {target.rec} and {target.idx} in {wall:.1f} s")
+    log.info("pack %s: verified and published %s and %s in %.1f s", target.split, target.rec, target.idx, wall)
     timing = {"wall_s": round(wall, 3), "pack_s": round(pack_s, 3), "verify_s": check["verify_s"]}
     facts = {"check": check, "num_classes": num_classes, "n": n, "storage": storage_result}
     facts["read_order"] = {**choice, **read_timing}
@@ -544,60 +533,55 @@ def _manifest(cfg: dict, target: Target, written: Written, timing: dict, facts: 
     }
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config-json", required=True, help="the config's pack block as JSON (schema fills the rest)")
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index", required=True, type=Path, help="index directory (<split>.tsv, classes.tsv)")
     parser.add_argument("--raw", required=True, type=Path, help="raw dataset root the index's sources are under")
     parser.add_argument("--split", required=True)
     parser.add_argument("--rec", required=True, type=Path)
     parser.add_argument("--idx", required=True, type=Path)
     parser.add_argument("--manifest", required=True, type=Path)
+    # The threads Snakemake gave the job (pack.threads capped at --cores); the config keeps the configured value.
     parser.add_argument("--threads", type=int, default=None, help="worker threads (default: pack.threads)")
-    # Outside --config-json (like --threads): they change how the pair is made, not its bytes, so the
-    # rule does not repack when they change.
-    parser.add_argument("--read-order", choices=readorder.READ_ORDERS, help="default: pack.read_order")
-    parser.add_argument("--progress-s", type=float, help="seconds between progress lines (default: pack.progress_s)")
-    args = parser.parse_args(argv)
-    setup("")  # the rule log's lines stay bare, as they always were
-    try:
-        cfg = stage_block("pack", args.config_json)
-    except ConfigError as err:
-        log.error(f"pack {args.split}: ERROR: {err}")
-        return 2
+
+
+def _run(args: argparse.Namespace, cfg: dict) -> None:
     _keep_freed_memory()
-    try:
-        with exclusive(args.rec, args.split):
-            remove_leftovers(args.rec, args.idx, args.manifest)
-            _remove(args.manifest)  # describes the pair this run replaces
-            target = Target(
-                args.split,
-                args.rec,
-                args.idx,
-                args.threads or cfg["threads"],
-                read_order=args.read_order or cfg["read_order"],
-                progress_s=args.progress_s or cfg["progress_s"],
-            )
-            manifest = pack_split(cfg, args.index, args.raw, target)
-            write_json(args.manifest, manifest)
-    except (storage.StorageError, PackBusy, BadIndex) as err:
-        log.error(f"pack {args.split}: ERROR: {err}")
-        return 2
-    except PackFailed as err:
-        log.error(f"pack {args.split}: ERROR: {err}")
-        return 4
-    except (VerifyError, RecordIOError) as err:
-        log.error(
-            f"pack {args.split}: ERROR: the written pair failed verification and was not published "
-            f"(left as *{PARTIAL} for inspection): {err}"
+    with exclusive(args.rec, args.split):
+        remove_leftovers(args.rec, args.idx, args.manifest)
+        _remove(args.manifest)  # describes the pair this run replaces
+        target = Target(
+            args.split,
+            args.rec,
+            args.idx,
+            args.threads or cfg["threads"],
+            read_order=cfg["read_order"],
+            progress_s=cfg["progress_s"],
         )
-        return 3
+        try:
+            manifest = pack_split(cfg, args.index, args.raw, target)
+        except (VerifyError, RecordIOError) as err:
+            raise NotVerified(
+                f"the written {args.split} pair failed verification and was not published "
+                f"(left as *{PARTIAL} for inspection): {err}"
+            ) from err
+        write_json(args.manifest, manifest)
     log.info(
-        f"pack {args.split}: manifest {args.manifest}: {manifest['packed']} packed, "
-        f"{manifest['skipped']} skipped, {len(manifest['repaired'])} repaired, "
-        f"{manifest['images_per_s']} img/s, {manifest['mb_per_s']} MB/s"
+        "pack %s: manifest %s: %d packed, %d skipped, %d repaired, %s img/s, %s MB/s",
+        args.split,
+        args.manifest,
+        manifest["packed"],
+        manifest["skipped"],
+        len(manifest["repaired"]),
+        manifest["images_per_s"],
+        manifest["mb_per_s"],
     )
-    return 0
+
+
+def main(argv=None) -> int:
+    """Exit 2: a config, index, storage or lock problem; 3: the written pair failed verification;
+    4: too many images skipped (PackFailed). The rule log's lines stay bare, as they always were."""
+    errors = {ConfigError: 2, storage.StorageError: 2, PackBusy: 2, BadIndex: 2, NotVerified: 3, PackFailed: 4}
+    return cli.main("pack", "pack", _arguments, _run, argv, errors=errors, bare=True)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import logging
 import sys
 import time
 
 import numpy as np
 from PIL import Image
 
+from rectrain import cli
 from rectrain.data.indextable import BadIndex, load
-from rectrain.log import setup
 from rectrain.recordio import RecordIOError, iter_idx, scan_records, unpack_record
-
-log = logging.getLogger("rectrain.data.verify")  # not __name__: that is __main__ under python -m
 
 
 class VerifyError(RuntimeError):
@@ -49,10 +46,6 @@ class Expected:
             order = np.argsort(ids, kind="stable")
             self._ids, self._labels = ids[order], labels[order].astype(np.int32)
         self.seen = np.zeros(len(self._labels), dtype=bool)
-
-    @classmethod
-    def from_dict(cls, labels: dict[int, int]) -> "Expected":
-        return cls(list(labels), list(labels.values()))
 
     def __len__(self) -> int:
         return self.count
@@ -138,8 +131,7 @@ def _check_decodes(key: int, image: bytes, resize: int) -> None:
         raise VerifyError(f"record id {key} is {size[0]}x{size[1]}: shorter side above resize {resize}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Verify a packed .rec/.idx pair against its index.")
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rec", required=True)
     parser.add_argument("--idx", required=True)
     parser.add_argument("--index", required=True, help="index directory (holds <split>.tsv, classes.tsv)")
@@ -147,26 +139,23 @@ def main(argv=None) -> int:
     parser.add_argument("--manifest", help="pack manifest: records it lists as skipped are not expected")
     parser.add_argument("--resize", type=int, default=0)
     parser.add_argument("--sample", type=int, default=64)
-    args = parser.parse_args(argv)
-    setup("")
+
+
+def _run(args: argparse.Namespace, cfg: None) -> None:
     skipped = set()
     if args.manifest:
         with open(args.manifest) as f:
             skipped = {row["id"] for row in json.load(f)["skipped_files"]}
-    try:
-        table, num_classes = load(args.index, args.split)
-    except BadIndex as err:
-        log.error(f"verify: FAILED: {err}")
-        return 1
+    table, num_classes = load(args.index, args.split)
     keep = ~np.isin(table.ids, np.fromiter(skipped, dtype=np.int64, count=len(skipped)))
     expected = Expected(table.ids[keep], table.labels[keep])
-    try:
-        result = verify_pair(args.rec, args.idx, expected, num_classes, args.resize, args.sample)
-    except (VerifyError, RecordIOError) as err:
-        log.error(f"verify: FAILED: {err}")
-        return 1
-    print(json.dumps(result))
-    return 0
+    print(json.dumps(verify_pair(args.rec, args.idx, expected, num_classes, args.resize, args.sample)))
+
+
+def main(argv=None) -> int:
+    """Exit 1 when the pair fails (the line names the record), 0 with the result as JSON on stdout."""
+    errors = {BadIndex: 1, VerifyError: 1, RecordIOError: 1}
+    return cli.main("verify", None, _arguments, _run, argv, errors=errors)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ rule can be tested with synthetic numbers.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import pandas as pd
@@ -39,9 +39,6 @@ class Finding:
     measured: str
     threshold: str
     fix: str
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _pct(share: float) -> str:

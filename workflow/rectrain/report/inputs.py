@@ -16,6 +16,7 @@ import pandas as pd
 
 from rectrain.data.images import Skip, read_jpeg_header
 from rectrain.recordio import RecordIOError, scan_records, unpack_record
+from rectrain.tables import read_classes
 from rectrain.train.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,14 @@ def _csv(path: Path, columns: list[str], stage: str, **kw) -> pd.DataFrame:
     if path.stat().st_size == 0:
         return pd.DataFrame(columns=columns)
     return pd.read_csv(path, **kw)
+
+
+def _classes(path: Path) -> pd.DataFrame:
+    """classes.tsv through the one reader (rectrain.tables.read_classes: every value a string, so a class
+    called "NA" is a name, not a missing value), labels as integers."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: rerun the index_raw stage (snakemake ... --forcerun index_raw)")
+    return pd.DataFrame(read_classes(path), columns=["label", "wnid", "name"]).astype({"label": int})
 
 
 def _json(path: Path, stage: str) -> dict:
@@ -116,15 +125,7 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
             manifests[split] = json.loads(p.read_text())
     if not manifests:
         raise FileNotFoundError(f"no pack manifests in {pack_dir}: rerun the pack stage")
-    # keep_default_na=False: a class called "NA" or "null" is a name, not a missing value
-    classes = _csv(
-        index_dir / "classes.tsv",
-        ["label", "wnid", "name"],
-        "index_raw",
-        sep="\t",
-        keep_default_na=False,
-        dtype={"wnid": str, "name": str},
-    )
+    classes = _classes(index_dir / "classes.tsv")
     metrics, per_class = {}, pd.DataFrame()
     if eval_dir is not None:
         eval_dir = Path(eval_dir)

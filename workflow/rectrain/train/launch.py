@@ -14,19 +14,15 @@ import os
 import shlex
 import sys
 
-from rectrain import distributed, driver_check
-from rectrain.config import ConfigError, stage_block
-from rectrain.log import setup as setup_logging
+from rectrain import cli, distributed, driver_check
+from rectrain.config import stage_block
 from rectrain.train import cluster
 from rectrain.train import local_copy as stage
 
 log = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__, add_help=False)
-    ap.add_argument("--config-json", required=True)
+def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rdzv-endpoint", default=os.environ.get("RECTRAIN_RDZV_ENDPOINT"))
     ap.add_argument("--print-only", action="store_true", help="print the torchrun command, start nothing")
     ap.add_argument(
@@ -35,21 +31,16 @@ def main(argv: list[str] | None = None) -> None:
         default=staging_dir(),
         help="copy the .rec/.idx pairs to node-local DIR first ('auto': $TMPDIR); default from pack.stage_to_local",
     )
-    own, _ = ap.parse_known_args(argv)
+
+
+def _run(own: argparse.Namespace, cfg: dict) -> None:
+    argv = own.argv
     train_argv = [a for a in argv if a != "--print-only"]
     train_argv = _drop_option(_drop_option(train_argv, "--rdzv-endpoint"), "--stage-to-local")
-    setup_logging("launch")
-    try:
-        cfg = stage_block("train", own.config_json)
-    except ConfigError as err:
-        raise SystemExit(f"[launch] error: {err}") from None
     # train.nodes > 1 under SLURM: re-run this launcher once per node (srun); each then finds the
     # rendezvous from the allocation.  One node: nothing changes (--standalone).
     env_now = dict(os.environ, **({cluster.ENDPOINT_ENV: own.rdzv_endpoint} if own.rdzv_endpoint else {}))
-    try:
-        node = cluster.plan_node_launch(cfg["nodes"], env_now)
-    except cluster.ClusterError as err:
-        raise SystemExit(f"[launch] error: {err}") from None
+    node = cluster.plan_node_launch(cfg["nodes"], env_now)
     if node.relaunch:
         cmd = [*node.relaunch, sys.executable, "-m", "rectrain.train.launch", *argv]
         log.info("one launcher per node: %s", shlex.join(cmd))
@@ -69,10 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         rdzv_endpoint=own.rdzv_endpoint or node.rdzv_endpoint,
         run_id=node.run_id,
     )
-    log.info(plan.reason)
+    log.info("%s", plan.reason)
     if plan.cuda_visible_devices:
         log.info("CUDA_VISIBLE_DEVICES=%s", plan.cuda_visible_devices)
-    log.info(shlex.join(cmd))
+    log.info("%s", shlex.join(cmd))
     if own.print_only:
         return
     os.execvpe(cmd[0], cmd, env)
@@ -83,6 +74,11 @@ def staging_dir() -> str | None:
     them to the job's environment rather than in the rule's params) as a --stage-to-local value."""
     pack = stage_block("pack", "{}")
     return (pack["local_storage"] or "auto") if pack["stage_to_local"] else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The train block comes as --config-json; every argument the launcher does not know is training's."""
+    return cli.main("launch", "train", _arguments, _run, argv, errors={cluster.ClusterError: 1}, passthrough=True)
 
 
 def _drop_option(argv: list[str], name: str) -> list[str]:
@@ -98,4 +94,4 @@ def _drop_option(argv: list[str], name: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -38,6 +38,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from rectrain import cli
 from rectrain import log as rlog
 from rectrain.atomic import fsync_path, publish
 
@@ -257,11 +258,11 @@ def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
             _check_room([s for s, _ in stale], local_dir)
         for src, target in stale:
             started = time.time()
-            log.info(f"copying {src} -> {target}")
+            log.info("copying %s -> %s", src, target)
             _stage_file(src, target)
             took = max(time.time() - started, 1e-9)
             mb = target.stat().st_size / 1e6
-            log.info(f"{target}: {mb:.1f} MB verified in {took:.1f} s ({mb / took:.0f} MB/s)")
+            log.info("%s: %.1f MB verified in %.1f s (%.0f MB/s)", target, mb, took, mb / took)
             copied = True
     return targets[0], targets[1], copied
 
@@ -311,20 +312,19 @@ def stage_argv(argv: list[str], local_storage: str | None = None, env=None) -> l
     return argv
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rec", required=True)
     ap.add_argument("--idx", required=True)
     ap.add_argument("--local-dir", required=True)
-    args = ap.parse_args(argv)
-    rlog.setup("stage")
-    try:
-        rec, idx, copied = stage_pair(args.rec, args.idx, args.local_dir)
-    except StageError as err:
-        log.error(f"error: {err}")
-        return 1
+
+
+def _run(args: argparse.Namespace, cfg: None) -> None:
+    rec, idx, copied = stage_pair(args.rec, args.idx, args.local_dir)
     print(json.dumps({"rec": str(rec), "idx": str(idx), "copied": copied}))
-    return 0
+
+
+def main(argv=None) -> int:
+    return cli.main("stage", None, _arguments, _run, argv, errors={StageError: 1})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 
 from rectrain import model as models
 from rectrain.distributed import Dist
-from rectrain.train.progress import Progress
+from rectrain.progress import Progress
 from rectrain.train.stepclock import StepClock
 
 
@@ -41,7 +41,7 @@ def run_steps(
     progress: Progress | None = None,
 ):
     """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log, and
-    the resolved times into `progress` (rank 0's progress lines, rectrain.train.progress).
+    the resolved times into `progress` (rank 0's progress lines, rectrain.progress).
 
     No host sync per step: times come from a StepClock read one step late, loss and hits stay on the
     device until then, so the host queues step k+1 (and fetches its batch) while the GPU still computes

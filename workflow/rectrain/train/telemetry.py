@@ -198,7 +198,7 @@ class _Nvml:
         try:
             self.handles = visible_handles(pynvml, _torch_uuids(), os.environ if env is None else env)
         except Exception as err:  # noqa: BLE001 - telemetry must never stop training
-            log.warning(f"NVML cannot list the GPUs ({err!r}): system.csv gets no GPU columns")
+            log.warning("NVML cannot list the GPUs (%r): system.csv gets no GPU columns", err)
 
     def columns(self) -> list[str]:
         return [f"gpu{i}_{k}" for i in range(len(self.handles)) for k in GPU_FIELDS]
@@ -213,7 +213,7 @@ class _Nvml:
         except Exception as err:  # noqa: BLE001 - e.g. NVMLError_NotSupported on a MIG device
             if (i, name) not in self._failed:
                 self._failed.add((i, name))
-                log.warning(f"NVML: GPU {i} {name} cannot be read ({err!r}); its column stays empty")
+                log.warning("NVML: GPU %s %s cannot be read (%r); its column stays empty", i, name, err)
             return ""
 
     def sample(self) -> dict:
@@ -242,7 +242,7 @@ def gpu_inventory() -> list[dict]:
     try:
         driver = _text(nv.nv.nvmlSystemGetDriverVersion())
     except Exception as err:  # noqa: BLE001 - run.json says so rather than failing the run
-        log.warning(f"NVML: the driver version cannot be read ({err!r})")
+        log.warning("NVML: the driver version cannot be read (%r)", err)
         driver = None
 
     def read(i: int, name: str, fn):

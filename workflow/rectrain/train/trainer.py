@@ -52,10 +52,10 @@ from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, resolve_load
 from rectrain.log import setup as setup_logging
 from rectrain.metrics import all_reduce as all_reduce_tally
 from rectrain.metrics import tally
+from rectrain.progress import Progress, RunProgress
 from rectrain.tables import read_classes
 from rectrain.train import calibrate, memory, telemetry
 from rectrain.train import checkpoint as ckpt
-from rectrain.train.progress import Progress, RunProgress
 from rectrain.train.step import Step, run_steps
 from rectrain.train.stepclock import StepClock
 

@@ -1,17 +1,25 @@
-"""Progress lines between the epoch lines: step k of K, img/s, data-wait share, the pass's ETA and the run's.
+"""Progress lines: `<what> k/K (p %): img/s, ETA` every interval, for every long pass of every stage.
 
-On ImageNet one epoch is 20-60 minutes; without these lines the log says nothing for that long.  Rank 0
-logs one line every `interval_s` (train.progress_s, evaluate.progress_s) from times the step already has:
-training's steps are resolved one step late through the StepClock (rectrain.train.step), evaluation's
-tally reads its clock marks once per line - no synchronisation of its own.
+On ImageNet one epoch is 20-60 minutes and a pack hours; without these lines the log says nothing for
+that long.  One format for all of them:
 
-The numbers cover the steps since the previous line (a recent window, without the pass's first step,
-which holds the loader's start-up), on rank 0's timeline:
+    epoch 1 (of 90) step 2100/5005 (42.0 %): 1890.3 img/s (all 8 rank(s), last 310 step(s)), data wait 2 %, ETA 6 min 21 s, run ETA ...
+    pack train: read 640000/1281167 images (50.0 %): 2210.4 img/s, ETA 4 min 50 s, 310.2 MB/s, skipped 0, repaired 3
+
+Timed steps (training, validation, evaluation): rank 0 logs one line every `interval_s`
+(train.progress_s, evaluate.progress_s) from times the step already has: training's steps are
+resolved one step late through the StepClock (rectrain.train.step), evaluation's tally reads its clock
+marks once per line - no synchronisation of its own.  The numbers cover the steps since the previous
+line (a recent window, without the pass's first step, which holds the loader's start-up), on rank 0's
+timeline:
   img/s      rank 0's images / step wall time x ranks (DDP steps the ranks in lockstep; evaluation
              shards are equal), so the job's rate without a collective
   data wait  share of the step wall time rank 0 waited for its next batch
   ETA        remaining steps x the window's mean step time; the run's ETA adds the remaining epochs at
              that pace plus the validation and checkpoint time per epoch, once one has been measured
+
+Counted passes (the pack's read, assemble and verify steps, pack.progress_s): the caller only says how
+many images are done (`count`); img/s is over the pass so far and the ETA the rest at that rate.
 """
 
 from __future__ import annotations
@@ -52,22 +60,26 @@ class Window:
 
 
 class Progress:
-    """Rank 0's progress lines for one pass over batches at a time (an epoch, a validation, an evaluation).
+    """Rank 0's progress lines for one pass at a time (an epoch, a validation, an evaluation, a pack step).
 
-    begin() starts a pass; add() takes each resolved step; when due() the caller calls line(done)."""
+    begin() starts a pass.  Timed steps: add() takes each resolved step; when due() the caller calls
+    line(done).  Counted images: count(done) after each batch (it logs when a line is due)."""
 
-    def __init__(self, interval_s: float, world_size: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, interval_s: float, world_size: int = 1, clock: Callable[[], float] = time.monotonic):
         self.interval_s, self.world_size, self.clock = interval_s, world_size, clock
-        self.label, self.total = "", 0
+        self.label, self.total, self.unit = "", 0, ""
         self.tail: Callable[[int, float], str] | None = None
         self.window = Window()
         self._due = math.inf
+        self._began = 0.0
 
-    def begin(self, label: str, total: int, tail: Callable[[int, float], str] | None = None) -> None:
-        """A new pass of `total` steps; `tail(done, step_s)` adds to each line (the run's ETA)."""
-        self.label, self.total, self.tail = label, total, tail
+    def begin(self, label: str, total: int, tail: Callable[[int, float], str] | None = None, unit: str = "") -> None:
+        """A new pass of `total` steps (or `unit`s: "images"); `tail(done, seconds_per_step)` adds to
+        each line (the run's ETA, the pack's MB/s)."""
+        self.label, self.total, self.tail, self.unit = label, total, tail, unit
         self.window = Window()
-        self._due = self.clock() + self.interval_s
+        self._began = self.clock()
+        self._due = self._began + self.interval_s
 
     def add(self, index: int, wall_s: float, wait_s: float, images: int) -> None:
         """Step `index` (0-based) of the pass took wall_s, of which wait_s waiting for its batch."""
@@ -86,15 +98,34 @@ class Progress:
         if not w.steps or w.wall_s <= 0:
             return None
         step_s = w.wall_s / w.steps
+        window = (
+            f" (all {self.world_size} rank(s), last {w.steps} step(s)), data wait {100 * w.wait_s / w.wall_s:.0f} %"
+        )
+        text = self._write(
+            done, w.images * self.world_size / w.wall_s, window, epoch_eta_s(done, self.total, step_s), step_s
+        )
+        self.window = Window()
+        return text
+
+    def count(self, done: int, force: bool = False) -> str | None:
+        """`done` images of the pass are finished: log the line when one is due, or now with `force`
+        (the pass's end); img/s over the pass so far."""
+        if not force and not self.due():
+            return None
+        rate = done / max(self.clock() - self._began, 1e-9)
+        per_image = 1 / rate if rate > 0 else math.inf  # nothing done yet: ETA unknown
+        eta_s = epoch_eta_s(done, self.total, per_image) if done < self.total else 0.0
+        return self._write(done, rate, "", eta_s, per_image)
+
+    def _write(self, done: int, rate: float, window: str, eta_s: float, step_s: float) -> str:
+        unit = f" {self.unit}" if self.unit else ""
         text = (
-            f"{self.label} {done}/{self.total}: {w.images * self.world_size / w.wall_s:.1f} img/s "
-            f"(all {self.world_size} rank(s), last {w.steps} step(s)), data wait {100 * w.wait_s / w.wall_s:.0f} %, "
-            f"ETA {duration(epoch_eta_s(done, self.total, step_s))}"
+            f"{self.label} {done}/{self.total}{unit} ({100 * done / max(self.total, 1):.1f} %): {rate:.1f} img/s"
+            f"{window}, ETA {duration(eta_s)}"
         )
         if self.tail is not None:
             text += self.tail(done, step_s)
-        log.info(text)
-        self.window = Window()
+        log.info("%s", text)
         self._due = self.clock() + self.interval_s
         return text
 

@@ -1,0 +1,57 @@
+"""The stage CLIs' scaffold (rectrain.cli): config completed, errors mapped to exit codes in one place."""
+
+import pytest
+
+from rectrain import cli
+
+
+class Base(Exception):
+    pass
+
+
+class Special(Base):
+    pass
+
+
+def _no_options(parser):
+    parser.add_argument("--out")
+
+
+def test_the_block_is_completed_from_the_schema_and_run_gets_the_command_line_as_given():
+    seen = {}
+
+    def run(args, cfg):
+        seen.update(cfg=cfg, argv=args.argv, out=args.out)
+
+    argv = ["--config-json", '{"classes": 3}', "--out", "o"]
+    assert cli.main("demo", "demo", _no_options, run, argv) == 0
+    assert seen["cfg"]["classes"] == 3 and "seed" in seen["cfg"], "defaults filled from config/schema.yaml"
+    assert seen["argv"] == argv and seen["out"] == "o"
+
+
+def test_a_config_error_is_one_tagged_line_and_the_stage_exit_code(capsys):
+    def run(args, cfg):
+        raise AssertionError("not reached")
+
+    assert cli.main("demo", "demo", _no_options, run, ["--config-json", '{"clases": 3}']) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("[demo] invalid configuration") and "unknown config key 'demo.clases'" in err
+    whole = ["--config-json", "[1]"]
+    assert cli.main("report", cli.WHOLE, _no_options, run, whole, errors={cli.ConfigError: 2}) == 2
+    assert "[report] --config-json must be a JSON object (the whole config)" in capsys.readouterr().err
+
+
+def test_the_most_specific_listed_error_wins_and_bare_logs_keep_the_tag_on_errors(capsys):
+    def run(args, cfg):
+        raise Special("the disk is full: free 3 GB")
+
+    assert cli.main("pack", None, _no_options, run, [], errors={Base: 2, Special: 4}, bare=True) == 4
+    assert capsys.readouterr().err == "[pack] the disk is full: free 3 GB\n"
+
+
+def test_an_unlisted_error_propagates_with_its_traceback():
+    def run(args, cfg):
+        raise KeyError("bug")
+
+    with pytest.raises(KeyError):  # a bug is not an exit code
+        cli.main("pack", None, _no_options, run, [], errors={Base: 2})
