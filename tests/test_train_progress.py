@@ -114,7 +114,7 @@ def test_a_pass_ends_on_its_last_steps_line_even_when_no_interval_has_passed(cap
     with caplog.at_level(logging.INFO, logger="rectrain"):
         run_steps(step, 0, iter(batches), NoLog(), n_batches=len(batches), progress=progress)
     lines = [m for m in caplog.messages if m.startswith("epoch 0 step")]
-    assert [line.split(":")[0] for line in lines] == ["epoch 0 step 5/5"], lines
+    assert [line.split(" (")[0] for line in lines] == ["epoch 0 step 5/5"], lines
 
 
 def test_a_counted_pass_says_images_done_of_total_the_rate_so_far_and_the_eta(caplog):
