@@ -219,3 +219,83 @@ def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypat
         "held by the validation loader's DALI mixed decoder": pytest.approx(per_loader, abs=0.1),
     }
     assert report["need_mb"] == pytest.approx(step_bytes(128) / 2**20 + 2 * per_loader, abs=0.5)
+
+
+# --- the failure line of a run: a CUDA error during training names the planned batch and the fix ----
+
+
+@pytest.fixture
+def in_process_run(monkeypatch, tmp_path):
+    """What a rank's `main` needs to run in this process (launched as rank 0 of 1), with the logging
+    and thread settings it changes put back afterwards; returns the CLI's data arguments."""
+    import logging
+
+    from helpers.train_data import packed_dataset
+
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(var, value)
+    saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("rectrain", "__main__") for lg in [logging.getLogger(n)]}
+    threads = torch.get_num_threads()
+    yield [*packed_dataset(tmp_path / "data", n_train=20, n_val=5), "--out", str(tmp_path / "t"), "--threads", "1"]
+    torch.set_num_threads(threads)
+    for name, (handlers, level, propagate) in saved.items():
+        lg = logging.getLogger(name)
+        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+
+
+def as_if_on_an_11gb_card_near_full(monkeypatch):
+    """From now on the failure handler sees GPU 0, a 2080 Ti with 10.9 of its 11 GB reserved."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 10900 * 2**20)
+
+
+ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered"
+
+
+def test_a_cuda_error_in_training_with_batch_size_auto_names_the_planned_batch_and_the_fix(
+    in_process_run, monkeypatch, capfd
+):
+    """The reference box's `batch_size: auto`: an OOM that surfaces as an illegal memory access in the
+    first training step is explained with the batch the plan chose (16 = global_batch 16 / 1 process)
+    and a fix that keeps the global batch - not with batch 0 (a ZeroDivisionError in the handler)."""
+    from helpers.train_data import config_json
+
+    from rectrain.train import step as step_module
+    from rectrain.train import trainer
+
+    def failing_step(*args, **kwargs):
+        as_if_on_an_11gb_card_near_full(monkeypatch)
+        raise RuntimeError(ILLEGAL_ACCESS)
+
+    monkeypatch.setattr(step_module, "_forward_backward", failing_step)
+    cfg = config_json(devices="auto", batch_size="auto", global_batch=16, epochs=1, calibration_steps=0)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        trainer.main(["--config-json", cfg, *in_process_run])
+    err = capfd.readouterr().err
+    line = next((text for text in err.splitlines() if "rank 0 failed:" in text), "")
+    assert f"rank 0 failed: RuntimeError: {ILLEGAL_ACCESS}" in line, err[-3000:]
+    hint = err[err.index(line) :]
+    assert "at batch 16 per device" in hint and "most likely out of memory" in hint, hint[:2000]
+    # 16 x 0.85 x 11264 / 10900 -> 14 fits: 2 x 8 keeps the global batch of 16
+    assert "train.batch_size: 8 and train.grad_accum: 2" in hint and "global batch of 16" in hint, hint[:2000]
+
+
+def test_a_cuda_error_before_the_batch_is_planned_is_reported_without_a_second_error(
+    in_process_run, monkeypatch, capfd
+):
+    from helpers.train_data import config_json
+
+    from rectrain import model as models
+    from rectrain.train import trainer
+
+    def failing_build(*args, **kwargs):
+        as_if_on_an_11gb_card_near_full(monkeypatch)
+        raise RuntimeError(ILLEGAL_ACCESS)
+
+    monkeypatch.setattr(models, "build", failing_build)
+    cfg = config_json(devices="auto", batch_size="auto", epochs=1, calibration_steps=0)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        trainer.main(["--config-json", cfg, *in_process_run])
+    assert f"rank 0 failed: RuntimeError: {ILLEGAL_ACCESS}" in capfd.readouterr().err
