@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from rectrain.loaders import DaliOptions, LoaderSpec, choose_loader
-from rectrain.train import memory
+from rectrain.train import batchplan, memory
 
 GPU = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
+PLAN_128_ON_2 = batchplan.BatchPlan(128, 1, 2, reason="train.batch_size: 128")
 
 
 class FakeAllocator:
@@ -82,8 +83,11 @@ def test_nothing_fits_says_so_with_other_fixes():
     ],
 )
 def test_auto_batch_keeps_the_global_batch(limit, global_batch, world, expect):
-    batch, accum, why = memory.auto_batch(FakeAllocator(limit), global_batch, world)
-    assert (batch, accum) == expect
+    cfg = {"batch_size": "auto", "global_batch": global_batch, "grad_accum": 1}
+    fits, why = memory.auto_fit(FakeAllocator(limit), batchplan.wanted(cfg, world))
+    plan = batchplan.plan(cfg, world, fits)
+    batch, accum = plan.batch, plan.grad_accum
+    assert (batch, accum) == expect and plan.global_batch == batch * accum * world
     assert (why is None) == (accum == 1), "a lower batch comes with the reason the wanted one was refused"
     assert batch <= limit and batch * accum * world >= global_batch
 
@@ -94,7 +98,7 @@ def test_headroom_exceeded_is_treated_as_oom():
 
 def test_cuda_error_hint_is_none_on_cpu():
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
-    assert memory.explain_cuda_error(err, torch.device("cpu"), 128, 2) is None
+    assert memory.explain_cuda_error(err, torch.device("cpu"), PLAN_128_ON_2) is None
 
 
 def test_illegal_memory_access_near_the_limit_gets_the_oom_hint(monkeypatch):
@@ -102,10 +106,12 @@ def test_illegal_memory_access_near_the_limit_gets_the_oom_hint(monkeypatch):
     monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 10900 * 2**20)
-    hint = memory.explain_cuda_error(err, torch.device("cuda", 0), 128, 2)
+    hint = memory.explain_cuda_error(err, torch.device("cuda", 0), PLAN_128_ON_2)
     assert hint and "most likely out of memory" in hint and "GPU 0" in hint and "train.grad_accum" in hint
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3000 * 2**20)
-    assert memory.explain_cuda_error(err, torch.device("cuda", 0), 128, 2) is None, "far from the limit: no guess"
+    assert memory.explain_cuda_error(err, torch.device("cuda", 0), PLAN_128_ON_2) is None, (
+        "far from the limit: no guess"
+    )
 
 
 # --- the budget: what else holds the device -------------------------------------------------------
@@ -140,8 +146,8 @@ def test_auto_batch_counts_the_decoder_and_says_why_it_chose_lower():
     alone = memory.budgeted(step_bytes, budget(()))
     assert alone(256) == pytest.approx(step_bytes(256) / 2**20), "the step alone fits at 256"
     try_step = memory.budgeted(step_bytes, budget(dali_held()))
-    batch, accum, why = memory.auto_batch(try_step, 256, 1)
-    assert (batch, accum) == (128, 2)
+    fits, why = memory.auto_fit(try_step, 256)
+    assert memory.split_batch(256, fits) == (128, 2)
     for part in (
         "batch 256 needs",
         "for the training step (model, activations, optimizer state)",
@@ -189,7 +195,7 @@ def test_preflight_runs_the_search_with_cudnn_autotune_off_and_restores_it(monke
         seen.append(torch.backends.cudnn.benchmark)
         return FakeAllocator(96)(batch)
 
-    assert memory.preflight(try_step, "auto", 1, 256, 2, GPU)[:2] == (64, 2)
+    assert memory.preflight(try_step, 128, auto=True, gpu=GPU, world_size=2)[0] == 96
     assert seen and not any(seen), "cuDNN's autotuner must be off during the trials"
     assert torch.backends.cudnn.benchmark is True, "and on again afterwards"
 
@@ -201,16 +207,18 @@ def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypat
 
     from rectrain.config import stage_block
     from rectrain.distributed import Dist
-    from rectrain.train import trainer
+    from rectrain.train.run import make_model
 
     cfg = stage_block("train", json.dumps({"batch_size": "auto", "global_batch": 256, "workers": 8, "image_size": 224}))
     monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     monkeypatch.setattr(memory, "cuda_step_bytes", lambda trial: step_bytes)
     monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
-    model, loss_fn = trainer.make_model(cfg, 5, torch.device("cpu"))
+    model, loss_fn = make_model(cfg, 5, torch.device("cpu"))
     d = Dist(0, 1, 0, 1, torch.device("cuda", 0))
-    batch, accum, report = trainer.choose_batch(cfg, model, loss_fn, d, 5)
-    assert (batch, accum) == (128, 2) and report["auto"] and report["global_batch"] == 256
+    plan = batchplan.choose_batch(cfg, model, loss_fn, d, 5)
+    report = plan.preflight
+    assert (plan.batch, plan.grad_accum, plan.global_batch) == (128, 2, 256)
+    assert report["auto"] and report["global_batch"] == 256 and report["batch"] == 128 and report["grad_accum"] == 2
     assert "per decode thread x 8 threads" in report["why_lower"]
     # 8 threads x 201 MB padding + (2 prefetched + 1 in use) x 128 float32 images of 224 px, per loader
     per_loader = (8 * DaliOptions.defaults().device_memory_padding + 3 * 128 * 3 * 224 * 224 * 4) / 2**20
@@ -234,7 +242,9 @@ def in_process_run(monkeypatch, tmp_path):
 
     for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(var, value)
-    saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("rectrain", "__main__") for lg in [logging.getLogger(n)]}
+    saved = {
+        n: (lg.handlers[:], lg.level, lg.propagate) for n in ("rectrain", "__main__") for lg in [logging.getLogger(n)]
+    }
     threads = torch.get_num_threads()
     yield [*packed_dataset(tmp_path / "data", n_train=20, n_val=5), "--out", str(tmp_path / "t"), "--threads", "1"]
     torch.set_num_threads(threads)
