@@ -92,6 +92,23 @@ def test_auto_batch_keeps_the_global_batch(limit, global_batch, world, expect):
     assert batch <= limit and batch * accum * world >= global_batch
 
 
+def test_the_plan_is_one_frozen_value_whose_global_batch_counts_accumulation():
+    fixed = batchplan.plan({"batch_size": 64, "grad_accum": 2, "global_batch": None}, 4)
+    assert (fixed.batch, fixed.grad_accum, fixed.global_batch, fixed.auto) == (64, 2, 512, False)
+    auto = batchplan.plan({"batch_size": "auto", "grad_accum": 1, "global_batch": None}, 2, fits=50)
+    assert (auto.batch, auto.grad_accum, auto.global_batch) == (43, 3, 258), "128 per device in 3 micro-batches"
+    assert auto.auto and "128 per device did not fit, 50 did" in auto.reason
+    with pytest.raises(AttributeError):
+        auto.batch = 8  # built once; nothing after the plan may change it
+
+
+def test_the_fix_for_a_batch_that_does_not_fit_keeps_the_global_batch_with_its_accumulation():
+    """batch 128 x grad_accum 2 on 2 processes is a global batch of 512, not 256."""
+    with pytest.raises(memory.BatchDoesNotFit) as err:
+        memory.check_batch(FakeAllocator(96), 128, GPU, world_size=2, accum=2)
+    assert "global batch of 512 with train.batch_size: 86 and train.grad_accum: 3" in str(err.value)
+
+
 def test_headroom_exceeded_is_treated_as_oom():
     assert memory.is_oom(memory.HeadroomExceeded("batch 64 peaks at 10500 MB"))
 

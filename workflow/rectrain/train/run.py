@@ -114,7 +114,18 @@ def build_run(args: argparse.Namespace, cfg: dict, parts: RankParts, plan: Batch
         ckpt.maths_config(cfg), plan.batch, plan.grad_accum, d.world_size, data, code_fingerprint()
     )
     return Run(
-        args, cfg, d, parts.classes, model, step, train_loader, val_loader, plan, parts.workers, parts.cores, identity
+        args=args,
+        cfg=cfg,
+        d=d,
+        classes=parts.classes,
+        model=model,
+        step=step,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        plan=plan,
+        workers=parts.workers,
+        cores=parts.cores,
+        identity=identity,
     )
 
 
