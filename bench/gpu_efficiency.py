@@ -43,6 +43,8 @@ from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_
 from rectrain.snakefile.checks import check_config  # noqa: E402
 from rectrain.train import calibrate  # noqa: E402
 from rectrain.train import trainer as T  # noqa: E402
+from rectrain.train.optim import make_optimizer  # noqa: E402
+from rectrain.train.run import make_model, set_backend_flags  # noqa: E402
 
 DEFAULT_RUNS = "resnet50:224,resnet18:224,resnet18:160@182,resnet50:160@182"
 LOADERS = ("dali", "torch")
@@ -113,9 +115,9 @@ def train_config(args, model: str, size: int) -> dict:
 def measure(cfg, d, batches, num_classes: int, args) -> dict:
     """Steady-state img/s and data-wait share of a fresh model trained on `batches` - through the same
     measurement every training run's calibration makes (rectrain.train.calibrate)."""
-    model, loss_fn = T.make_model(cfg, num_classes, d.device)
+    model, loss_fn = make_model(cfg, num_classes, d.device)
     n = args.warmup + args.steps
-    optimizer, scheduler, scaler = T.make_optimizer(cfg, model, cfg["batch_size"], n)
+    optimizer, scheduler, scaler = make_optimizer(cfg, model, cfg["batch_size"], n)
     step = T.Step(model, loss_fn, optimizer, scheduler, scaler, 1, cfg["precision"], cfg["channels_last"], d)
     result = calibrate.measure(step, batches, args.steps, args.warmup)
     del model, optimizer
@@ -224,7 +226,7 @@ def bench(args, runs: list[tuple[str, int, int]], device: torch.device, scratch:
     t0 = time.monotonic()
     for model, size, side in runs:
         cfg = train_config(args, model, size)
-        T.set_backend_flags(cfg, device)
+        set_backend_flags(cfg, device)
         rec, idx = bench_rec(args.rec, args.idx, scratch, records, side, args.quality, args.workers)
         log(f"{model} @{size}px (.rec {'side ' + str(side) if side else 'as packed'}): synthetic")
         shape = calibrate.Shape(cfg["batch_size"], cfg["image_size"], args.num_classes)

@@ -1,5 +1,5 @@
 """Play a smaller card: cap this process's GPU memory (default 11 GB, a 2080 Ti) and run the training
-preflight exactly as a run would (rectrain.train.trainer.choose_batch): once at a fixed batch, which must stop
+preflight exactly as a run would (rectrain.train.batchplan.choose_batch): once at a fixed batch, which must stop
 with the out-of-memory explanation, and once with `batch_size: auto`.
 
     python bench/oom_cap.py --cap-gb 11 --model resnet50 --size 224 --batch 256 --out bench/out/gpu
@@ -22,7 +22,8 @@ sys.path.insert(0, str(REPO / "workflow"))
 from rectrain.distributed import Dist  # noqa: E402
 from rectrain.snakefile.checks import check_config  # noqa: E402
 from rectrain.train import memory  # noqa: E402
-from rectrain.train import trainer as T  # noqa: E402
+from rectrain.train.batchplan import choose_batch  # noqa: E402
+from rectrain.train.run import make_model, set_backend_flags  # noqa: E402
 
 
 def cap_memory(device: torch.device, cap_gb: float) -> float:
@@ -36,12 +37,12 @@ def cap_memory(device: torch.device, cap_gb: float) -> float:
 def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
     """choose_batch for this train block: {'batch', 'grad_accum', 'report'} or {'error': message}."""
     cfg = check_config({"dataset": "oomcap", "train": block}, REPO / "config" / "schema.yaml", workdir=REPO)["train"]
-    T.set_backend_flags(cfg, device)
-    model, loss_fn = T.make_model(cfg, num_classes, device)
+    set_backend_flags(cfg, device)
+    model, loss_fn = make_model(cfg, num_classes, device)
     d = Dist(0, 1, 0, 1, device)
     try:
-        batch, accum, report = T.choose_batch(cfg, model, loss_fn, d, num_classes)
-        return {"batch": batch, "grad_accum": accum, "report": report}
+        plan = choose_batch(cfg, model, loss_fn, d, num_classes)
+        return {"batch": plan.batch, "grad_accum": plan.grad_accum, "report": plan.preflight}
     except memory.BatchDoesNotFit as exc:
         return {"error": str(exc)}
     finally:

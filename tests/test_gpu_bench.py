@@ -93,11 +93,13 @@ def test_run_steps_rows_add_up_and_data_wait_is_the_loaders_time():
     from helpers.train_data import tiny_train_config
 
     from rectrain.train import trainer as T
+    from rectrain.train.optim import make_optimizer
+    from rectrain.train.run import make_model
 
     cfg = {**tiny_train_config(), "channels_last": False, "precision": "fp32", "image_size": 16}
     device = torch.device("cpu")
-    model, loss_fn = T.make_model({**cfg, "model": "resnet18"}, 3, device)
-    optimizer, scheduler, scaler = T.make_optimizer(cfg, model, 4, 5)
+    model, loss_fn = make_model({**cfg, "model": "resnet18"}, 3, device)
+    optimizer, scheduler, scaler = make_optimizer(cfg, model, 4, 5)
 
     def slow_batches():
         for _ in range(4):

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from rectrain.loaders import DaliOptions, LoaderSpec, choose_loader
-from rectrain.train import memory
+from rectrain.train import batchplan, memory
 
 GPU = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
+PLAN_128_ON_2 = batchplan.BatchPlan(128, 1, 2, reason="train.batch_size: 128")
 
 
 class FakeAllocator:
@@ -82,10 +83,30 @@ def test_nothing_fits_says_so_with_other_fixes():
     ],
 )
 def test_auto_batch_keeps_the_global_batch(limit, global_batch, world, expect):
-    batch, accum, why = memory.auto_batch(FakeAllocator(limit), global_batch, world)
-    assert (batch, accum) == expect
+    cfg = {"batch_size": "auto", "global_batch": global_batch, "grad_accum": 1}
+    fits, why = memory.auto_fit(FakeAllocator(limit), batchplan.wanted(cfg, world))
+    plan = batchplan.plan(cfg, world, fits)
+    batch, accum = plan.batch, plan.grad_accum
+    assert (batch, accum) == expect and plan.global_batch == batch * accum * world
     assert (why is None) == (accum == 1), "a lower batch comes with the reason the wanted one was refused"
     assert batch <= limit and batch * accum * world >= global_batch
+
+
+def test_the_plan_is_one_frozen_value_whose_global_batch_counts_accumulation():
+    fixed = batchplan.plan({"batch_size": 64, "grad_accum": 2, "global_batch": None}, 4)
+    assert (fixed.batch, fixed.grad_accum, fixed.global_batch, fixed.auto) == (64, 2, 512, False)
+    auto = batchplan.plan({"batch_size": "auto", "grad_accum": 1, "global_batch": None}, 2, fits=50)
+    assert (auto.batch, auto.grad_accum, auto.global_batch) == (43, 3, 258), "128 per device in 3 micro-batches"
+    assert auto.auto and "128 per device did not fit, 50 did" in auto.reason
+    with pytest.raises(AttributeError):
+        auto.batch = 8  # built once; nothing after the plan may change it
+
+
+def test_the_fix_for_a_batch_that_does_not_fit_keeps_the_global_batch_with_its_accumulation():
+    """batch 128 x grad_accum 2 on 2 processes is a global batch of 512, not 256."""
+    with pytest.raises(memory.BatchDoesNotFit) as err:
+        memory.check_batch(FakeAllocator(96), 128, GPU, world_size=2, accum=2)
+    assert "global batch of 512 with train.batch_size: 86 and train.grad_accum: 3" in str(err.value)
 
 
 def test_headroom_exceeded_is_treated_as_oom():
@@ -94,7 +115,7 @@ def test_headroom_exceeded_is_treated_as_oom():
 
 def test_cuda_error_hint_is_none_on_cpu():
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
-    assert memory.explain_cuda_error(err, torch.device("cpu"), 128, 2) is None
+    assert memory.explain_cuda_error(err, torch.device("cpu"), PLAN_128_ON_2) is None
 
 
 def test_illegal_memory_access_near_the_limit_gets_the_oom_hint(monkeypatch):
@@ -102,10 +123,12 @@ def test_illegal_memory_access_near_the_limit_gets_the_oom_hint(monkeypatch):
     monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 10900 * 2**20)
-    hint = memory.explain_cuda_error(err, torch.device("cuda", 0), 128, 2)
+    hint = memory.explain_cuda_error(err, torch.device("cuda", 0), PLAN_128_ON_2)
     assert hint and "most likely out of memory" in hint and "GPU 0" in hint and "train.grad_accum" in hint
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3000 * 2**20)
-    assert memory.explain_cuda_error(err, torch.device("cuda", 0), 128, 2) is None, "far from the limit: no guess"
+    assert memory.explain_cuda_error(err, torch.device("cuda", 0), PLAN_128_ON_2) is None, (
+        "far from the limit: no guess"
+    )
 
 
 # --- the budget: what else holds the device -------------------------------------------------------
@@ -140,8 +163,8 @@ def test_auto_batch_counts_the_decoder_and_says_why_it_chose_lower():
     alone = memory.budgeted(step_bytes, budget(()))
     assert alone(256) == pytest.approx(step_bytes(256) / 2**20), "the step alone fits at 256"
     try_step = memory.budgeted(step_bytes, budget(dali_held()))
-    batch, accum, why = memory.auto_batch(try_step, 256, 1)
-    assert (batch, accum) == (128, 2)
+    fits, why = memory.auto_fit(try_step, 256)
+    assert memory.split_batch(256, fits) == (128, 2)
     for part in (
         "batch 256 needs",
         "for the training step (model, activations, optimizer state)",
@@ -189,7 +212,7 @@ def test_preflight_runs_the_search_with_cudnn_autotune_off_and_restores_it(monke
         seen.append(torch.backends.cudnn.benchmark)
         return FakeAllocator(96)(batch)
 
-    assert memory.preflight(try_step, "auto", 1, 256, 2, GPU)[:2] == (64, 2)
+    assert memory.preflight(try_step, 128, auto=True, gpu=GPU, world_size=2)[0] == 96
     assert seen and not any(seen), "cuDNN's autotuner must be off during the trials"
     assert torch.backends.cudnn.benchmark is True, "and on again afterwards"
 
@@ -201,16 +224,18 @@ def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypat
 
     from rectrain.config import stage_block
     from rectrain.distributed import Dist
-    from rectrain.train import trainer
+    from rectrain.train.run import make_model
 
     cfg = stage_block("train", json.dumps({"batch_size": "auto", "global_batch": 256, "workers": 8, "image_size": 224}))
     monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     monkeypatch.setattr(memory, "cuda_step_bytes", lambda trial: step_bytes)
     monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
-    model, loss_fn = trainer.make_model(cfg, 5, torch.device("cpu"))
+    model, loss_fn = make_model(cfg, 5, torch.device("cpu"))
     d = Dist(0, 1, 0, 1, torch.device("cuda", 0))
-    batch, accum, report = trainer.choose_batch(cfg, model, loss_fn, d, 5)
-    assert (batch, accum) == (128, 2) and report["auto"] and report["global_batch"] == 256
+    plan = batchplan.choose_batch(cfg, model, loss_fn, d, 5)
+    report = plan.preflight
+    assert (plan.batch, plan.grad_accum, plan.global_batch) == (128, 2, 256)
+    assert report["auto"] and report["global_batch"] == 256 and report["batch"] == 128 and report["grad_accum"] == 2
     assert "per decode thread x 8 threads" in report["why_lower"]
     # 8 threads x 201 MB padding + (2 prefetched + 1 in use) x 128 float32 images of 224 px, per loader
     per_loader = (8 * DaliOptions.defaults().device_memory_padding + 3 * 128 * 3 * 224 * 224 * 4) / 2**20
@@ -219,3 +244,85 @@ def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypat
         "held by the validation loader's DALI mixed decoder": pytest.approx(per_loader, abs=0.1),
     }
     assert report["need_mb"] == pytest.approx(step_bytes(128) / 2**20 + 2 * per_loader, abs=0.5)
+
+
+# --- the failure line of a run: a CUDA error during training names the planned batch and the fix ----
+
+
+@pytest.fixture
+def in_process_run(monkeypatch, tmp_path):
+    """What a rank's `main` needs to run in this process (launched as rank 0 of 1), with the logging
+    and thread settings it changes put back afterwards; returns the CLI's data arguments."""
+    import logging
+
+    from helpers.train_data import packed_dataset
+
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(var, value)
+    saved = {
+        n: (lg.handlers[:], lg.level, lg.propagate) for n in ("rectrain", "__main__") for lg in [logging.getLogger(n)]
+    }
+    threads = torch.get_num_threads()
+    yield [*packed_dataset(tmp_path / "data", n_train=20, n_val=5), "--out", str(tmp_path / "t"), "--threads", "1"]
+    torch.set_num_threads(threads)
+    for name, (handlers, level, propagate) in saved.items():
+        lg = logging.getLogger(name)
+        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+
+
+def as_if_on_an_11gb_card_near_full(monkeypatch):
+    """From now on the failure handler sees GPU 0, a 2080 Ti with 10.9 of its 11 GB reserved."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 10900 * 2**20)
+
+
+ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered"
+
+
+def test_a_cuda_error_in_training_with_batch_size_auto_names_the_planned_batch_and_the_fix(
+    in_process_run, monkeypatch, capfd
+):
+    """The reference box's `batch_size: auto`: an OOM that surfaces as an illegal memory access in the
+    first training step is explained with the batch the plan chose (16 = global_batch 16 / 1 process)
+    and a fix that keeps the global batch - not with batch 0 (a ZeroDivisionError in the handler)."""
+    from helpers.train_data import config_json
+
+    from rectrain.train import step as step_module
+    from rectrain.train import trainer
+
+    def failing_step(*args, **kwargs):
+        as_if_on_an_11gb_card_near_full(monkeypatch)
+        raise RuntimeError(ILLEGAL_ACCESS)
+
+    monkeypatch.setattr(step_module, "_forward_backward", failing_step)
+    cfg = config_json(devices="auto", batch_size="auto", global_batch=16, epochs=1, calibration_steps=0)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        trainer.main(["--config-json", cfg, *in_process_run])
+    err = capfd.readouterr().err
+    line = next((text for text in err.splitlines() if "rank 0 failed:" in text), "")
+    assert f"rank 0 failed: RuntimeError: {ILLEGAL_ACCESS}" in line, err[-3000:]
+    hint = err[err.index(line) :]
+    assert "at batch 16 per device" in hint and "most likely out of memory" in hint, hint[:2000]
+    # 16 x 0.85 x 11264 / 10900 -> 14 fits: 2 x 8 keeps the global batch of 16
+    assert "train.batch_size: 8 and train.grad_accum: 2" in hint and "global batch of 16" in hint, hint[:2000]
+
+
+def test_a_cuda_error_before_the_batch_is_planned_is_reported_without_a_second_error(
+    in_process_run, monkeypatch, capfd
+):
+    from helpers.train_data import config_json
+
+    from rectrain import model as models
+    from rectrain.train import trainer
+
+    def failing_build(*args, **kwargs):
+        as_if_on_an_11gb_card_near_full(monkeypatch)
+        raise RuntimeError(ILLEGAL_ACCESS)
+
+    monkeypatch.setattr(models, "build", failing_build)
+    cfg = config_json(devices="auto", batch_size="auto", epochs=1, calibration_steps=0)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        trainer.main(["--config-json", cfg, *in_process_run])
+    assert f"rank 0 failed: RuntimeError: {ILLEGAL_ACCESS}" in capfd.readouterr().err

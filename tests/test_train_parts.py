@@ -9,7 +9,7 @@ import torch
 
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import telemetry
-from rectrain.train.trainer import lr_factor
+from rectrain.train.optim import lr_factor
 
 
 def test_lr_warms_up_linearly_then_decays_to_zero_by_cosine():

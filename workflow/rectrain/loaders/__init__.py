@@ -21,7 +21,12 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -162,13 +167,28 @@ def choose_loader(
     return LoaderChoice(kind, decode, note)
 
 
+class Loader(Protocol):
+    """What a built loader offers the training and evaluation code (DaliLoader, TorchLoader)."""
+
+    kind: str  # 'dali' or 'torch': the class that runs
+    spec: LoaderSpec
+    size: int  # records in the .rec
+    batches_per_epoch: int  # on this rank; equal on every rank when training
+    padding_per_epoch: int  # records repeated per epoch across all ranks so every batch is full
+    choice: LoaderChoice  # what was asked for, what runs and why (build_loader sets it)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(images, labels) batches of one epoch, in this rank's order for that epoch."""
+        ...
+
+
 def resolve_loader(requested: str, spec: LoaderSpec) -> LoaderChoice:
     """choose_loader for this machine and spec."""
     error = dali_import_error() if requested == "dali" else None
     return choose_loader(requested, spec.on_gpu, error is None, spec.gpu_decode, error)
 
 
-def build_loader(kind: str, spec: LoaderSpec):
+def build_loader(kind: str, spec: LoaderSpec) -> Loader:
     """The loader `kind` ('dali' or 'torch') for spec; see the module doc for what both promise.
     The loader's `.choice` (LoaderChoice) says what runs; a DALI request without DALI falls back to torch."""
     choice = resolve_loader(kind, spec)

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from rectrain import watchdog
 from rectrain.distributed import Dist, all_gather
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.step import Step, run_steps
+
+if TYPE_CHECKING:
+    from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -146,3 +150,24 @@ def total_rate(calibration: dict | None) -> float | None:
     summed the same way, is compared with."""
     rates = (calibration or {}).get("images_per_s") or {}
     return sum(rates.values()) if rates else None
+
+
+def calibrate_run(run: Run) -> dict:
+    """run.json's `calibration` for a training run, logged on rank 0: every rank's img/s on synthetic
+    data with the run's own step and planned batch."""
+    cfg = run.cfg
+    shape = Shape(run.plan.batch, cfg["image_size"], len(run.classes))
+    cal = calibrate(run.step, run.model, shape, cfg["calibration_steps"], cfg["calibration_warmup_steps"])
+    if run.d.master:
+        if cal["skipped"]:
+            log.info("calibration skipped: %s (no input efficiency for this run)", cal["skipped"])
+        else:
+            log.info(
+                "calibration: %.1f img/s on synthetic data on the device (%s), %d steps after %d warm-up, %.1f s",
+                total_rate(cal),
+                ", ".join(f"rank {r}: {v:.1f}" for r, v in cal["images_per_s"].items()),
+                cal["steps"],
+                cal["warmup_steps"],
+                cal["seconds"],
+            )
+    return cal

@@ -4,7 +4,8 @@ On an 11 GB card a too-large batch can surface as `CUDA error: an illegal memory
 training.  Each GPU rank therefore runs one forward/backward at the configured batch first; if it does
 not fit, a binary search finds the largest batch that does, and the run stops with a message naming
 the GPU, its memory, the failing batch, what fits, and the two fixes.  `batch_size: auto` uses the
-same search (with headroom) and sets gradient accumulation to keep the global batch.
+same search (with headroom); the batch plan (rectrain.train.batchplan) then sets gradient accumulation
+to keep the global batch.
 
 The trial is a whole training step (forward, backward, an optimizer step: momentum is real memory),
 with cuDNN's autotuner off, and its peak is judged against a Budget: the device's free memory
@@ -21,18 +22,20 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from rectrain import model as models
 from rectrain.loaders import LoaderChoice, LoaderSpec
 
+if TYPE_CHECKING:
+    from rectrain.train.batchplan import BatchPlan
+
 # `batch_size: auto` keeps peak memory at or under this share of the card.
 HEADROOM = 0.90
 # A CUDA error while reserved memory was above this share of the card is treated as a probable OOM.
 NEAR_LIMIT = 0.85
-DEFAULT_AUTO_GLOBAL_BATCH = 256
 MB = 2**20
 _OOM_TEXT = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cuda_error_out_of_memory")
 
@@ -96,31 +99,45 @@ def _search(try_step: Callable[[int], object], failed: int) -> tuple[int, object
     return lo, lo_result
 
 
-def fix_hint(batch: int, fits: int, world_size: int) -> str:
-    global_batch = batch * world_size
+def split_batch(per_device: int, fits: int) -> tuple[int, int]:
+    """(batch, grad_accum) for `per_device` samples per optimizer step when at most `fits` fit at once:
+    the fewest micro-batches, each as even as can be.  The one home of this arithmetic: the batch plan
+    (rectrain.train.batchplan) and every fix this module suggests use it."""
+    accum = math.ceil(per_device / fits)
+    return math.ceil(per_device / accum), accum
+
+
+def fix_hint(batch: int, fits: int, world_size: int, accum: int = 1, auto: bool = False) -> str:
+    """The config change that makes `batch` x `accum` per device fit when only `fits` does, keeping the
+    global batch (`auto`: the run had batch_size auto, so the fix pins what auto could not foresee)."""
     if fits <= 0:
         return (
             "not even batch 1 fits: use a smaller train.model or train.image_size, "
             "or train.precision: bf16/fp16 to halve activation memory"
         )
-    accum = math.ceil(batch / fits)
-    per_device = math.ceil(batch / accum)
+    global_batch = batch * accum * world_size
+    per_device, steps = split_batch(batch * accum, fits)
+    keep = f"train.batch_size: {per_device} and train.grad_accum: {steps}"
+    if auto:
+        return f"fix: keep the global batch of {global_batch} with {keep} in place of train.batch_size: auto"
     return (
         f"fix: set train.batch_size: {fits} (or lower), or keep the global batch of {global_batch} with "
-        f"train.batch_size: {per_device} and train.grad_accum: {accum} (or train.batch_size: auto)"
+        f"{keep} (or train.batch_size: auto)"
     )
 
 
-def oom_message(gpu: GpuInfo, batch: int, fits: int, world_size: int, need_mb: float | None = None) -> str:
+def oom_message(
+    gpu: GpuInfo, batch: int, fits: int, world_size: int, need_mb: float | None = None, *, accum: int = 1
+) -> str:
     need = f" (needs ~{need_mb / 1024:.1f} GB)" if need_mb else ""
     largest = f"the largest batch that fits is {fits}" if fits else "no batch fits"
     return (
         f"out of GPU memory: batch {batch} per device{need} does not fit on {gpu.label()}; "
-        f"{largest}. {fix_hint(batch, fits, world_size)}"
+        f"{largest}. {fix_hint(batch, fits, world_size, accum)}"
     )
 
 
-def check_batch(try_step: Callable[[int], object], batch: int, gpu: GpuInfo, world_size: int) -> dict:
+def check_batch(try_step: Callable[[int], object], batch: int, gpu: GpuInfo, world_size: int, accum: int = 1) -> dict:
     """Preflight for a fixed batch: returns a report, or raises BatchDoesNotFit with the explanation
     (and, when the budget refused it, what else holds the device's memory)."""
     try:
@@ -133,18 +150,17 @@ def check_batch(try_step: Callable[[int], object], batch: int, gpu: GpuInfo, wor
     fits, peak_mb = _search(try_step, batch)
     # Activation memory grows about linearly with the batch: extrapolate from what fitted.
     need_mb = peak_mb * batch / fits if fits and isinstance(peak_mb, (int, float)) else None
-    message = oom_message(gpu, batch, fits, world_size, None if why else need_mb)
+    message = oom_message(gpu, batch, fits, world_size, None if why else need_mb, accum=accum)
     raise BatchDoesNotFit(f"{message}\n{why}" if why else message)
 
 
-def auto_batch(try_step: Callable[[int], object], global_batch: int, world_size: int) -> tuple[int, int, str | None]:
-    """(per-device batch, grad_accum, why the wanted batch was refused or None) for `batch_size: auto`:
-    largest fitting batch with headroom, accumulation so that batch x accum x world ~= global_batch.
-    try_step must raise an OOM when the batch does not fit its budget (see budgeted(..., headroom))."""
-    want = max(1, math.ceil(global_batch / world_size))
+def auto_fit(try_step: Callable[[int], object], want: int) -> tuple[int, str | None]:
+    """(largest batch up to `want` that fits, why `want` was refused or None) for `batch_size: auto`;
+    the batch plan turns it into batch and grad_accum.  try_step must raise an OOM when the batch does
+    not fit its budget (see budgeted(..., headroom))."""
     try:
         try_step(want)
-        return want, 1, None
+        return want, None
     except Exception as exc:  # noqa: BLE001
         if not is_oom(exc):
             raise
@@ -153,10 +169,9 @@ def auto_batch(try_step: Callable[[int], object], global_batch: int, world_size:
     if fits == 0:
         raise BatchDoesNotFit(
             f"batch_size: auto found no batch that fits with {HEADROOM:.0%} headroom; {why}. "
-            + fix_hint(want, 0, world_size)
+            + fix_hint(want, 0, 1)  # nothing fits: no batch or world size to name
         )
-    accum = math.ceil(want / fits)
-    return math.ceil(want / accum), accum, why
+    return fits, why
 
 
 @contextlib.contextmanager
@@ -171,14 +186,17 @@ def autotune_off():
         torch.backends.cudnn.benchmark = was
 
 
-def preflight(try_step: Callable[[int], object], batch_setting, accum: int, global_batch: int, world_size: int, gpu):
-    """(batch, grad_accum, report) for train.batch_size (a number: checked; 'auto': searched), with
-    cuDNN autotune off while the trial steps run."""
+def preflight(
+    try_step: Callable[[int], object], want: int, *, auto: bool, gpu: GpuInfo, world_size: int, accum: int = 1
+):
+    """(the largest batch up to `want` that fits, the report) with cuDNN autotune off while the trial
+    steps run.  auto: searched below `want` when it does not fit; otherwise `want` (train.batch_size)
+    is checked, and BatchDoesNotFit says what does."""
     with autotune_off():
-        if batch_setting == "auto":
-            batch, accum, why = auto_batch(try_step, global_batch, world_size)
-            return batch, accum, {"auto": True, "batch": batch, "grad_accum": accum, "why_lower": why}
-        return int(batch_setting), accum, check_batch(try_step, int(batch_setting), gpu, world_size)
+        if auto:
+            fits, why = auto_fit(try_step, want)
+            return fits, {"auto": True, "why_lower": why}
+        return want, check_batch(try_step, want, gpu, world_size, accum)
 
 
 class HeadroomExceeded(torch.cuda.OutOfMemoryError):
@@ -341,8 +359,9 @@ def cuda_try_step(trial: Trial, budget: Budget | None = None) -> Callable[[int],
     return budgeted(cuda_step_bytes(trial), budget)
 
 
-def explain_cuda_error(exc: BaseException, device: torch.device, batch: int, world_size: int) -> str | None:
-    """A hint for a CUDA error raised during training when memory was near the card's limit, else None.
+def explain_cuda_error(exc: BaseException, device: torch.device, plan: BatchPlan) -> str | None:
+    """A hint for a CUDA error raised during training when memory was near the card's limit, else None;
+    the fix keeps the plan's global batch.
 
     'illegal memory access' and friends after the allocator ran near full are usually an OOM in
     disguise (on an 11 GB 2080 Ti, batch 128 of ResNet-50 surfaced exactly so)."""
@@ -355,8 +374,10 @@ def explain_cuda_error(exc: BaseException, device: torch.device, batch: int, wor
         return None
     if not is_oom(exc) and peak_mb < NEAR_LIMIT * gpu.total_mb:
         return None
+    batch = plan.batch
+    fits = max(1, int(batch * NEAR_LIMIT * gpu.total_mb / max(peak_mb, 1)))
     return (
         f"this CUDA error happened with {peak_mb / 1024:.1f} of {gpu.total_mb / 1024:.1f} GB reserved on "
-        f"{gpu.label()} at batch {batch} per device: most likely out of memory. "
-        + fix_hint(batch, max(1, int(batch * NEAR_LIMIT * gpu.total_mb / max(peak_mb, 1))), world_size)
+        f"{gpu.label()} at batch {batch} per device ({plan.reason}): most likely out of memory. "
+        + fix_hint(batch, fits, plan.world_size, plan.grad_accum, plan.auto)
     )

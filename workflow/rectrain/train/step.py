@@ -1,4 +1,4 @@
-"""One training step, shared by the epoch loop (rectrain.train.trainer), the calibration
+"""One training step, shared by the epoch loop (rectrain.train.epochs), the calibration
 (rectrain.train.calibrate) and bench/gpu_efficiency.py, so all three time the same work."""
 
 from __future__ import annotations

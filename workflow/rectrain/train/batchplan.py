@@ -1,0 +1,152 @@
+"""The batch plan: the per-device batch, gradient accumulation and world size a run trains with.
+
+It is decided once per rank, before the loaders are built (on a GPU after the memory preflight,
+rectrain.train.memory, has measured what fits and the ranks have agreed on it), and from then on
+only read: the learning rate scales with its global batch, the checkpoint's run identity records
+it, run.json and the start line report it, and the failure line names it when a CUDA error looks
+like an out-of-memory in disguise.  `plan` is the one function that turns (config, what fits, world
+size) into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from rectrain.distributed import Dist, all_gather
+from rectrain.loaders import DaliOptions, LoaderSpec, resolve_loader, resolve_workers
+from rectrain.train import checkpoint as ckpt
+from rectrain.train import memory
+from rectrain.train.optim import make_optimizer
+
+# train.global_batch null with batch_size auto: the batch the reference LR (train.lr) is given for.
+DEFAULT_AUTO_GLOBAL_BATCH = 256
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    batch: int  # per device and micro-step: what the loaders yield
+    grad_accum: int
+    world_size: int
+    preflight: dict = field(default_factory=dict, compare=False)  # run.json's `preflight` report
+    reason: str = ""  # where the batch came from, in words (the failure line)
+    auto: bool = False  # train.batch_size was 'auto'
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch * self.grad_accum * self.world_size
+
+
+def auto_global_batch(cfg: dict) -> int:
+    return cfg["global_batch"] or DEFAULT_AUTO_GLOBAL_BATCH
+
+
+def wanted(cfg: dict, world_size: int) -> int:
+    """The per-device batch the config asks for: train.batch_size, or with 'auto' its share of the
+    global batch (before anything was measured)."""
+    if cfg["batch_size"] == "auto":
+        return max(1, math.ceil(auto_global_batch(cfg) / world_size))
+    return int(cfg["batch_size"])
+
+
+def plan(cfg: dict, world_size: int, fits: int | None = None, preflight: dict | None = None) -> BatchPlan:
+    """The plan for this config on `world_size` processes when at most `fits` samples fit on a device
+    (None: not measured).  A number in train.batch_size is used as given - the preflight has stopped
+    the run already if it does not fit; 'auto' takes its share of the global batch and, when that does
+    not fit, accumulates gradients over smaller batches so the global batch stays."""
+    if cfg["batch_size"] != "auto":
+        batch, accum = int(cfg["batch_size"]), int(cfg["grad_accum"])
+        return BatchPlan(batch, accum, world_size, preflight or {}, f"train.batch_size: {batch}")
+    want = wanted(cfg, world_size)
+    batch, accum = memory.split_batch(want, min(want, fits or want))
+    reason = f"batch_size auto: global batch {auto_global_batch(cfg)} over {world_size} process(es)"
+    if accum > 1:
+        reason += f", {want} per device did not fit, {fits} did"
+    return BatchPlan(batch, accum, world_size, preflight or {}, reason, auto=True)
+
+
+def loader_spec(cfg: dict, d: Dist, rec: str, idx: str, workers: int) -> LoaderSpec:
+    """This rank's train loader as the config asks for it; batch_size 0 until the plan sets it."""
+    return LoaderSpec(
+        rec,
+        idx,
+        batch_size=0,
+        image_size=cfg["image_size"],
+        train=True,
+        rank=d.rank,
+        world_size=d.world_size,
+        workers=workers,
+        device=str(d.device),
+        gpu_decode=cfg["gpu_decode"],
+        seed=cfg["seed"],
+        dali=DaliOptions.from_config(cfg),
+    )
+
+
+def preflight_inputs(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None):
+    """(the trial step, what will be held beside it) for choose_batch."""
+    spec = spec or loader_spec(cfg, d, "", "", resolve_workers(cfg["workers"], d.local_world_size))
+    choice = resolve_loader(cfg["loader"], spec)
+    held = (
+        memory.loader_reservation(choice, spec, "training"),
+        memory.loader_reservation(choice, spec, "validation"),  # its pipeline stays built for the whole run
+        memory.ddp_reservation(model, d.world_size),
+    )
+    trial = memory.Trial(
+        model,
+        loss_fn,
+        cfg["image_size"],
+        num_classes,
+        d.device,
+        cfg["precision"],
+        cfg["channels_last"],
+        make_optimizer=lambda: make_optimizer(cfg, model, 256, 1)[0],
+    )
+    return trial, held
+
+
+def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None = None) -> BatchPlan:
+    """This rank's batch plan.  On a GPU, one training step (forward, backward, optimizer step) proves
+    the batch fits beside what the loaders and DDP will hold - or the run stops here with what does fit
+    (rectrain.train.memory).  `spec`: the train loader's (batch not yet chosen); by default the one this
+    config builds."""
+    if d.device.type != "cuda":
+        skipped = "no GPU: batch_size auto uses global_batch / world_size" if cfg["batch_size"] == "auto" else None
+        return plan(cfg, d.world_size, preflight={"skipped": skipped or "no GPU memory to check on CPU"})
+    trial, held = preflight_inputs(cfg, model, loss_fn, d, num_classes, spec)
+    state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
+    try:
+        return _measured_plan(cfg, trial, held, d)
+    finally:
+        model.load_state_dict(state)
+
+
+def _measured_plan(cfg: dict, trial: memory.Trial, held: tuple, d: Dist) -> BatchPlan:
+    """The plan from trial steps on this rank's GPU, with the preflight report run.json keeps."""
+    auto = cfg["batch_size"] == "auto"
+    gpu = memory.GpuInfo.of(d.device)
+    budget = memory.device_budget(d.device, held, memory.HEADROOM if auto else 1.0)
+    try_step = memory.cuda_try_step(trial, budget)
+    want = wanted(cfg, d.world_size)
+    fits, found = memory.preflight(
+        try_step, want, auto=auto, gpu=gpu, world_size=d.world_size, accum=int(cfg["grad_accum"])
+    )
+    if auto:  # every rank must use the same batch: the smallest GPU decides
+        fits = int(min(all_gather(fits, d)))
+    draft = plan(cfg, d.world_size, fits)
+    with memory.autotune_off():
+        need_mb = memory.cuda_try_step(trial, memory.device_budget(d.device, held))(draft.batch)
+    if auto:
+        found = {"auto": True, "batch": draft.batch, "grad_accum": draft.grad_accum, **found}
+        found["global_batch"] = auto_global_batch(cfg)
+    total_mb = budget.available_bytes / memory.MB
+    report = {
+        **found,
+        "gpu": gpu.label(),
+        "need_mb": round(need_mb, 1),
+        "free_mb": round(total_mb, 1),
+        "share": round(need_mb / total_mb, 3),
+        "held": {r.what.split(" (")[0]: round(r.bytes(draft.batch) / memory.MB, 1) for r in budget.held},
+    }
+    return dataclasses.replace(draft, preflight=report)

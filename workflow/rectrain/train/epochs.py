@@ -1,0 +1,179 @@
+"""The epoch loop: train an epoch (rectrain.train.step.run_steps), validate it with the evaluate
+stage's tally (rectrain.metrics), and on rank 0 write its epochs.csv row, the checkpoint and its log
+line; the ranks meet at a barrier after each epoch, so none runs ahead of the checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rectrain import watchdog
+from rectrain.distributed import all_gather, all_reduce_sum, barrier
+from rectrain.loaders import Loader
+from rectrain.metrics import all_reduce as all_reduce_tally
+from rectrain.metrics import tally
+from rectrain.progress import Progress, RunProgress
+from rectrain.train import calibrate, faults
+from rectrain.train import checkpoint as ckpt
+from rectrain.train.run import Run
+from rectrain.train.step import Step, run_steps
+from rectrain.train.stepclock import StepClock
+from rectrain.train.telemetry import CsvLog
+
+log = logging.getLogger(__name__)
+
+# epochs.csv's val columns stay empty for a dataset without a val split.
+NO_VAL = {"val_loss": None, "val_top1": None, "val_top5": None, "val_images": 0}
+
+
+@dataclass(frozen=True)
+class Books:
+    """Where the epochs are written down: this rank's step rows, rank 0's epoch rows (else None), and the
+    calibration each epoch's img/s is held against (its input efficiency)."""
+
+    steps: CsvLog
+    epochs: CsvLog | None
+    calibration: dict | None
+
+
+def train_epochs(run: Run, start_epoch: int, books: Books) -> None:
+    """Train, validate, checkpoint (rank 0) each epoch until train.epochs; rank 0 logs progress lines
+    every train.progress_s."""
+    d, cfg = run.d, run.cfg
+    progress = RunProgress(cfg["progress_s"], d.world_size, cfg["epochs"]) if d.master else None
+    for epoch in range(start_epoch, cfg["epochs"]):
+        faults.fail_rank(d.rank)
+        if progress:
+            progress.begin_epoch(epoch, run.train_loader.batches_per_epoch)
+        stats = train_one_epoch(run.step, run.train_loader, epoch, books.steps, progress=progress)
+        after_steps = time.monotonic()
+        val = validate_epoch(run, epoch, progress)
+        rngs = all_gather(ckpt.rng_state(), d)
+        if d.master:
+            end_epoch(run, epoch, stats, val, rngs, books)
+        else:
+            watchdog.beat(f"epoch {epoch}: waiting for rank 0's checkpoint")
+        barrier(d)
+        if progress:
+            progress.between_s = time.monotonic() - after_steps
+        faults.kill_after_checkpoint(epoch)
+
+
+def train_one_epoch(step: Step, loader: Loader, epoch: int, steps_log, progress: Progress | None = None) -> dict:
+    n_batches = loader.batches_per_epoch
+    clock = StepClock(torch.device("cpu"))
+    start = clock.mark()
+    batches = watchdog.watched(faults.stall_loader(loader.epoch(epoch), step.dist.rank), f"epoch {epoch}")
+    t = run_steps(step, epoch, batches, steps_log, n_batches=n_batches, progress=progress)
+    wall = clock.seconds(start, clock.mark())
+    if t["steps"] != n_batches:
+        raise RuntimeError(
+            f"rank {step.dist.rank}: the {loader.kind} loader yielded {t['steps']} batches in epoch {epoch}, "
+            f"expected {n_batches} on every rank (the other ranks would wait forever)"
+        )
+    # This rank's steady img/s, summed over ranks as report/efficiency.py sums them.
+    rate = t["steady_images"] / t["steady_wall_s"] if t["steady_wall_s"] > 0 else 0.0
+    loss_sum, correct, seen, rates = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"], rate], step.dist)
+    return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall, "steady": rates}
+
+
+def validate_epoch(run: Run, epoch: int, progress: Progress | None) -> dict:
+    """The epoch's validation, or NO_VAL without a val split."""
+    if not run.val_loader:
+        return NO_VAL
+    if progress:
+        progress.begin(f"epoch {epoch} (of {run.cfg['epochs']}) validation batch", run.val_loader.batches_per_epoch)
+    return validate(run.model, run.val_loader, len(run.classes), run.step, progress=progress)
+
+
+def validate(
+    model: torch.nn.Module, loader: Loader, num_classes: int, step: Step, progress: Progress | None = None
+) -> dict:
+    """Loss, top-1, top-5 over the whole val .rec with the evaluate stage's tally (rectrain.metrics) (each rank its
+    shard, summed across ranks), so epochs.csv and metrics.json count the same way."""
+    # Each rank's BatchNorm statistics drifted on its own shard since the last forward; validate the
+    # weights that get checkpointed (rank 0's), or epochs.csv disagrees with the evaluate stage.
+    if step.dist.world_size > 1:
+        for buf in model.buffers():
+            dist.broadcast(buf, src=0)
+    model.eval()
+    batches = watchdog.watched(loader.epoch(0), "validation")
+    t = tally(
+        model,
+        batches,
+        num_classes,
+        step.dist.device,
+        step.precision,
+        channels_last=step.channels_last,
+        progress=progress,
+    )
+    t = all_reduce_tally(t, step.dist.device)
+    n = max(t.images, 1)
+    top1 = float(t.confusion.diagonal().sum()) / n
+    return {"val_loss": t.loss_sum / n, "val_top1": top1, "val_top5": t.top5_hits / n, "val_images": t.images}
+
+
+def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: Books) -> None:
+    """Rank 0 after an epoch: its epochs.csv row, the checkpoint (with every rank's RNG state), the epoch line."""
+    books.epochs.write(
+        epoch=epoch,
+        train_loss=stats["train_loss"],
+        train_acc=stats["train_acc"],
+        val_loss=val["val_loss"],
+        val_top1=val["val_top1"],
+        val_top5=val["val_top5"],
+        images_per_s=stats["images"] / stats["wall_s"],
+        wall_s=stats["wall_s"],
+    )
+    watchdog.beat(f"epoch {epoch}: writing the checkpoint")
+    save_checkpoint(run, epoch, rngs)
+    log.info(
+        "epoch %d: train loss %.3f acc %.3f, %s, %.0f img/s, %.1f s%s",
+        epoch,
+        stats["train_loss"],
+        stats["train_acc"],
+        val_text(val),
+        stats["images"] / stats["wall_s"],
+        stats["wall_s"],
+        efficiency_note(stats, books.calibration),
+    )
+
+
+def val_text(val: dict) -> str:
+    if val["val_loss"] is None:
+        return "no val split"
+    return f"val loss {val['val_loss']:.3f} top-1 {val['val_top1']:.3f} top-5 {val['val_top5']:.3f}"
+
+
+def efficiency_note(stats: dict, calibration: dict | None) -> str:
+    """The epoch log line's input efficiency: the epoch's steady img/s against the calibration's."""
+    ceiling = calibrate.total_rate(calibration)
+    if not ceiling or not stats["steady"]:
+        return ""
+    return (
+        f", input efficiency {stats['steady'] / ceiling:.2f} ({stats['steady']:.1f} img/s steady against "
+        f"{ceiling:.1f} calibrated)"
+    )
+
+
+def save_checkpoint(run: Run, epoch: int, rngs: list) -> None:
+    """epoch_<k>.pt and last.pt: everything a resume needs, and what makes it the same run."""
+    state = {
+        "model": run.model.state_dict(),
+        "optimizer": run.step.optimizer.state_dict(),
+        "scheduler": run.step.scheduler.state_dict(),
+        "scaler": run.step.scaler.state_dict(),
+        "epoch": epoch,
+        "rng": rngs,
+        "config": run.cfg,
+        "num_classes": len(run.classes),
+        "model_name": run.cfg["model"],
+        "image_size": run.cfg["image_size"],
+        **run.identity.stamp(),
+    }
+    ckpt.save_atomic(state, run.ck_dir / f"epoch_{epoch}.pt")
+    ckpt.save_atomic(state, run.ck_dir / "last.pt")

@@ -1,0 +1,56 @@
+"""What a run writes in --out: the live telemetry while it trains (out/telemetry/, appended to on
+resume), and at the end the published outputs, model.pt last (the rule's marker of a finished run)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+
+from rectrain.atomic import write_json
+from rectrain.storage import block_device_for
+from rectrain.train import checkpoint as ckpt
+from rectrain.train import telemetry
+from rectrain.train.provenance import now
+from rectrain.train.run import Run
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def telemetry_logs(run: Run, start_epoch: int):
+    """(steps log, epochs log on rank 0 else None) in out/telemetry/, with the node's system sampler."""
+    live = run.out / "telemetry"
+    live.mkdir(parents=True, exist_ok=True)
+    steps_log = telemetry.step_log(live, run.d.rank, start_epoch)
+    epochs_log = telemetry.epoch_log(live, start_epoch) if run.d.master else None
+    sampler = None
+    if run.d.local_rank == 0:
+        node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node rank
+        sampler = telemetry.SystemSampler(
+            live / f"system_node{node}.csv",
+            run.cfg["sample_interval_s"],
+            block_device_for(run.args.rec),
+            telemetry.job_processes(),
+            append=start_epoch > 0,
+        )
+        sampler.start()
+    try:
+        yield steps_log, epochs_log
+    finally:
+        steps_log.close()
+        if sampler is not None:
+            sampler.stop()
+
+
+def finish(run: Run, info: dict) -> None:
+    """Publish the outputs on rank 0: merged telemetry, run.json (`info`, now finished), and model.pt last."""
+    live, out = run.out / "telemetry", run.out
+    telemetry.merge_steps(live, out / "steps.csv", run.d.world_size)
+    shutil.copyfile(live / "epochs.csv", out / "epochs.csv")
+    shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
+    write_json(out / "run.json", {**info, "finished": now()})
+    ckpt.save_atomic(ckpt.load(run.ck_dir / "last.pt"), out / "model.pt")
+    ckpt.mark_finished(run.ck_dir, out / "model.pt")
+    log.info("done: %s", out / "model.pt")

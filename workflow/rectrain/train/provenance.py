@@ -1,0 +1,94 @@
+"""What ran where, with which batch and loader, and why: run.json (the report's provenance) and the
+line rank 0 logs as training starts."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+
+from rectrain import distributed
+from rectrain.distributed import Dist
+from rectrain.storage import device_info
+from rectrain.train import telemetry
+from rectrain.train.run import Run
+
+log = logging.getLogger(__name__)
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def dali_version() -> str | None:
+    try:
+        import nvidia.dali as dali
+    except ImportError:
+        return None
+    return dali.__version__
+
+
+def run_info(run: Run, start_epoch: int, calibration: dict) -> dict:
+    """run.json as the run starts (`finished` is filled in when it is published)."""
+    d, cfg, loader, plan = run.d, run.cfg, run.train_loader, run.plan
+    return {
+        "world_size": d.world_size,
+        "nodes": cfg["nodes"],
+        "devices": local_devices(d),
+        "backend": d.backend,
+        "loader": loader.kind,
+        "model": cfg["model"],
+        "precision": cfg["precision"],
+        "batch_size": plan.batch,
+        "grad_accum": plan.grad_accum,
+        "global_batch": plan.global_batch,
+        "epochs": cfg["epochs"],
+        "image_size": cfg["image_size"],
+        "rec_device": device_info(run.args.rec),
+        "gpus": telemetry.gpu_inventory(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "dali": dali_version(),
+        "padding_per_epoch": loader.padding_per_epoch,
+        "started": now(),
+        "finished": None,
+        "preflight": plan.preflight,
+        "config": cfg,
+        "resumed_from_epoch": start_epoch or None,
+        # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
+        "loader_requested": cfg["loader"],
+        "decode": loader.choice.decode,
+        "loader_note": loader.choice.note,
+        "workers": run.workers,  # the count 'auto' became, which the diagnosis quotes
+        "cores": run.cores,
+        "calibration": calibration,
+    }
+
+
+def local_devices(d: Dist) -> list[str]:
+    """The device of each rank on this node (ranks may share a GPU)."""
+    if d.device.type == "cpu":
+        return [str(d.device)]
+    gpus = torch.cuda.device_count()
+    return [f"cuda:{distributed.rank_device(r, d.local_world_size, gpus)[0]}" for r in range(d.local_world_size)]
+
+
+def log_start(run: Run) -> None:
+    d, cfg, plan = run.d, run.cfg, run.plan
+    log.info(
+        "%d process(es), %s, %s loader, %s @%dpx, batch %d x accum %d x %d = %d, %d train images "
+        "(%d padded per epoch), preflight: %s",
+        d.world_size,
+        d.backend,
+        run.train_loader.kind,
+        cfg["model"],
+        cfg["image_size"],
+        plan.batch,
+        plan.grad_accum,
+        d.world_size,
+        plan.global_batch,
+        run.train_loader.size,
+        run.train_loader.padding_per_epoch,
+        plan.preflight,
+    )

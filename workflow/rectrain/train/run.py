@@ -1,0 +1,147 @@
+"""Building one rank's training run, in two steps around the batch plan (rectrain.train.batchplan):
+first what the preflight needs (`prepare_rank`: threads, classes, the model and its loss, the loader
+spec), then, once the plan exists, everything sized by it (`build_run`: loaders, optimizer, the
+network the steps run, the identity a checkpoint must match).  A Run is complete when built and never
+changes; what is learnt later (the calibration, run.json) are separate values."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rectrain import model as models
+from rectrain import sources
+from rectrain.distributed import Dist
+from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
+from rectrain.tables import read_classes
+from rectrain.train import checkpoint as ckpt
+from rectrain.train.batchplan import BatchPlan, loader_spec
+from rectrain.train.optim import make_optimizer
+from rectrain.train.step import Step
+
+log = logging.getLogger(__name__)
+
+
+def code_fingerprint() -> dict:
+    """sha256 of each training source file (the train rule's code input, rectrain.sources): a checkpoint
+    written by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
+    return sources.fingerprint("train")
+
+
+def set_backend_flags(cfg: dict, device: torch.device) -> None:
+    # Fixed training shapes: cuDNN's autotuner picks the fastest kernels once, for every later step.
+    torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cfg["cudnn_benchmark"])
+
+
+def make_model(cfg: dict, num_classes: int, device: torch.device):
+    """(model on device, in channels_last when asked; the loss)."""
+    model = models.build(cfg["model"], num_classes, cfg["channels_last"]).to(device)
+    return model, torch.nn.CrossEntropyLoss(label_smoothing=cfg["label_smoothing"])
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What a rank has before its batch is planned: all the preflight needs."""
+
+    d: Dist
+    classes: list[dict]
+    model: torch.nn.Module
+    loss_fn: torch.nn.Module
+    cores: int  # CPU cores the job may use (--threads, else this process's affinity)
+    workers: int  # the loader workers train.workers became
+    spec: LoaderSpec  # the train loader's, batch_size 0 until planned
+
+
+def prepare_rank(args: argparse.Namespace, cfg: dict, d: Dist) -> RankParts:
+    cores = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores // d.local_world_size))
+    torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    classes = read_classes(args.classes)
+    set_backend_flags(cfg, d.device)
+    model, loss_fn = make_model(cfg, len(classes), d.device)
+    workers = resolve_workers(cfg["workers"], d.local_world_size, cores)
+    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, cfg["workers"])
+    spec = loader_spec(cfg, d, args.rec, args.idx, workers)
+    return RankParts(d, classes, model, loss_fn, cores, workers, spec)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One rank's training run: its inputs, its batch plan, and the pieces built from them."""
+
+    args: argparse.Namespace
+    cfg: dict
+    d: Dist
+    classes: list[dict]
+    model: torch.nn.Module  # unwrapped: what is checkpointed and validated
+    step: Step  # its net: the model under DDP and torch.compile, as configured
+    train_loader: Loader
+    val_loader: Loader | None  # None without a val split
+    plan: BatchPlan
+    workers: int
+    cores: int
+    identity: ckpt.RunIdentity
+
+    @property
+    def out(self) -> Path:
+        return Path(self.args.out)
+
+    @property
+    def ck_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+
+def build_run(args: argparse.Namespace, cfg: dict, parts: RankParts, plan: BatchPlan) -> Run:
+    """Loaders, optimizer and the wrapped network for the plan's batch."""
+    d, model = parts.d, parts.model
+    train_loader, val_loader = make_loaders(args, cfg, parts.spec, plan.batch)
+    opt_steps = math.ceil(train_loader.batches_per_epoch / plan.grad_accum)
+    optimizer, scheduler, scaler = make_optimizer(cfg, model, plan.global_batch, opt_steps)
+    net = wrap(model, d, cfg["compile"])
+    step = Step(
+        net, parts.loss_fn, optimizer, scheduler, scaler, plan.grad_accum, cfg["precision"], cfg["channels_last"], d
+    )
+    data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
+    identity = ckpt.RunIdentity(
+        ckpt.maths_config(cfg), plan.batch, plan.grad_accum, d.world_size, data, code_fingerprint()
+    )
+    return Run(
+        args=args,
+        cfg=cfg,
+        d=d,
+        classes=parts.classes,
+        model=model,
+        step=step,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        plan=plan,
+        workers=parts.workers,
+        cores=parts.cores,
+        identity=identity,
+    )
+
+
+def make_loaders(args: argparse.Namespace, cfg: dict, spec: LoaderSpec, batch: int) -> tuple[Loader, Loader | None]:
+    """(train loader, val loader or None without a val split) at the planned batch."""
+    train_loader = build_loader(cfg["loader"], dataclasses.replace(spec, batch_size=batch))
+    if not args.val_rec:
+        log.info("no val split (--val-rec not given, index.absent_splits): epochs are not validated")
+        return train_loader, None
+    val_spec = dataclasses.replace(spec, rec=args.val_rec, idx=args.val_idx, batch_size=batch, train=False)
+    return train_loader, build_loader(cfg["loader"], val_spec)
+
+
+def wrap(model: torch.nn.Module, d: Dist, compile_: bool) -> torch.nn.Module:
+    """DDP across ranks, then torch.compile when asked: the network the steps run."""
+    net = model
+    if d.world_size > 1:
+        net = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    return torch.compile(net) if compile_ else net
