@@ -97,7 +97,9 @@ def small_run(tmp_path, name, size):
     steps, system = pd.read_csv(out / "steps.csv"), pd.read_csv(out / "system.csv")
     run = json.loads((out / "run.json").read_text())
     assert run["cores"] == 1, "the job's cores: its affinity"
-    cfg = stage_block("report", "{}")
+    # Midway between the two cases' measurements (0.59 and 0.97 on a quiet box): the default 0.9 left the
+    # tiny case 0.07 above it, and a loaded box measured it at 0.896.
+    cfg = stage_block("report", json.dumps({"input_efficiency": 0.8}))
     eff = efficiency.input_efficiency(steps, run)
     return eff, diagnosis.diagnose(steps, system, run, {}, cfg), proc.stderr, cfg
 
@@ -109,8 +111,8 @@ def test_report_tells_input_bound_from_compute_bound_by_the_calibration(tmp_path
     big, big_findings, big_log, cfg = small_run(tmp_path, "big", (500, 375))
     tiny, tiny_findings, tiny_log, _ = small_run(tmp_path, "tiny", (40, 30))
     threshold = cfg["input_efficiency"]
-    # Measured here: 0.59 (500x375) and 0.97 (40x30).
-    assert big.measured and big.ratio < threshold - 0.15, big.headline()
+    # Measured here: 0.59 (500x375) and 0.97 (40x30), each ~0.17 from the threshold.
+    assert big.measured and big.ratio < threshold - 0.05, big.headline()
     input_findings = [f for f in big_findings if f.id in ("input_bound", "contention")]
     assert input_findings, [f.title for f in big_findings]
     f = input_findings[0]
