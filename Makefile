@@ -63,4 +63,4 @@ gpu-check:
 	bash bench/gpu_check.sh $(GPU_CHECK_OUT)
 
 clean:
-	rm -rf results/demo results/fast_storage logs benchmarks .snakemake results/report.html
+	rm -rf results/demo results/gpudemo results/fast_storage logs benchmarks .snakemake results/report.html
