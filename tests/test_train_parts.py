@@ -91,13 +91,6 @@ def test_record_fingerprint_sees_a_relabel_with_identical_sizes(tmp_path):
     assert "classes_sha256" in ckpt.data_fingerprint(*_rec(tmp_path, [0], "d"), classes=str(classes))
 
 
-def test_clearing_a_replaced_run_removes_all_its_checkpoints(tmp_path):
-    for name in ("epoch_0.pt", "epoch_1.pt", "epoch_3.pt", "last.pt", ckpt.FINISHED, "notes.txt"):
-        (tmp_path / name).write_text("x")
-    assert ckpt.clear(tmp_path) == ["epoch_0.pt", "epoch_1.pt", "epoch_3.pt", "last.pt", ckpt.FINISHED]
-    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"], "only checkpoints are removed"
-
-
 def test_step_log_on_resume_drops_the_interrupted_epoch(tmp_path):
     log = telemetry.step_log(tmp_path, rank=0, start_epoch=0)
     for epoch in range(3):

@@ -142,15 +142,61 @@ FAST = {"model": "squeezenet1_1", "precision": "fp32", "calibration_steps": 2, "
 SINGLE = ["--single-process", "--threads", "1"]
 
 
-def test_changed_config_does_not_resume_and_clears_the_old_runs_checkpoints(data, tmp_path):
+def moved_aside(out):
+    """{folder name under checkpoints/replaced/: the file names in it}."""
+    folder = out / "checkpoints" / "replaced"
+    return {d.name: sorted(p.name for p in d.iterdir()) for d in folder.iterdir()} if folder.exists() else {}
+
+
+def test_changed_config_does_not_resume_and_moves_the_old_runs_checkpoints_aside(data, tmp_path):
     out = tmp_path / "t"
     assert run_train(data, out, epochs=2, extra=SINGLE, **FAST).returncode == 0
     proc = run_train(data, out, epochs=1, extra=SINGLE, **FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not resuming" in proc.stderr and "the train config changed (epochs)" in proc.stderr
-    assert "removed its checkpoints (epoch_0.pt, epoch_1.pt, last.pt, finished.json)" in proc.stderr
+    assert "moved its checkpoints (epoch_0.pt, epoch_1.pt, last.pt, finished.json) aside to" in proc.stderr
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert names == ["epoch_0.pt", "finished.json", "last.pt"], "no epoch_1.pt of the replaced 2-epoch run"
+    assert names == ["epoch_0.pt", "finished.json", "last.pt", "replaced"], "no epoch_1.pt of the replaced run here"
+    ((folder, files),) = moved_aside(out).items()
+    assert files == ["epoch_0.pt", "epoch_1.pt", "finished.json", "last.pt"], "the replaced run, whole"
+    assert folder.endswith("-the-train-config-changed-epochs") and folder in proc.stderr
+
+
+def killed_after_epoch_0(data, out, **cfg):
+    killed = run_train(data, out, env_extra={"RECTRAIN_KILL_AFTER_EPOCH": "0"}, epochs=2, extra=SINGLE, **FAST, **cfg)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    return killed
+
+
+def test_killed_run_restarted_with_another_lr_starts_over_and_keeps_the_old_checkpoints_aside(data, tmp_path):
+    out = tmp_path / "t"
+    killed_after_epoch_0(data, out)
+    old = load(out / "checkpoints" / "last.pt")
+    proc = run_train(data, out, epochs=2, lr=0.05, extra=SINGLE, **FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not resuming" in proc.stderr and "the train config changed (lr)" in proc.stderr
+    assert "epoch 0: train loss" in proc.stderr, "started over"
+    ((folder, files),) = moved_aside(out).items()
+    assert folder.endswith("-the-train-config-changed-lr") and files == ["epoch_0.pt", "last.pt"]
+    kept = load(out / "checkpoints" / "replaced" / folder / "last.pt")
+    assert kept["epoch"] == 0 and kept["config"]["lr"] == old["config"]["lr"] == 0.1, "the killed run, intact"
+    assert torch.equal(kept["model"]["classifier.1.weight"], old["model"]["classifier.1.weight"])
+
+
+def test_killed_run_restarted_with_another_lr_under_resume_always_continues_and_records_it(data, tmp_path):
+    out = tmp_path / "t"
+    killed_after_epoch_0(data, out, keep_checkpoints=1)
+    proc = run_train(data, out, epochs=2, lr=0.05, resume="always", keep_checkpoints=1, extra=SINGLE, **FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "despite the train config changed (lr)" in proc.stderr and "continuing at epoch 1" in proc.stderr
+    assert "epoch 0: train loss" not in proc.stderr, "nothing retrained"
+    assert json.loads((out / "run.json").read_text())["resumed_despite"] == ["the train config changed (lr)"]
+    assert moved_aside(out) == {}
+    # train.keep_checkpoints: 1 - epoch_0.pt went once epoch_1.pt was written; the line says size and disk
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch_1.pt", "finished.json", "last.pt"]
+    line = re.search(r"epoch 1: train loss .*", proc.stderr).group(0)
+    assert re.search(rf"checkpoint [\d.]+ [KM]iB \(epoch_1.pt and last.pt\) in {out / 'checkpoints'} on disk ", line)
+    assert "keeping the last 1 epoch checkpoint(s), deleted epoch_0.pt" in line
 
 
 def test_forced_rerun_retrains_but_a_job_killed_after_its_last_checkpoint_only_finishes(data, tmp_path):
@@ -170,11 +216,16 @@ def test_forced_rerun_retrains_but_a_job_killed_after_its_last_checkpoint_only_f
 
     for name in ("model.pt", "steps.csv", "epochs.csv", "system.csv", "run.json"):  # what --forcerun deletes
         (out / name).unlink()
+    finished = load(out / "checkpoints" / "last.pt")
     forced = run_train(data, out, epochs=1, extra=SINGLE, **FAST)
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert "not resuming" in forced.stderr and "snakemake --forcerun" in forced.stderr
     assert "epoch 0: train loss" in forced.stderr, "a forced rerun trains again"
     assert {r["epoch"] for r in rows(out / "steps.csv")} == {"0"} and (out / "model.pt").exists()
+    ((folder, files),) = moved_aside(out).items()  # the finished run's checkpoints, moved aside whole
+    assert files == ["epoch_0.pt", "finished.json", "last.pt"] and "Z-a-forced-rerun-that-run-finished" in folder
+    kept = load(out / "checkpoints" / "replaced" / folder / "last.pt")
+    assert torch.equal(kept["model"]["classifier.1.weight"], finished["model"]["classifier.1.weight"])
 
 
 @pytest.mark.slow

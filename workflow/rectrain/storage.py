@@ -123,7 +123,7 @@ def estimate_needed_bytes(source_bytes: int, records: int, resize: int, quality:
     return int((payload + RECORD_OVERHEAD * records) * SPACE_MARGIN)
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if abs(n) < 1024 or unit == "PiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
@@ -141,8 +141,8 @@ def preflight(path, needed_bytes: int, sysfs_root=None) -> dict:
     free = shutil.disk_usage(existing_ancestor(path)).free
     if needed_bytes > free:
         raise StorageError(
-            f"fast_storage {info['path']} has {_human(free)} ({free} bytes) free but this pack needs about "
-            f"{_human(needed_bytes)} ({needed_bytes} bytes). Free space there or point pack.fast_storage "
+            f"fast_storage {info['path']} has {human_bytes(free)} ({free} bytes) free but this pack needs about "
+            f"{human_bytes(needed_bytes)} ({needed_bytes} bytes). Free space there or point pack.fast_storage "
             "at a larger SSD."
         )
     warning = None

@@ -6,11 +6,18 @@ only read: the learning rate scales with its global batch, the checkpoint's run 
 it, run.json and the start line report it, and the failure line names it when a CUDA error looks
 like an out-of-memory in disguise.  `plan` is the one function that turns (config, what fits, world
 size) into it.
+
+Resuming with `batch_size: auto`: the checkpoint's plan (rectrain.train.resume.previous_plan) is
+preferred when it is a split of this config's global batch over the same world size and it still
+fits (on a GPU the preflight's largest fitting batch proves it; on CPU nothing is measured and it is
+reused as is).  Otherwise a restart with less free memory would plan another micro-batch and the
+checkpoint would be another run's; when it no longer fits, the reason says so, naming both plans.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -19,6 +26,8 @@ from rectrain.loaders import DaliOptions, LoaderSpec, resolve_loader, resolve_wo
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import memory
 from rectrain.train.optim import make_optimizer
+
+log = logging.getLogger(__name__)
 
 # train.global_batch null with batch_size auto: the batch the reference LR (train.lr) is given for.
 DEFAULT_AUTO_GLOBAL_BATCH = 256
@@ -50,20 +59,49 @@ def wanted(cfg: dict, world_size: int) -> int:
     return int(cfg["batch_size"])
 
 
-def plan(cfg: dict, world_size: int, fits: int | None = None, preflight: dict | None = None) -> BatchPlan:
+def plan(
+    cfg: dict,
+    world_size: int,
+    fits: int | None = None,
+    preflight: dict | None = None,
+    *,
+    previous: BatchPlan | None = None,
+) -> BatchPlan:
     """The plan for this config on `world_size` processes when at most `fits` samples fit on a device
     (None: not measured).  A number in train.batch_size is used as given - the preflight has stopped
     the run already if it does not fit; 'auto' takes its share of the global batch and, when that does
-    not fit, accumulates gradients over smaller batches so the global batch stays."""
+    not fit, accumulates gradients over smaller batches so the global batch stays - or reuses the
+    checkpoint's plan `previous` (see the module doc)."""
     if cfg["batch_size"] != "auto":
         batch, accum = int(cfg["batch_size"]), int(cfg["grad_accum"])
         return BatchPlan(batch, accum, world_size, preflight or {}, f"train.batch_size: {batch}")
     want = wanted(cfg, world_size)
-    batch, accum = memory.split_batch(want, min(want, fits or want))
     reason = f"batch_size auto: global batch {auto_global_batch(cfg)} over {world_size} process(es)"
+    not_reused = previous and why_not_reused(previous, want, world_size, fits)
+    if previous and not not_reused:
+        reason += f", the checkpoint's plan {previous.batch} x accum {previous.grad_accum} reused (it still fits)"
+        return BatchPlan(previous.batch, previous.grad_accum, world_size, preflight or {}, reason, auto=True)
+    batch, accum = memory.split_batch(want, min(want, fits or want))
     if accum > 1:
         reason += f", {want} per device did not fit, {fits} did"
+    if not_reused:
+        reason += (
+            f"; the checkpoint's plan {previous.batch} x accum {previous.grad_accum} is not reused ({not_reused}), "
+            f"this run plans {batch} x accum {accum}"
+        )
     return BatchPlan(batch, accum, world_size, preflight or {}, reason, auto=True)
+
+
+def why_not_reused(previous: BatchPlan, want: int, world_size: int, fits: int | None) -> str | None:
+    """Why the checkpoint's plan cannot be this run's (`want` per device over `world_size` processes,
+    at most `fits` fitting, None: not measured), or None when it can."""
+    if previous.world_size != world_size:
+        return f"it was planned for {previous.world_size} processes, this run has {world_size}"
+    if memory.split_batch(want, previous.batch) != (previous.batch, previous.grad_accum):
+        return f"it does not split {want} samples per device and step"
+    if fits is not None and previous.batch > fits:
+        return f"it no longer fits: at most {fits} per device fit now"
+    return None
 
 
 def loader_spec(cfg: dict, d: Dist, rec: str, idx: str, workers: int) -> LoaderSpec:
@@ -106,23 +144,38 @@ def preflight_inputs(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec:
     return trial, held
 
 
-def choose_batch(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None = None) -> BatchPlan:
+def choose_batch(
+    cfg: dict,
+    model,
+    loss_fn,
+    d: Dist,
+    num_classes: int,
+    spec: LoaderSpec | None = None,
+    *,
+    previous: BatchPlan | None = None,
+) -> BatchPlan:
     """This rank's batch plan.  On a GPU, one training step (forward, backward, optimizer step) proves
     the batch fits beside what the loaders and DDP will hold - or the run stops here with what does fit
     (rectrain.train.memory).  `spec`: the train loader's (batch not yet chosen); by default the one this
-    config builds."""
+    config builds.  `previous`: the checkpoint's plan, preferred with batch_size auto (module doc)."""
     if d.device.type != "cuda":
         skipped = "no GPU: batch_size auto uses global_batch / world_size" if cfg["batch_size"] == "auto" else None
-        return plan(cfg, d.world_size, preflight={"skipped": skipped or "no GPU memory to check on CPU"})
-    trial, held = preflight_inputs(cfg, model, loss_fn, d, num_classes, spec)
-    state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
-    try:
-        return _measured_plan(cfg, trial, held, d)
-    finally:
-        model.load_state_dict(state)
+        chosen = plan(
+            cfg, d.world_size, preflight={"skipped": skipped or "no GPU memory to check on CPU"}, previous=previous
+        )
+    else:
+        trial, held = preflight_inputs(cfg, model, loss_fn, d, num_classes, spec)
+        state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
+        try:
+            chosen = _measured_plan(cfg, trial, held, d, previous)
+        finally:
+            model.load_state_dict(state)
+    if previous and chosen.auto and d.master:
+        log.info("batch plan: %s", chosen.reason)
+    return chosen
 
 
-def _measured_plan(cfg: dict, trial: memory.Trial, held: tuple, d: Dist) -> BatchPlan:
+def _measured_plan(cfg: dict, trial: memory.Trial, held: tuple, d: Dist, previous: BatchPlan | None) -> BatchPlan:
     """The plan from trial steps on this rank's GPU, with the preflight report run.json keeps."""
     auto = cfg["batch_size"] == "auto"
     gpu = memory.GpuInfo.of(d.device)
@@ -134,7 +187,7 @@ def _measured_plan(cfg: dict, trial: memory.Trial, held: tuple, d: Dist) -> Batc
     )
     if auto:  # every rank must use the same batch: the smallest GPU decides
         fits = int(min(all_gather(fits, d)))
-    draft = plan(cfg, d.world_size, fits)
+    draft = plan(cfg, d.world_size, fits, previous=previous)
     with memory.autotune_off():
         need_mb = memory.cuda_try_step(trial, memory.device_budget(d.device, held))(draft.batch)
     if auto:

@@ -7,7 +7,13 @@ directory and are moved into place with os.replace, so a kill never leaves a hal
 A checkpoint carries its run's identity (RunIdentity): the train config (less the operational keys,
 x-rerun: false in the schema), the batch and accumulation the preflight CHOSE (`batch_size: auto` may choose
 differently on another card), the record content, the world size and the sha256 of every training
-source file.  `resumable` compares them and names the first that differs.
+source file.  `differences` compares them and names each that differs (`resumable`: the first);
+which of them train.resume: always may resume across is rectrain.train.resume's decision.
+
+Nothing is deleted to start over: a run that does not continue the checkpoints here moves them
+(`move_aside`: a rename within the folder's filesystem, never a copy) into
+replaced/<UTC time>-<what differed>/ beside them.  Within a run, `prune` keeps the last
+train.keep_checkpoints epoch_<k>.pt files (last.pt is always kept, model.pt is not in this folder).
 
 Finished runs: after model.pt is published, FINISHED is written beside the checkpoints.  Snakemake
 deletes a rule's outputs before it runs the job, so a train job that starts with FINISHED present
@@ -18,10 +24,12 @@ killed at any point before FINISHED (even after its last epoch's checkpoint) res
 from __future__ import annotations
 
 import copy
+import datetime
 import hashlib
 import logging
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +50,11 @@ FINISHED = "finished.json"
 SAMPLED_RECORDS = 4096
 # Bytes read at each sampled record: the frame and IRHeader (label, id) and the first image bytes.
 SAMPLE_BYTES = 64
+# Where the checkpoints of a replaced run go (under the checkpoints folder: same filesystem, a rename).
+REPLACED = "replaced"
+# The reason's words in a moved-aside folder's name: enough to tell folders apart, short enough to list.
+SLUG_CHARS = 48
+EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt")
 
 
 def rng_state() -> dict:
@@ -155,21 +168,46 @@ def _changed(a: dict, b: dict) -> str:
     return ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))
 
 
-def resumable(state: dict, ident: RunIdentity) -> str | None:
-    """None if the checkpoint `state` continues the run `ident`, else the item that differs, in words."""
+@dataclass(frozen=True)
+class Difference:
+    """One item of the run identity that differs between a checkpoint and this run."""
+
+    item: str  # config, batch, world_size, data or code
+    text: str  # in words, for the log line and run.json
+
+
+def differences(state: dict, ident: RunIdentity) -> list[Difference]:
+    """Every item in which the checkpoint `state` differs from the run `ident` (empty: the same run)."""
+    found = []
     old_cfg = maths_config(state.get("config") or {})
     if old_cfg != ident.config:
-        return f"the train config changed ({_changed(old_cfg, ident.config)})"
+        found.append(Difference("config", f"the train config changed ({_changed(old_cfg, ident.config)})"))
     old, new = (state.get("batch_size"), state.get("grad_accum")), (ident.batch_size, ident.grad_accum)
     if old != new:
-        return f"the chosen batch changed ({old[0]} x accum {old[1]} then, {new[0]} x accum {new[1]} now)"
+        text = f"the chosen batch changed ({old[0]} x accum {old[1]} then, {new[0]} x accum {new[1]} now)"
+        found.append(Difference("batch", text))
     if state.get("world_size") != ident.world_size:
-        return f"it was written by {state.get('world_size')} processes, this run has {ident.world_size}"
+        text = f"it was written by {state.get('world_size')} processes, this run has {ident.world_size}"
+        found.append(Difference("world_size", text))
     if state.get("data") != ident.data:
-        return f"the training records changed ({_changed(state.get('data') or {}, ident.data)})"
+        text = f"the training records changed ({_changed(state.get('data') or {}, ident.data)})"
+        found.append(Difference("data", text))
     if state.get("code") != ident.code:
-        return f"the training code changed ({_changed(state.get('code') or {}, ident.code)})"
-    return None
+        found.append(Difference("code", f"the training code changed ({_changed(state.get('code') or {}, ident.code)})"))
+    return found
+
+
+def resumable(state: dict, ident: RunIdentity) -> str | None:
+    """None if the checkpoint `state` continues the run `ident`, else the first item that differs, in words."""
+    found = differences(state, ident)
+    return found[0].text if found else None
+
+
+def stamp_of(path: str | os.PathLike) -> dict:
+    """The identity fields of a checkpoint (RunIdentity.stamp, its config), read through mmap: the batch
+    plan reads them before the run is built without loading every tensor of a large checkpoint."""
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {k: state.get(k) for k in ("batch_size", "grad_accum", "world_size", "config")}
 
 
 def finished_marker(ck_dir: Path) -> Path:
@@ -181,12 +219,51 @@ def mark_finished(ck_dir: Path, model: Path) -> None:
     atomic.write_json(finished_marker(ck_dir), {"model": str(model)})
 
 
-def clear(ck_dir: Path) -> list[str]:
-    """Remove the checkpoints (and FINISHED) of a run being replaced; returns the names removed."""
+def _slug(reason: str) -> str:
+    words = re.sub(r"[^a-z0-9]+", "-", reason.lower()).strip("-")
+    if len(words) > SLUG_CHARS:  # cut at a word boundary
+        words = words[: SLUG_CHARS + 1].rsplit("-", 1)[0]
+    return words or "replaced"
+
+
+def run_files(ck_dir: Path) -> list[str]:
+    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED."""
     ck_dir = Path(ck_dir)
-    gone = sorted(p.name for p in ck_dir.glob("epoch_*.pt")) + [
-        n for n in ("last.pt", FINISHED) if (ck_dir / n).exists()
-    ]
+    epochs = sorted((p.name for p in ck_dir.glob("epoch_*.pt") if EPOCH_FILE.fullmatch(p.name)), key=_epoch_of)
+    return epochs + [n for n in ("last.pt", FINISHED) if (ck_dir / n).exists()]
+
+
+def _epoch_of(name: str) -> int:
+    return int(EPOCH_FILE.fullmatch(name).group(1))
+
+
+def move_aside(ck_dir: Path, reason: str) -> tuple[Path | None, list[str]]:
+    """Move the checkpoints (and FINISHED) of a run being replaced into
+    replaced/<UTC time>-<reason slug>/; returns (that folder, the names moved), (None, []) when there
+    were none.  os.rename within one folder tree: no copy, no byte rewritten, nothing deleted."""
+    ck_dir = Path(ck_dir)
+    names = run_files(ck_dir)
+    if not names:
+        return None, []
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = ck_dir / REPLACED / f"{stamp}-{_slug(reason)}"
+    for n in range(1, 1000):  # two replacements within a second keep both
+        try:
+            dest.mkdir(parents=True)
+            break
+        except FileExistsError:
+            dest = dest.with_name(f"{stamp}-{_slug(reason)}-{n}")
+    for name in names:
+        os.rename(ck_dir / name, dest / name)
+    return dest, names
+
+
+def prune(ck_dir: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` epoch_<k>.pt (by k; last.pt and the moved-aside runs are not
+    touched).  Called after the new checkpoint is in place (save_atomic), so a kill during the prune
+    leaves at least `keep` whole checkpoints.  Returns the names deleted."""
+    epochs = [n for n in run_files(ck_dir) if EPOCH_FILE.fullmatch(n)]
+    gone = epochs[: max(0, len(epochs) - max(1, keep))]
     for name in gone:
-        (ck_dir / name).unlink(missing_ok=True)
+        (Path(ck_dir) / name).unlink(missing_ok=True)
     return gone

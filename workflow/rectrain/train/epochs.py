@@ -17,6 +17,7 @@ from rectrain.loaders import Loader
 from rectrain.metrics import all_reduce as all_reduce_tally
 from rectrain.metrics import tally
 from rectrain.progress import Progress, RunProgress
+from rectrain.storage import device_info, human_bytes
 from rectrain.train import calibrate, faults
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.run import Run
@@ -130,9 +131,9 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         wall_s=stats["wall_s"],
     )
     watchdog.beat(f"epoch {epoch}: writing the checkpoint")
-    save_checkpoint(run, epoch, rngs)
+    saved = checkpoint_note(run, epoch, save_checkpoint(run, epoch, rngs))
     log.info(
-        "epoch %d: train loss %.3f acc %.3f, %s, %.0f img/s, %.1f s%s",
+        "epoch %d: train loss %.3f acc %.3f, %s, %.0f img/s, %.1f s%s; %s",
         epoch,
         stats["train_loss"],
         stats["train_acc"],
@@ -140,6 +141,7 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         stats["images"] / stats["wall_s"],
         stats["wall_s"],
         efficiency_note(stats, books.calibration),
+        saved,
     )
 
 
@@ -160,8 +162,10 @@ def efficiency_note(stats: dict, calibration: dict | None) -> str:
     )
 
 
-def save_checkpoint(run: Run, epoch: int, rngs: list) -> None:
-    """epoch_<k>.pt and last.pt: everything a resume needs, and what makes it the same run."""
+def save_checkpoint(run: Run, epoch: int, rngs: list) -> list[str]:
+    """epoch_<k>.pt and last.pt: everything a resume needs, and what makes it the same run; then the
+    epoch checkpoints beyond train.keep_checkpoints are deleted (after the new one is in place, so a
+    kill in between keeps them).  Returns the names deleted."""
     state = {
         "model": run.model.state_dict(),
         "optimizer": run.step.optimizer.state_dict(),
@@ -177,3 +181,17 @@ def save_checkpoint(run: Run, epoch: int, rngs: list) -> None:
     }
     ckpt.save_atomic(state, run.ck_dir / f"epoch_{epoch}.pt")
     ckpt.save_atomic(state, run.ck_dir / "last.pt")
+    return ckpt.prune(run.ck_dir, run.cfg["keep_checkpoints"])
+
+
+def checkpoint_note(run: Run, epoch: int, pruned: list[str]) -> str:
+    """The epoch line's checkpoint part: its size, the folder and disk it is on, what was pruned - what
+    a user sizing the disk (train.keep_checkpoints) needs."""
+    size = (run.ck_dir / f"epoch_{epoch}.pt").stat().st_size
+    where = device_info(run.ck_dir)
+    kept = run.cfg["keep_checkpoints"]
+    note = (
+        f"checkpoint {human_bytes(size)} (epoch_{epoch}.pt and last.pt) in {where['path']} on disk "
+        f"{where['device'] or 'unknown'}, keeping the last {kept} epoch checkpoint(s)"
+    )
+    return note + (f", deleted {', '.join(pruned)}" if pruned else "")

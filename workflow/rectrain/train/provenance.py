@@ -29,8 +29,9 @@ def dali_version() -> str | None:
     return dali.__version__
 
 
-def run_info(run: Run, start_epoch: int, calibration: dict) -> dict:
-    """run.json as the run starts (`finished` is filled in when it is published)."""
+def run_info(run: Run, start_epoch: int, calibration: dict, *, resumed_despite: tuple[str, ...] = ()) -> dict:
+    """run.json as the run starts (`finished` is filled in when it is published); `resumed_despite`: the
+    identity differences train.resume: always resumed across."""
     d, cfg, loader, plan = run.d, run.cfg, run.train_loader, run.plan
     return {
         "world_size": d.world_size,
@@ -56,6 +57,7 @@ def run_info(run: Run, start_epoch: int, calibration: dict) -> dict:
         "preflight": plan.preflight,
         "config": cfg,
         "resumed_from_epoch": start_epoch or None,
+        "resumed_despite": list(resumed_despite),
         # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
         "loader_requested": cfg["loader"],
         "decode": loader.choice.decode,

@@ -1,73 +1,177 @@
-"""Resume: continue from checkpoints/last.pt when it was written by this same run
-(rectrain.train.checkpoint.RunIdentity: config, batch plan, records, world size, code), else clear the
-checkpoints of the run this one replaces and start at epoch 0."""
+"""Resume: continue from checkpoints/last.pt, or start over without deleting anything.
+
+train.resume (operational, x-rerun: false) says when a checkpoint is continued:
+
+- auto (the default): only when it was written by this same run (rectrain.train.checkpoint.RunIdentity:
+  the train config's output part, the batch plan, the records, the world size, the code all match).
+- always: also across the differences the user vouches for - the output-changing train config (an
+  lr or epochs edit), the training records' fingerprint, the training code (an edit known to be
+  harmless) - each named in the log line and in run.json's `resumed_despite`.  Refused even so, the
+  job failing before it trains and naming them (REFUSED): a different world size or batch plan -
+  every rank's saved RNG state and the loaders' shards of the records are laid out for the processes
+  and the batch x accum that wrote the checkpoint, so no rank would continue the sample stream it
+  left.  A checkpoint whose tensors do not fit this model (another train.model, another number of
+  classes) fails as it is restored, saying so.
+- never: always start over.
+
+Starting over never deletes: the checkpoints here are moved aside (checkpoint.move_aside, a rename)
+into checkpoints/replaced/<UTC time>-<what differed>/ and the log line says where and why.
+
+A finished run (checkpoint.FINISHED present: Snakemake deleted the job's outputs and started it
+again, `--forcerun` or the outputs deleted by hand) starts over under every mode: the user asked
+for a new training, not for the finished one to be republished.
+
+The batch plan (`batch_size: auto`) reads the checkpoint's plan before the run is built
+(`previous_plan`) and reuses it when it still fits (rectrain.train.batchplan), so a restart with
+less free GPU memory is still the same run.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 
 from rectrain.distributed import all_gather
 from rectrain.train import checkpoint as ckpt
+from rectrain.train.batchplan import BatchPlan
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
 
+# Identity items train.resume: always does not resume across (see the module doc).
+REFUSED = ("world_size", "batch")
+FORCED = (
+    "a forced rerun: that run finished and published model.pt, and this job was started again (snakemake --forcerun, "
+    "or its outputs deleted): a new run"
+)
 
-def resume(run: Run) -> tuple[int, list | None]:
-    """(first epoch to train, per-rank RNG states) from checkpoints/last.pt when it continues this run;
-    otherwise the checkpoints of the run it replaces are removed (rank 0, once every rank has decided)."""
+
+@dataclass(frozen=True)
+class Resumed:
+    """What resume decided: the first epoch to train, every rank's RNG state to restore (None when
+    starting over), and the differences train.resume: always resumed across."""
+
+    start_epoch: int
+    rng_states: list | None = None
+    despite: tuple[str, ...] = ()
+
+
+class ResumeRefused(RuntimeError):
+    """train.resume: always, but the checkpoint differs in an item no resume can cross."""
+
+
+def previous_plan(ck_dir: Path, cfg: dict) -> BatchPlan | None:
+    """The batch plan checkpoints/last.pt was written with, for `batch_size: auto` to reuse; None when
+    there is none to reuse (no checkpoint, a finished run, train.resume: never, a fixed batch size)."""
+    last = Path(ck_dir) / "last.pt"
+    if cfg["batch_size"] != "auto" or cfg["resume"] == "never" or not last.exists():
+        return None
+    if ckpt.finished_marker(ck_dir).exists():
+        return None
+    stamp = ckpt.stamp_of(last)
+    if not all(isinstance(stamp[k], int) for k in ("batch_size", "grad_accum", "world_size")):
+        return None
+    return BatchPlan(stamp["batch_size"], stamp["grad_accum"], stamp["world_size"], reason="the checkpoint's")
+
+
+def resume(run: Run) -> Resumed:
+    """Continue checkpoints/last.pt when train.resume allows it; otherwise (rank 0, once every rank has
+    decided) move the checkpoints of the run this one replaces aside."""
     last = run.ck_dir / "last.pt"
-    start_epoch, rng_states, why_not = _continue(run) if last.exists() else (0, None, None)
-    starts = all_gather(start_epoch, run.d)  # also: nobody writes checkpoints before every rank has read last.pt
+    if run.cfg["resume"] == "never":
+        decided, why_not = Resumed(0), "train.resume is never"
+    elif not last.exists():
+        decided, why_not = Resumed(0), f"{last.name} is missing"
+    else:
+        decided, why_not = _continue(run)
+    starts = all_gather(decided.start_epoch, run.d)  # also: nobody writes checkpoints before every rank read last.pt
     if len(set(starts)) > 1:
         raise RuntimeError(
             f"ranks disagree on the epoch to resume from ({starts}): {run.ck_dir} must be on a "
             "filesystem every node sees (shared --out)"
         )
-    if run.d.master and not start_epoch:  # whatever checkpoints are here belong to another run
-        gone = ckpt.clear(run.ck_dir)
-        if gone:
-            why_not = why_not or f"{last.name} is missing"
-            log.info(
-                "not resuming from %s: %s; removed its checkpoints (%s); starting from epoch 0",
-                last,
-                why_not,
-                ", ".join(gone),
-            )
-    return start_epoch, rng_states
+    if run.d.master and not decided.start_epoch:  # whatever checkpoints are here belong to another run
+        start_over(run.ck_dir, why_not)
+    return decided
 
 
-def _continue(run: Run) -> tuple[int, list | None, str | None]:
-    """(first epoch, RNG states, None) with last.pt's state restored when it continues this run,
-    else (0, None, why not)."""
-    last = run.ck_dir / "last.pt"
-    state = ckpt.load(last)
-    why_not = ckpt.resumable(state, run.identity)
-    if not why_not and ckpt.finished_marker(run.ck_dir).exists():
-        why_not = (
-            "that run finished and published model.pt, and this job was started again (snakemake --forcerun, "
-            "or its outputs deleted): a new run"
-        )
-    if why_not:
-        return 0, None, why_not
-    restore(run, state)
-    if run.d.master:
+def start_over(ck_dir: Path, why_not: str) -> None:
+    """Move the replaced run's checkpoints aside and say where and why (nothing here: nothing said)."""
+    dest, moved = ckpt.move_aside(ck_dir, why_not)
+    if moved:
         log.info(
-            "resuming from %s: epoch %d of %d done by the same run (config, batch %d x accum %d, records, "
-            "%d processes and code all match); continuing at epoch %d",
-            last,
-            state["epoch"],
-            run.cfg["epochs"],
-            run.plan.batch,
-            run.plan.grad_accum,
-            run.d.world_size,
-            state["epoch"] + 1,
+            "not resuming from %s: %s; moved its checkpoints (%s) aside to %s (nothing deleted: remove that "
+            "folder when the replaced run is no longer wanted); starting from epoch 0",
+            Path(ck_dir) / "last.pt",
+            why_not,
+            ", ".join(moved),
+            dest,
         )
-    return state["epoch"] + 1, state["rng"], None
 
 
-def restore(run: Run, state: dict) -> None:
-    run.model.load_state_dict(state["model"])
-    run.step.optimizer.load_state_dict(state["optimizer"])
-    run.step.scheduler.load_state_dict(state["scheduler"])
-    run.step.scaler.load_state_dict(state["scaler"])
+def _continue(run: Run) -> tuple[Resumed, str | None]:
+    """(what to resume, None) with last.pt's state restored when train.resume allows it, else
+    (a start at epoch 0, why not)."""
+    last, mode = run.ck_dir / "last.pt", run.cfg["resume"]
+    state = ckpt.load(last)
+    found = ckpt.differences(state, run.identity)
+    if found and mode == "auto":
+        return Resumed(0), "; ".join(d.text for d in found)
+    if ckpt.finished_marker(run.ck_dir).exists():
+        return Resumed(0), FORCED
+    refused = [d.text for d in found if d.item in REFUSED]
+    if refused:
+        raise ResumeRefused(
+            f"train.resume: always cannot continue {last}: {'; '.join(refused)}. Every rank's RNG state and "
+            "shard of the records belong to the processes and batch that wrote it, so no rank would continue "
+            "where it stopped. Train with the same devices and batch, or set train.resume: auto to start over "
+            "(the checkpoints are moved aside, not deleted)"
+        )
+    despite = tuple(d.text for d in found)
+    restore(run, state, despite)
+    if run.d.master:
+        _say_resuming(run, last, state["epoch"], despite)
+    return Resumed(state["epoch"] + 1, state["rng"], despite), None
+
+
+def _say_resuming(run: Run, last: Path, epoch: int, despite: tuple[str, ...]) -> None:
+    if despite:
+        log.info(
+            "resuming from %s despite %s (train.resume: always; recorded in run.json's resumed_despite): "
+            "epoch %d of %d done; continuing at epoch %d",
+            last,
+            "; ".join(despite),
+            epoch,
+            run.cfg["epochs"],
+            epoch + 1,
+        )
+        return
+    log.info(
+        "resuming from %s: epoch %d of %d done by the same run (config, batch %d x accum %d, records, "
+        "%d processes and code all match); continuing at epoch %d",
+        last,
+        epoch,
+        run.cfg["epochs"],
+        run.plan.batch,
+        run.plan.grad_accum,
+        run.d.world_size,
+        epoch + 1,
+    )
+
+
+def restore(run: Run, state: dict, despite: tuple[str, ...] = ()) -> None:
+    """Load the checkpoint's model, optimizer, scheduler and scaler states into the run."""
+    try:
+        run.model.load_state_dict(state["model"])
+        run.step.optimizer.load_state_dict(state["optimizer"])
+        run.step.scheduler.load_state_dict(state["scheduler"])
+        run.step.scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, KeyError, ValueError) as exc:
+        if not despite:
+            raise
+        raise ResumeRefused(
+            f"train.resume: always could not restore {run.ck_dir / 'last.pt'} into this run "
+            f"({'; '.join(despite)}): {exc}. Set train.resume: auto to start over (the checkpoints are moved "
+            "aside, not deleted)"
+        ) from exc

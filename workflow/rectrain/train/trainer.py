@@ -12,13 +12,14 @@ process, or runs as a single process, and says which; it never dies on a missing
 A run, in order (`train`), each step in its own module of rectrain.train: set up the rank, build the
 model (run.prepare_rank), plan the batch - on a GPU after checking it fits beside what the loaders
 will hold (batchplan) - build the loaders, optimizer (optim) and network (run.build_run), resume a
-checkpoint of the same run or clear the one it replaces (resume), calibrate (img/s on synthetic data,
+checkpoint of the same run or move the one it replaces aside (resume, train.resume), calibrate (img/s on synthetic data,
 calibrate), write run.json (provenance), then per epoch train (step.run_steps), validate (rectrain.metrics'
 tally, as the evaluate stage counts) and checkpoint (epochs); finally publish the outputs (outputs).  A watchdog
 (rectrain.watchdog, train.watchdog_s) ends a rank that stops making progress; a failing rank's log
 line says what an out-of-memory in disguise needs (failure).  Test hooks: faults.
 
-Outputs in --out: checkpoints/epoch_<k>.pt + last.pt (every epoch, atomic), telemetry/ (live CSVs),
+Outputs in --out: checkpoints/epoch_<k>.pt (the last train.keep_checkpoints) + last.pt (every epoch,
+atomic; a replaced run's under checkpoints/replaced/), telemetry/ (live CSVs),
 and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last), then
 checkpoints/finished.json (a later start of the job is a forced rerun: it retrains).
 See docs/architecture.md for the formats.
@@ -40,7 +41,7 @@ from rectrain.distributed import barrier
 from rectrain.train import batchplan, calibrate, failure, outputs, provenance
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.epochs import Books, train_epochs
-from rectrain.train.resume import resume
+from rectrain.train.resume import previous_plan, resume
 from rectrain.train.run import Run, build_run, prepare_rank
 from rectrain.train.step import Step, run_steps
 
@@ -107,7 +108,10 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
         with watchdog.Watchdog(cfg["watchdog_s"], d.rank, d.world_size, Path(args.out) / "telemetry"):
             watchdog.beat("preparing: model, memory preflight, loaders")
             parts = prepare_rank(args, cfg, d)
-            plan = batchplan.choose_batch(cfg, parts.model, parts.loss_fn, d, len(parts.classes), parts.spec)
+            previous = previous_plan(Path(args.out) / "checkpoints", cfg)  # batch_size auto reuses it when it fits
+            plan = batchplan.choose_batch(
+                cfg, parts.model, parts.loss_fn, d, len(parts.classes), parts.spec, previous=previous
+            )
             run = build_run(args, cfg, parts, plan)
             train_run(run)
     except Exception as exc:
@@ -119,9 +123,10 @@ def train_run(run: Run) -> None:
     """Resume or start over, calibrate, train the epochs, publish."""
     d = run.d
     watchdog.beat("reading checkpoints/last.pt")
-    start_epoch, rng_states = resume(run)
+    resumed = resume(run)
+    start_epoch, rng_states = resumed.start_epoch, resumed.rng_states
     calibration = calibrate.calibrate_run(run)
-    info = provenance.run_info(run, start_epoch, calibration)
+    info = provenance.run_info(run, start_epoch, calibration, resumed_despite=resumed.despite)
     if d.master:
         write_json(run.out / "run.json", info)
         provenance.log_start(run)

@@ -1,0 +1,227 @@
+"""Resume decisions without training: train.resume (auto, always, never), moving a replaced run's
+checkpoints aside instead of deleting them, pruning to train.keep_checkpoints, and the batch plan of
+`batch_size: auto` reusing the checkpoint's (on CPU, and on a GPU faked at what the preflight measures)."""
+
+import dataclasses
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rectrain.distributed import Dist
+from rectrain.train import batchplan, memory
+from rectrain.train import checkpoint as ckpt
+from rectrain.train import resume as resume_mod
+from rectrain.train.resume import ResumeRefused, previous_plan, resume
+
+IDENT = ckpt.RunIdentity(
+    config={"lr": 0.1, "epochs": 4},
+    batch_size=32,
+    grad_accum=1,
+    world_size=1,
+    data={"rec_bytes": 1, "idx_sha256": "a", "headers_sha256": "h"},
+    code={"train.py": "aa", "loaders/dali.py": "bb"},
+)
+
+
+def fake_run(tmp_path, mode="auto", identity=IDENT, batch_size=32):
+    """What resume reads of a Run: its folder, config, ranks, identity, model and step states."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = SimpleNamespace(
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+    )
+    cfg = {**identity.config, "resume": mode, "batch_size": batch_size, "workers": 2}
+    (tmp_path / "checkpoints").mkdir(exist_ok=True)
+    return SimpleNamespace(
+        ck_dir=tmp_path / "checkpoints",
+        cfg=cfg,
+        d=Dist(0, identity.world_size, 0, identity.world_size, torch.device("cpu")),
+        identity=identity,
+        model=model,
+        step=step,
+        plan=batchplan.BatchPlan(identity.batch_size, identity.grad_accum, identity.world_size),
+    )
+
+
+def write_checkpoints(run, epochs=2, identity=IDENT, finished=False):
+    """epoch_0.pt .. epoch_<epochs-1>.pt and last.pt as a run with `identity` writes them."""
+    state = {
+        "model": run.model.state_dict(),
+        "optimizer": run.step.optimizer.state_dict(),
+        "scheduler": run.step.scheduler.state_dict(),
+        "scaler": run.step.scaler.state_dict(),
+        "rng": [ckpt.rng_state()],
+        "config": {**identity.config, "workers": 2},
+        **identity.stamp(),
+    }
+    for epoch in range(epochs):
+        ckpt.save_atomic({**state, "epoch": epoch}, run.ck_dir / f"epoch_{epoch}.pt")
+    ckpt.save_atomic({**state, "epoch": epochs - 1}, run.ck_dir / "last.pt")
+    if finished:
+        ckpt.mark_finished(run.ck_dir, run.ck_dir.parent / "model.pt")
+
+
+def replaced(ck_dir):
+    return sorted((ck_dir / ckpt.REPLACED).iterdir())
+
+
+def test_moving_aside_renames_every_checkpoint_into_a_folder_named_by_time_and_reason(tmp_path):
+    for name in ("epoch_0.pt", "epoch_1.pt", "epoch_10.pt", "last.pt", ckpt.FINISHED, "notes.txt"):
+        (tmp_path / name).write_text(name)
+    inodes = {p.name: p.stat().st_ino for p in tmp_path.iterdir()}
+    dest, moved = ckpt.move_aside(tmp_path, "the train config changed (lr)")
+    assert moved == ["epoch_0.pt", "epoch_1.pt", "epoch_10.pt", "last.pt", ckpt.FINISHED], "epochs by number"
+    assert dest.parent == tmp_path / ckpt.REPLACED
+    assert re.fullmatch(r"\d{8}T\d{6}Z-the-train-config-changed-lr", dest.name), dest.name
+    for name in moved:
+        assert (dest / name).read_text() == name, "nothing deleted"
+        assert (dest / name).stat().st_ino == inodes[name], "renamed, not copied"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", ckpt.REPLACED]
+    assert ckpt.move_aside(tmp_path, "again") == (None, []), "nothing left to move: no empty folder"
+    assert len(replaced(tmp_path)) == 1
+
+
+def test_moving_aside_twice_in_one_second_keeps_both_runs(tmp_path):
+    for _ in range(2):
+        (tmp_path / "last.pt").write_text("x")
+        ckpt.move_aside(tmp_path, "train.resume is never")
+    assert [len(list(d.iterdir())) for d in replaced(tmp_path)] == [1, 1]
+
+
+def test_prune_keeps_the_newest_epoch_checkpoints_and_last_pt(tmp_path):
+    for k in range(12):
+        (tmp_path / f"epoch_{k}.pt").write_text("x")
+    (tmp_path / "last.pt").write_text("x")
+    (tmp_path / ckpt.REPLACED).mkdir()
+    (tmp_path / ckpt.REPLACED / "epoch_0.pt").write_text("a replaced run's")
+    gone = ckpt.prune(tmp_path, keep=3)
+    assert gone == [f"epoch_{k}.pt" for k in range(9)], "by epoch number, not by name (epoch_10 > epoch_9)"
+    assert ckpt.run_files(tmp_path) == ["epoch_9.pt", "epoch_10.pt", "epoch_11.pt", "last.pt"]
+    assert (tmp_path / ckpt.REPLACED / "epoch_0.pt").exists(), "moved-aside runs are not pruned"
+    assert ckpt.prune(tmp_path, keep=3) == []
+
+
+def test_resume_auto_starts_over_on_a_config_difference_moving_the_checkpoints_aside(tmp_path, caplog):
+    run = fake_run(tmp_path, "auto", dataclasses.replace(IDENT, config={"lr": 0.2, "epochs": 4}))
+    write_checkpoints(run)
+    with caplog.at_level(logging.INFO):
+        decided = resume(run)
+    assert decided == resume_mod.Resumed(0)
+    (dest,) = replaced(run.ck_dir)
+    assert sorted(p.name for p in dest.iterdir()) == ["epoch_0.pt", "epoch_1.pt", "last.pt"]
+    assert "the train config changed (lr)" in caplog.text and f"aside to {dest}" in caplog.text
+
+
+def test_resume_always_continues_across_a_config_and_code_difference_and_names_them(tmp_path, caplog):
+    changed = dataclasses.replace(IDENT, config={"lr": 0.2, "epochs": 4}, code={**IDENT.code, "train.py": "edited"})
+    run = fake_run(tmp_path, "always", changed)
+    write_checkpoints(run)
+    with caplog.at_level(logging.INFO):
+        decided = resume(run)
+    assert decided.start_epoch == 2 and decided.rng_states
+    assert decided.despite == ("the train config changed (lr)", "the training code changed (train.py)")
+    assert "despite the train config changed (lr); the training code changed (train.py)" in caplog.text
+    assert not (run.ck_dir / ckpt.REPLACED).exists() and (run.ck_dir / "last.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "changes,named",
+    [
+        ({"world_size": 2}, "it was written by 1 processes, this run has 2"),
+        ({"batch_size": 16, "grad_accum": 2}, "the chosen batch changed (32 x accum 1 then, 16 x accum 2 now)"),
+    ],
+)
+def test_resume_always_refuses_a_different_world_size_or_batch_plan_naming_it(tmp_path, changes, named):
+    run = fake_run(tmp_path, "always", dataclasses.replace(IDENT, config={"lr": 0.2, "epochs": 4}, **changes))
+    write_checkpoints(run)
+    with pytest.raises(ResumeRefused) as err:
+        resume(run)
+    assert named in str(err.value) and "train.resume: auto" in str(err.value)
+    assert "the train config changed" not in str(err.value), "only what cannot be crossed is named"
+    assert ckpt.run_files(run.ck_dir) == ["epoch_0.pt", "epoch_1.pt", "last.pt"], "refusing touches nothing"
+
+
+def test_resume_never_starts_over_even_the_same_run_moving_its_checkpoints_aside(tmp_path, caplog):
+    run = fake_run(tmp_path, "never")
+    write_checkpoints(run)
+    with caplog.at_level(logging.INFO):
+        assert resume(run) == resume_mod.Resumed(0)
+    (dest,) = replaced(run.ck_dir)
+    assert dest.name.endswith("-train-resume-is-never") and ckpt.run_files(run.ck_dir) == []
+    assert "train.resume is never" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_finished_run_started_again_moves_its_checkpoints_aside_in_every_mode(tmp_path, mode):
+    run = fake_run(tmp_path, mode)
+    write_checkpoints(run, finished=True)
+    assert resume(run).start_epoch == 0
+    (dest,) = replaced(run.ck_dir)
+    assert sorted(p.name for p in dest.iterdir()) == ["epoch_0.pt", "epoch_1.pt", ckpt.FINISHED, "last.pt"]
+
+
+# --- batch_size auto reuses the checkpoint's plan ----------------------------------------------------
+
+
+AUTO = {"batch_size": "auto", "global_batch": 256, "grad_accum": 1}
+
+
+def test_the_checkpoints_plan_is_read_from_last_pt_for_batch_size_auto_only(tmp_path):
+    ident = dataclasses.replace(IDENT, batch_size=43, grad_accum=3, world_size=2)
+    run = fake_run(tmp_path, "auto", ident, batch_size="auto")
+    write_checkpoints(run, identity=ident)
+    found = previous_plan(run.ck_dir, run.cfg)
+    assert (found.batch, found.grad_accum, found.world_size) == (43, 3, 2)
+    assert previous_plan(run.ck_dir, {**run.cfg, "batch_size": 32}) is None
+    assert previous_plan(run.ck_dir, {**run.cfg, "resume": "never"}) is None
+
+
+def test_auto_batch_on_cpu_reuses_the_checkpoints_plan_as_is():
+    d = Dist(0, 2, 0, 2, torch.device("cpu"))
+    previous = batchplan.BatchPlan(43, 3, 2)  # planned on a GPU where 50 fitted
+    chosen = batchplan.choose_batch(AUTO, None, None, d, 5, previous=previous)
+    assert (chosen.batch, chosen.grad_accum, chosen.world_size) == (43, 3, 2) and chosen.auto
+    assert "the checkpoint's plan 43 x accum 3 reused" in chosen.reason
+    other_world = batchplan.choose_batch(AUTO, None, None, Dist(0, 4, 0, 4, torch.device("cpu")), 5, previous=previous)
+    assert (other_world.batch, other_world.grad_accum) == (64, 1), "another world size plans afresh"
+
+
+@pytest.fixture
+def fake_gpu_preflight(monkeypatch):
+    """choose_batch on a 'GPU' whose preflight measures that at most `fits[0]` samples fit per device."""
+    fits = [128]
+    monkeypatch.setattr(batchplan, "preflight_inputs", lambda *a: (None, ()))
+    monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: memory.GpuInfo(0, "fake", 11264.0)))
+    monkeypatch.setattr(
+        memory, "device_budget", lambda device, held, headroom=1.0: SimpleNamespace(available_bytes=10 * 2**30, held=())
+    )
+    monkeypatch.setattr(memory, "cuda_try_step", lambda trial, budget: lambda batch: batch * 10.0)
+    monkeypatch.setattr(memory, "preflight", lambda try_step, want, **kw: (fits[0], {"auto": True, "why_lower": None}))
+    model = torch.nn.Linear(2, 2)
+    return fits, lambda previous: batchplan.choose_batch(
+        AUTO, model, None, Dist(0, 1, 0, 1, torch.device("cuda", 0)), 5, previous=previous
+    )
+
+
+def test_auto_batch_on_a_gpu_with_more_memory_free_now_reuses_the_checkpoints_smaller_plan(fake_gpu_preflight):
+    fits, choose = fake_gpu_preflight
+    fits[0] = 128  # more fits now than when the checkpoint was written at 64 x 4 (one process, 256)
+    chosen = choose(batchplan.BatchPlan(64, 4, 1))
+    assert (chosen.batch, chosen.grad_accum) == (64, 4)
+    assert chosen.preflight["batch"] == 64 and chosen.preflight["grad_accum"] == 4, "run.json says what ran"
+    assert (choose(None).batch, choose(None).grad_accum) == (128, 2), "without a checkpoint: the largest"
+
+
+def test_auto_batch_whose_checkpoint_plan_no_longer_fits_plans_afresh_naming_both(fake_gpu_preflight, caplog):
+    fits, choose = fake_gpu_preflight
+    fits[0] = 50  # less free memory than when 64 x 4 was planned
+    with caplog.at_level(logging.INFO):
+        chosen = choose(batchplan.BatchPlan(64, 4, 1))
+    assert (chosen.batch, chosen.grad_accum) == (43, 6)
+    for part in ("the checkpoint's plan 64 x accum 4 is not reused", "no longer fits", "this run plans 43 x accum 6"):
+        assert part in chosen.reason and part in caplog.text
