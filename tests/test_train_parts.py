@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers.train_data import run_identity
 
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import telemetry
@@ -40,31 +41,21 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
         ckpt.load(tmp_path / "evil.pt")
 
 
-def identity(**changes):
-    base = dict(
-        config={"lr": 0.1, "epochs": 4},
-        batch_size=32,
-        grad_accum=1,
-        world_size=2,
-        data={"rec_bytes": 1, "idx_sha256": "a", "headers_sha256": "h"},
-        code={"train.py": "aa", "loaders/dali.py": "bb"},
-    )
-    return ckpt.RunIdentity(**{**base, **changes})
-
-
 def test_resume_is_refused_naming_the_item_that_differs():
-    ident = identity()
+    ident = run_identity()
     state = {"config": {"lr": 0.1, "epochs": 4, "workers": 2}, **ident.stamp()}
     assert ckpt.resumable(state, ident) is None
     assert ckpt.resumable(dict(state, config={"lr": 0.1, "epochs": 4, "workers": 8}), ident) is None, (
         "workers: same maths"
     )
     cases = {
-        "the train config changed (epochs)": identity(config={"lr": 0.1, "epochs": 5}),
-        "the chosen batch changed (32 x accum 1 then, 16 x accum 2 now)": identity(batch_size=16, grad_accum=2),
-        "written by 2 processes, this run has 1": identity(world_size=1),
-        "the training records changed (headers_sha256)": identity(data=dict(ident.data, headers_sha256="relabelled")),
-        "the training code changed (loaders/dali.py)": identity(code=dict(ident.code, **{"loaders/dali.py": "cc"})),
+        "the train config changed (epochs)": run_identity(config={"lr": 0.1, "epochs": 5}),
+        "the chosen batch changed (32 x accum 1 then, 16 x accum 2 now)": run_identity(batch_size=16, grad_accum=2),
+        "written by 2 processes, this run has 1": run_identity(world_size=1),
+        "the training records changed (headers_sha256)": run_identity(
+            data=dict(ident.data, headers_sha256="relabelled")
+        ),
+        "the training code changed (loaders/dali.py)": run_identity(code=dict(ident.code, **{"loaders/dali.py": "cc"})),
     }
     for why, other in cases.items():
         assert why in ckpt.resumable(state, other)

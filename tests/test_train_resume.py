@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.train_data import run_identity
 
 from rectrain.distributed import Dist
 from rectrain.train import batchplan, memory
@@ -16,14 +17,7 @@ from rectrain.train import checkpoint as ckpt
 from rectrain.train import resume as resume_mod
 from rectrain.train.resume import ResumeRefused, previous_plan, resume
 
-IDENT = ckpt.RunIdentity(
-    config={"lr": 0.1, "epochs": 4},
-    batch_size=32,
-    grad_accum=1,
-    world_size=1,
-    data={"rec_bytes": 1, "idx_sha256": "a", "headers_sha256": "h"},
-    code={"train.py": "aa", "loaders/dali.py": "bb"},
-)
+IDENT = run_identity(world_size=1)
 
 
 def fake_run(tmp_path, mode="auto", identity=IDENT, batch_size=32):

@@ -81,3 +81,18 @@ def rows(path):
     """A telemetry CSV as a list of dicts (column name -> string)."""
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def run_identity(**changes):
+    """A checkpoint's RunIdentity for the resume tests: a fixed sample, with `changes` applied."""
+    from rectrain.train.checkpoint import RunIdentity
+
+    base = dict(
+        config={"lr": 0.1, "epochs": 4},
+        batch_size=32,
+        grad_accum=1,
+        world_size=2,
+        data={"rec_bytes": 1, "idx_sha256": "a", "headers_sha256": "h"},
+        code={"train.py": "aa", "loaders/dali.py": "bb"},
+    )
+    return RunIdentity(**{**base, **changes})
