@@ -10,16 +10,24 @@ Layouts understood (docs/architecture.md, "index_raw"), relative to the raw root
   archives     ILSVRC2012_img_train.tar (a tar of per-class tars) + ILSVRC2012_img_val.tar, in the raw
                root or its archives/ folder, read in place: never extracted. Val labels from
                LOC_val_solution.csv, else the devkit.
-"auto" takes train folders over the train archive, and for val: foldered, then Kaggle CSV, then devkit.
+  tiny-imagenet  train/<wnid>/images/*.JPEG + val/images/ labelled by val/val_annotations.txt (the raw
+               root, or its tiny-imagenet-200/ as the zip extracts); names from words.txt, and a
+               warning when wnids.txt lists other classes than train holds
+"auto" takes train folders over the train archive, and for val: Tiny-ImageNet's, foldered, then Kaggle
+CSV, then devkit. An image anywhere below a class folder is of that class (the log says how many class
+folders hold images in sub-folders); hidden sub-folders are listed.
 
 Outputs (tab-separated, header row): train.tsv and val.tsv (id, source, label, wnid; ids 0..N-1 in
 sorted(source) order), classes.tsv (label, wnid, name; labels = sorted train wnids, as
 `im2rec --recursive` numbers them), unclassified.tsv (source, reason). A source is a path relative to
 the raw root, or `archive.tar::member`, or `outer.tar::inner.tar::member`.
 
-The indexer only classifies; bad image content is the packer's job. Every file under the layout's
-folders is accounted for: indexed, or listed in unclassified.tsv with the reason (not an image
-extension, outside any class folder, no ground truth, not a regular file: FIFOs, sockets and devices
+The indexer only classifies; bad image content is the packer's job. A file is an image when its
+extension (any case) is one of a format the pack opens (rectrain.data.formats), or else when its first
+bytes are one: in a folder only, archive members by name. Every file under the layout's
+folders is accounted for: indexed, or listed in unclassified.tsv with the reason (not an image,
+a name the TSVs cannot hold: tab, line break, '::' or not UTF-8 - see name_problem - outside any
+class folder, no ground truth, not a regular file: FIFOs, sockets and devices
 would block or feed the packer garbage; symbolic links are followed only when they resolve inside the
 raw root, or inside a split folder that is itself a link the user made). Layout detection ignores hidden and empty folders (a stray `val/.ipynb_checkpoints/` does not
 make a flat val foldered).
