@@ -111,3 +111,11 @@ def test_dry_run_reads_a_raw_root_and_fast_storage_given_with_tilde_and_a_variab
     assert proc.returncode == 0, out
     assert f"--raw {home}/data/raw " in out, "the index rule reads the expanded raw root"
     assert f"{tmp_path}/ssd/demo/train.rec" in out, "the pack writes under the expanded fast storage"
+
+
+def test_path_key_whose_variable_is_empty_is_refused(home, monkeypatch):
+    monkeypatch.setenv("RECTRAIN_TEST_EMPTY", "")
+    cfg = demo_config()
+    cfg["raw"] = "$RECTRAIN_TEST_EMPTY"
+    with pytest.raises(ConfigError, match="config key 'raw' = '\\$RECTRAIN_TEST_EMPTY' expands to an empty path"):
+        check_config(cfg, SCHEMA, workdir=REPO)

@@ -248,6 +248,7 @@ NAMES = {
     "tab": ("a\tb.jpg", "name contains a tab, which separates the index's columns: rename the file"),
     "newline": ("a\nb.jpg", "name contains a line break (newline or carriage return), which ends an index row"),
     "carriage return": ("a\rb.jpg", "name contains a line break (newline or carriage return), which ends an index row"),
+    "archive separator": ("a::b.jpg", "name contains '::', which separates an archive from its member in a source"),
     "not UTF-8": (LATIN1, "name is not valid UTF-8 (shown with its odd bytes as \\xNN; e.g. Latin-1"),
 }
 

@@ -161,7 +161,12 @@ def expand_path(value: str, key: str) -> str:
                 ]
             )
         )
-    return os.path.expanduser(os.path.expandvars(value))
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    if not expanded.strip():  # "" would be the working directory
+        raise ConfigError(
+            format_problems([f"config key '{key}' = {value!r} expands to an empty path: set the variable to a path"])
+        )
+    return expanded
 
 
 def expand_paths(config: dict, schema: dict) -> None:
