@@ -56,9 +56,10 @@ def check_paths(config: dict, workdir: Path, written: dict[str, str] | None = No
 def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
     """Validate and fill defaults in place, then cross-check keys and paths; raise ConfigError listing
     every problem, and log a warning for each combination that runs but is probably not meant."""
-    written = path_values(config, load_schema(schema_path))  # before fill_defaults expands them
+    schema = load_schema(schema_path)
+    written = path_values(config, schema)  # before fill_defaults expands them
     fill_defaults(config, schema_path)
-    problems = whole_numbers(config, load_schema(schema_path)) + cross_check(config)
+    problems = whole_numbers(config, schema) + cross_check(config)
     problems += check_paths(config, Path(workdir), written)
     if problems:
         raise ConfigError(format_problems(problems))
