@@ -94,8 +94,9 @@ def test_empty_visible_folder_in_flat_val_does_not_make_val_foldered(demo_raw, t
 def test_flat_val_without_labels_in_folder_layout_is_an_error_naming_split_layout_and_finding(demo_raw, tmp_path):
     # Foldered val/ holding only non-images: 0 val images must stop the index, not publish an empty val.
     root = foldered(demo_raw, tmp_path / "raw")
-    for image in (root / "val").rglob("*.JPEG"):
-        image.rename(image.with_suffix(".txt"))
+    for image in (root / "val").rglob("*.JPEG"):  # text files: a JPEG named .txt is indexed by its content
+        image.with_suffix(".txt").write_text("notes")
+        image.unlink()
     with pytest.raises(LayoutError) as err:
         discover(root)
     msg = str(err.value)

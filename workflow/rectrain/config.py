@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from pathlib import Path
 
 import jsonschema
@@ -114,7 +115,71 @@ def fill_defaults(config: dict, schema_path=SCHEMA_PATH) -> dict:
     except Exception as exc:  # WorkflowError; re-described below key by key
         lines = describe_errors(config, schema) or [str(exc)]
         raise ConfigError(format_problems(lines)) from None
+    expand_paths(config, schema)
     return config
+
+
+# $NAME or ${NAME}, as os.path.expandvars reads them
+_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def path_keys(schema: dict, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every key the schema marks `x-path: true`, as a key path (("pack", "fast_storage"))."""
+    keys = []
+    for name, spec in schema.get("properties", {}).items():
+        if spec.get("x-path"):
+            keys.append((*path, name))
+        keys += path_keys(spec, (*path, name))
+    return keys
+
+
+def _path_slots(config: dict, schema: dict):
+    """(dotted key, the dict holding it, its name) for every path key set to a string."""
+    for keys in path_keys(schema):
+        block = config
+        for key in keys[:-1]:
+            block = block.get(key) if isinstance(block, dict) else None
+        if isinstance(block, dict) and isinstance(block.get(keys[-1]), str):
+            yield key_path(keys), block, keys[-1]
+
+
+def path_values(config: dict, schema: dict) -> dict[str, str]:
+    """'pack.fast_storage' -> its value as given, for every path key set to a string."""
+    return {dotted: block[name] for dotted, block, name in _path_slots(config, schema)}
+
+
+def expand_path(value: str, key: str) -> str:
+    """value with $VAR / ${VAR} and then ~ / ~user expanded; a variable that is not set is an error (a
+    path with the variable's name in it would be created or looked for instead)."""
+    unset = sorted({m.group(1).strip("{}") for m in _VARIABLE.finditer(value)} - set(os.environ))
+    if unset:
+        raise ConfigError(
+            format_problems(
+                [
+                    f"config key '{key}' = {value!r} names the environment variable(s) {', '.join(unset)}, not set "
+                    "where the config is read: set it (export it before running Snakemake), or write the path out"
+                ]
+            )
+        )
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    if not expanded.strip():  # "" would be the working directory
+        raise ConfigError(
+            format_problems([f"config key '{key}' = {value!r} expands to an empty path: set the variable to a path"])
+        )
+    return expanded
+
+
+def expand_paths(config: dict, schema: dict) -> None:
+    """Expand every path key (`x-path: true` in the schema) in place; see expand_path."""
+    for dotted, block, name in list(_path_slots(config, schema)):
+        block[name] = expand_path(block[name], dotted)
+
+
+def shown_path(key: str, value: str, written: dict[str, str]) -> str:
+    """How an error names a path key: config key 'raw' = '~/x' (expanded: /home/me/x), without the
+    parenthesis where expansion changed nothing."""
+    given = written.get(key, value)
+    return f"config key '{key}' = {given!r}" + (f" (expanded: {value})" if given != value else "")
 
 
 def stage_block(block: str, block_json_text: str, schema_path=SCHEMA_PATH) -> dict:

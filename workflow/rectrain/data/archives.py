@@ -29,6 +29,10 @@ GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 # The devkit's ILSVRC2012_ID -> wnid map: meta.mat (MATLAB) in the download, meta.csv in the demo.
 META_MAT, META_CSV = "meta.mat", "meta.csv"
 KAGGLE_CSV, SYNSET_MAPPING = "LOC_val_solution.csv", "LOC_synset_mapping.txt"
+# Tiny-ImageNet (tiny-imagenet-200.zip): val/images/ labelled by val/val_annotations.txt, the class
+# list in wnids.txt, 'wnid<TAB>words' for every WordNet id in words.txt.
+TINY_ROOT, TINY_VAL_LABELS = "tiny-imagenet-200", "val_annotations.txt"
+TINY_WNIDS, TINY_WORDS = "wnids.txt", "words.txt"
 # What the official ILSVRC2012 archives hold (the counts every ImageNet paper trains and validates on).
 OFFICIAL_COUNTS = {"classes": 1000, "train": 1_281_167, "val": 50_000}
 BLOCK = 512  # tar header and padding unit

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from rectrain.data.formats import SUPPORTED_FORMATS, extension, named_format
+
 try:  # libjpeg-turbo through a thinner wrapper: decodes 500x375 JPEGs in ~0.75 ms, Pillow ~0.92 ms
     import simplejpeg
 except ImportError:  # Pillow's path serves every image, ~10 % slower when resizing
@@ -43,10 +45,6 @@ MAX_PIXELS = 1 << 30
 Image.MAX_IMAGE_PIXELS = MAX_PIXELS
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
-# The only formats Pillow may open: JPEG and the formats photos are saved in that re-encode
-# cleanly. Never EPS/PS (Pillow runs Ghostscript on them) or any other plugin that starts a program:
-# data from the internet must not run anything.
-SUPPORTED_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP")
 # Refused by their signature, so the reason names what they are instead of "not an image".
 _REFUSED_SIGNATURES = {b"%!PS": "PostScript", b"\xc5\xd0\xd3\xc6": "EPS", b"%PDF": "PDF"}
 # Transparent areas are composited on mid-gray: close to the dataset mean, so after normalisation
@@ -383,11 +381,21 @@ def _prepare_jpeg(data: bytes, info: JpegInfo, resize: int, quality: int, scan: 
     return image, "; ".join(problems + notes) or None
 
 
-def _prepare_other(data: bytes, resize: int, quality: int) -> tuple[bytes, str]:
-    for magic, name in _REFUSED_SIGNATURES.items():
+def _format_reason(fmt: str, name: str | None) -> str:
+    """What the repair did, saying a mismatch of content and name only where there is one: a .png that
+    is a PNG is "PNG re-encoded as JPEG"; no name is the pack's historic case, a JPEG-named source."""
+    named = "JPEG" if name is None else named_format(name)
+    if named == fmt:
+        return f"{fmt} re-encoded as JPEG"
+    what = "as JPEG" if named == "JPEG" else extension(name) or "without an extension"
+    return f"{fmt} content named {what} re-encoded as JPEG"
+
+
+def _prepare_other(data: bytes, resize: int, quality: int, name: str | None) -> tuple[bytes, str]:
+    for magic, refused in _REFUSED_SIGNATURES.items():
         if data.startswith(magic):
             raise Skip(
-                f"unsupported format: {name} content is never opened (Pillow would run an external "
+                f"unsupported format: {refused} content is never opened (Pillow would run an external "
                 f"interpreter, Ghostscript, on it); supported: {', '.join(SUPPORTED_FORMATS)}"
             )
     try:
@@ -402,18 +410,21 @@ def _prepare_other(data: bytes, resize: int, quality: int) -> tuple[bytes, str]:
     except (OSError, SyntaxError, ValueError) as err:
         raise Skip(f"cannot decode: {err}") from None
     image, notes = _encode(data, resize, quality, None, None)
-    return image, "; ".join([f"{fmt} content named as JPEG re-encoded as JPEG", *notes])
+    return image, "; ".join([_format_reason(fmt, name), *notes])
 
 
-def prepare(data: bytes, resize: int, quality: int, check_scan_data: bool = True) -> tuple[bytes, str | None]:
+def prepare(
+    data: bytes, resize: int, quality: int, check_scan_data: bool = True, name: str | None = None
+) -> tuple[bytes, str | None]:
     """The JPEG bytes to store for one source and the repair reason (None when nothing was wrong).
 
     Raises Skip when the file cannot become a usable image. ``check_scan_data`` False (the pack's
-    pack.check_scan_data) stores a clean-headed JPEG without decoding it at all.
+    pack.check_scan_data) stores a clean-headed JPEG without decoding it at all. ``name``: the
+    source's file name, so that a re-encoded PNG's reason says whether it was named as one.
     """
     if not data:
         raise Skip("empty file (0 bytes)")
     info = read_jpeg_header(data)
     if info is None:
-        return _prepare_other(data, resize, quality)
+        return _prepare_other(data, resize, quality, name)
     return _prepare_jpeg(data, info, resize, quality, check_scan_data)

@@ -10,16 +10,24 @@ Layouts understood (docs/architecture.md, "index_raw"), relative to the raw root
   archives     ILSVRC2012_img_train.tar (a tar of per-class tars) + ILSVRC2012_img_val.tar, in the raw
                root or its archives/ folder, read in place: never extracted. Val labels from
                LOC_val_solution.csv, else the devkit.
-"auto" takes train folders over the train archive, and for val: foldered, then Kaggle CSV, then devkit.
+  tiny-imagenet  train/<wnid>/images/*.JPEG + val/images/ labelled by val/val_annotations.txt (the raw
+               root, or its tiny-imagenet-200/ as the zip extracts); names from words.txt, and a
+               warning when wnids.txt lists other classes than train holds
+"auto" takes train folders over the train archive, and for val: Tiny-ImageNet's, foldered, then Kaggle
+CSV, then devkit. An image anywhere below a class folder is of that class (the log says how many class
+folders hold images in sub-folders); hidden sub-folders are listed.
 
 Outputs (tab-separated, header row): train.tsv and val.tsv (id, source, label, wnid; ids 0..N-1 in
 sorted(source) order), classes.tsv (label, wnid, name; labels = sorted train wnids, as
 `im2rec --recursive` numbers them), unclassified.tsv (source, reason). A source is a path relative to
 the raw root, or `archive.tar::member`, or `outer.tar::inner.tar::member`.
 
-The indexer only classifies; bad image content is the packer's job. Every file under the layout's
-folders is accounted for: indexed, or listed in unclassified.tsv with the reason (not an image
-extension, outside any class folder, no ground truth, not a regular file: FIFOs, sockets and devices
+The indexer only classifies; bad image content is the packer's job. A file is an image when its
+extension (any case) is one of a format the pack opens (rectrain.data.formats), or else when its first
+bytes are one: in a folder only, archive members by name. Every file under the layout's
+folders is accounted for: indexed, or listed in unclassified.tsv with the reason (not an image,
+a name the TSVs cannot hold: tab, line break, '::' or not UTF-8 - see name_problem - outside any
+class folder, no ground truth, not a regular file: FIFOs, sockets and devices
 would block or feed the packer garbage; symbolic links are followed only when they resolve inside the
 raw root, or inside a split folder that is itself a link the user made). Layout detection ignores hidden and empty folders (a stray `val/.ipynb_checkpoints/` does not
 make a flat val foldered).
@@ -68,6 +76,10 @@ from rectrain.data.archives import (
     OFFICIAL_COUNTS,
     SEP,
     SYNSET_MAPPING,
+    TINY_ROOT,
+    TINY_VAL_LABELS,
+    TINY_WNIDS,
+    TINY_WORDS,
     TRAIN_TAR,
     UNNAMEABLE,
     VAL_TAR,
@@ -76,19 +88,20 @@ from rectrain.data.archives import (
     UnsafeArchiveMember,
     check_member,
 )
+from rectrain.data.formats import HEAD_BYTES, SUPPORTED_FORMATS, extension, extensions, named_format, sniff
 
 # Named, not __name__: run as `python -m`, this module is __main__, outside the configured "rectrain" logger.
 log = logging.getLogger("rectrain.data.index")
 
-IMAGE_EXTS = (".jpeg", ".jpg", ".png")  # im2rec's default --exts
 VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})$")
 WNID = re.compile(r"n\d{8}")
-LAYOUTS = ("auto", "folders", "flat-kaggle", "flat-devkit", "archives")
+LAYOUTS = ("auto", "folders", "flat-kaggle", "flat-devkit", "archives", "tiny-imagenet")
 # What to rearrange when a split is not found: the pipeline always detects (no config key forces a layout).
 ARRANGE = (
     f"Arrange the raw root (the config's raw:, or its ILSVRC/Data/CLS-LOC/) as one of the layouts the index "
     f"reads: train/<wnid>/*.JPEG or {TRAIN_TAR}; and val/<wnid>/*.JPEG, a flat val/ (or val_flat/) of "
-    f"ILSVRC2012_val_*.JPEG beside {KAGGLE_CSV} or the devkit ground truth, or {VAL_TAR}."
+    f"ILSVRC2012_val_*.JPEG beside {KAGGLE_CSV} or the devkit ground truth, or {VAL_TAR}; or Tiny-ImageNet's "
+    f"val/images/ with val/{TINY_VAL_LABELS}."
 )
 SPLITS = ("train", "val")
 
@@ -114,6 +127,11 @@ class Rows:
     def group(self, prefix: str) -> None:
         """Rows added from now on have sources prefix + name."""
         self._groups.append((prefix, len(self._ends)))
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of the group rows are added to now."""
+        return self._groups[-1][0]
 
     def add(self, name: str, wnid: str) -> None:
         if (code := self._code.get(wnid)) is None:
@@ -193,24 +211,61 @@ class Found:
     archive_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Class folders (or per-class tars) that held no image.
     empty_classes: dict[str, list[str]] = field(default_factory=dict)
+    # How the layout was read where it is not the plain one (images in sub-folders of a class folder):
+    # said once each in the log, as information.
+    notes: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- classification helpers
 
 
-def unclassifiable(name: str) -> str | None:
-    """Why a file name cannot be an index row, or None."""
-    if any(c in name for c in UNNAMEABLE):
-        return "name contains a tab, newline or '::'"
+def name_problem(name: str) -> str | None:
+    """Why a file or folder name cannot be written to the index TSVs, or None. The TSVs are UTF-8 lines
+    of tab-separated fields, as im2rec's .lst and DALI's file lists are: a tab or line break inside a
+    name would need quoting that line-based readers (the pack's, im2rec's) do not undo."""
+    if "\t" in name:
+        return "name contains a tab, which separates the index's columns: rename the file"
+    if "\n" in name or "\r" in name:
+        return "name contains a line break (newline or carriage return), which ends an index row: rename the file"
+    if SEP in name:
+        return f"name contains {SEP!r}, which separates an archive from its member in a source: rename the file"
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # os.scandir's surrogateescape for bytes that are not UTF-8
+            return (
+                "name is not valid UTF-8 (shown with its odd bytes as \\xNN; e.g. Latin-1 from an old system) and "
+                "the index is UTF-8: rename it to UTF-8, e.g. convmv -f latin1 -t utf8 -r --notest <folder>"
+            )
+    return None
+
+
+def unclassifiable(name: str, folder: Path | None = None) -> str | None:
+    """Why a file cannot be an index row, or None. A name whose extension (any case) is a supported
+    format's is taken unread (the pack checks the content of every image it reads); any other file
+    in `folder` is taken when its first bytes are one (rectrain.data.formats says why not all)."""
+    if (problem := name_problem(name)) is not None:
+        return problem
     # String operations, not PurePosixPath: this runs once per file of a 1.28 M-file tree.
     base = name.rpartition("/")[2]
     if base.startswith("."):
         return "hidden file (e.g. macOS ._ metadata)"
-    stem, dot, ext = base.rpartition(".")
-    suffix = dot + ext.lower() if stem else ""
-    if suffix not in IMAGE_EXTS:
-        return f"not an image extension ({suffix or 'none'}; accepted: {', '.join(IMAGE_EXTS)})"
-    return None
+    if named_format(base) is not None:
+        return None
+    why = f"not an image extension ({extension(base) or 'none'}; accepted, any case: {', '.join(sorted(extensions()))})"
+    if folder is None:
+        return why
+    if _sniff_file(folder / base) is not None:
+        return None
+    return f"{why} and its first bytes are none of {', '.join(SUPPORTED_FORMATS)}"
+
+
+def _sniff_file(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            return sniff(fh.read(HEAD_BYTES))
+    except OSError:  # unreadable: listed as not an image; the reason says what was looked for
+        return None
 
 
 def _rel(path: Path, raw: Path) -> str:
@@ -235,6 +290,7 @@ class _Kinds:
     inside the raw root (or inside the split's own folder, which may be a link the user made)."""
 
     def __init__(self, raw: Path, tops: Iterable[Path]):
+        self.raw = raw
         self.roots = tuple({os.path.realpath(p) for p in (raw, *tops)})
 
     def _inside(self, target: str) -> bool:
@@ -284,50 +340,71 @@ def _hidden(name: str) -> bool:
 
 
 def walk_class_folders(top: Path, raw: Path, found: Found, kinds: _Kinds) -> Rows:
-    """(source, wnid) rows for images in top/<wnid>/; everything else goes to found.unclassified."""
-    rows, empty = Rows(), []
+    """(source, wnid) rows for images in top/<wnid>/ and its sub-folders (Tiny-ImageNet's
+    <wnid>/images/): an image below a class folder is of that class. Everything else goes to
+    found.unclassified."""
+    rows, empty, nested = Rows(), [], []
     for entry in _scan(top):
         path = Path(entry.path)
         kind, why = kinds.of(entry)
         if kind != "dir":
             found.unclassified.append((_rel(path, raw), why or "outside any class directory"))
-        elif _hidden(entry.name) or any(c in entry.name for c in UNNAMEABLE):
-            found.unclassified += [(_rel(p, raw), "hidden or unnameable class directory") for p in _files_below(path)]
+        elif _hidden(entry.name) or (problem := name_problem(entry.name)) is not None:
+            why = "hidden class directory" if _hidden(entry.name) else f"class directory {problem}"
+            found.unclassified += [(_rel(p, raw), why) for p in _files_below(path)]
         else:
             before = len(rows)
-            _walk_class(path, entry.name, raw, found, kinds, rows)
+            rows.group(_rel(path, raw) + "/")  # sources built as strings: no Path per file
+            if _walk_class(path, "", entry.name, found, kinds, rows):
+                nested.append(entry.name)
             if len(rows) == before:
                 empty.append(entry.name)
     if empty:
         found.empty_classes[_rel(top, raw)] = empty
+    if nested:
+        found.notes.append(
+            f"{_rel(top, raw)}/: {len(nested)} class folders hold images in sub-folders (e.g. "
+            f"{', '.join(nested[:3])}); an image below a class folder is of that class"
+        )
     return rows
 
 
-def _walk_class(folder: Path, wnid: str, raw: Path, found: Found, kinds: _Kinds, rows: Rows) -> None:
-    prefix = _rel(folder, raw) + "/"  # sources built as strings: no Path per file
-    rows.group(prefix)
+def _walk_class(folder: Path, below: str, wnid: str, found: Found, kinds: _Kinds, rows: Rows) -> bool:
+    """Add folder's images as rows of wnid (names relative to the class folder: below + name), its
+    sub-folders' too; returns whether a sub-folder held an image."""
+    nested, prefix = False, rows.prefix
     for sub in _scan(folder):
         kind, why = kinds.of(sub)
-        if kind == "dir":
+        name = below + sub.name
+        if kind == "dir" and _hidden(sub.name):
             found.unclassified += [
-                (_rel(p, raw), f"nested below class directory {wnid}") for p in _files_below(Path(sub.path))
+                (_rel(p, kinds.raw), f"hidden folder below class directory {wnid}")
+                for p in _files_below(Path(sub.path))
             ]
+        elif kind == "dir":
+            before = len(rows)
+            _walk_class(Path(sub.path), name + "/", wnid, found, kinds, rows)
+            nested = nested or len(rows) > before
         elif kind == "other":
-            found.unclassified.append((prefix + sub.name, why))
-        elif (reason := unclassifiable(sub.name)) is not None:
-            found.unclassified.append((prefix + sub.name, reason))
+            found.unclassified.append((prefix + name, why))
+        elif (reason := unclassifiable(name, folder)) is not None:
+            found.unclassified.append((prefix + name, reason))
         else:
-            rows.add(sub.name, wnid)
+            rows.add(name, wnid)
+    return nested
 
 
-def label_flat(prefix: str, names: Iterable[str], truth: dict[str, str], how: str, found: Found) -> Rows:
+def label_flat(
+    prefix: str, names: Iterable[str], truth: dict[str, str], how: str, found: Found, *, folder: Path | None = None
+) -> Rows:
     """Rows of the sources prefix + name, labelled by truth (val stem -> wnid) from each name's last
-    part. Unlabelled or odd files are listed."""
+    part. Unlabelled or odd files are listed. folder: where the names are on disk (None in an archive),
+    for the content of a file whose extension names no image format."""
     rows = Rows()
     rows.group(prefix)
     for name in names:
         base = PurePosixPath(name).name
-        if (reason := unclassifiable(base)) is not None:
+        if (reason := unclassifiable(base, folder)) is not None:
             found.unclassified.append((prefix + name, reason))
         elif (wnid := truth.get(PurePosixPath(base).stem)) is None:
             found.unclassified.append((prefix + name, f"no ground truth for this image in {how}"))
@@ -356,6 +433,42 @@ def read_synset_mapping(path: Path) -> dict[str, str]:
         if wnid:
             names[wnid] = name.strip()
     return names
+
+
+def read_tiny_annotations(path: Path) -> dict[str, str]:
+    """Tiny-ImageNet's val_annotations.txt: 'val_0.JPEG<TAB>n03444034<TAB>x0<TAB>y0<TAB>x1<TAB>y1' per
+    line; image stem -> wnid (the stem, as the other val labels are keyed)."""
+    truth = {}
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        fields = line.split("\t")
+        if len(fields) < 2 or not fields[0] or not fields[1]:
+            if line.strip():
+                raise LayoutError(f"{path}:{lineno}: expected '<image><TAB><wnid><TAB>box', got {line!r}")
+            continue
+        truth[fields[0].rpartition(".")[0] or fields[0]] = fields[1]
+    return truth
+
+
+def read_tiny_words(path: Path, wnids: set[str]) -> dict[str, str]:
+    """Tiny-ImageNet's words.txt ('wnid<TAB>words' for all 82,115 WordNet ids): the names of wnids."""
+    names = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        wnid, _, words = line.partition("\t")
+        if wnid in wnids:
+            names[wnid] = words.strip()
+    return names
+
+
+def _check_tiny_wnids(path: Path, found: Found) -> None:
+    """A warning when wnids.txt lists other classes than the train folders hold."""
+    listed = set(path.read_text(encoding="utf-8").split())
+    have = found.train.classes()
+    if listed != have:
+        missing, extra = sorted(listed - have), sorted(have - listed)
+        found.warnings.append(
+            f"{path.name} lists {len(listed)} classes, train holds {len(have)}: {len(missing)} listed without images"
+            f" (e.g. {', '.join(missing[:3]) or '-'}), {len(extra)} not listed (e.g. {', '.join(extra[:3]) or '-'})"
+        )
 
 
 def parse_meta(data: bytes, name: str) -> dict[int, tuple[str, str]]:
@@ -460,12 +573,16 @@ class _Raw:
 
     def __init__(self, raw: Path):
         self.raw = raw
-        kaggle_root = raw / "ILSVRC" / "Data" / "CLS-LOC"
-        self.images = kaggle_root if (kaggle_root / "train").is_dir() else raw
+        nested_roots = [raw / "ILSVRC" / "Data" / "CLS-LOC", raw / TINY_ROOT]  # Kaggle's, Tiny-ImageNet's zip
+        self.images = _first([*nested_roots, raw], lambda p: (p / "train").is_dir()) or raw
         self.archive_dirs = [raw, raw / "archives"]
         self.train_dir = self.images / "train" if _has_class_dirs(self.images / "train") else None
         self.val_folders = self.images / "val" if _has_class_dirs(self.images / "val") else None
         self.val_flat = _first([self.images / "val", self.images / "val_flat"], _has_files)
+        tiny_val = self.images / "val"
+        self.tiny_labels = _first([tiny_val / TINY_VAL_LABELS])
+        self.tiny_val = tiny_val / "images" if self.tiny_labels and _has_files(tiny_val / "images") else None
+        self.tiny_wnids, self.tiny_words = _first([self.images / TINY_WNIDS]), _first([self.images / TINY_WORDS])
         self.train_tar = _first(d / TRAIN_TAR for d in self.archive_dirs)
         self.val_tar = _first(d / VAL_TAR for d in self.archive_dirs)
         label_dirs = [raw, self.images, raw / "archives"]
@@ -564,7 +681,10 @@ def _val_layout(r: _Raw, layout: str, absent: bool) -> str | None:
     if absent and not (r.val_folders or r.val_flat or r.val_tar):
         return None
     if layout != "auto":
-        return {"folders": "folders", "flat-kaggle": "flat", "flat-devkit": "flat", "archives": "archives"}[layout]
+        forced = {"folders": "folders", "flat-kaggle": "flat", "flat-devkit": "flat", "archives": "archives"}
+        return forced.get(layout, "tiny")
+    if r.tiny_val:  # before val/<wnid>/: Tiny-ImageNet's val/images/ is not a class
+        return "tiny"
     if r.val_folders:
         return "folders"
     if r.val_flat and (r.kaggle_csv or r.devkit()):
@@ -581,6 +701,22 @@ def _val_layout(r: _Raw, layout: str, absent: bool) -> str | None:
     )
 
 
+def _index_flat_val(r: _Raw, folder: Path, truth: dict[str, str], how: str, found: Found) -> None:
+    """found.val: the images directly in folder, labelled by truth (image stem -> wnid)."""
+    names = []
+    for entry in _scan(folder):
+        kind, why = r.kinds.of(entry)
+        path = Path(entry.path)
+        if kind == "dir":
+            found.unclassified += [(r.rel(p), "directory inside flat val") for p in _files_below(path)]
+        elif kind == "other":
+            found.unclassified.append((r.rel(path), why))
+        else:
+            names.append(entry.name)
+    found.val = label_flat(r.rel(folder) + "/", names, truth, how, found, folder=folder)
+    found.layout["val"] = f"{r.rel(folder)}/ labelled by {how}"
+
+
 def _index_val(r: _Raw, layout: str, reader: SourceReader, found: Found, absent: bool) -> None:
     kind = _val_layout(r, layout, absent)
     found.detected["val"] = kind or "absent"
@@ -594,18 +730,11 @@ def _index_val(r: _Raw, layout: str, reader: SourceReader, found: Found, absent:
         what = "flat val folder (val/ or val_flat/ holding ILSVRC2012_val_*.JPEG)"
         _need(r.val_flat, what, layout, r.raw, _describe(r.images / "val", r.raw))
         truth, how = _val_labels(r, {"flat-kaggle": "kaggle", "flat-devkit": "devkit"}.get(layout), layout)
-        names = []
-        for entry in _scan(r.val_flat):
-            kind_, why = r.kinds.of(entry)
-            path = Path(entry.path)
-            if kind_ == "dir":
-                found.unclassified += [(r.rel(p), "directory inside flat val") for p in _files_below(path)]
-            elif kind_ == "other":
-                found.unclassified.append((r.rel(path), why))
-            else:
-                names.append(entry.name)
-        found.val = label_flat(r.rel(r.val_flat) + "/", names, truth, how, found)
-        found.layout["val"] = f"{r.rel(r.val_flat)}/ labelled by {how}"
+        _index_flat_val(r, r.val_flat, truth, how, found)
+    elif kind == "tiny":
+        what = f"Tiny-ImageNet val (val/images/ beside val/{TINY_VAL_LABELS})"
+        _need(r.tiny_val, what, layout, r.raw, _describe(r.images / "val", r.raw))
+        _index_flat_val(r, r.tiny_val, read_tiny_annotations(r.tiny_labels), r.rel(r.tiny_labels), found)
     else:
         _need(r.val_tar, VAL_TAR, layout, r.raw)
         truth, how = _val_labels(r, None, layout)
@@ -642,6 +771,10 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto", absent_splits: I
         found.names = read_synset_mapping(r.mapping)
     elif r._devkit:
         found.names = {wnid: words for wnid, words in r._devkit.meta.values()}
+    elif r.tiny_words:
+        found.names = read_tiny_words(r.tiny_words, found.train.classes())
+    if r.tiny_wnids:
+        _check_tiny_wnids(r.tiny_wnids, found)
     return found
 
 
@@ -723,11 +856,29 @@ def _official_differences(found: Found) -> list[str]:
 # ---------------------------------------------------------------- output
 
 
-def _write_tsv(path: Path, header: list[str], rows: Iterable) -> None:
-    with replacing(path) as tmp, open(tmp, "w", newline="") as fh:
-        writer = csv.writer(fh, delimiter="\t", lineterminator="\n")
+def printable(text: str) -> str:
+    """The text with each byte of a non-UTF-8 file name (os.scandir's surrogate escapes) as \\xNN: the
+    TSVs are UTF-8, which every reader (ours, pandas) decodes; such names are only ever unclassified
+    (name_problem), so train, val and classes never need this."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _write_tsv(path: Path, header: list[str], rows: Iterable, quoting: int = csv.QUOTE_MINIMAL) -> None:
+    """Rows streamed (train.tsv has 1.28 M). csv.writer quotes a field holding a double quote, a tab
+    or a newline, which csv.reader and pandas.read_csv both undo."""
+    with replacing(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh, delimiter="\t", lineterminator="\n", quoting=quoting)
         writer.writerow(header)
         writer.writerows(rows)
+
+
+def _write_unclassified(path: Path, unclassified: list[tuple[str, str]]) -> None:
+    """The only table that can hold a tab, a line break or a non-UTF-8 name (shown as \\xNN). The
+    minimal quoting leaves a carriage return bare when rows end in a newline, and both readers would
+    end the row there: a table holding one is written with every field quoted."""
+    rows = sorted((printable(source), printable(reason)) for source, reason in unclassified)
+    bare_cr = any("\r" in source for source, _ in rows)
+    _write_tsv(path, ["source", "reason"], rows, csv.QUOTE_ALL if bare_cr else csv.QUOTE_MINIMAL)
 
 
 def write_index(found: Found, out: Path) -> dict:
@@ -745,7 +896,7 @@ def write_index(found: Found, out: Path) -> dict:
         )
         counts[split] = len(rows)
     _write_tsv(out / "classes.tsv", ["label", "wnid", "name"], ((label[w], w, found.names.get(w, "")) for w in wnids))
-    _write_tsv(out / "unclassified.tsv", ["source", "reason"], sorted(found.unclassified))
+    _write_unclassified(out / "unclassified.tsv", found.unclassified)
     counts.update(classes=len(wnids), unclassified=len(found.unclassified))
     return counts
 
@@ -765,6 +916,8 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
     found = discover(args.raw, args.layout, cfg["absent_splits"])
     for split, how in found.layout.items():
         log.info("%s: %s", split, how)
+    for note in found.notes:
+        log.info("%s", note)
     for warning in found.warnings:
         log.warning("warning: %s", warning)
     counts = write_index(found, args.out)

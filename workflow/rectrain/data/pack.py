@@ -129,7 +129,7 @@ class _Packer:
                 data = self.reader.read(source)
             except READ_ERRORS as err:
                 raise Skip(f"cannot read source: {err}") from None
-        image, repaired = prepare(data, self.resize, self.quality, self.check_scan_data)
+        image, repaired = prepare(data, self.resize, self.quality, self.check_scan_data, source)
         try:
             return frame_payload(pack_record((0, float(label), rid, 0), image)), repaired
         except RecordIOError as err:

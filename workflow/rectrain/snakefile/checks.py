@@ -12,20 +12,30 @@ import logging
 import os
 from pathlib import Path
 
-from rectrain.config import SCHEMA_PATH, ConfigError, fill_defaults, format_problems, key_path, load_schema
+from rectrain.config import (
+    SCHEMA_PATH,
+    ConfigError,
+    fill_defaults,
+    format_problems,
+    key_path,
+    load_schema,
+    path_values,
+    shown_path,
+)
 
 log = logging.getLogger(__name__)
 
 
-def check_paths(config: dict, workdir: Path) -> list[str]:
-    """Paths that must exist (raw) or be creatable and writable (fast_storage)."""
-    problems = []
+def check_paths(config: dict, workdir: Path, written: dict[str, str] | None = None) -> list[str]:
+    """Paths that must exist (raw) or be creatable and writable (fast_storage). written: the path keys
+    as given before expansion (rectrain.config.path_values), so a message shows both."""
+    problems, written = [], written or {}
     raw = config.get("raw")
     if raw is not None:
         raw_path = (workdir / raw) if not os.path.isabs(raw) else Path(raw)
         if not raw_path.is_dir():
             problems.append(
-                f"config key 'raw' = {raw!r}: no such directory. Point it at the ImageNet root "
+                f"{shown_path('raw', raw, written)}: no such directory. Point it at the ImageNet root "
                 "(holding train/ and val/, or ILSVRC2012_img_train.tar), or set raw: null for the demo set."
             )
     fast = config["pack"]["fast_storage"]
@@ -34,10 +44,10 @@ def check_paths(config: dict, workdir: Path) -> list[str]:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
-        problems.append(f"config key 'pack.fast_storage' = {fast!r}: {existing} is a file, not a directory.")
+        problems.append(f"{shown_path('pack.fast_storage', fast, written)}: {existing} is a file, not a directory.")
     elif not os.access(existing, os.W_OK):
         problems.append(
-            f"config key 'pack.fast_storage' = {fast!r}: {existing} is not writable; "
+            f"{shown_path('pack.fast_storage', fast, written)}: {existing} is not writable; "
             "choose a directory on an SSD you can write to."
         )
     return problems
@@ -46,9 +56,11 @@ def check_paths(config: dict, workdir: Path) -> list[str]:
 def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
     """Validate and fill defaults in place, then cross-check keys and paths; raise ConfigError listing
     every problem, and log a warning for each combination that runs but is probably not meant."""
+    schema = load_schema(schema_path)
+    written = path_values(config, schema)  # before fill_defaults expands them
     fill_defaults(config, schema_path)
-    problems = whole_numbers(config, load_schema(schema_path)) + cross_check(config)
-    problems += check_paths(config, Path(workdir))
+    problems = whole_numbers(config, schema) + cross_check(config)
+    problems += check_paths(config, Path(workdir), written)
     if problems:
         raise ConfigError(format_problems(problems))
     for line in cross_warnings(config):
