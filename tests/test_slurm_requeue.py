@@ -1,0 +1,73 @@
+"""A train job stopped by its time limit's warning is requeued by itself; any other stop is not
+(rectrain.train.requeue).  squeue/scontrol are faked here; tests/test_slurm.py drives the real thing."""
+
+import subprocess
+from datetime import datetime
+
+import pytest
+
+from rectrain.train import requeue
+
+NOW = datetime(2026, 12, 1, 12, 0, 0).timestamp()
+
+
+class FakeSlurm:
+    """squeue answers the job's end time `left` seconds from NOW; scontrol records what it was asked."""
+
+    def __init__(self, left=None, end_text=None, requeue_rc=0):
+        self.end = end_text or datetime.fromtimestamp(NOW + left).isoformat(timespec="seconds")
+        self.requeue_rc = requeue_rc
+        self.requeued = []
+
+    def __call__(self, argv, **kwargs):
+        if argv[0] == "squeue":
+            return subprocess.CompletedProcess(argv, 0, self.end + "\n", "")
+        assert argv[:2] == ["scontrol", "requeue"]
+        self.requeued.append(argv[2])
+        return subprocess.CompletedProcess(argv, self.requeue_rc, "", "Job is not requeueable" * bool(self.requeue_rc))
+
+
+def test_a_stop_inside_the_warning_window_requeues_the_job_by_its_id():
+    slurm = FakeSlurm(left=240)
+    said = requeue.after_stop({"SLURM_JOB_ID": "41", "SLURM_PROCID": "0"}, slurm, NOW)
+    assert slurm.requeued == ["41"]
+    assert "requeued" in said and "240 s before its time limit" in said
+
+
+def test_a_stop_with_more_time_left_is_a_preemption_or_scancel_and_is_not_requeued():
+    slurm = FakeSlurm(left=3600)
+    said = requeue.after_stop({"SLURM_JOB_ID": "41"}, slurm, NOW)
+    assert slurm.requeued == []
+    assert "3600 s of its time limit left" in said and "not requeued" in said
+
+
+def test_the_window_follows_the_configured_warning_plus_slurms_early_delivery():
+    env = {"SLURM_JOB_ID": "7", requeue.WARNING_ENV: "600"}
+    inside, outside = FakeSlurm(left=600 + requeue.EARLY_S - 1), FakeSlurm(left=600 + requeue.EARLY_S + 1)
+    requeue.after_stop(env, inside, NOW), requeue.after_stop(env, outside, NOW)
+    assert inside.requeued == ["7"] and outside.requeued == []
+    assert requeue.stop_signal_option(env) == "--signal=TERM@600"
+
+
+def test_an_unknown_end_time_is_not_requeued_and_says_so():
+    slurm = FakeSlurm(end_text="N/A")
+    said = requeue.after_stop({"SLURM_JOB_ID": "9"}, slurm, NOW)
+    assert slurm.requeued == [] and "unknown of its time limit left" in said
+
+
+def test_only_the_jobs_first_task_requeues_and_outside_slurm_the_fix_is_the_same_command():
+    slurm = FakeSlurm(left=60)
+    requeue.after_stop({"SLURM_JOB_ID": "3", "SLURM_PROCID": "1"}, slurm, NOW)
+    assert slurm.requeued == []
+    assert "rerun the same snakemake command" in requeue.after_stop({}, slurm, NOW)
+
+
+def test_a_refused_requeue_names_the_command_and_slurms_reason():
+    said = requeue.after_stop({"SLURM_JOB_ID": "5"}, FakeSlurm(left=100, requeue_rc=1), NOW)
+    assert "`scontrol requeue 5` failed (Job is not requeueable)" in said
+
+
+@pytest.mark.parametrize("raw", ["0", "five", "-3"])
+def test_a_warning_that_is_not_a_positive_number_of_seconds_names_the_variable(raw):
+    with pytest.raises(ValueError, match=requeue.WARNING_ENV):
+        requeue.stop_signal_option({requeue.WARNING_ENV: raw})

@@ -1,0 +1,78 @@
+"""Under SLURM, a run stopped by its time limit's warning goes back in the queue by itself.
+
+profiles/slurm asks SLURM for SIGTERM RECTRAIN_SLURM_WARNING_S seconds (default 300) before the
+train job's time limit (stop_signal_option, called by the profile's train resources).  The ranks checkpoint and
+stop; then the launcher on the job's first task asks SLURM to requeue the job (`scontrol requeue`).
+The job keeps its id, so the Snakemake that submitted it keeps waiting for it; it starts again with a
+fresh time limit and the run resumes from the checkpoint.
+
+Only a stop within the warning window is requeued: a SIGTERM with more time left is a preemption
+(SLURM requeues the job itself when the profile's `slurm-requeue` is on) or a `scancel` (the user
+meant it).  Everything here is pure apart from the injected `run` (squeue, scontrol).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from datetime import datetime
+
+WARNING_ENV = "RECTRAIN_SLURM_WARNING_S"
+DEFAULT_WARNING_S = 300  # a step, a checkpoint of ResNet-50's state and its fsync, with room to spare
+# SLURM may send the warning up to a minute early (its event resolution, sbatch(1) --signal).
+EARLY_S = 90
+
+
+def stop_warning_s(env) -> int:
+    """RECTRAIN_SLURM_WARNING_S (default 300): seconds before the time limit that SLURM signals."""
+    raw = str(env.get(WARNING_ENV, DEFAULT_WARNING_S)).strip()
+    if not raw.isdigit() or int(raw) == 0:
+        raise ValueError(f"{WARNING_ENV}={raw!r}: expected a whole number of seconds above 0")
+    return int(raw)
+
+
+def stop_signal_option(env=None) -> str:
+    """The train job's sbatch option asking for SIGTERM before its time limit.  SIGTERM, not SIGUSR1:
+    SLURM signals every process of the job step, and Snakemake's job-step process (the step's task)
+    waits for its running job on SIGTERM but dies on SIGUSR1, which would end the step mid-checkpoint."""
+    return f"--signal=TERM@{stop_warning_s(os.environ if env is None else env)}"
+
+
+def seconds_left(job_id: str, run=subprocess.run, now: float | None = None) -> float | None:
+    """Seconds until the job's end time (squeue's %e, local time), or None when SLURM cannot say."""
+    proc = run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True)
+    text = proc.stdout.strip() if proc.returncode == 0 else ""
+    try:
+        end = datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None  # 'N/A', 'Unknown', not found
+    return end - (time.time() if now is None else now)
+
+
+def after_stop(env, run=subprocess.run, now: float | None = None) -> str:
+    """Requeue this SLURM job when the stop was its time limit's warning; say what happened."""
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
+        return "rerun the same snakemake command to continue from the checkpoint"
+    if env.get("SLURM_PROCID", "0") != "0":
+        return "the job's first task decides whether SLURM requeues the job"
+    left = seconds_left(job_id, run, now)
+    window = stop_warning_s(env) + EARLY_S
+    if left is None or left > window:
+        said = "unknown" if left is None else f"{left:.0f} s"
+        return (
+            f"SLURM job {job_id} was stopped with {said} of its time limit left: not the time limit's "
+            "warning (a preemption, which SLURM requeues itself under the profile's slurm-requeue, or a "
+            "scancel), so it is not requeued; rerun the same snakemake command to continue"
+        )
+    proc = run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return (
+            f"SLURM job {job_id} reached its time limit's warning but `scontrol requeue {job_id}` failed "
+            f"({proc.stderr.strip() or proc.returncode}); rerun the same snakemake command to continue"
+        )
+    return (
+        f"SLURM job {job_id} stopped {left:.0f} s before its time limit: requeued (same job id, a fresh "
+        "time limit); it resumes from the checkpoint when SLURM starts it again"
+    )
