@@ -12,9 +12,8 @@ import torch
 from helpers.train_data import run_identity
 
 from rectrain.distributed import Dist
-from rectrain.train import batchplan, memory
+from rectrain.train import batchplan, finished, memory
 from rectrain.train import checkpoint as ckpt
-from rectrain.train import finished
 from rectrain.train import resume as resume_mod
 from rectrain.train.resume import ResumeRefused, previous_plan, resume
 

@@ -31,15 +31,16 @@ def before_jobs(workflow, config: dict) -> None:
     output is removed."""
     jobs = [job for job in workflow.dag.needrun_jobs() if job.rule.name == TRAIN_RULE]
     mark_forced(any(workflow.dag.reason(job).forced for job in jobs))
-    if jobs and checks_gpus_here(workflow):
+    if jobs and checks_gpus_here(workflow.executor_plugin.common_settings):
         problems = device_problems(config["train"]["devices"])
         if problems:
             raise WorkflowError(format_problems(problems))
 
 
-def checks_gpus_here(workflow) -> bool:
-    """True when the jobs run on this machine (a local executor), so its GPUs are the jobs' GPUs."""
-    return bool(workflow.local_exec) and not workflow.touch
+def checks_gpus_here(executor) -> bool:
+    """True when the executor (its plugin's common_settings) runs the jobs on this machine, so its GPUs
+    are the jobs' GPUs: the local executor, not a cluster's (slurm: non_local_exec), nor --touch."""
+    return bool(executor.local_exec) and not executor.touch_exec and not executor.dryrun_exec
 
 
 def mark_forced(forced: bool, env=os.environ) -> None:
