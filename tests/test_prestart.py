@@ -11,7 +11,7 @@ from snakemake_interface_executor_plugins.registry import ExecutorPluginRegistry
 
 from rectrain.driver_check import Gpus
 from rectrain.snakefile import prestart
-from rectrain.snakefile.checks import device_problems
+from rectrain.snakefile.checks import device_problems, node_problems
 from rectrain.train.finished import FORCED_ENV
 
 NO_GPU = Gpus(0, None, None, "/dev/nvidia[0-9]*")
@@ -37,7 +37,7 @@ def fake_workflow(name: str, train_reason=None):
 def test_a_slurm_run_does_not_check_the_login_nodes_gpus_but_a_local_one_refuses_them(monkeypatch):
     monkeypatch.delenv(FORCED_ENV, raising=False)  # before_jobs sets or clears it in this process
     monkeypatch.setattr(prestart, "device_problems", lambda devices: device_problems(devices, env={}, gpus=NO_GPU))
-    config = {"train": {"devices": [0]}}
+    config = {"train": {"devices": [0], "nodes": 1}}
     prestart.before_jobs(fake_workflow("slurm", SimpleNamespace(forced=False)), config)
     with pytest.raises(WorkflowError, match=r"config key 'train.devices' = \[0\]"):
         prestart.before_jobs(fake_workflow("local", SimpleNamespace(forced=False)), config)
@@ -69,3 +69,12 @@ def test_the_train_job_learns_whether_snakemake_forced_it():
     assert FORCED_ENV not in env, "a value left from an earlier run in this shell must not force this one"
     prestart.mark_forced(True, env)
     assert env[FORCED_ENV] == "1"
+
+
+def test_several_nodes_outside_a_slurm_job_are_refused_naming_the_key_and_the_ways_to_run_them():
+    (line,) = node_problems(2, env={})
+    assert line.startswith("config key 'train.nodes' = 2: train.nodes is 2 but this is not a SLURM job")
+    assert "--workflow-profile profiles/slurm" in line and "RECTRAIN_RDZV_ENDPOINT" in line
+    assert node_problems(2, env={"RECTRAIN_RDZV_ENDPOINT": "node01:29400"}) == []
+    assert node_problems(2, env={"SLURM_JOB_ID": "7"}) == [], "inside an allocation the launcher runs srun"
+    assert node_problems(1, env={}) == []

@@ -155,6 +155,20 @@ def device_problems(devices, env=None, gpus: driver_check.Gpus | None = None) ->
     ]
 
 
+def node_problems(nodes: int, env=None) -> list[str]:
+    """train.nodes > 1 where this machine cannot start it (not a SLURM job, no rendezvous endpoint
+    given), as the train job's launcher would refuse it at its start (rectrain.train.cluster)."""
+    if nodes <= 1:
+        return []
+    from rectrain.train import cluster  # imports torch (~2 s): only for a multi-node config
+
+    try:
+        cluster.plan_node_launch(nodes, dict(os.environ if env is None else env))
+    except cluster.ClusterError as err:
+        return [f"config key 'train.nodes' = {nodes}: {err}"]
+    return []
+
+
 def visible_gpus(count: int, env) -> int:
     """How many of the driver's `count` GPUs CUDA would show under env's CUDA_VISIBLE_DEVICES."""
     if driver_check.gpus_hidden(env):

@@ -4,7 +4,8 @@ starts that job - and two things are known that were not while the Snakefile was
 executor (Snakemake's API parses the workflow before execute_workflow hands it the executor plugin,
 so `workflow.local_exec` is always true during the parse) and why the train job runs.
 
-- train.devices is checked against this machine's GPUs when the jobs run here (a local executor);
+- train.devices is checked against this machine's GPUs, and train.nodes > 1 against what can start
+  it here (a SLURM allocation, or a rendezvous endpoint), when the jobs run here (a local executor);
   under a cluster executor (--executor slurm, --workflow-profile profiles/slurm) the jobs run on
   other nodes and this login node's GPUs say nothing, so the job checks them where it runs.
 - The train job learns whether Snakemake forced it (rectrain.train.finished.FORCED_ENV): forced, it
@@ -20,19 +21,19 @@ import os
 from snakemake.exceptions import WorkflowError
 
 from rectrain.config import format_problems
-from rectrain.snakefile.checks import device_problems
+from rectrain.snakefile.checks import device_problems, node_problems
 from rectrain.train.finished import FORCED_ENV
 
 TRAIN_RULE = "train"
 
 
 def before_jobs(workflow, config: dict) -> None:
-    """The onstart hook: mark a forced train job, and refuse devices this machine lacks before any
-    output is removed."""
+    """The onstart hook: mark a forced train job, and refuse devices or nodes this machine cannot
+    give it before any output is removed."""
     jobs = [job for job in workflow.dag.needrun_jobs() if job.rule.name == TRAIN_RULE]
     mark_forced(any(workflow.dag.reason(job).forced for job in jobs))
     if jobs and checks_gpus_here(workflow.executor_plugin.common_settings):
-        problems = device_problems(config["train"]["devices"])
+        problems = device_problems(config["train"]["devices"]) + node_problems(config["train"]["nodes"])
         if problems:
             raise WorkflowError(format_problems(problems))
 
