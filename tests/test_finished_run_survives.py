@@ -1,7 +1,8 @@
 """A finished run survives a rerun that fails (issue 22 item 5), through real Snakemake on a tiny demo:
 a GPU asked for where none is fails before Snakemake removes anything; a failure inside the train job
 (after Snakemake removed its outputs) leaves the finished run in checkpoints/, and the rerun with the
-good config publishes it again without training; --forcerun train still trains again."""
+good config publishes it again without training; --forcerun train still trains again; a config
+edited and edited back brings the finished run back from checkpoints/replaced/."""
 
 import os
 import shutil
@@ -118,3 +119,19 @@ def test_forcerun_train_still_trains_again(work):
     assert [p.name for p in (work / TRAIN / "checkpoints" / "replaced").iterdir()][0].endswith(
         "-a-forced-rerun-that-run-finished-and-published"
     )
+
+
+def test_a_config_edited_and_edited_back_brings_the_finished_run_back_without_training(work):
+    (work / "lr.yaml").write_text(yaml.safe_dump({**TINY, "train": {**TINY["train"], "lr": 0.05}}))
+    edited = smk(work, "lr.yaml", "--cores", "2")
+    assert edited.returncode == 0, edited.stdout[-3000:] + edited.stderr[-3000:]
+    assert "the train config changed (lr)" in (work / "logs/train/demo.log").read_text()
+    model_lr = (work / TRAIN / "model.pt").read_bytes()
+    kept = (work / TRAIN / "checkpoints" / "finished" / "model.pt").read_bytes()
+    assert kept == model_lr, "the lr run kept in its turn"
+    back = smk(work, "good.yaml", "--cores", "2")
+    assert back.returncode == 0, back.stdout[-3000:] + back.stderr[-3000:]
+    log = (work / "logs/train/demo.log").read_text()
+    assert "brought back the finished run moved aside to" in log and "no training needed" in log
+    assert "epoch 0" not in log, "no training step ran"
+    assert load(work / TRAIN / "model.pt")["config"]["lr"] == 0.1

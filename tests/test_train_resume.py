@@ -228,6 +228,38 @@ def test_the_checkpoints_plan_is_read_from_last_pt_for_batch_size_auto_only(tmp_
     assert previous_plan(run.ck_dir, {**run.cfg, "resume": "never"}) is None
 
 
+def finished_run_replaced_by_an_lr_edit(run):
+    """A finished run (IDENT), moved aside by a run with another lr that was then stopped after epoch 0."""
+    write_finished_run(run)
+    ckpt.move_aside(run.ck_dir, "the train config changed (lr)")
+    write_checkpoints(run, epochs=1, identity=dataclasses.replace(IDENT, config={**IDENT.config, "lr": 0.05}))
+    return replaced(run.ck_dir)[0]
+
+
+def test_a_finished_run_moved_aside_is_brought_back_and_republished_when_the_config_is_edited_back(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    run = fake_run(tmp_path)
+    old = finished_run_replaced_by_an_lr_edit(run)
+    caplog.set_level(logging.INFO)
+    assert resume(run).restored
+    assert f"brought back the finished run moved aside to {old}" in caplog.text
+    assert (run.out / "model.pt").read_text() == "model.pt of the finished run"
+    assert not old.exists() and ckpt.finished_marker(run.ck_dir).exists()
+    (lr_run,) = replaced(run.ck_dir)  # the stopped lr run, kept aside in its turn
+    assert sorted(p.name for p in lr_run.iterdir()) == ["epoch_0.pt", "last.pt"]
+    assert ckpt.load(lr_run / "last.pt")["config"]["lr"] == 0.05
+
+
+def test_a_forced_job_does_not_bring_back_a_finished_run_moved_aside(tmp_path, monkeypatch):
+    monkeypatch.setenv(finished.FORCED_ENV, "1")
+    run = fake_run(tmp_path)
+    old = finished_run_replaced_by_an_lr_edit(run)
+    decided = resume(run)
+    assert decided.start_epoch == 0 and not decided.restored and old.exists()
+
+
 def test_a_finished_runs_plan_is_reused_only_when_it_may_be_republished(tmp_path, monkeypatch):
     ident = dataclasses.replace(IDENT, batch_size=43, grad_accum=3)
     run = fake_run(tmp_path, "auto", ident, batch_size="auto")

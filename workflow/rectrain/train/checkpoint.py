@@ -25,6 +25,7 @@ point before FINISHED (even after its last epoch's checkpoint) resumes instead.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import hashlib
@@ -210,7 +211,7 @@ def stamp_of(path: str | os.PathLike) -> dict:
     """The identity fields of a checkpoint (RunIdentity.stamp, its config), read through mmap: the batch
     plan reads them before the run is built without loading every tensor of a large checkpoint."""
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return {k: state.get(k) for k in ("batch_size", "grad_accum", "world_size", "config")}
+    return {k: state.get(k) for k in ("batch_size", "grad_accum", "world_size", "config", "data", "code")}
 
 
 def finished_marker(ck_dir: Path) -> Path:
@@ -260,6 +261,17 @@ def move_aside(ck_dir: Path, reason: str) -> tuple[Path | None, list[str]]:
     for name in names:
         os.rename(ck_dir / name, dest / name)
     return dest, names
+
+
+def move_back(folder: Path, ck_dir: Path) -> list[str]:
+    """Undo move_aside: rename a replaced run's files from folder back into ck_dir (emptied by a
+    move_aside first) and remove the then empty folder.  Returns the names moved."""
+    names = run_files(folder)
+    for name in names:
+        os.rename(Path(folder) / name, Path(ck_dir) / name)
+    with contextlib.suppress(OSError):  # something else left there stays, with its folder
+        Path(folder).rmdir()
+    return names
 
 
 def prune(ck_dir: Path, keep: int) -> list[str]:

@@ -23,7 +23,9 @@ outputs kept in checkpoints/finished/ (rectrain.train.finished) when its identit
 in every item - the outputs were removed by a rerun that failed, or deleted by hand; it starts over
 (moved aside, with its kept outputs) when anything differs, when those outputs are not all kept, and
 when Snakemake forced the job (`--forcerun train`, -F, -f: finished.FORCED_ENV) - the user asked for
-a new training.  train.resume: never always trains again.
+a new training.  train.resume: never always trains again.  A run about to start over first looks in
+checkpoints/replaced/ for a finished run it matches (newest first: a config edited and edited back, a
+new run that failed after it started over) and, not forced, brings it back and republishes it.
 
 The batch plan (`batch_size: auto`) reads the checkpoint's plan before the run is built
 (`previous_plan`) and reuses it when it still fits (rectrain.train.batchplan), so a restart with
@@ -92,17 +94,57 @@ def resume(run: Run) -> Resumed:
         decided, why_not = Resumed(0), f"{last.name} is missing"
     else:
         decided, why_not = _continue(run)
+    kept = None if decided.start_epoch else kept_finished_run(run)
+    if kept is not None:
+        decided = Resumed(run.cfg["epochs"], restored=True)
     starts = all_gather(decided.start_epoch, run.d)  # also: nobody writes checkpoints before every rank read last.pt
     if len(set(starts)) > 1:
         raise RuntimeError(
             f"ranks disagree on the epoch to resume from ({starts}): {run.ck_dir} must be on a "
             "filesystem every node sees (shared --out)"
         )
-    if run.d.master and not decided.start_epoch:  # whatever checkpoints are here belong to another run
+    if run.d.master and kept is not None:
+        bring_back(run.ck_dir, kept, why_not)
+    elif run.d.master and not decided.start_epoch:  # whatever checkpoints are here belong to another run
         start_over(run.ck_dir, why_not)
     if run.d.master and decided.restored:
         finished.restore(run.out, run.ck_dir)
     return decided
+
+
+def kept_finished_run(run: Run) -> Path | None:
+    """The newest finished run moved aside under checkpoints/replaced/ that is this run and kept whole
+    (a config edited and edited back, a new run that failed after it started over); None under
+    train.resume: never, when Snakemake forced the job, or when there is none."""
+    root = run.ck_dir / ckpt.REPLACED
+    if run.cfg["resume"] == "never" or finished.forced() or not root.is_dir():
+        return None
+    for folder in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):  # named by UTC time
+        last = folder / "last.pt"
+        if not (last.is_file() and (folder / ckpt.FINISHED).is_file() and finished.complete(folder)):
+            continue
+        if not ckpt.differences(ckpt.stamp_of(last), run.identity):
+            return folder
+    return None
+
+
+def bring_back(ck_dir: Path, kept: Path, why_not: str) -> None:
+    """Move the checkpoints here aside (they are not this run's) and the finished run in `kept` back."""
+    dest, moved = ckpt.move_aside(ck_dir, why_not)
+    if moved:
+        log.info(
+            "not resuming from %s: %s; moved its checkpoints (%s) aside to %s",
+            ck_dir / "last.pt",
+            why_not,
+            ", ".join(moved),
+            dest,
+        )
+    ckpt.move_back(kept, ck_dir)
+    log.info(
+        "brought back the finished run moved aside to %s: it is this run (the same train config, batch plan, "
+        "records, processes and code)",
+        kept,
+    )
 
 
 def republishable(ck_dir: Path) -> bool:
