@@ -12,7 +12,7 @@ import torch
 from helpers.train_data import run_identity
 
 from rectrain.distributed import Dist
-from rectrain.train import batchplan, memory
+from rectrain.train import batchplan, finished, memory
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import resume as resume_mod
 from rectrain.train.resume import ResumeRefused, previous_plan, resume
@@ -32,6 +32,7 @@ def fake_run(tmp_path, mode="auto", identity=IDENT, batch_size=32):
     cfg = {**identity.config, "resume": mode, "batch_size": batch_size, "workers": 2}
     (tmp_path / "checkpoints").mkdir(exist_ok=True)
     return SimpleNamespace(
+        out=tmp_path,
         ck_dir=tmp_path / "checkpoints",
         cfg=cfg,
         d=Dist(0, identity.world_size, 0, identity.world_size, torch.device("cpu")),
@@ -159,6 +160,58 @@ def test_a_finished_run_started_again_moves_its_checkpoints_aside_in_every_mode(
     assert sorted(p.name for p in dest.iterdir()) == ["epoch_0.pt", "epoch_1.pt", ckpt.FINISHED, "last.pt"]
 
 
+def write_finished_run(run, identity=IDENT):
+    """A finished run as outputs.finish leaves it: checkpoints, the published outputs kept in
+    checkpoints/finished/ and finished.json; then Snakemake's removal of the published outputs."""
+    write_checkpoints(run, identity=identity)
+    for name in finished.PUBLISHED:
+        (run.out / name).write_text(f"{name} of the finished run")
+    finished.keep(run.out, run.ck_dir)
+    ckpt.mark_finished(run.ck_dir, run.out / "model.pt")
+    for name in finished.PUBLISHED:
+        (run.out / name).unlink()
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_finished_run_whose_outputs_are_kept_is_republished_not_trained(tmp_path, monkeypatch, caplog, mode):
+    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    run = fake_run(tmp_path, mode)
+    write_finished_run(run)
+    caplog.set_level(logging.INFO)
+    decided = resume(run)
+    assert decided.restored and decided.start_epoch == run.cfg["epochs"]
+    assert [(run.out / n).read_text() for n in finished.PUBLISHED] == [
+        f"{n} of the finished run" for n in finished.PUBLISHED
+    ]
+    assert "restored the finished run's outputs" in caplog.text and "no training needed" in caplog.text
+    assert not (run.ck_dir / ckpt.REPLACED).exists() and (run.ck_dir / "last.pt").exists()
+
+
+def test_a_finished_run_forced_by_snakemake_starts_over_with_its_kept_outputs_moved_aside(tmp_path, monkeypatch):
+    monkeypatch.setenv(finished.FORCED_ENV, "1")
+    run = fake_run(tmp_path)
+    write_finished_run(run)
+    decided = resume(run)
+    assert not decided.restored and decided.start_epoch == 0
+    (dest,) = replaced(run.ck_dir)
+    assert (
+        "forced-rerun" in dest.name
+        and (dest / finished.FOLDER / "model.pt").read_text() == "model.pt of the finished run"
+    )
+    assert not (run.out / "model.pt").exists()
+
+
+def test_a_finished_run_of_another_config_is_not_republished_and_says_what_differs(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    run = fake_run(tmp_path, identity=dataclasses.replace(IDENT, config={**IDENT.config, "lr": 0.05}))
+    write_finished_run(run)
+    caplog.set_level(logging.INFO)
+    assert resume(run).start_epoch == 0
+    (dest,) = replaced(run.ck_dir)
+    assert (dest / finished.FOLDER).is_dir() and "the train config changed (lr)" in caplog.text
+    assert not (run.out / "model.pt").exists()
+
+
 # --- batch_size auto reuses the checkpoint's plan ----------------------------------------------------
 
 
@@ -173,6 +226,48 @@ def test_the_checkpoints_plan_is_read_from_last_pt_for_batch_size_auto_only(tmp_
     assert (found.batch, found.grad_accum, found.world_size) == (43, 3, 2)
     assert previous_plan(run.ck_dir, {**run.cfg, "batch_size": 32}) is None
     assert previous_plan(run.ck_dir, {**run.cfg, "resume": "never"}) is None
+
+
+def finished_run_replaced_by_an_lr_edit(run):
+    """A finished run (IDENT), moved aside by a run with another lr that was then stopped after epoch 0."""
+    write_finished_run(run)
+    ckpt.move_aside(run.ck_dir, "the train config changed (lr)")
+    write_checkpoints(run, epochs=1, identity=dataclasses.replace(IDENT, config={**IDENT.config, "lr": 0.05}))
+    return replaced(run.ck_dir)[0]
+
+
+def test_a_finished_run_moved_aside_is_brought_back_and_republished_when_the_config_is_edited_back(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    run = fake_run(tmp_path)
+    old = finished_run_replaced_by_an_lr_edit(run)
+    caplog.set_level(logging.INFO)
+    assert resume(run).restored
+    assert f"brought back the finished run moved aside to {old}" in caplog.text
+    assert (run.out / "model.pt").read_text() == "model.pt of the finished run"
+    assert not old.exists() and ckpt.finished_marker(run.ck_dir).exists()
+    (lr_run,) = replaced(run.ck_dir)  # the stopped lr run, kept aside in its turn
+    assert sorted(p.name for p in lr_run.iterdir()) == ["epoch_0.pt", "last.pt"]
+    assert ckpt.load(lr_run / "last.pt")["config"]["lr"] == 0.05
+
+
+def test_a_forced_job_does_not_bring_back_a_finished_run_moved_aside(tmp_path, monkeypatch):
+    monkeypatch.setenv(finished.FORCED_ENV, "1")
+    run = fake_run(tmp_path)
+    old = finished_run_replaced_by_an_lr_edit(run)
+    decided = resume(run)
+    assert decided.start_epoch == 0 and not decided.restored and old.exists()
+
+
+def test_a_finished_runs_plan_is_reused_only_when_it_may_be_republished(tmp_path, monkeypatch):
+    ident = dataclasses.replace(IDENT, batch_size=43, grad_accum=3)
+    run = fake_run(tmp_path, "auto", ident, batch_size="auto")
+    write_finished_run(run, identity=ident)
+    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    assert (previous_plan(run.ck_dir, run.cfg).batch, previous_plan(run.ck_dir, run.cfg).grad_accum) == (43, 3)
+    monkeypatch.setenv(finished.FORCED_ENV, "1")
+    assert previous_plan(run.ck_dir, run.cfg) is None, "a forced rerun plans afresh"
 
 
 def test_auto_batch_on_cpu_reuses_the_checkpoints_plan_as_is():

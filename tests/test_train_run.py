@@ -15,6 +15,7 @@ import torch
 from helpers.train_data import config_json, packed_dataset, rows
 
 from rectrain.train.checkpoint import load
+from rectrain.train.finished import FORCED_ENV, PUBLISHED
 from rectrain.train.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
 
 
@@ -154,11 +155,11 @@ def test_changed_config_does_not_resume_and_moves_the_old_runs_checkpoints_aside
     proc = run_train(data, out, epochs=1, extra=SINGLE, **FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not resuming" in proc.stderr and "the train config changed (epochs)" in proc.stderr
-    assert "moved its checkpoints (epoch_0.pt, epoch_1.pt, last.pt, finished.json) aside to" in proc.stderr
+    assert "moved its checkpoints (epoch_0.pt, epoch_1.pt, last.pt, finished.json, finished) aside to" in proc.stderr
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert names == ["epoch_0.pt", "finished.json", "last.pt", "replaced"], "no epoch_1.pt of the replaced run here"
+    assert names == ["epoch_0.pt", "finished", "finished.json", "last.pt", "replaced"], "no epoch_1.pt of the old run"
     ((folder, files),) = moved_aside(out).items()
-    assert files == ["epoch_0.pt", "epoch_1.pt", "finished.json", "last.pt"], "the replaced run, whole"
+    assert files == ["epoch_0.pt", "epoch_1.pt", "finished", "finished.json", "last.pt"], "the replaced run, whole"
     assert folder.endswith("-the-train-config-changed-epochs") and folder in proc.stderr
 
 
@@ -193,7 +194,8 @@ def test_killed_run_restarted_with_another_lr_under_resume_always_continues_and_
     assert json.loads((out / "run.json").read_text())["resumed_despite"] == ["the train config changed (lr)"]
     assert moved_aside(out) == {}
     # train.keep_checkpoints: 1 - epoch_0.pt went once epoch_1.pt was written; the line says size and disk
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch_1.pt", "finished.json", "last.pt"]
+    kept = ["epoch_1.pt", "finished", "finished.json", "last.pt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
     line = re.search(r"epoch 1: train loss .*", proc.stderr).group(0)
     assert re.search(rf"checkpoint [\d.]+ [KM]iB \(epoch_1.pt and last.pt\) in {out / 'checkpoints'} on disk ", line)
     assert "keeping the last 1 epoch checkpoint(s), deleted epoch_0.pt" in line
@@ -201,7 +203,8 @@ def test_killed_run_restarted_with_another_lr_under_resume_always_continues_and_
 
 def test_forced_rerun_retrains_but_a_job_killed_after_its_last_checkpoint_only_finishes(data, tmp_path):
     """The signal is checkpoints/finished.json, written after model.pt: Snakemake deletes the rule's
-    outputs before a forced rerun but not last.pt, so 'outputs missing' alone cannot tell the two apart."""
+    outputs before a forced rerun but not last.pt, so 'outputs missing' alone cannot tell the two apart;
+    that Snakemake forced the job is the Snakefile's word (FORCED_ENV, from its onstart hook)."""
     out = tmp_path / "t"
     killed = run_train(data, out, env_extra={"RECTRAIN_KILL_AFTER_EPOCH": "0"}, epochs=1, extra=SINGLE, **FAST)
     assert killed.returncode == -signal.SIGKILL and not (out / "model.pt").exists()
@@ -217,15 +220,34 @@ def test_forced_rerun_retrains_but_a_job_killed_after_its_last_checkpoint_only_f
     for name in ("model.pt", "steps.csv", "epochs.csv", "system.csv", "run.json"):  # what --forcerun deletes
         (out / name).unlink()
     finished = load(out / "checkpoints" / "last.pt")
-    forced = run_train(data, out, epochs=1, extra=SINGLE, **FAST)
+    forced = run_train(data, out, env_extra={FORCED_ENV: "1"}, epochs=1, extra=SINGLE, **FAST)
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert "not resuming" in forced.stderr and "snakemake --forcerun" in forced.stderr
     assert "epoch 0: train loss" in forced.stderr, "a forced rerun trains again"
     assert {r["epoch"] for r in rows(out / "steps.csv")} == {"0"} and (out / "model.pt").exists()
     ((folder, files),) = moved_aside(out).items()  # the finished run's checkpoints, moved aside whole
-    assert files == ["epoch_0.pt", "finished.json", "last.pt"] and "Z-a-forced-rerun-that-run-finished" in folder
+    assert files == ["epoch_0.pt", "finished", "finished.json", "last.pt"]
+    assert "Z-a-forced-rerun-that-run-finished" in folder
     kept = load(out / "checkpoints" / "replaced" / folder / "last.pt")
     assert torch.equal(kept["model"]["classifier.1.weight"], finished["model"]["classifier.1.weight"])
+
+
+def test_finished_run_whose_outputs_were_removed_is_republished_from_its_kept_outputs_without_training(data, tmp_path):
+    """What Snakemake leaves after a rerun that failed inside the job: every output removed, the
+    checkpoints and checkpoints/finished/ kept.  Not forced, the same run: published again, no step run."""
+    out = tmp_path / "t"
+    assert run_train(data, out, epochs=1, extra=SINGLE, **FAST).returncode == 0
+    published = {name: (out / name).read_bytes() for name in PUBLISHED}
+    for name in PUBLISHED:  # what Snakemake removes before the job and again when it fails
+        (out / name).unlink()
+    again = run_train(data, out, epochs=1, extra=SINGLE, **FAST)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "restored the finished run's outputs" in again.stderr and "no training needed" in again.stderr
+    assert "epoch 0" not in again.stderr and "calibrat" not in again.stderr.split("restored")[1], "nothing trained"
+    assert {name: (out / name).read_bytes() for name in PUBLISHED} == published
+    kept = out / "checkpoints" / "finished" / "model.pt"
+    assert os.stat(out / "model.pt").st_ino == os.stat(kept).st_ino, "a hard link: no extra disk"
+    assert moved_aside(out) == {}
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from rectrain.driver_check import DEVICES_ENV
 from rectrain.snakefile.checks import check_config
 from rectrain.snakefile.jobenv import export_operational, prepare_job_env
 from rectrain.snakefile.params import block_params, report_params
+from rectrain.snakefile.prestart import before_jobs
 from rectrain.snakefile.resources import scheduled_gpus, train_rule_resources
 from rectrain.sources import stage_sources
 
@@ -23,6 +24,13 @@ try:
     check_config(config, Path(workflow.basedir) / "config" / "schema.yaml")
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
+
+
+# Once the jobs are planned and before the first starts (nothing removed yet): train.devices against
+# this machine's GPUs when the jobs run here, and whether Snakemake forced the train job.
+onstart:
+    before_jobs(workflow, config)
+
 
 # Operational keys (x-rerun: false in the schema: intervals, timeouts, thread and worker counts, ...)
 # reach the jobs through the environment, not params: editing one reruns nothing.

@@ -12,6 +12,7 @@ import logging
 import os
 from pathlib import Path
 
+from rectrain import driver_check
 from rectrain.config import (
     SCHEMA_PATH,
     ConfigError,
@@ -131,6 +132,61 @@ def cross_warnings(config: dict) -> list[str]:
             f"with batch_size: {train['batch_size']}"
         )
     return lines
+
+
+def device_problems(devices, env=None, gpus: driver_check.Gpus | None = None) -> list[str]:
+    """train.devices against the GPUs this machine shows, as the train job's launcher would refuse them
+    at its start: ids beyond the GPUs visible here, or GPUs torch cannot use (driver_check).  Read
+    through NVML or /dev/nvidia* (driver_check.find_gpus, ~0.1 s) rather than torch (~2 s to import),
+    honouring CUDA_VISIBLE_DEVICES; the launcher's own torch check stays the final word."""
+    env = os.environ if env is None else env
+    if devices == "cpu":
+        return []
+    gpus = driver_check.find_gpus() if gpus is None else gpus
+    try:
+        driver_check.check(devices, None, env=env, gpus=gpus)
+    except driver_check.DriverMismatch as err:
+        return [f"config key 'train.devices' = {devices!r}: {err}"]
+    visible = visible_gpus(gpus.count, env)
+    wanted = sorted({int(d) for d in devices if int(d) >= visible}) if isinstance(devices, list) else []
+    if not wanted:
+        return []
+    seen = f"{gpus.count} GPU(s) seen through {gpus.source}"
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        seen += f", CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}"
+    here = (
+        f"only {visible} GPU(s) are visible here (ids 0..{visible - 1}; {seen})"
+        if visible
+        else f"no GPU is visible here ({seen})"
+    )
+    return [
+        f"config key 'train.devices' = {devices} asks for GPU id(s) {wanted}, but {here}: "
+        "the train job would fail at its start, after Snakemake removed its outputs. Fix: set train.devices: auto "
+        "(every GPU here, CPU processes when none) or cpu, or list ids that exist here; or run the jobs where the "
+        "GPUs are (--workflow-profile profiles/slurm)"
+    ]
+
+
+def node_problems(nodes: int, env=None) -> list[str]:
+    """train.nodes > 1 where this machine cannot start it (not a SLURM job, no rendezvous endpoint
+    given), as the train job's launcher would refuse it at its start (rectrain.train.cluster)."""
+    if nodes <= 1:
+        return []
+    from rectrain.train import cluster  # imports torch (~2 s): only for a multi-node config
+
+    try:
+        cluster.plan_node_launch(nodes, dict(os.environ if env is None else env))
+    except cluster.ClusterError as err:
+        return [f"config key 'train.nodes' = {nodes}: {err}"]
+    return []
+
+
+def visible_gpus(count: int, env) -> int:
+    """How many of the driver's `count` GPUs CUDA would show under env's CUDA_VISIBLE_DEVICES."""
+    if driver_check.gpus_hidden(env):
+        return 0
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    return count if listed is None else min(count, len([e for e in listed.split(",") if e.strip()]))
 
 
 def known_models() -> set[str] | None:

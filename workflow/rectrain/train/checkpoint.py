@@ -15,14 +15,17 @@ Nothing is deleted to start over: a run that does not continue the checkpoints h
 replaced/<UTC time>-<what differed>/ beside them.  Within a run, `prune` keeps the last
 train.keep_checkpoints epoch_<k>.pt files (last.pt is always kept, model.pt is not in this folder).
 
-Finished runs: after model.pt is published, FINISHED is written beside the checkpoints.  Snakemake
-deletes a rule's outputs before it runs the job, so a train job that starts with FINISHED present
-was asked to run again (`--forcerun train`, or the outputs deleted by hand): it retrains.  A job
-killed at any point before FINISHED (even after its last epoch's checkpoint) resumes instead.
+Finished runs: after model.pt is published, its outputs are linked into finished/ (rectrain.train.finished)
+and FINISHED is written beside the checkpoints.  Snakemake deletes a rule's outputs before it runs the
+job, so a train job that starts with FINISHED present was started again: forced by the user
+(`--forcerun train`) it retrains; otherwise (a failed rerun removed the outputs, or they were deleted by
+hand) it republishes finished/ when the run still matches (rectrain.train.resume).  A job killed at any
+point before FINISHED (even after its last epoch's checkpoint) resumes instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import hashlib
@@ -39,6 +42,7 @@ import torch
 from rectrain import atomic
 from rectrain.config import output_part
 from rectrain.recordio import read_idx
+from rectrain.train import finished
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +211,7 @@ def stamp_of(path: str | os.PathLike) -> dict:
     """The identity fields of a checkpoint (RunIdentity.stamp, its config), read through mmap: the batch
     plan reads them before the run is built without loading every tensor of a large checkpoint."""
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return {k: state.get(k) for k in ("batch_size", "grad_accum", "world_size", "config")}
+    return {k: state.get(k) for k in ("batch_size", "grad_accum", "world_size", "config", "data", "code")}
 
 
 def finished_marker(ck_dir: Path) -> Path:
@@ -227,10 +231,11 @@ def _slug(reason: str) -> str:
 
 
 def run_files(ck_dir: Path) -> list[str]:
-    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED."""
+    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED and the
+    folder of its kept outputs (rectrain.train.finished)."""
     ck_dir = Path(ck_dir)
     epochs = sorted((p.name for p in ck_dir.glob("epoch_*.pt") if EPOCH_FILE.fullmatch(p.name)), key=_epoch_of)
-    return epochs + [n for n in ("last.pt", FINISHED) if (ck_dir / n).exists()]
+    return epochs + [n for n in ("last.pt", FINISHED, finished.FOLDER) if (ck_dir / n).exists()]
 
 
 def _epoch_of(name: str) -> int:
@@ -256,6 +261,17 @@ def move_aside(ck_dir: Path, reason: str) -> tuple[Path | None, list[str]]:
     for name in names:
         os.rename(ck_dir / name, dest / name)
     return dest, names
+
+
+def move_back(folder: Path, ck_dir: Path) -> list[str]:
+    """Undo move_aside: rename a replaced run's files from folder back into ck_dir (emptied by a
+    move_aside first) and remove the then empty folder.  Returns the names moved."""
+    names = run_files(folder)
+    for name in names:
+        os.rename(Path(folder) / name, Path(ck_dir) / name)
+    with contextlib.suppress(OSError):  # something else left there stays, with its folder
+        Path(folder).rmdir()
+    return names
 
 
 def prune(ck_dir: Path, keep: int) -> list[str]:

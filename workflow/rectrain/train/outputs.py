@@ -11,7 +11,7 @@ import shutil
 from rectrain.atomic import write_json
 from rectrain.storage import block_device_for
 from rectrain.train import checkpoint as ckpt
-from rectrain.train import telemetry
+from rectrain.train import finished, telemetry
 from rectrain.train.provenance import now
 from rectrain.train.run import Run
 
@@ -45,12 +45,15 @@ def telemetry_logs(run: Run, start_epoch: int):
 
 
 def finish(run: Run, info: dict) -> None:
-    """Publish the outputs on rank 0: merged telemetry, run.json (`info`, now finished), and model.pt last."""
+    """Publish the outputs on rank 0: merged telemetry, run.json (`info`, now finished), and model.pt last;
+    then keep them beside the checkpoints (checkpoints/finished/) and mark the run finished."""
     live, out = run.out / "telemetry", run.out
+    finished.clear(out)
     telemetry.merge_steps(live, out / "steps.csv", run.d.world_size)
     shutil.copyfile(live / "epochs.csv", out / "epochs.csv")
     shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
     write_json(out / "run.json", {**info, "finished": now()})
     ckpt.save_atomic(ckpt.load(run.ck_dir / "last.pt"), out / "model.pt")
+    finished.keep(out, run.ck_dir)
     ckpt.mark_finished(run.ck_dir, out / "model.pt")
     log.info("done: %s", out / "model.pt")

@@ -18,8 +18,14 @@ Starting over never deletes: the checkpoints here are moved aside (checkpoint.mo
 into checkpoints/replaced/<UTC time>-<what differed>/ and the log line says where and why.
 
 A finished run (checkpoint.FINISHED present: Snakemake deleted the job's outputs and started it
-again, `--forcerun` or the outputs deleted by hand) starts over under every mode: the user asked
-for a new training, not for the finished one to be republished.
+again) is never continued.  Under auto and always it is republished, without training, from the
+outputs kept in checkpoints/finished/ (rectrain.train.finished) when its identity matches this run's
+in every item - the outputs were removed by a rerun that failed, or deleted by hand; it starts over
+(moved aside, with its kept outputs) when anything differs, when those outputs are not all kept, and
+when Snakemake forced the job (`--forcerun train`, -F, -f: finished.FORCED_ENV) - the user asked for
+a new training.  train.resume: never always trains again.  A run about to start over first looks in
+checkpoints/replaced/ for a finished run it matches (newest first: a config edited and edited back, a
+new run that failed after it started over) and, not forced, brings it back and republishes it.
 
 The batch plan (`batch_size: auto`) reads the checkpoint's plan before the run is built
 (`previous_plan`) and reuses it when it still fits (rectrain.train.batchplan), so a restart with
@@ -34,6 +40,7 @@ from pathlib import Path
 
 from rectrain.distributed import all_gather
 from rectrain.train import checkpoint as ckpt
+from rectrain.train import finished
 from rectrain.train.batchplan import BatchPlan
 from rectrain.train.run import Run
 
@@ -42,9 +49,10 @@ log = logging.getLogger(__name__)
 # Identity items train.resume: always does not resume across (see the module doc).
 REFUSED = ("world_size", "batch")
 FORCED = (
-    "a forced rerun: that run finished and published model.pt, and this job was started again (snakemake --forcerun, "
-    "or its outputs deleted): a new run"
+    "a forced rerun: that run finished and published model.pt, and Snakemake forced this job (snakemake --forcerun "
+    "train, -F or -f): a new run"
 )
+NOT_KEPT = "that run finished but its published outputs are not all kept in checkpoints/finished/: a new run"
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class Resumed:
     start_epoch: int
     rng_states: list | None = None
     despite: tuple[str, ...] = ()
+    restored: bool = False  # the finished run's outputs are published again: nothing to train
 
 
 class ResumeRefused(RuntimeError):
@@ -67,7 +76,7 @@ def previous_plan(ck_dir: Path, cfg: dict) -> BatchPlan | None:
     last = Path(ck_dir) / "last.pt"
     if cfg["batch_size"] != "auto" or cfg["resume"] == "never" or not last.exists():
         return None
-    if ckpt.finished_marker(ck_dir).exists():
+    if ckpt.finished_marker(ck_dir).exists() and not republishable(ck_dir):
         return None
     stamp = ckpt.stamp_of(last)
     if not all(isinstance(stamp[k], int) for k in ("batch_size", "grad_accum", "world_size")):
@@ -85,15 +94,73 @@ def resume(run: Run) -> Resumed:
         decided, why_not = Resumed(0), f"{last.name} is missing"
     else:
         decided, why_not = _continue(run)
+    kept = None if decided.start_epoch else kept_finished_run(run)
+    if kept is not None:
+        decided = Resumed(run.cfg["epochs"], restored=True)
     starts = all_gather(decided.start_epoch, run.d)  # also: nobody writes checkpoints before every rank read last.pt
     if len(set(starts)) > 1:
         raise RuntimeError(
             f"ranks disagree on the epoch to resume from ({starts}): {run.ck_dir} must be on a "
             "filesystem every node sees (shared --out)"
         )
-    if run.d.master and not decided.start_epoch:  # whatever checkpoints are here belong to another run
+    if run.d.master and kept is not None:
+        bring_back(run.ck_dir, kept, why_not)
+    elif run.d.master and not decided.start_epoch:  # whatever checkpoints are here belong to another run
         start_over(run.ck_dir, why_not)
+    if run.d.master and decided.restored:
+        finished.restore(run.out, run.ck_dir)
     return decided
+
+
+def kept_finished_run(run: Run) -> Path | None:
+    """The newest finished run moved aside under checkpoints/replaced/ that is this run and kept whole
+    (a config edited and edited back, a new run that failed after it started over); None under
+    train.resume: never, when Snakemake forced the job, or when there is none."""
+    root = run.ck_dir / ckpt.REPLACED
+    if run.cfg["resume"] == "never" or finished.forced() or not root.is_dir():
+        return None
+    for folder in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):  # named by UTC time
+        last = folder / "last.pt"
+        if not (last.is_file() and (folder / ckpt.FINISHED).is_file() and finished.complete(folder)):
+            continue
+        if not ckpt.differences(ckpt.stamp_of(last), run.identity):
+            return folder
+    return None
+
+
+def bring_back(ck_dir: Path, kept: Path, why_not: str) -> None:
+    """Move the checkpoints here aside (they are not this run's) and the finished run in `kept` back."""
+    dest, moved = ckpt.move_aside(ck_dir, why_not)
+    if moved:
+        log.info(
+            "not resuming from %s: %s; moved its checkpoints (%s) aside to %s",
+            ck_dir / "last.pt",
+            why_not,
+            ", ".join(moved),
+            dest,
+        )
+    ckpt.move_back(kept, ck_dir)
+    log.info(
+        "brought back the finished run moved aside to %s: it is this run (the same train config, batch plan, "
+        "records, processes and code)",
+        kept,
+    )
+
+
+def republishable(ck_dir: Path) -> bool:
+    """A finished run here may be republished: its outputs are all kept and Snakemake did not force the job."""
+    return finished.complete(ck_dir) and not finished.forced()
+
+
+def _finished_run(run: Run, found: list[ckpt.Difference]) -> tuple[Resumed, str | None]:
+    """A finished run started again: republished when it is this run, kept and not forced; else a new run."""
+    if finished.forced():
+        return Resumed(0), FORCED
+    if found:
+        return Resumed(0), "; ".join(d.text for d in found)
+    if not finished.complete(run.ck_dir):
+        return Resumed(0), NOT_KEPT
+    return Resumed(run.cfg["epochs"], restored=True), None
 
 
 def start_over(ck_dir: Path, why_not: str) -> None:
@@ -116,10 +183,10 @@ def _continue(run: Run) -> tuple[Resumed, str | None]:
     last, mode = run.ck_dir / "last.pt", run.cfg["resume"]
     state = ckpt.load(last)
     found = ckpt.differences(state, run.identity)
+    if ckpt.finished_marker(run.ck_dir).exists():
+        return _finished_run(run, found)
     if found and mode == "auto":
         return Resumed(0), "; ".join(d.text for d in found)
-    if ckpt.finished_marker(run.ck_dir).exists():
-        return Resumed(0), FORCED
     refused = [d.text for d in found if d.item in REFUSED]
     if refused:
         raise ResumeRefused(

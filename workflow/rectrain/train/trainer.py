@@ -21,7 +21,8 @@ line says what an out-of-memory in disguise needs (failure).  Test hooks: faults
 Outputs in --out: checkpoints/epoch_<k>.pt (the last train.keep_checkpoints) + last.pt (every epoch,
 atomic; a replaced run's under checkpoints/replaced/), telemetry/ (live CSVs),
 and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last), then
-checkpoints/finished.json (a later start of the job is a forced rerun: it retrains).
+checkpoints/finished/ (links to the published outputs) and checkpoints/finished.json: a later start of
+the job republishes them when it is the same run and Snakemake did not force it (resume, finished).
 See docs/architecture.md for the formats.
 """
 
@@ -124,6 +125,8 @@ def train_run(run: Run) -> None:
     d = run.d
     watchdog.beat("reading checkpoints/last.pt")
     resumed = resume(run)
+    if resumed.restored:  # the finished run, published again from checkpoints/finished/
+        return
     start_epoch, rng_states = resumed.start_epoch, resumed.rng_states
     calibration = calibrate.calibrate_run(run)
     info = provenance.run_info(run, start_epoch, calibration, resumed_despite=resumed.despite)

@@ -1,0 +1,52 @@
+"""What the workflow does once Snakemake has planned the jobs and before it starts the first (the
+Snakefile's `onstart` hook): nothing is deleted yet - Snakemake removes a job's outputs only as it
+starts that job - and two things are known that were not while the Snakefile was parsed: the
+executor (Snakemake's API parses the workflow before execute_workflow hands it the executor plugin,
+so `workflow.local_exec` is always true during the parse) and why the train job runs.
+
+- train.devices is checked against this machine's GPUs, and train.nodes > 1 against what can start
+  it here (a SLURM allocation, or a rendezvous endpoint), when the jobs run here (a local executor);
+  under a cluster executor (--executor slurm, --workflow-profile profiles/slurm) the jobs run on
+  other nodes and this login node's GPUs say nothing, so the job checks them where it runs.
+- The train job learns whether Snakemake forced it (rectrain.train.finished.FORCED_ENV): forced, it
+  trains again; otherwise it republishes a finished run it matches.
+
+Not run by a dry-run (nothing runs) or with --no-hooks; the train job's own checks still hold then.
+"""
+
+from __future__ import annotations
+
+import os
+
+from snakemake.exceptions import WorkflowError
+
+from rectrain.config import format_problems
+from rectrain.snakefile.checks import device_problems, node_problems
+from rectrain.train.finished import FORCED_ENV
+
+TRAIN_RULE = "train"
+
+
+def before_jobs(workflow, config: dict) -> None:
+    """The onstart hook: mark a forced train job, and refuse devices or nodes this machine cannot
+    give it before any output is removed."""
+    jobs = [job for job in workflow.dag.needrun_jobs() if job.rule.name == TRAIN_RULE]
+    mark_forced(any(workflow.dag.reason(job).forced for job in jobs))
+    if jobs and checks_gpus_here(workflow.executor_plugin.common_settings):
+        problems = device_problems(config["train"]["devices"]) + node_problems(config["train"]["nodes"])
+        if problems:
+            raise WorkflowError(format_problems(problems))
+
+
+def checks_gpus_here(executor) -> bool:
+    """True when the executor (its plugin's common_settings) runs the jobs on this machine, so its GPUs
+    are the jobs' GPUs: the local executor, not a cluster's (slurm: non_local_exec), nor --touch."""
+    return bool(executor.local_exec) and not executor.touch_exec and not executor.dryrun_exec
+
+
+def mark_forced(forced: bool, env=os.environ) -> None:
+    """Tell the train job (through its environment) whether Snakemake forced it."""
+    if forced:
+        env[FORCED_ENV] = "1"
+    else:
+        env.pop(FORCED_ENV, None)

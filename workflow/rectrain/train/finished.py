@@ -1,0 +1,83 @@
+"""A finished run kept beside its checkpoints, so a rerun that fails never costs it.
+
+Snakemake deletes a job's outputs before it runs it, and again when the job fails.  A rerun of the
+train job that fails at its start (a key only the job can check, a crash before the first step)
+would otherwise leave a finished run without model.pt, epochs.csv or run.json, and the next start
+would train again.  So `keep` links each published output into checkpoints/finished/ once the run
+has published them (hard links: no byte copied, no extra disk; a copy where the filesystem has no
+links), and `restore` links them back when the train job starts again for that same run.
+
+Whether a start is "that same run" is rectrain.train.resume's decision (the checkpoint's identity);
+whether the user asked for a new training is Snakemake's: the Snakefile's onstart hook sets FORCED_ENV
+when Snakemake's reason for running the train job is `forced` (--forcerun/-R train, -F, -f on its
+outputs); every other reason (outputs missing because a failed job's were removed, or deleted by
+hand; an input touched) restores the finished run when it still matches.  Torch-free: the Snakefile
+imports FORCED_ENV from here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from rectrain import atomic
+
+log = logging.getLogger(__name__)
+
+# Set to "1" by the Snakefile's onstart hook when Snakemake forces the train job: it retrains.
+FORCED_ENV = "RECTRAIN_TRAIN_FORCED"
+# checkpoints/<FOLDER>/: the finished run's published outputs, moved aside with its checkpoints.
+FOLDER = "finished"
+# The train rule's outputs in --out, model.pt last (the rule's marker of a finished run).
+PUBLISHED = ("steps.csv", "epochs.csv", "system.csv", "run.json", "model.pt")
+
+
+def forced(env=None) -> bool:
+    """True when Snakemake forced this train job (FORCED_ENV, set by the Snakefile's onstart)."""
+    return (os.environ if env is None else env).get(FORCED_ENV) == "1"
+
+
+def folder(ck_dir: Path) -> Path:
+    return Path(ck_dir) / FOLDER
+
+
+def complete(ck_dir: Path) -> bool:
+    """Every published output is kept in checkpoints/finished/."""
+    return all((folder(ck_dir) / name).is_file() for name in PUBLISHED)
+
+
+def _link(src: Path, dest: Path) -> None:
+    """dest becomes src's bytes, atomically: a hard link, else (no links on this filesystem) a copy."""
+    with atomic.replacing(dest) as tmp:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copy2(src, tmp)
+
+
+def clear(out: Path) -> None:
+    """Remove the published outputs in out before they are written again: one that is a link into a
+    kept run (published by a restore) is then replaced, never written through."""
+    for name in PUBLISHED:
+        (Path(out) / name).unlink(missing_ok=True)
+
+
+def keep(out: Path, ck_dir: Path) -> None:
+    """Link the published outputs into checkpoints/finished/ (model.pt last)."""
+    for name in PUBLISHED:
+        _link(Path(out) / name, folder(ck_dir) / name)
+
+
+def restore(out: Path, ck_dir: Path) -> None:
+    """Publish the kept outputs again in out (model.pt last) and say so."""
+    for name in PUBLISHED:
+        _link(folder(ck_dir) / name, Path(out) / name)
+    log.info(
+        "restored the finished run's outputs (%s) from %s: no training needed - its config, records, code, "
+        "batch plan and processes match this job's (to train again: snakemake --forcerun train, or "
+        "train.resume: never)",
+        ", ".join(PUBLISHED),
+        folder(ck_dir),
+    )
