@@ -7,10 +7,14 @@ MXVENV ?= .venv-mxnet
 MXSTAMP := $(MXVENV)/.installed
 CORES ?= $(shell nproc)
 PYTEST_ARGS ?=
+# make run: your config file(s), the target, and extra Snakemake options (e.g. SNAKEMAKE_ARGS=-n).
+CONFIG ?=
+TARGET ?= results/report.html
+SNAKEMAKE_ARGS ?=
 # Jobs started by Snakemake find this interpreter first.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test report dryrun lint style format env mxnet-env clean gpu-check
+.PHONY: test report run dryrun lint style format env mxnet-env clean gpu-check
 
 env: $(STAMP)
 
@@ -38,8 +42,15 @@ test: $(STAMP) $(MXSTAMP) style
 	$(VENV)/bin/snakemake --lint
 
 report: $(STAMP)
-	$(VENV)/bin/snakemake --cores $(CORES) results/report.html
+	$(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) results/report.html
 	@echo "report: $(abspath results/report.html)"
+
+# Your own config without Snakemake's argument rules (--configfile takes every word after it, so the
+# target goes before it): make run CONFIG=config/my-data.yaml [TARGET=...] [SNAKEMAKE_ARGS=-n].
+run: $(STAMP)
+	@test -n "$(CONFIG)" || { echo "make run: say which config, e.g. make run CONFIG=config/my-data.yaml" >&2; exit 2; }
+	@for f in $(CONFIG); do test -f "$$f" || { echo "make run: config file $$f not found" >&2; exit 2; }; done
+	$(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) $(TARGET) --configfile $(CONFIG)
 
 dryrun: $(STAMP)
 	$(VENV)/bin/snakemake -n results/report.html

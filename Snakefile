@@ -12,8 +12,13 @@ from snakemake.utils import min_version
 min_version("9.11")
 
 
-# Found from any working directory (--directory); --configfile files are merged over it.
-configfile: Path(workflow.basedir) / "config" / "config.yaml"
+# config/config.yaml is the generated demo's config (its size and its short progress intervals and
+# calibration): read only when no --configfile or --config names a raw dataset, and then merged under
+# them. Your own dataset's config starts from the schema's defaults (config/schema.yaml), not the demo's.
+# Found from any working directory (--directory).
+if config.get("raw") is None:
+
+    configfile: Path(workflow.basedir) / "config" / "config.yaml"
 
 
 # `snakemake --report report.zip`: this text, plus the outputs marked report(...) in the rules.
@@ -29,7 +34,8 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 
 
+# The configured dataset's report; `snakemake results/report.html` also copies it to results/report.html.
 rule all:
     default_target: True
     input:
-        "results/report.html",
+        rules.report.output,

@@ -191,3 +191,35 @@ def test_out_of_range_number_given_on_the_command_line_says_so(tmp_path):
     assert proc.returncode != 0
     assert "config key 'train.batch_size' = 0 is invalid: 0 is less than the minimum of 1" in out, out[-2000:]
     assert "is not of type" not in out
+
+
+def command_line(*entries: str) -> dict:
+    """What Snakemake makes of --config entries (YAML's BaseLoader: every scalar inside is a string)."""
+    from snakemake.cli import parse_config
+
+    return parse_config(list(entries))
+
+
+def test_lists_and_nested_values_from_the_command_line_are_read_as_the_schema_types_them():
+    given = command_line(
+        "train={devices: [0, 1], dali_preallocate: [64, 48], epochs: 2}", "index={absent_splits: [val]}"
+    )
+    assert given["train"]["devices"] == ["0", "1"], "Snakemake hands list items over as strings"
+    cfg = check_config(merged(given), SCHEMA, workdir=REPO)
+    assert (cfg["train"]["devices"], cfg["train"]["dali_preallocate"], cfg["train"]["epochs"]) == ([0, 1], [64, 48], 2)
+    assert cfg["index"]["absent_splits"] == ["val"]
+    assert check_config(merged(command_line("train={devices: cpu}")), SCHEMA, workdir=REPO)["train"]["devices"] == "cpu"
+
+
+def test_a_list_item_out_of_range_from_the_command_line_is_refused_for_its_value_not_its_type():
+    with pytest.raises(ConfigError) as info:
+        check_config(merged(command_line("train={devices: [0, -1]}")), SCHEMA, workdir=REPO)
+    assert "config key 'train.devices' = [0, -1] is invalid: -1 is less than the minimum of 0" in str(info.value)
+    assert "is not of type" not in str(info.value)
+
+
+def test_a_device_list_on_the_command_line_reaches_the_dry_run(tmp_path):
+    proc = snakemake("-n", "--directory", str(tmp_path), "results/report.html", "--config", "train={devices: [0]}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-2000:]
+    assert "is not of type" not in out

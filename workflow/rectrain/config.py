@@ -84,23 +84,48 @@ def load_schema(schema_path) -> dict:
 
 
 def coerce_strings(config: dict, schema: dict) -> None:
-    """Snakemake's --config hands nested values over as strings (train='{epochs: 1}' gives '1'): a
-    string the schema rejects becomes its YAML reading, in place, whenever YAML reads it as a typed
-    value (number, boolean, list, ...), so an out-of-range number is reported as such ('0 is less
-    than the minimum of 1'), not as "'0' is not of type 'integer'"."""
+    """Snakemake's --config reads nested values with YAML's BaseLoader, so every scalar inside arrives as
+    a string (train='{epochs: 1, devices: [0]}' gives '1' and ['0']). Each value the schema rejects and
+    that holds a string is read again, in place, as the types the schema wants, through nested blocks
+    and list items alike, so an out-of-range number is reported as such ('0 is less than the minimum of
+    1'), not as "'0' is not of type 'integer'"."""
     for key, sub in schema.get("properties", {}).items():
-        value = config.get(key)
-        if isinstance(value, dict):
-            coerce_strings(value, sub)
-        elif isinstance(value, str) and value.strip():  # YAML reads "" as null: an empty path stays empty
-            if jsonschema.Draft202012Validator(sub).is_valid(value):
-                continue
-            try:
-                parsed = yaml.safe_load(value)
-            except yaml.YAMLError:
-                continue
-            if not isinstance(parsed, str):
-                config[key] = parsed
+        if key in config:
+            config[key] = _coerced(config[key], sub)
+
+
+def _coerced(value, schema: dict):
+    """`value` as the schema types it: a string read as YAML (number, boolean, null, list, ...), a list
+    item by item, a block key by key; unchanged when it is valid, holds no string or cannot be read."""
+    if isinstance(value, dict):
+        coerce_strings(value, schema)
+        return value
+    if not _holds_string(value) or jsonschema.Draft202012Validator(schema).is_valid(value):
+        return value
+    if isinstance(value, list):
+        return _coerced_items(value, schema)
+    if not value.strip():  # YAML reads "" as null: an empty path stays empty, and is refused as such
+        return value
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    return value if isinstance(parsed, str) else _coerced(parsed, schema)
+
+
+def _coerced_items(items: list, schema: dict) -> list:
+    """The list read with the item schema of each alternative (oneOf/anyOf) in turn: the first reading
+    the schema accepts, else the first reading (so the error names the item's own problem)."""
+    item_schemas = [b["items"] for b in (schema, *schema.get("oneOf", []), *schema.get("anyOf", [])) if "items" in b]
+    readings = [[_coerced(item, sub) for item in items] for sub in item_schemas if isinstance(sub, dict)]
+    valid = jsonschema.Draft202012Validator(schema).is_valid
+    return next((r for r in readings if valid(r)), readings[0] if readings else items)
+
+
+def _holds_string(value) -> bool:
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and any(_holds_string(v) for v in value)
 
 
 def fill_defaults(config: dict, schema_path=SCHEMA_PATH) -> dict:

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 from rectrain.config import ConfigError
 from rectrain.driver_check import DEVICES_ENV
 from rectrain.snakefile.checks import check_config
+from rectrain.snakefile.datasets import refuse_demo_name_for_own_data
 from rectrain.snakefile.jobenv import export_operational, prepare_job_env
 from rectrain.snakefile.params import block_params, report_params
 from rectrain.snakefile.prestart import before_jobs
@@ -22,6 +23,7 @@ prepare_job_env(Path(workflow.basedir) / "workflow")
 
 try:
     check_config(config, Path(workflow.basedir) / "config" / "schema.yaml")
+    refuse_demo_name_for_own_data(config)
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
 

@@ -1,4 +1,4 @@
-# report: results/report.html, one self-contained page (plots embedded) on how fast, how good and
+# report: results/<dataset>/report.html, one self-contained page (plots embedded) on how fast, how good and
 # what held the run back, with a plain-words diagnosis; see workflow/rectrain/report/.
 # Inputs are every stage's outputs plus their Snakemake benchmark files (Snakemake treats a rule's
 # benchmark file as one of its outputs, so they are valid inputs here). The report's own benchmark
@@ -21,7 +21,7 @@ rule report:
             *([str(rules.evaluate.benchmark)] if HAS_VAL else []),
         ],
     output:
-        report("results/report.html", caption="../report/report_html.rst", category="Report"),
+        report(f"results/{DS}/report.html", caption="../report/report_html.rst", category="Report"),
     log:
         f"logs/report/{DS}.log",
     benchmark:
@@ -41,3 +41,22 @@ rule report:
         "python -m rectrain.report --config-json {params.cfg:q} --train-dir {params.train:q}{params.eval}"
         " --pack-dir {params.pack:q} --index-dir {params.index:q}"
         " --benchmarks {input.benchmarks:q} --out {output:q} > {log:q} 2>&1"
+
+
+# results/report.html: a copy of the configured dataset's report, so `snakemake results/report.html`
+# works for every config. Each dataset's own report stays in results/<dataset>/ and is the default
+# target (rule all), so after running dataset B, `snakemake -n` with dataset A's config still has
+# nothing to do; asking for results/report.html with A's config copies A's report back (a copy, not a
+# link: it opens offline and survives moving the folder).
+rule current_report:
+    input:
+        rules.report.output,
+    output:
+        "results/report.html",
+    log:
+        f"logs/report/{DS}_current.log",
+    localrule: True
+    conda:
+        ENV
+    shell:
+        "cp {input:q} {output:q} > {log:q} 2>&1"
