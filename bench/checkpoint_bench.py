@@ -91,8 +91,12 @@ def main() -> None:
     print("|---|---:|---:|")
     for name in a.models:
         size, times = save_cost(name, a.out, a.repeats)
-        print(f"| {name} | {size:,} ({size / 2**20:.1f} MiB) | {statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f}) |")
-    print(f"\nstop agreement (all-reduce MAX of 2 int64, gloo, 2 local processes): {poll_cost(a.polls) * 1e6:.0f} us per poll")
+        print(
+            f"| {name} | {size:,} ({size / 2**20:.1f} MiB) | {statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f}) |"
+        )
+    print(
+        f"\nstop agreement (all-reduce MAX of 2 int64, gloo, 2 local processes): {poll_cost(a.polls) * 1e6:.0f} us per poll"
+    )
 
 
 if __name__ == "__main__":

@@ -144,29 +144,34 @@ def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_r
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_is_forwarded_to_the_ranks_and_the_rerun_resumes_the_same_samples(
+def test_ctrl_c_to_the_whole_process_group_stops_with_status_75_and_the_rerun_resumes_the_same_samples(
     data, reference, tmp_path
 ):
-    """torch loader; SIGTERM to `python -m rectrain.train` (torchrun's parent) only, mid-epoch 1."""
+    """torch loader; SIGINT to the process group of `python -m rectrain.train`, as Ctrl-C in a terminal
+    sends it: the launcher, torchrun's agent, both ranks and their loader workers all get it, mid-epoch 1."""
     out, labels = tmp_path / "t", tmp_path / "labels"
     labels.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["RECTRAIN_RECORD_LABELS"] = str(labels)
     cmd = [sys.executable, "-m", "rectrain.train", "--config-json", config_json(**{**FAST, "loader": "torch"}), *data]
-    proc = subprocess.Popen([*cmd, "--out", str(out), "--threads", "2"], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(out), "--threads", "2"], env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 240
     log_file = out / "telemetry" / "steps_rank0.csv"
     while not (log_file.exists() and any(r["epoch"] == "1" for r in rows(log_file))):
         assert proc.poll() is None and time.monotonic() < deadline, "training never reached epoch 1"
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=240)
     state = ckpt.load(out / "checkpoints" / "last.pt")
     if state["step"] is None:  # the signal came during epoch 1's last step: stopped at its end
         assert state["epoch"] == 1 and "after the end of epoch 1" in stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: stopped by SIGINT after" in stderr, stderr[-3000:]
     assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
-    assert "SIGTERM: asking the 2 rank(s) to stop after their current step" in stderr
-    assert "with their checkpoint written: exit status 75" in stderr
+    assert "SIGINT: asking the 2 rank(s) to stop after their current step" in stderr
+    assert "the ranks stopped on SIGINT after" in stderr and "checkpoint written: exit status 75" in stderr
 
     resumed = run_train(data, out, {"RECTRAIN_RECORD_LABELS": str(labels)}, loader="torch")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

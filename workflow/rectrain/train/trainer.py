@@ -133,7 +133,9 @@ def train_run(run: Run, request: StopRequest) -> None:
     watchdog.beat("reading checkpoints/last.pt")
     resumed = resume(run)
     calibration = calibrate.calibrate_run(run)
-    info = provenance.run_info(run, resumed.start_epoch, calibration, resumed_despite=resumed.despite)
+    info = provenance.run_info(
+        run, resumed.start_epoch, calibration, resumed_despite=resumed.despite, start_step=resumed.start_step
+    )
     if d.master:
         write_json(run.out / "run.json", info)
         provenance.log_start(run)
