@@ -42,6 +42,7 @@ def _run(own: argparse.Namespace, cfg: dict) -> int | None:
     train_argv = _drop_option(_drop_option(train_argv, "--rdzv-endpoint"), "--stage-to-local")
     # train.nodes > 1 under SLURM: re-run this launcher once per node (srun); each then finds the
     # rendezvous from the allocation.  One node: nothing changes (--standalone).
+    supervise.launch_id()  # before srun's launchers per node, which inherit it
     env_now = dict(os.environ, **({cluster.ENDPOINT_ENV: own.rdzv_endpoint} if own.rdzv_endpoint else {}))
     node = cluster.plan_node_launch(cfg["nodes"], env_now)
     if node.relaunch:

@@ -84,9 +84,15 @@ def _forward(proc: subprocess.Popen):
     return handler
 
 
+def launch_id() -> str:
+    """This launch's id, made once by the first launcher and inherited by the ones it starts (srun's
+    launcher per node): every node's launcher then recognises the stopped.json rank 0 wrote."""
+    return os.environ.setdefault(LAUNCH_ID_ENV, uuid.uuid4().hex)
+
+
 def run_torchrun(cmd: list[str], env: dict, ck_dir: Path, stop_signals: list[str]) -> int:
     """Run the torchrun command `cmd` to its end (see the module doc); its exit status, or EXIT_STOPPED."""
-    launch_id = uuid.uuid4().hex
+    launch_id = env.get(LAUNCH_ID_ENV) or uuid.uuid4().hex
     proc = subprocess.Popen(with_stop_options(cmd, stop_signals), env={**env, LAUNCH_ID_ENV: launch_id})
     previous = {sig: signal.signal(sig, _forward(proc)) for sig in signal_numbers(stop_signals)}
     try:
