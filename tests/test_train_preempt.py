@@ -251,3 +251,34 @@ def test_a_disk_filling_while_a_mid_epoch_checkpoint_is_written_leaves_the_previ
     assert [p.name for p in run.ck_dir.iterdir()] == ["last.pt"], "no temporary file left behind"
     state = ckpt.load(run.ck_dir / "last.pt")
     assert (state["epoch"], state["step"]) == (0, 2), "and it loads: a rerun resumes from it"
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1.5 MiB tmpfs (root only): room for one checkpoint of fake_run's model, not for two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_real_full_disk_during_a_mid_epoch_checkpoint_keeps_the_previous_one(tiny_disk, caplog):
+    run = fake_run(tiny_disk)
+    run.model = torch.nn.Linear(512, 512)  # ~1 MiB of weights: the second copy does not fit beside the first
+    run.step.optimizer = torch.optim.SGD(run.model.parameters(), lr=0.1)
+    run.step.scheduler = torch.optim.lr_scheduler.LambdaLR(run.step.optimizer, lambda s: 1.0)
+    gathered = [{"rng": ckpt.rng_state(), "loader": None, "totals": {}, "wall_s": 0.0}]
+    assert midepoch.write(run, 0, 2, gathered) is None
+    before = (run.ck_dir / "last.pt").read_bytes()
+    with caplog.at_level(logging.WARNING):
+        error = midepoch.write(run, 0, 5, gathered)
+    # torch.save's zip writer reports the full disk as "unexpected pos ..."; the log line gives the free space
+    assert error and error.startswith("RuntimeError: ") and "unexpected pos" in error, error
+    assert "the previous checkpoint there is intact" in caplog.text and "free on that disk" in caplog.text
+    assert (run.ck_dir / "last.pt").read_bytes() == before and [p.name for p in run.ck_dir.iterdir()] == ["last.pt"]
+    assert ckpt.load(run.ck_dir / "last.pt")["step"] == 2

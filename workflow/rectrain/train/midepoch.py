@@ -18,12 +18,14 @@ naming the checkpoint a rerun resumes from instead.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 
 from rectrain import watchdog
 from rectrain.distributed import all_gather, barrier
 from rectrain.loaders import Loader
+from rectrain.storage import human_bytes
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import faults, supervise
 from rectrain.train.run import Run
@@ -120,17 +122,23 @@ def write(run: Run, epoch: int, steps_done: int, gathered: list[dict]) -> str | 
     started = time.monotonic()
     try:
         ckpt.save_atomic(state, run.ck_dir / "last.pt")
-    except OSError as exc:
-        log.warning(
-            "could not write the mid-epoch checkpoint %s: %s; the previous checkpoint there is intact and "
-            "a rerun resumes from it; training goes on and tries again in train.checkpoint_interval_min "
-            "(free space on that disk)",
-            run.ck_dir / "last.pt",
-            exc,
-        )
-        return str(exc)
-    log.debug("mid-epoch checkpoint written in %.2f s", time.monotonic() - started)
-    return None
+    # torch.save reports a full disk as RuntimeError ("unexpected pos ...", its zip writer), open() as OSError.
+    except (OSError, RuntimeError) as exc:
+        # Text only from here: the exception's frames hold torch.save's writer, whose open temporary
+        # file (unlinked) keeps its space on the full disk until they are freed.
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        log.debug("mid-epoch checkpoint written in %.2f s", time.monotonic() - started)
+        return None
+    log.warning(
+        "could not write the mid-epoch checkpoint %s (%s free on that disk): %s; the previous checkpoint "
+        "there is intact and a rerun resumes from it; training goes on and tries again in "
+        "train.checkpoint_interval_min (free space on that disk)",
+        run.ck_dir / "last.pt",
+        human_bytes(shutil.disk_usage(run.ck_dir).free),
+        error,
+    )
+    return error
 
 
 def stop(run: Run, decision: Decision, where: str, written: bool, resumes_at: str) -> None:
