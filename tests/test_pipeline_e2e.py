@@ -449,3 +449,56 @@ def test_unlock_after_a_killed_run_then_the_same_command_finishes(pipeline):
     rerun = pipeline.smk(*command, timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "Nothing to be done" in pipeline.smk("-n", REPORT).stdout
+
+
+def launcher_of(proc, deadline):
+    """The train job's `python -m rectrain.train.launch` under the Snakemake process `proc`."""
+    import psutil
+
+    while time.monotonic() < deadline:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "rectrain.train.launch" in p.cmdline():
+                    return p
+        assert proc.poll() is None, "Snakemake ended before the train job started"
+        time.sleep(0.1)
+    raise AssertionError("no train job started")
+
+
+def test_a_train_job_signalled_mid_epoch_exits_75_and_the_same_command_resumes_it_and_completes(pipeline):
+    """SIGTERM to the running train job (its launcher: what SLURM or a kill sends to the job) once epoch 1
+    has steps; the job checkpoints mid-epoch and fails with status 75; the same Snakemake command then
+    resumes that epoch at the next step and the pipeline completes (--forcerun train: the first run is a
+    new training; the rerun finds no finished run and resumes)."""
+    command = ["--cores", "2", "--forcerun", "train", REPORT]
+    args = [str(VENV_BIN / "snakemake"), "--snakefile", str(pipeline.snakefile), "--directory", str(pipeline.work)]
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    first = subprocess.Popen(
+        [*args, *command], cwd=pipeline.work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 900
+    train = pipeline.work / "results" / "demo" / "train"
+    launcher = launcher_of(first, deadline)  # its shell has emptied the log: what is there now is this job's
+    log_file, steps = pipeline.work / "logs" / "train" / "demo.log", train / "telemetry" / "steps_rank0.csv"
+    while "epoch 0: train loss" not in log_file.read_text():  # steps_rank0.csv is this run's from then on
+        assert first.poll() is None and time.monotonic() < deadline, "the train job never finished epoch 0"
+        time.sleep(0.05)
+    while not any(line.startswith("0,1,") for line in steps.read_text().splitlines()):
+        assert first.poll() is None and time.monotonic() < deadline, "the train job never reached epoch 1"
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode != 0 and "exit status 75" in out, out[-3000:]
+    log = log_file.read_text()
+    assert "rank 0: stopped by SIGTERM after" in log and "rank 1: stopped by SIGTERM after" in log, log[-3000:]
+    stopped_at = re.search(r"it resumes at (epoch \d+(?: step \d+)?)", log).group(1)
+
+    rerun = pipeline.smk(*command, timeout=900)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    log = log_file.read_text()
+    assert f"continuing at {stopped_at}" in log, log[-3000:]
+    with open(train / "steps.csv", newline="") as f:
+        keys = [(r["rank"], r["epoch"], r["step"]) for r in csv.DictReader(f)]
+    epochs = pipeline.config["train"]["epochs"]
+    assert len(keys) == len(set(keys)) == 2 * epochs * 10, "every (rank, epoch, step) once: 600 images, 2 x 32"
+    assert "Nothing to be done" in pipeline.smk("-n", REPORT).stdout

@@ -14,6 +14,7 @@ EXPLICIT = {
     ("train", "batch_size"): [16, 8],
     ("train", "model"): ["resnet34", "resnet18"],
     ("train", "dali_preallocate"): [[64, 64], [0, 0]],
+    ("train", "stop_signals"): [["SIGTERM", "SIGUSR1"], ["SIGTERM"]],
     ("evaluate", "resize"): [80, 96],
     ("evaluate", "crop"): [48, 56],
     ("evaluate", "workers"): [1, 2],

@@ -12,7 +12,8 @@ Sharding and the last batch (the part that makes or breaks DDP):
   (BatchNorm cannot train on those).
 - eval: every record exactly once across ranks, no padding; a rank's last batch may be short or even
   empty (evaluation does no per-batch collectives, so uneven counts are harmless).
-Each epoch's order is a pure function of (seed, epoch, rank), so a resumed run sees the same data.
+Each epoch's order is a pure function of (seed, epoch, rank), so a resumed run sees the same data;
+within an epoch a loader resumes from its `state()` at batch k (mid-epoch checkpoints).
 """
 
 from __future__ import annotations
@@ -177,8 +178,15 @@ class Loader(Protocol):
     padding_per_epoch: int  # records repeated per epoch across all ranks so every batch is full
     choice: LoaderChoice  # what was asked for, what runs and why (build_loader sets it)
 
-    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(images, labels) batches of one epoch, in this rank's order for that epoch."""
+    def epoch(self, epoch: int, start: int = 0, state=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(images, labels) batches of one epoch, in this rank's order for that epoch; a training
+        epoch resumed from batch `start` with the `state()` taken there yields exactly the batches
+        start, start + 1, ... of the uninterrupted epoch."""
+        ...
+
+    def state(self):
+        """A training epoch's position beyond the batch count (weights_only-loadable, None if none):
+        DALI's pipeline checkpoint; nothing for the torch loader (its order and crops follow from it)."""
         ...
 
 

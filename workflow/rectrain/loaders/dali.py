@@ -4,12 +4,19 @@ pipeline (crop_mirror_normalize, HWC out so torch sees channels_last without a c
 
 Train pipelines are rebuilt each epoch with shard (rank + epoch) % world and a seed from
 (seed, epoch, rank): every record once per epoch across ranks, shards rotate like DALI's default,
-and a resumed run replays exactly the epochs it missed.  Last batch: FILL for train (equal full
+and a resumed run replays exactly the epochs it missed.  Within an epoch they are built with DALI's
+checkpointing on: `state()` is the pipeline's own checkpoint after the batches this loader has yielded
+(DALI counts the batches its consumer took, not those waiting in the prefetch queue), and
+`epoch(e, start, state)` rebuilds the epoch's pipeline from it - reader position and shuffle buffer,
+the crop and flip generators - and yields the epoch's remaining batches, the ones an uninterrupted
+epoch would have yielded (tests/test_train_preempt.py checks them pixel for pixel).  Last batch: FILL for train (equal full
 batches on every rank, padding repeats the shard's last record and is counted), PARTIAL for eval
 (padding dropped, every record exactly once).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
@@ -116,8 +123,9 @@ class DaliLoader:
         self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
         self._eval_iter = None
+        self._train_iter = None  # the epoch's, for state()
 
-    def _iterator(self, epoch: int) -> DALIGenericIterator:
+    def _iterator(self, epoch: int, checkpoint: bytes | None = None) -> DALIGenericIterator:
         s = self.spec
         gpu = s.on_gpu
         device_id = (torch.device(s.device).index or 0) if gpu else None
@@ -138,6 +146,8 @@ class DaliLoader:
             device_id=device_id,
             prefetch_queue_depth=s.dali.prefetch_queue_depth,
             seed=epoch_seed(s.seed, epoch, s.rank),
+            enable_checkpointing=s.train,
+            checkpoint=checkpoint,
         )
         pipe.build()
         return DALIGenericIterator(
@@ -148,10 +158,16 @@ class DaliLoader:
             auto_reset=not s.train,
         )
 
-    def epoch(self, epoch: int):
-        """Iterator of (images, labels) for one epoch."""
+    def state(self) -> bytes:
+        """The train pipeline's DALI checkpoint after the batches yielded so far in this epoch."""
+        return self._train_iter.checkpoints()[0]
+
+    def epoch(self, epoch: int, start: int = 0, state: bytes | None = None):
+        """Iterator of (images, labels) for one epoch; from batch `start` on with the `state()` taken
+        there (a restored pipeline would run on into the next epoch: the remaining batches are counted)."""
         if self.spec.train:
-            it = self._iterator(epoch)
+            it = self._train_iter = self._iterator(epoch, state if start else None)
+            it = itertools.islice(it, self.batches_per_epoch - start)
         else:
             self._eval_iter = self._eval_iter or self._iterator(0)
             it = self._eval_iter

@@ -7,12 +7,17 @@ batch on the target device.  On a GPU with gpu_decode, workers only read bytes a
 decoded by torchvision.io.decode_jpeg(device="cuda").
 Sharding (ShardSampler): one permutation of all records per epoch, seeded by (seed, epoch), the same
 on every rank; rank r takes every world-th record starting at r, like DistributedSampler.
+Training samples are augmented under their own seed, drawn from (seed, epoch, rank, position in the
+epoch) (SeededPositions): a crop does not depend on which worker decodes it, so an epoch resumed at
+batch k (`epoch(e, start=k)`, the sampler started at position k x batch) sees exactly the samples,
+crops and flips of the uninterrupted epoch's batches k and later.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 
 import numpy as np
 import torch
@@ -61,7 +66,16 @@ class RecordDataset(Dataset):
     def __len__(self) -> int:
         return len(self.reader)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, key):
+        """key: a record index, or (index, seed): the sample's augmentation seed (SeededPositions)."""
+        if not isinstance(key, tuple):
+            return self._item(key)
+        i, seed = key
+        with torch.random.fork_rng(devices=[]):  # the process's own RNG stream is left as it was
+            torch.manual_seed(seed)
+            return self._item(i)
+
+    def _item(self, i: int):
         header, data = unpack_record(self.reader.nth(i)[1])
         if not self.decode:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8), _label(header), header.id
@@ -105,6 +119,21 @@ class ShardSampler(Sampler[int]):
         return len(range(self.rank, self.n, self.world))
 
 
+class SeededPositions(Sampler):
+    """(record index, augmentation seed) for the positions of `sampler`'s epoch from `start` on."""
+
+    def __init__(self, sampler: Sampler[int], seed: int, start: int = 0):
+        self.sampler, self.seed, self.start = sampler, seed, start
+
+    def __iter__(self):
+        rest = itertools.islice(iter(self.sampler), self.start, None)
+        for pos, i in enumerate(rest, start=self.start):
+            yield i, (self.seed * 1_000_003 + pos) % (2**31 - 1)
+
+    def __len__(self) -> int:
+        return len(self.sampler) - self.start
+
+
 def _collate_bytes(batch):
     data, labels, ids = zip(*batch, strict=True)
     return list(data), torch.tensor(labels, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64)
@@ -132,14 +161,18 @@ class TorchLoader:
         self._mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
         self._std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
 
-    def batches(self, epoch: int):
-        """(uint8 images or raw bytes, labels, record ids) batches of one epoch, before normalisation."""
+    def batches(self, epoch: int, start: int = 0):
+        """(uint8 images or raw bytes, labels, record ids) batches of one epoch from batch `start` on,
+        before normalisation."""
         s = self.spec
         self.sampler.set_epoch(epoch)
+        sampler = self.sampler
+        if s.train:
+            sampler = SeededPositions(self.sampler, epoch_seed(s.seed, epoch, s.rank), start * s.batch_size)
         loader = DataLoader(
             self.dataset,
             batch_size=s.batch_size,
-            sampler=self.sampler,
+            sampler=sampler,
             num_workers=s.workers,
             pin_memory=s.on_gpu,
             drop_last=False,
@@ -155,12 +188,17 @@ class TorchLoader:
         images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
         return torch.stack([self.transform(img) for img in images])
 
-    def epoch(self, epoch: int):
+    def state(self) -> None:
+        """Nothing beyond the position: the epoch's order and every sample's seed follow from it."""
+        return None
+
+    def epoch(self, epoch: int, start: int = 0, state=None):
+        """(images, labels) batches of one epoch from batch `start` on (`state` is not needed: see state)."""
         device = torch.device(self.spec.device)
         # GPU decode runs on its own stream: batch k+1 decodes while step k still computes on the main
         # stream (the training loop keeps the host a step ahead), instead of queueing behind it.
         side = torch.cuda.Stream(device) if self.decode_on_device and device.type == "cuda" else None
-        for images, labels, _ids in self.batches(epoch):
+        for images, labels, _ids in self.batches(epoch, start):
             if side:
                 # nvJPEG writes the decoded images from its own stream into tensors allocated on `side`;
                 # the allocator hands `side` memory back as soon as the previous batch's kernels are

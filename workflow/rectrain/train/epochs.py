@@ -20,9 +20,11 @@ from rectrain.progress import Progress, RunProgress
 from rectrain.storage import device_info, human_bytes
 from rectrain.train import calibrate, faults
 from rectrain.train import checkpoint as ckpt
+from rectrain.train.midepoch import MidEpoch, Position, run_state, stop_at_epoch_end
 from rectrain.train.run import Run
 from rectrain.train.step import Step, run_steps
 from rectrain.train.stepclock import StepClock
+from rectrain.train.stop import Agreement
 from rectrain.train.telemetry import CsvLog
 
 log = logging.getLogger(__name__)
@@ -41,16 +43,21 @@ class Books:
     calibration: dict | None
 
 
-def train_epochs(run: Run, start_epoch: int, books: Books) -> None:
-    """Train, validate, checkpoint (rank 0) each epoch until train.epochs; rank 0 logs progress lines
-    every train.progress_s."""
+def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) -> None:
+    """Train, validate, checkpoint (rank 0) each epoch from `start` until train.epochs; rank 0 logs
+    progress lines every train.progress_s; the ranks checkpoint mid-epoch and stop as `agreement` decides
+    (rectrain.train.midepoch)."""
     d, cfg = run.d, run.cfg
     progress = RunProgress(cfg["progress_s"], d.world_size, cfg["epochs"]) if d.master else None
-    for epoch in range(start_epoch, cfg["epochs"]):
+    for epoch in range(start.epoch, cfg["epochs"]):
         faults.fail_rank(d.rank)
         if progress:
             progress.begin_epoch(epoch, run.train_loader.batches_per_epoch)
-        stats = train_one_epoch(run.step, run.train_loader, epoch, books.steps, progress=progress)
+        first, saved = start.rank_part(epoch, d.rank)
+        control = MidEpoch(run, agreement, epoch, run.train_loader, books.steps, saved.get("wall_s", 0.0))
+        stats = train_one_epoch(
+            run.step, run.train_loader, epoch, books.steps, progress=progress, resumed=(first, saved), control=control
+        )
         after_steps = time.monotonic()
         val = validate_epoch(run, epoch, progress)
         rngs = all_gather(ckpt.rng_state(), d)
@@ -62,15 +69,38 @@ def train_epochs(run: Run, start_epoch: int, books: Books) -> None:
         if progress:
             progress.between_s = time.monotonic() - after_steps
         faults.kill_after_checkpoint(epoch)
+        stop_at_epoch_end(run, agreement, epoch)
 
 
-def train_one_epoch(step: Step, loader: Loader, epoch: int, steps_log, progress: Progress | None = None) -> dict:
+def train_one_epoch(
+    step: Step,
+    loader: Loader,
+    epoch: int,
+    steps_log,
+    progress: Progress | None = None,
+    *,
+    resumed: tuple[int, dict] = (0, {}),
+    control: MidEpoch | None = None,
+) -> dict:
+    """One epoch's steps; `resumed`: (the first step, this rank's entry of the mid-epoch checkpoint)."""
     n_batches = loader.batches_per_epoch
+    first, saved = resumed
     clock = StepClock(torch.device("cpu"))
     start = clock.mark()
-    batches = watchdog.watched(faults.stall_loader(loader.epoch(epoch), step.dist.rank), f"epoch {epoch}")
-    t = run_steps(step, epoch, batches, steps_log, n_batches=n_batches, progress=progress)
-    wall = clock.seconds(start, clock.mark())
+    batches = faults.record_labels(loader.epoch(epoch, first, saved.get("loader")), step.dist.rank, epoch, first)
+    batches = watchdog.watched(faults.stall_loader(batches, step.dist.rank), f"epoch {epoch}")
+    t = run_steps(
+        step,
+        epoch,
+        batches,
+        steps_log,
+        n_batches,
+        progress=progress,
+        first=first,
+        totals=saved.get("totals"),
+        control=control,
+    )
+    wall = saved.get("wall_s", 0.0) + clock.seconds(start, clock.mark())
     if t["steps"] != n_batches:
         raise RuntimeError(
             f"rank {step.dist.rank}: the {loader.kind} loader yielded {t['steps']} batches in epoch {epoch}, "
@@ -163,22 +193,11 @@ def efficiency_note(stats: dict, calibration: dict | None) -> str:
 
 
 def save_checkpoint(run: Run, epoch: int, rngs: list) -> list[str]:
-    """epoch_<k>.pt and last.pt: everything a resume needs, and what makes it the same run; then the
-    epoch checkpoints beyond train.keep_checkpoints are deleted (after the new one is in place, so a
-    kill in between keeps them).  Returns the names deleted."""
-    state = {
-        "model": run.model.state_dict(),
-        "optimizer": run.step.optimizer.state_dict(),
-        "scheduler": run.step.scheduler.state_dict(),
-        "scaler": run.step.scaler.state_dict(),
-        "epoch": epoch,
-        "rng": rngs,
-        "config": run.cfg,
-        "num_classes": len(run.classes),
-        "model_name": run.cfg["model"],
-        "image_size": run.cfg["image_size"],
-        **run.identity.stamp(),
-    }
+    """epoch_<k>.pt and last.pt (replacing a mid-epoch one): everything a resume needs
+    (midepoch.run_state), and what makes it the same run; then the epoch checkpoints beyond
+    train.keep_checkpoints are deleted (after the new one is in place, so a kill in between keeps
+    them).  Returns the names deleted."""
+    state = run_state(run, epoch, rngs)
     ckpt.save_atomic(state, run.ck_dir / f"epoch_{epoch}.pt")
     ckpt.save_atomic(state, run.ck_dir / "last.pt")
     return ckpt.prune(run.ck_dir, run.cfg["keep_checkpoints"])

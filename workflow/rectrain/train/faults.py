@@ -43,3 +43,33 @@ def kill_after_checkpoint(epoch: int) -> None:
     if _chosen(KILL_AFTER_EPOCH_ENV, epoch):
         log.info("%s=%d: killing this process as a crash would", KILL_AFTER_EPOCH_ENV, epoch)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# Why: a stop signal mid-epoch must checkpoint at the step the ranks agree on and resume after it,
+# even when only one rank got it (preemption tests).  "<rank>:<epoch>:<step>[:<signal>]".
+SIGNAL_AT_ENV = "RECTRAIN_SIGNAL_AT"
+# Why: a resumed epoch must feed each rank exactly the samples of the uninterrupted epoch; the tests
+# read them from this folder (labels_rank<r>.csv: epoch, step, the batch's labels space-separated).
+RECORD_LABELS_ENV = "RECTRAIN_RECORD_LABELS"
+
+
+def signal_at(rank: int, epoch: int, step: int) -> None:
+    """With RECTRAIN_SIGNAL_AT=rank:epoch:step[:SIGNAL]: this rank sends itself SIGNAL (SIGTERM) after that step."""
+    parts = os.environ.get(SIGNAL_AT_ENV, "").split(":")
+    if len(parts) < 3 or [int(p) for p in parts[:3]] != [rank, epoch, step]:
+        return
+    sig = signal.Signals[parts[3]] if len(parts) > 3 else signal.SIGTERM
+    log.info("%s: rank %d sends itself %s after epoch %d step %d", SIGNAL_AT_ENV, rank, sig.name, epoch, step)
+    os.kill(os.getpid(), sig)
+
+
+def record_labels(batches, rank: int, epoch: int, first: int):
+    """The batches; with RECTRAIN_RECORD_LABELS=<dir> each batch's labels are appended to <dir>/labels_rank<rank>.csv."""
+    folder = os.environ.get(RECORD_LABELS_ENV)
+    if not folder:
+        yield from batches
+        return
+    with open(os.path.join(folder, f"labels_rank{rank}.csv"), "a", buffering=1) as f:
+        for step, (x, y) in enumerate(batches, start=first):
+            f.write(f"{epoch},{step},{' '.join(str(int(v)) for v in y.tolist())}\n")
+            yield x, y

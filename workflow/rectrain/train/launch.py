@@ -3,7 +3,9 @@
 The rule runs `python -m rectrain.train.launch --config-json ... <train args>`.  Under SLURM with
 train.nodes > 1 this re-runs itself once per node (rectrain.train.cluster); with pack.stage_to_local
 it first copies the .rec/.idx pairs to node-local disk (rectrain.train.local_copy); then it execs the
-torchrun command rectrain.distributed builds (one rank per GPU, or train.cpu_processes CPU ranks).
+torchrun command rectrain.distributed builds (one rank per GPU, or train.cpu_processes CPU ranks) as
+its child (rectrain.train.supervise): a stop signal reaches the ranks, which checkpoint and stop, and
+the launcher then exits with EXIT_STOPPED (75).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from rectrain import cli, distributed, driver_check
-from rectrain.config import stage_block
-from rectrain.train import cluster
+from rectrain.config import ConfigError, stage_block
+from rectrain.train import cluster, supervise
 from rectrain.train import local_copy as stage
 
 log = logging.getLogger(__name__)
@@ -33,12 +36,13 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def _run(own: argparse.Namespace, cfg: dict) -> None:
+def _run(own: argparse.Namespace, cfg: dict) -> int | None:
     argv = own.argv
     train_argv = [a for a in argv if a != "--print-only"]
     train_argv = _drop_option(_drop_option(train_argv, "--rdzv-endpoint"), "--stage-to-local")
     # train.nodes > 1 under SLURM: re-run this launcher once per node (srun); each then finds the
     # rendezvous from the allocation.  One node: nothing changes (--standalone).
+    supervise.launch_id()  # before srun's launchers per node, which inherit it
     env_now = dict(os.environ, **({cluster.ENDPOINT_ENV: own.rdzv_endpoint} if own.rdzv_endpoint else {}))
     node = cluster.plan_node_launch(cfg["nodes"], env_now)
     if node.relaunch:
@@ -46,7 +50,7 @@ def _run(own: argparse.Namespace, cfg: dict) -> None:
         log.info("one launcher per node: %s", shlex.join(cmd))
         if not own.print_only:
             os.execvp(cmd[0], cmd)
-        return
+        return None
     if own.stage_to_local:
         train_argv = stage.stage_argv(train_argv, None if own.stage_to_local == "auto" else own.stage_to_local)
     gpu_count = distributed.visible_gpu_count()
@@ -65,8 +69,9 @@ def _run(own: argparse.Namespace, cfg: dict) -> None:
         log.info("CUDA_VISIBLE_DEVICES=%s", plan.cuda_visible_devices)
     log.info("%s", shlex.join(cmd))
     if own.print_only:
-        return
-    os.execvpe(cmd[0], cmd, env)
+        return None
+    # torchrun as a child, not exec'd: a stop signal reaches the ranks and a stop maps to EXIT_STOPPED.
+    return supervise.run_torchrun(cmd, env, _out_dir(train_argv) / "checkpoints", cfg["stop_signals"])
 
 
 def staging_dir() -> str | None:
@@ -79,6 +84,16 @@ def staging_dir() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """The train block comes as --config-json; every argument the launcher does not know is training's."""
     return cli.main("launch", "train", _arguments, _run, argv, errors={cluster.ClusterError: 1}, passthrough=True)
+
+
+def _out_dir(argv: list[str]) -> Path:
+    """The training's --out (where its checkpoints and stopped.json are)."""
+    for i, a in enumerate(argv):
+        if a == "--out" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if a.startswith("--out="):
+            return Path(a.split("=", 1)[1])
+    raise ConfigError("rectrain.train.launch needs the training's --out DIR (where its checkpoints go)")
 
 
 def _drop_option(argv: list[str], name: str) -> list[str]:

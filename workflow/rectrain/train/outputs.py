@@ -19,11 +19,12 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def telemetry_logs(run: Run, start_epoch: int):
-    """(steps log, epochs log on rank 0 else None) in out/telemetry/, with the node's system sampler."""
+def telemetry_logs(run: Run, start_epoch: int, start_step: int = 0):
+    """(steps log, epochs log on rank 0 else None) in out/telemetry/, with the node's system sampler;
+    resumed at (start_epoch, start_step), the rows from there on are dropped (rectrain.train.telemetry)."""
     live = run.out / "telemetry"
     live.mkdir(parents=True, exist_ok=True)
-    steps_log = telemetry.step_log(live, run.d.rank, start_epoch)
+    steps_log = telemetry.step_log(live, run.d.rank, start_epoch, start_step)
     epochs_log = telemetry.epoch_log(live, start_epoch) if run.d.master else None
     sampler = None
     if run.d.local_rank == 0:
@@ -33,7 +34,7 @@ def telemetry_logs(run: Run, start_epoch: int):
             run.cfg["sample_interval_s"],
             block_device_for(run.args.rec),
             telemetry.job_processes(),
-            append=start_epoch > 0,
+            append=start_epoch > 0 or start_step > 0,
         )
         sampler.start()
     try:

@@ -29,9 +29,11 @@ def dali_version() -> str | None:
     return dali.__version__
 
 
-def run_info(run: Run, start_epoch: int, calibration: dict, *, resumed_despite: tuple[str, ...] = ()) -> dict:
+def run_info(
+    run: Run, start_epoch: int, calibration: dict, *, resumed_despite: tuple[str, ...] = (), start_step: int = 0
+) -> dict:
     """run.json as the run starts (`finished` is filled in when it is published); `resumed_despite`: the
-    identity differences train.resume: always resumed across."""
+    identity differences train.resume: always resumed across; `start_step`: a mid-epoch resume's step."""
     d, cfg, loader, plan = run.d, run.cfg, run.train_loader, run.plan
     return {
         "world_size": d.world_size,
@@ -56,7 +58,8 @@ def run_info(run: Run, start_epoch: int, calibration: dict, *, resumed_despite: 
         "finished": None,
         "preflight": plan.preflight,
         "config": cfg,
-        "resumed_from_epoch": start_epoch or None,
+        "resumed_from_epoch": start_epoch if start_epoch or start_step else None,
+        "resumed_from_step": start_step or None,  # a mid-epoch checkpoint: the first step trained
         "resumed_despite": list(resumed_despite),
         # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
         "loader_requested": cfg["loader"],

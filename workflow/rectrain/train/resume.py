@@ -42,6 +42,7 @@ from rectrain.distributed import all_gather
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import finished
 from rectrain.train.batchplan import BatchPlan
+from rectrain.train.midepoch import Position
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,16 @@ class Resumed:
     rng_states: list | None = None
     despite: tuple[str, ...] = ()
     restored: bool = False  # the finished run's outputs are published again: nothing to train
+    start_step: int = 0  # a mid-epoch checkpoint: the steps of start_epoch already done
+    ranks: list | None = None  # ... and each rank's loader state and running totals (rectrain.train.midepoch)
+
+    @property
+    def continues(self) -> bool:
+        return bool(self.start_epoch or self.start_step)
+
+    @property
+    def position(self) -> Position:
+        return Position(self.start_epoch, self.start_step, self.ranks)
 
 
 class ResumeRefused(RuntimeError):
@@ -94,10 +105,11 @@ def resume(run: Run) -> Resumed:
         decided, why_not = Resumed(0), f"{last.name} is missing"
     else:
         decided, why_not = _continue(run)
-    kept = None if decided.start_epoch else kept_finished_run(run)
+    kept = None if decided.continues else kept_finished_run(run)
     if kept is not None:
         decided = Resumed(run.cfg["epochs"], restored=True)
-    starts = all_gather(decided.start_epoch, run.d)  # also: nobody writes checkpoints before every rank read last.pt
+    # also: nobody writes checkpoints before every rank read last.pt
+    starts = all_gather((decided.start_epoch, decided.start_step), run.d)
     if len(set(starts)) > 1:
         raise RuntimeError(
             f"ranks disagree on the epoch to resume from ({starts}): {run.ck_dir} must be on a "
@@ -105,7 +117,7 @@ def resume(run: Run) -> Resumed:
         )
     if run.d.master and kept is not None:
         bring_back(run.ck_dir, kept, why_not)
-    elif run.d.master and not decided.start_epoch:  # whatever checkpoints are here belong to another run
+    elif run.d.master and not decided.continues:  # whatever checkpoints are here belong to another run
         start_over(run.ck_dir, why_not)
     if run.d.master and decided.restored:
         finished.restore(run.out, run.ck_dir)
@@ -197,33 +209,44 @@ def _continue(run: Run) -> tuple[Resumed, str | None]:
         )
     despite = tuple(d.text for d in found)
     restore(run, state, despite)
+    at = Position.of(state)
     if run.d.master:
-        _say_resuming(run, last, state["epoch"], despite)
-    return Resumed(state["epoch"] + 1, state["rng"], despite), None
+        _say_resuming(run, last, state, despite)
+    return Resumed(at.epoch, state["rng"], despite, at.step, at.ranks), None
 
 
-def _say_resuming(run: Run, last: Path, epoch: int, despite: tuple[str, ...]) -> None:
+def _done_text(state: dict) -> tuple[str, str]:
+    """What a checkpoint holds, and where the run continues: 'epoch 3 of 90 done; continuing at epoch 4'
+    or, mid-epoch, 'epoch 3 step 1200 of 90 epochs done ...; continuing at epoch 3 step 1201'."""
+    at = Position.of(state)
+    if not at.step:
+        return f"epoch {state['epoch']} of {state['config']['epochs']} done", f"continuing at epoch {at.epoch}"
+    return (
+        f"epoch {at.epoch} up to step {at.step - 1} of {state['config']['epochs']} epochs done (a mid-epoch checkpoint)",
+        f"continuing at epoch {at.epoch} step {at.step}",
+    )
+
+
+def _say_resuming(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -> None:
+    done, continuing = _done_text({**state, "config": run.cfg})
     if despite:
         log.info(
-            "resuming from %s despite %s (train.resume: always; recorded in run.json's resumed_despite): "
-            "epoch %d of %d done; continuing at epoch %d",
+            "resuming from %s despite %s (train.resume: always; recorded in run.json's resumed_despite): %s; %s",
             last,
             "; ".join(despite),
-            epoch,
-            run.cfg["epochs"],
-            epoch + 1,
+            done,
+            continuing,
         )
         return
     log.info(
-        "resuming from %s: epoch %d of %d done by the same run (config, batch %d x accum %d, records, "
-        "%d processes and code all match); continuing at epoch %d",
+        "resuming from %s: %s by the same run (config, batch %d x accum %d, records, %d processes and code "
+        "all match); %s",
         last,
-        epoch,
-        run.cfg["epochs"],
+        done,
         run.plan.batch,
         run.plan.grad_accum,
         run.d.world_size,
-        epoch + 1,
+        continuing,
     )
 
 

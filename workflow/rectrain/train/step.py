@@ -39,9 +39,14 @@ def run_steps(
     max_steps: int | None = None,
     *,
     progress: Progress | None = None,
+    first: int = 0,
+    totals: dict | None = None,
+    control=None,
 ):
     """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log, and
-    the resolved times into `progress` (rank 0's progress lines, rectrain.progress).
+    the resolved times into `progress` (rank 0's progress lines, rectrain.progress).  A resumed epoch
+    starts at step `first` with the `totals` of its steps before; `control` (rectrain.train.midepoch)
+    is asked after every optimizer step whether the ranks checkpoint or stop there.
 
     No host sync per step: times come from a StepClock read one step late, loss and hits stay on the
     device until then, so the host queues step k+1 (and fetches its batch) while the GPU still computes
@@ -50,19 +55,27 @@ def run_steps(
     step.net.train()
     n_batches = n_batches or max_steps
     clock = StepClock(step.dist.device)
-    book = _Book(clock, steps_log, step.dist.rank, epoch, progress)
+    book = _Book(clock, steps_log, step.dist.rank, epoch, progress, totals)
     pending = None
     m_prev = clock.mark()
-    for i, (x, y) in enumerate(batches):
+    for i, (x, y) in enumerate(batches, start=first):
         m_data = clock.mark()
         lr = step.optimizer.param_groups[0]["lr"]
-        out, loss = _forward_backward(step, x, y, last_micro=(i + 1) % step.accum == 0 or i + 1 == n_batches)
+        last_micro = (i + 1) % step.accum == 0 or i + 1 == n_batches
+        out, loss = _forward_backward(step, x, y, last_micro=last_micro)
         hits = (out.argmax(1) == y).sum()
         m_end = clock.mark()
         if pending:
             book.resolve(pending)
         pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
         m_prev = m_end
+        if control is not None and last_micro and i + 1 < n_batches:
+            decision = control.poll(i)
+            if decision.checkpoint:  # its row and totals first: the checkpoint carries them
+                book.resolve(pending)
+                pending = None
+                control.act(decision, i + 1, book.totals)
+                m_prev = clock.mark()  # the checkpoint's time is no step's
         if max_steps is not None and i + 1 >= max_steps:
             break
     if pending:
@@ -74,9 +87,10 @@ class _Book:
     """A step's bookkeeping once its times can be read (one step late): its telemetry row, the
     epoch's totals, the progress lines."""
 
-    def __init__(self, clock: StepClock, steps_log, rank: int, epoch: int, progress: Progress | None):
+    def __init__(self, clock: StepClock, steps_log, rank: int, epoch: int, progress: Progress | None, totals=None):
         self.clock, self.steps_log, self.rank, self.epoch, self.progress = clock, steps_log, rank, epoch, progress
-        self.totals = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0, "steady_images": 0, "steady_wall_s": 0.0}
+        zero = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0, "steady_images": 0, "steady_wall_s": 0.0}
+        self.totals = {**zero, **(totals or {})}
 
     def resolve(self, pending: tuple) -> None:
         i, m_prev, m_data, m_end, loss, hits, n, lr = pending

@@ -31,16 +31,24 @@ SYSTEM_BASE_COLUMNS = ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s"
 
 
 class CsvLog:
-    """Append-only CSV with a fixed header; on resume keeps only rows with epoch < keep_before_epoch.
+    """Append-only CSV with a fixed header; on resume keeps only rows with epoch < keep_before_epoch
+    (and, with a step column, the rows of that epoch's steps < keep_before_step: a mid-epoch resume).
 
     A resume cuts the file after its last kept row instead of rewriting it: rows are appended in epoch
     order, so the kept rows are a prefix, found by reading the epoch field of each line (a full run's
     steps_rank<r>.csv holds 450,450 rows).  A torn last line (the process killed mid-write) ends the
     prefix too.  Every value is a number, so no field is quoted and a line is split on commas."""
 
-    def __init__(self, path: str | os.PathLike, columns: list[str], keep_before_epoch: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        columns: list[str],
+        keep_before_epoch: int | None = None,
+        keep_before_step: int = 0,
+    ):
         self.path, self.columns = Path(path), columns
-        fresh = keep_before_epoch is None or not _cut_after_epochs(self.path, columns, keep_before_epoch)
+        keep = None if keep_before_epoch is None else (keep_before_epoch, keep_before_step)
+        fresh = keep is None or not _cut_after(self.path, columns, keep)
         self._f = open(self.path, "w" if fresh else "a", newline="", buffering=1)
         self._w = csv.DictWriter(self._f, fieldnames=columns)
         if fresh:
@@ -49,16 +57,29 @@ class CsvLog:
     def write(self, **row) -> None:
         self._w.writerow({k: _fmt(v) for k, v in row.items()})
 
+    def sync(self) -> None:
+        """The rows written so far on disk (a mid-epoch checkpoint's rows outlive a power cut with it)."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
     def close(self) -> None:
         self._f.close()
 
 
-def _cut_after_epochs(path: Path, columns: list[str], keep_before: int) -> bool:
-    """Truncate `path` after its rows of epochs < keep_before; False (nothing kept) when it is missing
-    or was written with other columns."""
+def _position(fields: list[bytes], col: int, step_col: int | None) -> tuple[int, int] | None:
+    """A row's (epoch, step) - step 0 without a step column - or None when it is damaged."""
+    if not fields[col].isdigit() or (step_col is not None and not fields[step_col].isdigit()):
+        return None
+    return int(fields[col]), int(fields[step_col]) if step_col is not None else 0
+
+
+def _cut_after(path: Path, columns: list[str], keep_before: tuple[int, int]) -> bool:
+    """Truncate `path` after its rows before (epoch, step) `keep_before`; False (nothing kept) when it is
+    missing or was written with other columns."""
     if not path.exists():
         return False
     col = columns.index("epoch")
+    step_col = columns.index("step") if "step" in columns else None
     with open(path, "rb+") as f:
         header = f.readline()
         if header.decode("utf-8", "replace").rstrip("\r\n").split(",") != columns:
@@ -67,9 +88,10 @@ def _cut_after_epochs(path: Path, columns: list[str], keep_before: int) -> bool:
         end = f.tell()
         for line in f:
             fields = line.split(b",")
-            if not line.endswith(b"\n") or len(fields) != len(columns) or not fields[col].isdigit():
+            at = _position(fields, col, step_col) if line.endswith(b"\n") and len(fields) == len(columns) else None
+            if at is None:
                 break  # torn or damaged: this row and any after it are not kept
-            if int(fields[col]) >= keep_before:
+            if at >= keep_before:
                 break
             end += len(line)
         f.truncate(end)
@@ -83,8 +105,8 @@ def _fmt(v):
     return v
 
 
-def step_log(out_dir: Path, rank: int, start_epoch: int) -> CsvLog:
-    return CsvLog(out_dir / f"steps_rank{rank}.csv", STEP_COLUMNS, keep_before_epoch=start_epoch)
+def step_log(out_dir: Path, rank: int, start_epoch: int, start_step: int = 0) -> CsvLog:
+    return CsvLog(out_dir / f"steps_rank{rank}.csv", STEP_COLUMNS, start_epoch, start_step)
 
 
 def epoch_log(out_dir: Path, start_epoch: int) -> CsvLog:

@@ -39,12 +39,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rectrain import cli, distributed, driver_check, watchdog
 from rectrain.atomic import write_json
 from rectrain.distributed import barrier
-from rectrain.train import batchplan, calibrate, failure, outputs, provenance
+from rectrain.train import batchplan, calibrate, failure, outputs, provenance, stop, supervise
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.resume import previous_plan, resume
 from rectrain.train.run import Run, build_run, prepare_rank
 from rectrain.train.step import Step, run_steps
+from rectrain.train.stop import Agreement, StopRequest
 
 __all__ = ["Step", "run_steps", "main"]  # the step lives in rectrain.train.step; the bench imports it from here
 
@@ -71,9 +72,10 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def relaunch_or_single(cfg: dict, argv: list[str], single: bool) -> None:
-    """Called when RANK/WORLD_SIZE/LOCAL_RANK are missing: exec the same command under torchrun when
-    the config asks for several processes, else set this process up as rank 0 of 1."""
+def relaunch_or_single(cfg: dict, argv: list[str], single: bool, ck_dir: Path) -> int | None:
+    """Called when RANK/WORLD_SIZE/LOCAL_RANK are missing: run the same command under torchrun when the
+    config asks for several processes, returning its exit status (supervise: EXIT_STOPPED after a stop),
+    else set this process up as rank 0 of 1 (None)."""
     gpu_count = distributed.visible_gpu_count()
     driver_check.stop_on_mismatch(cfg["devices"], gpu_count > 0, "train")
     procs = distributed.plan_processes(cfg, gpu_count)
@@ -86,7 +88,7 @@ def relaunch_or_single(cfg: dict, argv: list[str], single: bool) -> None:
             procs.reason,
         )
         cmd, env = distributed.torchrun_command(procs, "rectrain.train", argv)
-        os.execvpe(cmd[0], cmd, env)
+        return supervise.run_torchrun(cmd, env, ck_dir, cfg["stop_signals"])
     if single:
         why = "--single-process was given"
     elif cfg["nodes"] > 1:
@@ -97,6 +99,7 @@ def relaunch_or_single(cfg: dict, argv: list[str], single: bool) -> None:
         "started without a launcher (%s not set): running as a single process (rank 0 of 1) because %s", missing, why
     )
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    return None
 
 
 def train(args: argparse.Namespace, cfg: dict) -> None:
@@ -106,7 +109,10 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
         d = distributed.setup(cfg["devices"] != "cpu", cfg["collective_timeout_s"])
         if d.master:
             (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
-        with watchdog.Watchdog(cfg["watchdog_s"], d.rank, d.world_size, Path(args.out) / "telemetry"):
+        with (
+            watchdog.Watchdog(cfg["watchdog_s"], d.rank, d.world_size, Path(args.out) / "telemetry"),
+            stop.handling(cfg["stop_signals"]) as request,  # after the watchdog's SIGTERM stack dump: replaces it
+        ):
             watchdog.beat("preparing: model, memory preflight, loaders")
             parts = prepare_rank(args, cfg, d)
             previous = previous_plan(Path(args.out) / "checkpoints", cfg)  # batch_size auto reuses it when it fits
@@ -114,29 +120,33 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
                 cfg, parts.model, parts.loss_fn, d, len(parts.classes), parts.spec, previous=previous
             )
             run = build_run(args, cfg, parts, plan)
-            train_run(run)
+            train_run(run, request)
+    except stop.Stopped:
+        raise
     except Exception as exc:
         log.exception(failure.explain(exc, cfg, plan))
         raise
 
 
-def train_run(run: Run) -> None:
-    """Resume or start over, calibrate, train the epochs, publish."""
+def train_run(run: Run, request: StopRequest) -> None:
+    """Resume or start over, calibrate, train the epochs (stopping when `request` gets a stop signal), publish."""
     d = run.d
     watchdog.beat("reading checkpoints/last.pt")
     resumed = resume(run)
     if resumed.restored:  # the finished run, published again from checkpoints/finished/
         return
-    start_epoch, rng_states = resumed.start_epoch, resumed.rng_states
     calibration = calibrate.calibrate_run(run)
-    info = provenance.run_info(run, start_epoch, calibration, resumed_despite=resumed.despite)
+    info = provenance.run_info(
+        run, resumed.start_epoch, calibration, resumed_despite=resumed.despite, start_step=resumed.start_step
+    )
     if d.master:
         write_json(run.out / "run.json", info)
         provenance.log_start(run)
-    if rng_states is not None:
-        ckpt.set_rng_state(rng_states[d.rank])
-    with outputs.telemetry_logs(run, start_epoch) as (steps_log, epochs_log):
-        train_epochs(run, start_epoch, Books(steps_log, epochs_log, calibration))
+    if resumed.rng_states is not None:
+        ckpt.set_rng_state(resumed.rng_states[d.rank])
+    agreement = Agreement(d, request, run.cfg["checkpoint_interval_min"])
+    with outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log):
+        train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration), agreement)
     watchdog.beat("publishing the outputs")
     barrier(d)
     if d.master:
@@ -145,13 +155,18 @@ def train_run(run: Run) -> None:
     barrier(d)
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> None:
+def _run(args: argparse.Namespace, cfg: dict) -> int | None:
     if not distributed.launched():
-        relaunch_or_single(cfg, args.argv, args.single_process)
+        status = relaunch_or_single(cfg, args.argv, args.single_process, Path(args.out) / "checkpoints")
+        if status is not None:
+            return status
     try:
         train(args, cfg)
+    except stop.Stopped:
+        return stop.EXIT_STOPPED
     finally:
         distributed.teardown()
+    return None
 
 
 @record

@@ -1,0 +1,176 @@
+"""Checkpoints within an epoch: after a stop signal and every train.checkpoint_interval_min, at the step
+all ranks agreed on (rectrain.train.stop), into checkpoints/last.pt - the one mid-epoch checkpoint,
+replaced each time, atomically (rectrain.atomic); epoch_<k>.pt stay epoch ends.
+
+A checkpoint holds everything a resume needs (`run_state`): the model, optimizer, LR schedule and
+scaler, every rank's RNG state, `epoch`, and `step` - the steps done in that epoch (None: the epoch
+is complete) - with `ranks`, per rank: its loader's state (rectrain.loaders: DALI's pipeline
+checkpoint; the torch loader needs none), the epoch's running totals (loss, hits, images) and the
+seconds trained in it, so the resumed epoch's epochs.csv row covers the whole epoch.  A resume
+(`Position.of`) restarts at that step, each rank's loader yielding the rest of the epoch's batches.
+
+A checkpoint that cannot be written (a full disk) never touches the one before: the write goes to a
+temporary file that is removed on the error.  A periodic one then logs that and training goes on
+(the next try is one interval later); a stop then fails the job (exit status 1, not EXIT_STOPPED),
+naming the checkpoint a rerun resumes from instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+
+from rectrain import watchdog
+from rectrain.distributed import all_gather, barrier
+from rectrain.loaders import Loader
+from rectrain.storage import human_bytes
+from rectrain.train import checkpoint as ckpt
+from rectrain.train import faults, supervise
+from rectrain.train.run import Run
+from rectrain.train.stop import EXIT_STOPPED, Agreement, Decision, Stopped
+
+log = logging.getLogger(__name__)
+
+CONTINUE = "to continue, run the same command again (through Snakemake: the same snakemake command)"
+
+
+def run_state(run: Run, epoch: int, rngs: list, step: int | None = None, ranks: list | None = None) -> dict:
+    """The checkpoint of `run` in `epoch` after `step` steps (None: the epoch done); see the module doc."""
+    return {
+        "model": run.model.state_dict(),
+        "optimizer": run.step.optimizer.state_dict(),
+        "scheduler": run.step.scheduler.state_dict(),
+        "scaler": run.step.scaler.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "ranks": ranks,
+        "rng": rngs,
+        "config": run.cfg,
+        "num_classes": len(run.classes),
+        "model_name": run.cfg["model"],
+        "image_size": run.cfg["image_size"],
+        **run.identity.stamp(),
+    }
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a run (re)starts: `epoch`, after `step` of its steps, with each rank's saved `ranks` entry."""
+
+    epoch: int = 0
+    step: int = 0
+    ranks: list | None = None
+
+    @classmethod
+    def of(cls, state: dict) -> Position:
+        """The position after checkpoint `state`: the next step of its epoch, or the next epoch."""
+        if state.get("step") is None:
+            return cls(state["epoch"] + 1)
+        return cls(state["epoch"], state["step"], state["ranks"])
+
+    def rank_part(self, epoch: int, rank: int) -> tuple[int, dict]:
+        """(first step, the rank's saved entry) for `epoch`: (0, {}) unless it is the resumed epoch."""
+        if epoch != self.epoch or not self.step:
+            return 0, {}
+        return self.step, self.ranks[rank]
+
+    def text(self) -> str:
+        return f"epoch {self.epoch} step {self.step}" if self.step else f"epoch {self.epoch}"
+
+
+class MidEpoch:
+    """One epoch's control for run_steps: asked after every optimizer step, it checkpoints and stops as
+    the ranks agreed."""
+
+    def __init__(self, run: Run, agreement: Agreement, epoch: int, loader: Loader, steps_log, wall_before: float):
+        self.run, self.agreement, self.epoch, self.loader = run, agreement, epoch, loader
+        self.steps_log, self.wall_before, self.started = steps_log, wall_before, time.monotonic()
+
+    def poll(self, step: int) -> Decision:
+        faults.signal_at(self.run.d.rank, self.epoch, step)
+        return self.agreement.poll()
+
+    def act(self, decision: Decision, steps_done: int, totals: dict) -> None:
+        """Checkpoint after `steps_done` steps; on a stop, end the rank (Stopped) once it is written."""
+        run, d = self.run, self.run.d
+        why = f"stop signal {decision.signal_name}" if decision.stop else "train.checkpoint_interval_min"
+        watchdog.beat(f"epoch {self.epoch}: writing the mid-epoch checkpoint ({why})")
+        self.steps_log.sync()  # the rows up to this step outlive a power cut as the checkpoint does
+        mine = {
+            "rng": ckpt.rng_state(),
+            "loader": self.loader.state(),
+            "totals": dict(totals),
+            "wall_s": self.wall_before + time.monotonic() - self.started,
+        }
+        gathered = all_gather(mine, d)
+        error = write(run, self.epoch, steps_done, gathered) if d.master else None
+        written = self.agreement.all_true(error is None)
+        self.agreement.checkpointed()
+        where = f"epoch {self.epoch} step {steps_done - 1} of {self.loader.batches_per_epoch}"
+        if decision.stop:
+            stop(run, decision, where, written, resumes_at=f"epoch {self.epoch} step {steps_done}")
+        elif d.master and written:
+            log.info("mid-epoch checkpoint after %s (%s): %s", where, why, run.ck_dir / "last.pt")
+
+
+def write(run: Run, epoch: int, steps_done: int, gathered: list[dict]) -> str | None:
+    """Rank 0: write last.pt; None when written, else what failed (logged; the previous last.pt is intact)."""
+    ranks = [{k: g[k] for k in ("loader", "totals", "wall_s")} for g in gathered]
+    state = run_state(run, epoch, [g["rng"] for g in gathered], step=steps_done, ranks=ranks)
+    started = time.monotonic()
+    try:
+        ckpt.save_atomic(state, run.ck_dir / "last.pt")
+    # torch.save reports a full disk as RuntimeError ("unexpected pos ...", its zip writer), open() as OSError.
+    except (OSError, RuntimeError) as exc:
+        # Text only from here: the exception's frames hold torch.save's writer, whose open temporary
+        # file (unlinked) keeps its space on the full disk until they are freed.
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        log.debug("mid-epoch checkpoint written in %.2f s", time.monotonic() - started)
+        return None
+    log.warning(
+        "could not write the mid-epoch checkpoint %s (%s free on that disk): %s; the previous checkpoint "
+        "there is intact and a rerun resumes from it; training goes on and tries again in "
+        "train.checkpoint_interval_min (free space on that disk)",
+        run.ck_dir / "last.pt",
+        human_bytes(shutil.disk_usage(run.ck_dir).free),
+        error,
+    )
+    return error
+
+
+def stop(run: Run, decision: Decision, where: str, written: bool, resumes_at: str) -> None:
+    """Every rank: say what was saved and how to continue, then end (Stopped), or fail when nothing was."""
+    d, last = run.d, run.ck_dir / "last.pt"
+    if d.master and written:  # before the barrier: a peer exiting first makes torchrun signal this rank
+        supervise.mark_stopped(run.ck_dir, decision.signal_name, where)
+    barrier(d)
+    if not written:
+        raise RuntimeError(
+            f"rank {d.rank}: stopped by {decision.signal_name} after {where}, but the checkpoint could not be "
+            f"written (see the warning above): nothing of this epoch's steps since the last checkpoint is saved; "
+            f"{CONTINUE}: it resumes from {last} as it was before"
+        )
+    log.info(
+        "rank %d: stopped by %s after %s: %s holds the model, optimizer, LR schedule, scaler, every rank's RNG "
+        "and loader position; exit status %d; %s: it resumes at %s",
+        d.rank,
+        decision.signal_name,
+        where,
+        last,
+        EXIT_STOPPED,
+        CONTINUE,
+        resumes_at,
+    )
+    raise Stopped(f"stopped by {decision.signal_name} after {where}")
+
+
+def stop_at_epoch_end(run: Run, agreement: Agreement, epoch: int) -> None:
+    """After an epoch's checkpoint: a stop signal that came during its last step or its validation ends
+    the ranks here, with nothing to add to that checkpoint."""
+    decision = agreement.poll()
+    agreement.checkpointed()  # the epoch's checkpoint restarts the periodic clock
+    if decision.stop:
+        stop(run, decision, f"the end of epoch {epoch}", True, resumes_at=f"epoch {epoch + 1}")

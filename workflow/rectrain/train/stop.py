@@ -1,0 +1,144 @@
+"""Stopping cleanly: a stop signal (train.stop_signals: SIGTERM, SIGINT, SIGUSR1 by default - what SLURM
+sends before a time limit or a preemption, Ctrl-C, a job's warning signal) and the periodic mid-epoch
+checkpoint (train.checkpoint_interval_min) are decided the same way.
+
+The protocol.  A rank's signal handler only records the signal (`StopRequest`); the step loop asks
+`Agreement.poll` after every optimizer step, which all-reduces (MAX) two numbers over every rank: the
+signal this rank got (0: none) and, from rank 0 alone, whether its clock says a periodic checkpoint is
+due.  Every rank takes part in the same all-reduce after the same step, so all of them learn the same
+answer at the same step, even when only one rank was signalled - and then all checkpoint there
+(rectrain.train.midepoch), and on a stop all exit with EXIT_STOPPED.  The all-reduce runs on a gloo
+group of CPU tensors even when training uses NCCL, so it never waits for the GPU (bench/RESULTS.md
+has its cost).
+
+EXIT_STOPPED = 75 (EX_TEMPFAIL of sysexits.h: "try again later") is the exit status of every rank, of
+the launcher (rectrain.train.supervise) and so of the train job after a stop whose checkpoint was
+written: rerunning the same command resumes at the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rectrain.distributed import Dist
+
+log = logging.getLogger(__name__)
+
+EXIT_STOPPED = 75
+# A stop signal repeated this long after the first dumps the rank's stacks (StopRequest).
+STUCK_S = 10.0
+
+
+class Stopped(Exception):
+    """Raised on every rank once its stop checkpoint is written; the job exits with EXIT_STOPPED."""
+
+
+def signal_numbers(names: list[str]) -> list[signal.Signals]:
+    """train.stop_signals' names ('SIGTERM' or 'TERM') as signals; an unknown name says which exist."""
+    out = []
+    for name in names:
+        full = name if name.upper().startswith("SIG") else f"SIG{name}"
+        try:
+            out.append(signal.Signals[full.upper()])
+        except KeyError:
+            raise ValueError(
+                f"train.stop_signals names {name!r}, which is no signal here: use names such as SIGTERM, SIGINT, SIGUSR1"
+            ) from None
+    return out
+
+
+class StopRequest:
+    """The stop signal this process got (0: none).  The handler only records it: the step loop acts at
+    the next step boundary.  A stop signal repeated STUCK_S after the first, still pending, dumps this
+    process's Python stacks (a rank that does not reach its next step is stuck: that says where)."""
+
+    def __init__(self) -> None:
+        self.signum, self.since = 0, 0.0
+
+    def handle(self, signum, frame) -> None:
+        # The same signal often comes twice at once (to the process group and forwarded by torchrun):
+        # only a repeat long after the first means this rank is not getting to its next step.
+        if self.signum and time.monotonic() - self.since > STUCK_S:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if not self.signum:
+            self.signum, self.since = signum, time.monotonic()
+
+
+@contextlib.contextmanager
+def handling(names: list[str]):
+    """Within: the signals `names` set the yielded StopRequest instead of ending the process."""
+    request, previous = StopRequest(), {}
+    for sig in signal_numbers(names):
+        previous[sig] = signal.signal(sig, request.handle)
+    stopped = False
+    try:
+        yield request
+    except Stopped:
+        stopped = True
+        raise
+    finally:
+        for sig, handler in previous.items():
+            # Stopped and checkpointed: a late copy of the signal (torchrun ending the peers of the first
+            # rank to exit) must not turn this rank's EXIT_STOPPED into a kill.  A handler installed
+            # outside Python (faulthandler) reads as None: the default then.
+            if stopped:
+                handler = signal.SIG_IGN
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What every rank does after a step: stop (the signal's number, 0: go on), checkpoint first or not."""
+
+    signum: int = 0
+    checkpoint: bool = False
+
+    @property
+    def stop(self) -> bool:
+        return self.signum > 0
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+
+class Agreement:
+    """The ranks' common answer after each optimizer step (see the module doc)."""
+
+    def __init__(self, d: Dist, request: StopRequest, interval_min: float):
+        self.d, self.request = d, request
+        self.interval_s = float(interval_min) * 60
+        self.last_checkpoint = time.monotonic()
+        self.group = None
+        if d.world_size > 1 and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")  # CPU tensors: no wait for the GPU
+
+    def _due(self) -> bool:
+        return self.d.master and self.interval_s > 0 and time.monotonic() - self.last_checkpoint >= self.interval_s
+
+    def poll(self) -> Decision:
+        """Every rank calls this after the same step; all get the same Decision."""
+        flags = torch.tensor([self.request.signum, int(self._due())], dtype=torch.int64)
+        if self.d.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        signum, due = (int(v) for v in flags)
+        return Decision(signum, checkpoint=bool(signum or due))
+
+    def all_true(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (rank 0's checkpoint written: its answer reaches all)."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        if self.d.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag) == 0
+
+    def checkpointed(self) -> None:
+        self.last_checkpoint = time.monotonic()
