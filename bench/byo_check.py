@@ -1,6 +1,6 @@
 """What checking an existing .rec costs per image: rectrain.data.byo_recordio's record walk (framing,
 header, label) and its image check (rectrain.data.images.prepare, the pack's strict scan decode),
-measured separately on one thread, on ImageNet-sized photo-like JPEGs (500x375, q90) in a pair our
+measured separately on one thread and beside the pack's own scan check, on ImageNet-sized photo-like JPEGs (500x375, q90) in a pair our
 writer makes. Decides whether every image is decoded (bench/RESULTS.md, "Bring your own .rec").
 
     .venv/bin/python bench/byo_check.py [--images 400]
@@ -20,6 +20,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
 from rectrain.data.byo_recordio import _check_image, _records  # noqa: E402
+from rectrain.data.images import check_scan, read_jpeg_header  # noqa: E402
 from rectrain.recordio import IRHeader, RecordWriter, idx_arrays, pack_record, unpack_record  # noqa: E402
 
 
@@ -50,6 +51,10 @@ def main() -> None:
         for i, (_, img) in enumerate(payloads):
             _check_image((i, "", img))
         check = time.perf_counter() - start
+        start = time.perf_counter()
+        for _, img in payloads:
+            check_scan(img, read_jpeg_header(img))
+        pack_scan = time.perf_counter() - start
     kb = sum(map(len, images)) / n / 1024
     load = os.getloadavg()[0]
     print(
@@ -57,6 +62,7 @@ def main() -> None:
     )
     print(f"  record walk (framing, header, label): {1000 * walk / n:.3f} ms/image")
     print(f"  image check (images.prepare, strict 1/8 decode): {1000 * check / n:.3f} ms/image")
+    print(f"  the pack's own scan check on the same images (images.check_scan): {1000 * pack_scan / n:.3f} ms/image")
     print(f"  ImageNet train (1,281,167 images) on 8 threads: ~{1281167 * (walk + check) / n / 8 / 60:.1f} min of CPU")
 
 

@@ -126,6 +126,15 @@ def test_an_idx_pointing_past_the_end_fails_naming_the_line_and_key(pairs, tmp_p
         check(tmp_path, train=bad)
 
 
+def test_a_record_the_idx_does_not_list_fails_naming_its_offset(pairs, tmp_path):
+    last_offset = (pairs / "train.idx").read_text().splitlines()[-1].split("\t")[1]
+    bad = damaged(pairs, tmp_path, lambda rec, idx: (rec, idx[:-1]))
+    with pytest.raises(
+        PairError, match=rf"bad.rec holds a record at byte offset {last_offset} that .*bad.idx does not list"
+    ):
+        check(tmp_path, train=bad)
+
+
 def rewritten(pairs: Path, tmp_path: Path, edit) -> dict:
     """The shuffled im2rec train pair written again by our writer, `edit(i, header, image)` applied."""
     reader = IndexedRecordReader(pairs / "train.rec", pairs / "train.idx")

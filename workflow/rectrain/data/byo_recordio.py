@@ -107,34 +107,39 @@ def _check_idx(pair: dict, keys: np.ndarray, offsets: np.ndarray, size: int) -> 
         )
 
 
+def _next(scan, where: str):
+    """The scan's next (offset, payload), or None at the end; a framing error names the record."""
+    try:
+        return next(scan, None)
+    except RecordIOError as err:
+        raise PairError(f"{where}: {err}; rebuild the pair (im2rec) or restore the file") from None
+
+
 def _records(pair: dict, keys: np.ndarray, offsets: np.ndarray):
     """(number, key, offset, payload) of every record, each at the offset its .idx line gives."""
     scan = scan_records(pair["rec"])
-    for i in range(len(keys) + 1):
-        where = f"record {i} (.idx key {keys[i]})" if i < len(keys) else f"after the last record ({len(keys)})"
-        try:
-            found = next(scan, None)
-        except RecordIOError as err:
-            raise PairError(f"{where}: {err}; rebuild the pair (im2rec) or restore the file") from None
-        if found is None or i == len(keys):
-            if found is not None:
-                raise PairError(
-                    f"{pair['rec']} holds a record at byte offset {found[0]} that {pair['idx']} does not list"
-                )
-            if i < len(keys):
-                raise PairError(f"{where}: {pair['rec']} ends before byte offset {offsets[i]}: truncated .rec")
-            return
+    for i in range(len(keys)):
+        where = f"record {i} (.idx key {keys[i]})"
+        found = _next(scan, where)
+        if found is None:
+            raise PairError(f"{where}: {pair['rec']} ends before byte offset {offsets[i]}: truncated .rec")
         if found[0] != offsets[i]:
             raise PairError(
                 f"{where}: {pair['idx']} says byte offset {offsets[i]} but the record there starts at {found[0]}: "
                 "the .idx does not belong to this .rec"
             )
         yield i, int(keys[i]), int(offsets[i]), found[1]
+    extra = _next(scan, f"after the last record ({len(keys)})")
+    if extra is not None:
+        raise PairError(f"{pair['rec']} holds a record at byte offset {extra[0]} that {pair['idx']} does not list")
 
 
 def _label(i: int, key: int, offset: int, payload: bytes, lst: dict | None) -> tuple[int, bytes]:
-    header, image = unpack_record(payload)
     where = f"record {i} (.idx key {key}, byte offset {offset})"
+    try:
+        header, image = unpack_record(payload)
+    except RecordIOError as err:
+        raise PairError(f"{where}: {err}") from None
     if header.flag != 0:
         raise PairError(f"{where} holds {header.flag} labels: rectrain trains one class label per image")
     if header.label != int(header.label) or header.label < 0:
