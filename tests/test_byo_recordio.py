@@ -201,6 +201,16 @@ def test_the_dry_run_checks_the_pair_instead_of_indexing_and_packing(work):
     assert scheduled_rules(proc.stdout) == {"check_recordio": 1, "train": 1, "evaluate": 1, "report": 1}
 
 
+def test_without_a_val_pair_the_dry_run_leaves_evaluate_out(work):
+    config = yaml.safe_load((work / "byo.yaml").read_text())
+    del config["recordio"]["val"]
+    (work / "trainonly.yaml").write_text(yaml.safe_dump(config))
+    proc = smk(work, "-n", "results/report.html", config="trainonly.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert scheduled_rules(proc.stdout) == {"check_recordio": 1, "train": 1, "report": 1}
+    assert "val.rec" not in proc.stdout
+
+
 def test_a_missing_pair_file_fails_before_any_work_naming_the_key(work, tmp_path):
     config = yaml.safe_load((work / "byo.yaml").read_text())
     config["recordio"]["val"]["idx"] = str(tmp_path / "nowhere.idx")
