@@ -27,8 +27,18 @@ report: "workflow/report/workflow.rst"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/demo.smk"
-include: "workflow/rules/index.smk"
-include: "workflow/rules/pack.smk"
+
+
+if BYO:  # recordio.train: an existing .rec/.idx is checked instead of indexing and packing raw images
+
+    include: "workflow/rules/recordio.smk"
+
+else:
+
+    include: "workflow/rules/index.smk"
+    include: "workflow/rules/pack.smk"
+
+
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"

@@ -48,7 +48,8 @@ def test_tilde_and_variables_in_every_path_key_are_expanded_by_the_config_loader
 def test_every_key_named_like_a_path_is_marked_x_path_so_it_is_expanded():
     schema = load_schema(SCHEMA)
     marked = {".".join(k) for k in path_keys(schema)}
-    assert marked == {"raw", "pack.fast_storage", "pack.local_storage"}
+    byo = {f"recordio.{split}.{kind}" for split in ("train", "val") for kind in ("rec", "idx", "lst")}
+    assert marked == {"raw", "pack.fast_storage", "pack.local_storage", "recordio.classes", *byo}
 
     def named_like_paths(spec, path=()):
         for name, sub in spec.get("properties", {}).items():

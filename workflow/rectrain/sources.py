@@ -27,6 +27,7 @@ STAGE_ENTRIES = {
     "demo_data": ("rectrain.data.demo",),
     "index_raw": ("rectrain.data.index",),
     "pack": ("rectrain.data.pack",),
+    "check_recordio": ("rectrain.data.byo_recordio",),
     "train": ("rectrain.train.launch", "rectrain.train.__main__"),
     "evaluate": ("rectrain.evaluate",),
     "report": ("rectrain.report.__main__",),

@@ -50,7 +50,10 @@ RAW_ROOT = config["raw"] or DEMO_ROOT
 FAST = f"{config['pack']['fast_storage'].rstrip('/')}/{DS}"
 # index.absent_splits: [val] - a dataset without a val split packs and trains on train alone; there is
 # nothing to evaluate, so the report is built without the evaluate stage and says so.
-HAS_VAL = "val" not in config["index"]["absent_splits"]
+# recordio.train set (bring your own .rec): check_recordio replaces index_raw and pack, and val is there
+# when recordio.val is.
+BYO = config["recordio"]["train"] is not None
+HAS_VAL = config["recordio"]["val"] is not None if BYO else "val" not in config["index"]["absent_splits"]
 SPLITS = ["train", "val"] if HAS_VAL else ["train"]
 ENV = "../../envs/rectrain.yaml"
 # A rule's params: carry only its own block's output-changing keys (rectrain.snakefile.params), so a

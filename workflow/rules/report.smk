@@ -14,9 +14,15 @@ rule report:
         code=code("report"),
         # every covered stage's benchmark file, in pipeline order, taken from the rules themselves
         benchmarks=[
-            *([str(rules.demo_data.benchmark)] if config["raw"] is None else []),
-            str(rules.index_raw.benchmark),
-            *expand(str(rules.pack.benchmark), split=SPLITS),
+            *(
+                [str(rules.check_recordio.benchmark)]
+                if BYO
+                else [
+                    *([str(rules.demo_data.benchmark)] if config["raw"] is None else []),
+                    str(rules.index_raw.benchmark),
+                    *expand(str(rules.pack.benchmark), split=SPLITS),
+                ]
+            ),
             str(rules.train.benchmark),
             *([str(rules.evaluate.benchmark)] if HAS_VAL else []),
         ],

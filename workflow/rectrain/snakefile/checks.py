@@ -23,6 +23,7 @@ from rectrain.config import (
     path_values,
     shown_path,
 )
+from rectrain.snakefile.byo import byo_problems
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
     fill_defaults(config, schema_path)
     problems = whole_numbers(config, schema) + cross_check(config)
     problems += check_paths(config, Path(workdir), written)
+    fast = f"{config['pack']['fast_storage'].rstrip('/')}/{config['dataset']}"
+    problems += byo_problems(config, fast, Path(workdir), written)
     if problems:
         raise ConfigError(format_problems(problems))
     for line in cross_warnings(config):
