@@ -71,8 +71,12 @@ def owned_dir(path, refuse: Refuse, mode: int = 0o700) -> Path:
     if now != wanted:
         os.chmod(path, wanted, follow_symlinks=False)
         if now & ~mode & (stat.S_IWGRP | stat.S_IWOTH):
-            log.info("%s was writable by other users (mode %o): now %o, so nobody else can plant files there",
-                     path, now, wanted)
+            log.info(
+                "%s was writable by other users (mode %o): now %o, so nobody else can plant files there",
+                path,
+                now,
+                wanted,
+            )
     return path
 
 
@@ -80,4 +84,3 @@ def create_new(path, flags: int = os.O_WRONLY, mode: int = 0o644) -> int:
     """A descriptor of a file created here and now: FileExistsError when anything, a link included,
     already has the name (nothing is followed, truncated or written through)."""
     return os.open(path, flags | _NEW, mode)
-

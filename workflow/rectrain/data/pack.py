@@ -61,7 +61,7 @@ from rectrain.data import indextable, readorder
 from rectrain.data.archives import READ_ERRORS, SourceReader
 from rectrain.data.images import Skip, prepare
 from rectrain.data.indextable import BadIndex, IndexTable
-from rectrain.data.rawfiles import Refused, RawFiles
+from rectrain.data.rawfiles import RawFiles, Refused
 from rectrain.data.verify import Expected, VerifyError, verify_pair
 from rectrain.progress import Progress
 from rectrain.recordio import RecordIOError, RecordWriter, frame_payload, pack_record
