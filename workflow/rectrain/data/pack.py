@@ -50,15 +50,15 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from rectrain import cli, safefs, storage
 from rectrain.atomic import fsync_path, publish, temporary_name, write_json
 from rectrain.config import ConfigError
-from rectrain.data import indextable, readorder
-from rectrain.data.archives import READ_ERRORS, SourceReader
+from rectrain.data import indextable, readorder, space
+from rectrain.data.archives import READ_ERRORS, SEP, SourceReader
 from rectrain.data.images import Skip, prepare
 from rectrain.data.indextable import BadIndex, IndexTable
 from rectrain.data.rawfiles import RawFiles, Refused
@@ -68,8 +68,9 @@ from rectrain.recordio import RecordIOError, RecordWriter, frame_payload, pack_r
 
 BATCH = 32  # images per task: amortises scheduling, small enough to keep every thread busy
 IN_FLIGHT_PER_WORKER = 4
-# Raw bytes read ahead by the storage order and waiting in batches: a batch closes at BATCH_BYTES, and
-# no new one is submitted while more than IN_FLIGHT_BYTES wait, so large files cannot pile up in memory.
+# Source bytes in flight - read ahead by the storage order, or to be read by the workers and then held
+# as records until the writer takes them: a batch closes at BATCH_BYTES, and no new one is submitted
+# while more than IN_FLIGHT_BYTES are in flight, so large files cannot pile up in memory.
 BATCH_BYTES = 16 << 20
 IN_FLIGHT_BYTES = 256 << 20
 PARTIAL = ".partial"
@@ -166,27 +167,6 @@ class _Packer:
 
 
 # ---- parent side -------------------------------------------------------------------------------
-
-
-def source_bytes(raw_root: Path, sources: Iterable[str]) -> int:
-    """Bytes the sources occupy; an archive member counts as its whole outer archive, once."""
-    total = 0
-    archives = set()
-    root = f"{raw_root}/"  # a str, not a Path per source: 4x faster over 1.28 M files
-    for src in sources:
-        if "::" in src:
-            archives.add(src.split("::", 1)[0])
-            continue
-        try:
-            total += os.stat(root + src).st_size
-        except OSError:
-            pass  # reported per image as a skip when the worker cannot read it
-    for archive in archives:
-        try:
-            total += os.stat(root + archive).st_size
-        except OSError:
-            pass
-    return total
 
 
 def _remove(*paths: Path) -> None:
@@ -367,8 +347,10 @@ def _prepare(target: Target, raw_root: Path, table: IndexTable, cfg: dict, choic
     _remove(target.idx, target.rec, *target.partial)
     fsync_path(target.idx.parent)
     n = len(table)
+    files = RawFiles(raw_root, cfg["max_image_bytes"])
+    extra = space.reencoded_extra(files, table.iter_sources(), cfg["resize"], cfg["quality"])
     needed = storage.estimate_needed_bytes(
-        source_bytes(raw_root, table.iter_sources()), n, cfg["resize"], cfg["quality"]
+        space.source_bytes(raw_root, table.iter_sources()), n, cfg["resize"], cfg["quality"], extra
     )
     buckets = readorder.bucket_count(needed) if choice["used"] == "storage" else 0
     if buckets:
@@ -390,17 +372,23 @@ def _prepare(target: Target, raw_root: Path, table: IndexTable, cfg: dict, choic
     return result, buckets
 
 
-def _held(item: tuple) -> int:
-    """Bytes of source data an item carries (the storage order reads them before a worker runs)."""
-    return len(item[4]) if isinstance(item[4], bytes) else 0
+def _held(item: tuple, reader: SourceReader) -> int:
+    """Source bytes of an item: read already (the storage order), else the size a worker will read."""
+    data, source = item[4], item[2]
+    if data is not None:
+        return len(data) if isinstance(data, bytes) else 0
+    try:  # a plain stat on a str: the cost of a Path per image shows at 1.28 M images
+        return os.stat(f"{reader.root}/{source}").st_size if SEP not in source else reader.locate(source)[2]
+    except READ_ERRORS:
+        return 0  # the worker's read fails too: a skip
 
 
-def _batches(items) -> Iterator[tuple[list, int]]:
-    """(batch, bytes it holds): BATCH items, or fewer once they hold BATCH_BYTES."""
+def _batches(items, reader: SourceReader) -> Iterator[tuple[list, int]]:
+    """(batch, source bytes it holds): BATCH items, or fewer once they hold BATCH_BYTES."""
     batch, held = [], 0
     for item in items:
         batch.append(item)
-        held += _held(item)
+        held += _held(item, reader)
         if len(batch) == BATCH or held >= BATCH_BYTES:
             yield batch, held
             batch, held = [], 0
@@ -411,7 +399,7 @@ def _batches(items) -> Iterator[tuple[list, int]]:
 def _pump(items, packer: _Packer, pool: ThreadPoolExecutor, threads: int, sink, progress: Progress) -> None:
     """Prepare `items` on the pool in batches and hand each (item, result) to `sink` in the items'
     order; batches are cut as they are submitted and at most a few per thread (and IN_FLIGHT_BYTES of
-    read-ahead) are in flight, so memory stays bounded."""
+    sources) are in flight, so memory stays bounded."""
     pending, done, held = deque(), 0, 0  # (batch, future, bytes held) in item order
 
     def drain_one() -> None:
@@ -423,7 +411,7 @@ def _pump(items, packer: _Packer, pool: ThreadPoolExecutor, threads: int, sink, 
         held -= nbytes
         progress.count(done)
 
-    for batch, nbytes in _batches(items):
+    for batch, nbytes in _batches(items, packer.reader):
         pending.append((batch, pool.submit(packer.batch, batch), nbytes))
         held += nbytes
         while pending and (len(pending) >= threads * IN_FLIGHT_PER_WORKER or held > IN_FLIGHT_BYTES):
