@@ -227,7 +227,6 @@ def test_forty_sparse_50mb_images_are_all_skipped_within_a_bounded_peak_memory(t
     for i in range(40):
         subprocess.run(["truncate", "-s", "50M", str(raw / f"a/big{i}.JPEG")], check=True)
     cfg = json.dumps({"max_skipped_share": 1.0, "read_order": order})
-    out = tmp_path / "out"
     proc, peak_mb = _peak_rss(raw, index, tmp_path / "out", cfg)
     assert proc.returncode == 4, proc.stderr  # all skipped: nothing to publish
     assert "all 40 images of split train were skipped" in proc.stderr
@@ -385,3 +384,25 @@ def test_a_real_full_disk_during_the_pack_publishes_nothing_and_a_rerun_after_fr
         assert len(read_idx(out / "fast/train.idx")) == 40
     finally:
         subprocess.run(["umount", str(out / "fast")], check=False)
+
+
+# ---- a pair belongs to one run -------------------------------------------------------------------
+
+
+def test_two_working_directories_sharing_a_pair_the_second_is_refused_naming_the_first(tmp_path):
+    raw, index = _dataset(tmp_path)
+    first, second = tmp_path / "run1", tmp_path / "run2"
+    first.mkdir(), second.mkdir()
+    out = tmp_path / "shared"  # an absolute fast_storage both runs name, as config/imagenet-2gpu.yaml does
+    assert run_pack(raw, index, out, cwd=first).returncode == 0
+    rec = out / "fast/train.rec"
+    before = rec.read_bytes()
+    proc = run_pack(raw, index, out, cwd=second)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{rec} belongs to the run in {first} (packed on " in proc.stderr
+    assert f"this run in {second} shares its pack.fast_storage" in proc.stderr
+    assert "Give this run a pack.fast_storage of its own" in proc.stderr
+    assert rec.read_bytes() == before and (out / "fast/train.idx").exists(), "the first run's pair is untouched"
+    assert run_pack(raw, index, out, cwd=first).returncode == 0, "its own run repacks it"
+    first.rmdir()  # that run is gone: its pair is no longer its own
+    assert run_pack(raw, index, out, cwd=second).returncode == 0

@@ -28,6 +28,14 @@ while an .idx exists, the .rec beside it is the one it indexes. A lock on the pa
 (``.<name>.rec.lock``) stops a second pack of the same pair at once, naming the first; each split
 has its own, so the train and val packs still run side by side. A killed pack leaves only
 ``*.partial``, bucket files and atomic-write temporaries, which the next run deletes under that lock.
+
+Nothing found in the folder or the raw root is trusted (issue #26): the folder is checked like the
+staging folder (rectrain.safefs), the lock is opened and every file created without following a link,
+and leftovers are found by lstat, so a planted link is never written through; each source is reopened
+under the index's rules (rectrain.data.rawfiles), so a link, FIFO or huge file swapped in after the
+index is a skip, not a leak or a hang; at most IN_FLIGHT_BYTES of sources are in flight; a full disk
+stops the pack (DiskFull) naming what was written and what is needed, with its files removed; and a
+pair another working directory published is not replaced (rectrain.data.pairowner).
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ import numpy as np
 from rectrain import cli, safefs, storage
 from rectrain.atomic import fsync_path, publish, temporary_name, write_json
 from rectrain.config import ConfigError
-from rectrain.data import indextable, readorder, space
+from rectrain.data import indextable, pairowner, readorder, space
 from rectrain.data.archives import READ_ERRORS, SEP, SourceReader
 from rectrain.data.images import Skip, prepare
 from rectrain.data.indextable import BadIndex, IndexTable
@@ -630,8 +638,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace, cfg: dict) -> None:
     _keep_freed_memory()
     with exclusive(args.rec, args.split):
-        remove_leftovers(args.rec, args.idx, args.manifest)
-        _remove(args.manifest)  # describes the pair this run replaces
+        pairowner.check(args.rec)  # before anything of the old pair is deleted
+        remove_leftovers(args.rec, args.idx, args.manifest, pairowner.stamp_path(args.rec))
+        _remove(args.manifest, pairowner.stamp_path(args.rec))  # describe the pair this run replaces
         target = Target(
             args.split,
             args.rec,
@@ -647,6 +656,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
                 f"the written {args.split} pair failed verification and was not published "
                 f"(left as *{PARTIAL} for inspection): {err}"
             ) from err
+        pairowner.claim(args.rec)
         write_json(args.manifest, manifest)
     log.info(
         "pack %s: manifest %s: %d packed, %d skipped, %d repaired, %s img/s, %s MB/s",
@@ -661,9 +671,10 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
 
 
 def main(argv=None) -> int:
-    """Exit 2: a config, index, storage or lock problem; 3: the written pair failed verification;
+    """Exit 2: a config, index, storage or lock problem, or a pair of another run; 3: the written pair failed verification;
     4: too many images skipped (PackFailed). The rule log's lines stay bare, as they always were."""
-    errors = {ConfigError: 2, storage.StorageError: 2, PackBusy: 2, BadIndex: 2, NotVerified: 3, PackFailed: 4}
+    errors = {ConfigError: 2, storage.StorageError: 2, PackBusy: 2, pairowner.PairTaken: 2, BadIndex: 2}
+    errors.update({NotVerified: 3, PackFailed: 4})
     return cli.main("pack", "pack", _arguments, _run, argv, errors=errors, bare=True)
 
 
