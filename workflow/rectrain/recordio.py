@@ -135,9 +135,14 @@ class RecordWriter:
         """new: create both files here and now (rectrain.safefs.create_new), never through a name
         already there (the pack's folder may hold links someone planted)."""
         self.rec_path, self.idx_path = os.fspath(rec_path), os.fspath(idx_path)
-        rec, idx = (safefs.create_new(p) for p in (self.rec_path, self.idx_path)) if new else (rec_path, idx_path)
+        rec, idx = (safefs.create_new(self.rec_path), self.idx_path) if new else (rec_path, idx_path)
         self._rec = open(rec, "wb", buffering=1 << 20)
-        self._idx = open(idx, "w", buffering=1 << 16, newline="\n")
+        try:
+            idx = safefs.create_new(idx) if new else idx
+            self._idx = open(idx, "w", buffering=1 << 16, newline="\n")
+        except BaseException:
+            self._rec.close()
+            raise
         self._pos = 0
         self.count = 0
 
