@@ -172,7 +172,7 @@ def run_pack(
     cfg = {"resize": 0, "quality": 90, "shuffle_seed": 0, "max_skipped_share": 0.5, **(cfg or {})}
     cmd = [sys.executable, "-m", "rectrain.data.pack", *pack_args(raw, index, out, json.dumps(cfg), threads, split)]
     full_env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"), **(env or {}))
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300, **popen)
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, **{"timeout": 300, **popen})
 
 
 def fake_sysfs(root: Path, path: Path, rotational: bool, partition: bool = True) -> Path:

@@ -20,6 +20,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from rectrain import safefs
+
 MAGIC = 0xCED7230A
 MAGIC_BYTES = struct.pack("<I", MAGIC)
 _FRAME = struct.Struct("<II")
@@ -129,10 +131,18 @@ def frame_payload(payload: bytes) -> bytes:
 class RecordWriter:
     """Writes a .rec and its .idx, as ``mxnet.recordio.MXIndexedRecordIO(idx, rec, 'w')``."""
 
-    def __init__(self, rec_path: str | os.PathLike, idx_path: str | os.PathLike):
+    def __init__(self, rec_path: str | os.PathLike, idx_path: str | os.PathLike, new: bool = False):
+        """new: create both files here and now (rectrain.safefs.create_new), never through a name
+        already there (the pack's folder may hold links someone planted)."""
         self.rec_path, self.idx_path = os.fspath(rec_path), os.fspath(idx_path)
-        self._rec = open(self.rec_path, "wb", buffering=1 << 20)
-        self._idx = open(self.idx_path, "w", buffering=1 << 16, newline="\n")
+        rec, idx = (safefs.create_new(self.rec_path), self.idx_path) if new else (rec_path, idx_path)
+        self._rec = open(rec, "wb", buffering=1 << 20)
+        try:
+            idx = safefs.create_new(idx) if new else idx
+            self._idx = open(idx, "w", buffering=1 << 16, newline="\n")
+        except BaseException:
+            self._rec.close()
+            raise
         self._pos = 0
         self.count = 0
 

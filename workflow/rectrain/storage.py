@@ -113,14 +113,21 @@ def device_info(path, sysfs_root=None) -> dict:
     return {"path": os.path.abspath(path), "device": dev.name if dev is not None else None, "rotational": rotational}
 
 
-def estimate_needed_bytes(source_bytes: int, records: int, resize: int, quality: int) -> int:
-    """Space a pack will take: the sources themselves for pass-through, a resized estimate otherwise."""
+def jpeg_bytes_per_pixel(quality: int) -> float:
+    """The estimate's JPEG bytes per output pixel at `quality` (high for photos; noise takes more)."""
+    return RESIZED_BYTES_PER_PIXEL_Q90 * max(quality, 50) / 90
+
+
+def estimate_needed_bytes(source_bytes: int, records: int, resize: int, quality: int, reencoded_extra: int = 0) -> int:
+    """Space a pack will take: the sources themselves for pass-through, a resized estimate otherwise,
+    plus `reencoded_extra`: what re-encoding the non-JPEG sources adds beyond their own size (a 32 KB
+    PNG of 0.27 gigapixels came out as a 4.19 MB JPEG)."""
     if resize > 0:
-        per_image = resize * resize * RESIZED_BYTES_PER_PIXEL_Q90 * max(quality, 50) / 90
+        per_image = resize * resize * jpeg_bytes_per_pixel(quality)
         payload = min(source_bytes, int(per_image * records))
     else:
         payload = source_bytes
-    return int((payload + RECORD_OVERHEAD * records) * SPACE_MARGIN)
+    return int((payload + reencoded_extra + RECORD_OVERHEAD * records) * SPACE_MARGIN)
 
 
 def human_bytes(n: int) -> str:

@@ -187,20 +187,24 @@ class SourceReader:
     1.28 M members does not rescan tars. Safe to pickle into worker processes (descriptors reopen lazily).
     """
 
-    def __init__(self, raw_root: str | os.PathLike):
+    def __init__(self, raw_root: str | os.PathLike, files=None):
         self.root = Path(raw_root)
+        # files: the pack's rectrain.data.rawfiles.RawFiles, which re-checks every file it opens and caps
+        # image sizes; None (the index) opens and reads plainly.
+        self.files = files
         self._fds: dict[str, int] = {}
         self._tables: dict[tuple[str, ...], dict[str, tuple[int, int]]] = {}
 
     def __getstate__(self):
-        return {"root": self.root, "_fds": {}, "_tables": self._tables}
+        return {"root": self.root, "files": self.files, "_fds": {}, "_tables": self._tables}
 
     def _fd(self, rel: str) -> int:
         # The packer's threads share one reader: if two open the same archive at once, keep one
         # descriptor and close the other (reads are pread, so sharing it is safe).
         fd = self._fds.get(rel)
         if fd is None:
-            mine = os.open(self.root / _relative(rel), os.O_RDONLY)
+            path = self.root / _relative(rel)
+            mine = self.files.open(path) if self.files else os.open(path, os.O_RDONLY)
             fd = self._fds.setdefault(rel, mine)
             if fd != mine:
                 os.close(mine)
@@ -240,13 +244,16 @@ class SourceReader:
     def read(self, source: str) -> bytes:
         chain = tuple(source.split(SEP))
         if len(chain) == 1:
-            return (self.root / _relative(source)).read_bytes()
+            path = self.root / _relative(source)
+            return self.files.read(path) if self.files else path.read_bytes()
         _, start, size = self.span(chain)
         return self.read_span(chain[0], start, size, source)
 
     def read_span(self, rel: str, start: int, size: int, source: str = "") -> bytes:
         """Bytes [start, start + size) of the archive file `rel` under the root: a member located by
         scan(), read without building or caching a member table (the pack's storage-order reads)."""
+        if self.files:
+            self.files.check_size(size, source or rel)
         data = os.pread(self._fd(rel), size, start)
         if len(data) != size:
             raise OSError(f"{source or rel}: archive ended after {len(data)} of {size} bytes (truncated download?)")

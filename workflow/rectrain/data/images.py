@@ -38,10 +38,12 @@ except ImportError:
     cv2 = None
 
 # Very large photos are legitimate input here (the user's own data); JPEG draft decoding keeps their
-# memory down. The limit still stops a decompression bomb (1 gigapixel ~ 3 GB as RGB). prepare()
-# checks every header against it before decoding, so Pillow's own warning (between one and two
-# times its limit) would only repeat that in the log.
-MAX_PIXELS = 1 << 30
+# memory down. The limit stops a decompression bomb before its decode: a 32 KB PNG claiming 0.27
+# gigapixels took 1.37 GB (~5 bytes per pixel through decode, alpha and conversion), so 2**27 (134
+# megapixels) keeps one image under ~0.7 GB per pack thread, while 100-megapixel camera photos and
+# ImageNet's largest (~7,000 x 5,000) still pack. prepare() checks every header against it before
+# decoding, so Pillow's own warning (between one and two times its limit) would only repeat that.
+MAX_PIXELS = 1 << 27
 Image.MAX_IMAGE_PIXELS = MAX_PIXELS
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 

@@ -280,7 +280,7 @@ _SPECIAL = (
 )
 
 
-def _special(mode: int) -> str:
+def special_file(mode: int) -> str:
     return next((what for test, what in _SPECIAL if test(mode)), "a special file")
 
 
@@ -293,7 +293,7 @@ class _Kinds:
         self.raw = raw
         self.roots = tuple({os.path.realpath(p) for p in (raw, *tops)})
 
-    def _inside(self, target: str) -> bool:
+    def inside(self, target: str) -> bool:
         return any(target == root or target.startswith(root.rstrip(os.sep) + os.sep) for root in self.roots)
 
     def of(self, entry: os.DirEntry) -> tuple[str, str]:
@@ -303,9 +303,9 @@ class _Kinds:
         if entry.is_dir(follow_symlinks=False):
             return "dir", ""
         if not entry.is_symlink():
-            return "other", f"{_special(entry.stat(follow_symlinks=False).st_mode)}, not a regular file"
+            return "other", f"{special_file(entry.stat(follow_symlinks=False).st_mode)}, not a regular file"
         target = os.path.realpath(entry.path)
-        if not self._inside(target):
+        if not self.inside(target):
             return "other", f"symbolic link resolving outside the raw root (to {target})"
         try:
             mode = os.stat(entry.path).st_mode
@@ -315,7 +315,7 @@ class _Kinds:
             return "file", ""
         if stat.S_ISDIR(mode):
             return "dir", ""
-        return "other", f"symbolic link to {_special(mode)}, not a regular file"
+        return "other", f"symbolic link to {special_file(mode)}, not a regular file"
 
 
 def _scan(folder: Path) -> list[os.DirEntry]:
@@ -606,6 +606,12 @@ class _Raw:
 
     def rel(self, path: Path) -> str:
         return _rel(path, self.raw)
+
+
+def link_rules(raw: Path) -> _Kinds:
+    """The folders whose files the index admits through links, as _Kinds: the pack re-applies the
+    rule to every source it opens (rectrain.data.rawfiles)."""
+    return _Raw(Path(raw)).kinds
 
 
 def _need(thing, what: str, layout: str, raw: Path, instead: str = ""):

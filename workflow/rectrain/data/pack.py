@@ -28,6 +28,14 @@ while an .idx exists, the .rec beside it is the one it indexes. A lock on the pa
 (``.<name>.rec.lock``) stops a second pack of the same pair at once, naming the first; each split
 has its own, so the train and val packs still run side by side. A killed pack leaves only
 ``*.partial``, bucket files and atomic-write temporaries, which the next run deletes under that lock.
+
+Nothing found in the folder or the raw root is trusted (issue #26): the folder is checked like the
+staging folder (rectrain.safefs), the lock is opened and every file created without following a link,
+and leftovers are found by lstat, so a planted link is never written through; each source is reopened
+under the index's rules (rectrain.data.rawfiles), so a link, FIFO or huge file swapped in after the
+index is a skip, not a leak or a hang; at most IN_FLIGHT_BYTES of sources are in flight; a full disk
+stops the pack (DiskFull) naming what was written and what is needed, with its files removed; and a
+pair another working directory published is not replaced (rectrain.data.pairowner).
 """
 
 from __future__ import annotations
@@ -36,35 +44,43 @@ import argparse
 import array
 import contextlib
 import ctypes
+import errno
 import fcntl
 import logging
 import os
 import random
+import shutil
 import socket
+import stat
 import sys
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from itertools import islice
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 
-from rectrain import cli, storage
+from rectrain import cli, safefs, storage
 from rectrain.atomic import fsync_path, publish, temporary_name, write_json
 from rectrain.config import ConfigError
-from rectrain.data import indextable, readorder
-from rectrain.data.archives import READ_ERRORS, SourceReader
+from rectrain.data import indextable, pairowner, readorder, space
+from rectrain.data.archives import READ_ERRORS, SEP, SourceReader
 from rectrain.data.images import Skip, prepare
 from rectrain.data.indextable import BadIndex, IndexTable
+from rectrain.data.rawfiles import RawFiles, Refused
 from rectrain.data.verify import Expected, VerifyError, verify_pair
 from rectrain.progress import Progress
 from rectrain.recordio import RecordIOError, RecordWriter, frame_payload, pack_record
 
 BATCH = 32  # images per task: amortises scheduling, small enough to keep every thread busy
 IN_FLIGHT_PER_WORKER = 4
+# Source bytes in flight - read ahead by the storage order, or to be read by the workers and then held
+# as records until the writer takes them: a batch closes at BATCH_BYTES, and no new one is submitted
+# while more than IN_FLIGHT_BYTES are in flight, so large files cannot pile up in memory.
+BATCH_BYTES = 16 << 20
+IN_FLIGHT_BYTES = 256 << 20
 PARTIAL = ".partial"
 TOP_REASONS = 3  # skip causes named when the pack fails for too many skips
 
@@ -77,6 +93,10 @@ class PackFailed(RuntimeError):
 
 class PackBusy(RuntimeError):
     """Another pack holds the lock of this output pair; names it."""
+
+
+class DiskFull(storage.StorageError):
+    """The fast storage filled up during the pack; what was started is removed and nothing published."""
 
 
 class NotVerified(RuntimeError):
@@ -116,19 +136,20 @@ class _Packer:
     """
 
     def __init__(self, raw_root: str, cfg: dict):
-        self.reader = SourceReader(Path(raw_root).resolve())
+        root = Path(raw_root).resolve()
+        self.reader = SourceReader(root, RawFiles(root, cfg["max_image_bytes"]))
         self.resize, self.quality, self.check_scan_data = cfg["resize"], cfg["quality"], cfg["check_scan_data"]
 
     def one(self, rid: int, source: str, label: int, data=None) -> tuple[bytes, str | None]:
         """(framed record, repair reason or None); Skip when the image cannot be packed. `data` is the
         source's bytes when the storage order read them already, or the error reading them."""
-        if isinstance(data, Exception):
-            raise Skip(f"cannot read source: {data}")
         if data is None:
             try:
                 data = self.reader.read(source)
             except READ_ERRORS as err:
-                raise Skip(f"cannot read source: {err}") from None
+                data = err
+        if isinstance(data, Exception):
+            raise Skip(str(data) if isinstance(data, Refused) else f"cannot read source: {data}")
         image, repaired = prepare(data, self.resize, self.quality, self.check_scan_data, source)
         try:
             return frame_payload(pack_record((0, float(label), rid, 0), image)), repaired
@@ -136,13 +157,15 @@ class _Packer:
             raise Skip(f"record too large: {err}") from None
 
     def batch(self, items: list[tuple]) -> list[tuple[bytes, str | None] | Skip]:
-        """items: (row, id, source, label, its bytes, the error reading them, or None: read it here)."""
+        """items: (row, id, source, label, its bytes, the error reading them, or None: read it here).
+        A skip comes back as a new Skip holding only its message: the raised one's traceback would keep
+        the image's bytes alive until the writer takes the batch (up to threads x 4 x 32 results)."""
         out = []
         for _, rid, source, label, data in items:
             try:
                 out.append(self.one(rid, source, label, data))
             except Skip as err:
-                out.append(err)
+                out.append(Skip(str(err)))
             except MemoryError:  # this image's buffers are gone with the frames; the next ones fit again
                 out.append(Skip("out of memory: MemoryError while reading, decoding or encoding this image"))
             except Exception as err:  # one file must never end a pack that may have run for hours
@@ -154,27 +177,6 @@ class _Packer:
 # ---- parent side -------------------------------------------------------------------------------
 
 
-def source_bytes(raw_root: Path, sources: Iterable[str]) -> int:
-    """Bytes the sources occupy; an archive member counts as its whole outer archive, once."""
-    total = 0
-    archives = set()
-    root = f"{raw_root}/"  # a str, not a Path per source: 4x faster over 1.28 M files
-    for src in sources:
-        if "::" in src:
-            archives.add(src.split("::", 1)[0])
-            continue
-        try:
-            total += os.stat(root + src).st_size
-        except OSError:
-            pass  # reported per image as a skip when the worker cannot read it
-    for archive in archives:
-        try:
-            total += os.stat(root + archive).st_size
-        except OSError:
-            pass
-    return total
-
-
 def _remove(*paths: Path) -> None:
     for p in paths:
         try:
@@ -183,14 +185,46 @@ def _remove(*paths: Path) -> None:
             pass
 
 
+def _refuse_folder(path: Path, why: str) -> storage.StorageError:
+    return storage.StorageError(
+        f"the pack's folder {path} {why}; the pack refuses it because another user could plant links there "
+        "that the pack would write through, or replace the published pair. Remove it (or ask its owner to), "
+        "or set pack.fast_storage to a directory you own"
+    )
+
+
+def pack_folder(path: Path) -> Path:
+    """<fast_storage>/<dataset>/ checked like the staging folder (rectrain.safefs): created or found as a
+    real directory of this user in a safe parent, and made unwritable by other users (umask 002
+    leaves it group-writable)."""
+    return safefs.owned_dir(path, _refuse_folder, 0o755)
+
+
+def _open_lock(lock: Path) -> int:
+    """The lock file, opened without following a link; a link or a special file there is refused."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise storage.StorageError(
+            f"the pack's lock {lock} is a symbolic link (to {os.readlink(lock)}), which no pack creates: someone "
+            "put it there to make the pack write through it. The pack never does; remove the link and rerun"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise storage.StorageError(f"the pack's lock {lock} is not a regular file; remove it and rerun")
+    return fd
+
+
 @contextlib.contextmanager
 def exclusive(rec: Path, split: str):
     """Hold the lock of the pair written at ``rec``; a second pack of it raises PackBusy naming the
     first. flock, not a lock file's mere existence: the kernel drops it when its holder dies, so a
     killed pack never blocks the next one. The file stays (removing it would race a new holder)."""
-    rec.parent.mkdir(parents=True, exist_ok=True)
+    pack_folder(rec.parent)
     lock = rec.with_name(f".{rec.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(lock)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -215,7 +249,7 @@ def remove_leftovers(*finals: Path) -> None:
         stale = [partial, *final.parent.glob(readorder.bucket_glob(partial))]
         stale += final.parent.glob(temporary_name(final).name.rsplit(".tmp", 1)[0] + ".tmp*")
         for path in stale:
-            if path.exists():
+            if os.path.lexists(path):  # a dangling link too: exists() follows it and says False
                 log.info("removing %s, left by an interrupted pack", path)
                 _remove(path)
 
@@ -284,6 +318,7 @@ class Written:
     skipped: list = field(default_factory=list)
     repaired: list = field(default_factory=list)
     bytes_written: int = 0
+    record_bytes: int = 0  # of the records taken so far (the .rec's size once all are written)
 
     def take(self, item: tuple, result) -> bytes | None:
         """The framed record of a worker's result, or None for a skip (listed with its reason)."""
@@ -295,6 +330,7 @@ class Written:
         if reason is not None:
             self.repaired.append({"id": rid, "source": source, "reason": reason})
         self.packed[row] = True
+        self.record_bytes += len(framed)
         return framed
 
     def status(self, nbytes: int, elapsed: float) -> str:
@@ -314,14 +350,15 @@ def shuffled_order(n: int, seed: int) -> np.ndarray:
 def _prepare(target: Target, raw_root: Path, table: IndexTable, cfg: dict, choice: dict) -> tuple[dict, int]:
     """Clear the old pair and check the disk; returns the storage preflight result and the number
     of bucket files the storage order spools through (0 when reading in shuffled order)."""
-    target.rec.parent.mkdir(parents=True, exist_ok=True)
     # An older pair must not survive a failed run looking valid, and no reader may pair the new
     # .rec with the old .idx: the .idx goes first, durably, and comes back only after the new .rec.
     _remove(target.idx, target.rec, *target.partial)
     fsync_path(target.idx.parent)
     n = len(table)
+    files = RawFiles(raw_root, cfg["max_image_bytes"])
+    extra = space.reencoded_extra(files, table.iter_sources(), cfg["resize"], cfg["quality"])
     needed = storage.estimate_needed_bytes(
-        source_bytes(raw_root, table.iter_sources()), n, cfg["resize"], cfg["quality"]
+        space.source_bytes(raw_root, table.iter_sources()), n, cfg["resize"], cfg["quality"], extra
     )
     buckets = readorder.bucket_count(needed) if choice["used"] == "storage" else 0
     if buckets:
@@ -343,24 +380,49 @@ def _prepare(target: Target, raw_root: Path, table: IndexTable, cfg: dict, choic
     return result, buckets
 
 
+def _held(item: tuple, reader: SourceReader) -> int:
+    """Source bytes of an item: read already (the storage order), else the size a worker will read."""
+    data, source = item[4], item[2]
+    if data is not None:
+        return len(data) if isinstance(data, bytes) else 0
+    try:  # a plain stat on a str: the cost of a Path per image shows at 1.28 M images
+        return os.stat(f"{reader.root}/{source}").st_size if SEP not in source else reader.locate(source)[2]
+    except READ_ERRORS:
+        return 0  # the worker's read fails too: a skip
+
+
+def _batches(items, reader: SourceReader) -> Iterator[tuple[list, int]]:
+    """(batch, source bytes it holds): BATCH items, or fewer once they hold BATCH_BYTES."""
+    batch, held = [], 0
+    for item in items:
+        batch.append(item)
+        held += _held(item, reader)
+        if len(batch) == BATCH or held >= BATCH_BYTES:
+            yield batch, held
+            batch, held = [], 0
+    if batch:
+        yield batch, held
+
+
 def _pump(items, packer: _Packer, pool: ThreadPoolExecutor, threads: int, sink, progress: Progress) -> None:
     """Prepare `items` on the pool in batches and hand each (item, result) to `sink` in the items'
-    order; batches are cut as they are submitted and at most a few per thread are in flight, so
-    memory stays bounded."""
-    pending, done = deque(), 0  # (batch, future) in item order
+    order; batches are cut as they are submitted and at most a few per thread (and IN_FLIGHT_BYTES of
+    sources) are in flight, so memory stays bounded."""
+    pending, done, held = deque(), 0, 0  # (batch, future, bytes held) in item order
 
     def drain_one() -> None:
-        nonlocal done
-        batch, future = pending.popleft()
+        nonlocal done, held
+        batch, future, nbytes = pending.popleft()
         for item, result in zip(batch, future.result(), strict=True):
             sink(item, result)
         done += len(batch)
+        held -= nbytes
         progress.count(done)
 
-    items = iter(items)
-    while batch := list(islice(items, BATCH)):
-        pending.append((batch, pool.submit(packer.batch, batch)))
-        if len(pending) >= threads * IN_FLIGHT_PER_WORKER:
+    for batch, nbytes in _batches(items, packer.reader):
+        pending.append((batch, pool.submit(packer.batch, batch), nbytes))
+        held += nbytes
+        while pending and (len(pending) >= threads * IN_FLIGHT_PER_WORKER or held > IN_FLIGHT_BYTES):
             drain_one()
     while pending:
         drain_one()
@@ -377,7 +439,7 @@ def _shuffled_items(table: IndexTable, order: np.ndarray) -> Iterator[tuple]:
 def _pack_shuffled(table: IndexTable, order: np.ndarray, packer: _Packer, pool: ThreadPoolExecutor, target: Target):
     """Read the images in the output order and write each record as it comes (a random read each)."""
     written = Written(np.zeros(len(table), dtype=bool))
-    with RecordWriter(*target.partial) as writer:
+    with _stops_when_full(target, written, 0), RecordWriter(*target.partial, new=True) as writer:
         t0 = time.time()
         progress = _progress(
             f"pack {target.split}",
@@ -407,7 +469,8 @@ def _pack_storage(
     positions = np.empty(n, dtype=np.int64)
     positions[order] = np.arange(n, dtype=np.int64)
     buckets = readorder.Buckets(target.partial[0], positions, k)
-    try:
+    with _stops_when_full(target, written, 1 / k), contextlib.ExitStack() as cleanup:
+        cleanup.callback(buckets.remove)
         t0 = time.time()
         spooled = _progress(
             f"pack {target.split}: read",
@@ -424,15 +487,41 @@ def _pack_storage(
         items = readorder.read_in_order(readorder.storage_order(table, packer.reader), packer.reader)
         _pump(items, packer, pool, target.threads, sink, spooled)
         t1 = time.time()
-        with RecordWriter(*target.partial) as writer:
+        with RecordWriter(*target.partial, new=True) as writer:
             assembled = _progress(f"pack {target.split}: assemble", n, target.progress_s)
             buckets.assemble(writer, order, table.ids, assembled.count)
             assembled.count(n, force=True)
             writer.close()
             written.bytes_written = writer.tell()
-    finally:
-        buckets.remove()
     return written, t1 - t0, time.time() - t1
+
+
+@contextlib.contextmanager
+def _stops_when_full(target: Target, written: Written, spool_share: float):
+    """Turn a full disk (ENOSPC, EDQUOT) under the body into DiskFull, after the body's own cleanup."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise _disk_full(target, written, spool_share, err) from None
+
+
+def _disk_full(target: Target, written: Written, spool_share: float, err: OSError) -> DiskFull:
+    """Remove the partial pair and say what was written, what the split needs at the rate so far (plus
+    the one bucket of spool that the storage order keeps beside the .rec: spool_share) and what is free."""
+    _remove(*target.partial)
+    n = len(written.packed)
+    done = int(written.packed.sum()) + len(written.skipped)
+    projected = int(written.record_bytes * n / max(done, 1) * (1 + spool_share))
+    free = shutil.disk_usage(target.rec.parent).free
+    return DiskFull(
+        f"fast_storage {target.rec.parent} filled up during the pack of {target.split} ({err.strerror}): "
+        f"{written.record_bytes} bytes written for {done} of {n} images; at that rate the split needs about "
+        f"{projected} bytes there, {max(projected - written.record_bytes, 0)} more than it wrote, and "
+        f"{free} are free now. The partial files are removed and nothing was published. Free space there "
+        "(another job may be writing to it) or point pack.fast_storage at a larger disk, then rerun"
+    )
 
 
 def _log_and_check_skips(target: Target, n: int, written: Written, cfg: dict) -> None:
@@ -490,7 +579,8 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, target: Target) -> di
         written, read_timing = _records(table, raw_root, cfg, choice, target, pool)
         pack_s = time.time() - t0
         _log_and_check_skips(target, n, written, cfg)
-        check = _verify(table, num_classes, written, target, pool, cfg["resize"])
+        with _stops_when_full(target, written, 0):  # fsync can be the first to learn the disk is full
+            check = _verify(table, num_classes, written, target, pool, cfg["resize"])
     finally:
         pool.shutdown(cancel_futures=True)  # on an error or Ctrl-C, do not finish queued batches
         table.close()
@@ -526,6 +616,7 @@ def _manifest(cfg: dict, target: Target, written: Written, timing: dict, facts: 
         "shuffle_seed": cfg["shuffle_seed"],
         "max_skipped_share": cfg["max_skipped_share"],
         "check_scan_data": cfg["check_scan_data"],
+        "max_image_bytes": cfg["max_image_bytes"],
         "threads": target.threads,
         "num_classes": facts["num_classes"],
         "storage": facts["storage"],
@@ -547,8 +638,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace, cfg: dict) -> None:
     _keep_freed_memory()
     with exclusive(args.rec, args.split):
-        remove_leftovers(args.rec, args.idx, args.manifest)
-        _remove(args.manifest)  # describes the pair this run replaces
+        pairowner.check(args.rec)  # before anything of the old pair is deleted
+        remove_leftovers(args.rec, args.idx, args.manifest, pairowner.stamp_path(args.rec))
+        _remove(args.manifest, pairowner.stamp_path(args.rec))  # describe the pair this run replaces
         target = Target(
             args.split,
             args.rec,
@@ -564,6 +656,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
                 f"the written {args.split} pair failed verification and was not published "
                 f"(left as *{PARTIAL} for inspection): {err}"
             ) from err
+        pairowner.claim(args.rec)
         write_json(args.manifest, manifest)
     log.info(
         "pack %s: manifest %s: %d packed, %d skipped, %d repaired, %s img/s, %s MB/s",
@@ -578,9 +671,10 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
 
 
 def main(argv=None) -> int:
-    """Exit 2: a config, index, storage or lock problem; 3: the written pair failed verification;
+    """Exit 2: a config, index, storage or lock problem, or a pair of another run; 3: the written pair failed verification;
     4: too many images skipped (PackFailed). The rule log's lines stay bare, as they always were."""
-    errors = {ConfigError: 2, storage.StorageError: 2, PackBusy: 2, BadIndex: 2, NotVerified: 3, PackFailed: 4}
+    errors = {ConfigError: 2, storage.StorageError: 2, PackBusy: 2, pairowner.PairTaken: 2, BadIndex: 2}
+    errors.update({NotVerified: 3, PackFailed: 4})
     return cli.main("pack", "pack", _arguments, _run, argv, errors=errors, bare=True)
 
 

@@ -22,6 +22,7 @@ non-rotational, storage order when it spins or has no block device (a network sh
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import posixpath
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Iterator
 
 import numpy as np
 
-from rectrain import storage
+from rectrain import safefs, storage
 from rectrain.data.archives import READ_ERRORS, SEP, SourceReader
 from rectrain.data.indextable import IndexTable
 
@@ -160,7 +161,7 @@ def read_in_order(items: Iterator[tuple], reader: SourceReader) -> Iterator[tupl
             try:
                 where = reader.read(source) if where is None else reader.read_span(*where, source)
             except READ_ERRORS as err:
-                where = err
+                where = err.with_traceback(None)  # its frames would hold bytes read while it waits
             except MemoryError:
                 where = MemoryError("out of memory while reading it")
         yield row, rid, source, label, where
@@ -182,8 +183,8 @@ class Buckets:
         self.length = np.zeros(self.n, dtype=np.uint32)  # 0: skipped (a framed record is never empty)
         self._tell = [0] * k
         self._files = []
-        for path in self.paths:
-            self._files.append(open(path, "wb", buffering=BUCKET_BUFFER))
+        for path in self.paths:  # created new: a link planted under a bucket's name is never written through
+            self._files.append(open(safefs.create_new(path), "wb", buffering=BUCKET_BUFFER))
 
     def put(self, row: int, framed: bytes) -> None:
         b = int(self.positions[row]) * self.k // self.n
@@ -221,7 +222,9 @@ class Buckets:
 
     def remove(self) -> None:
         """Delete whatever buckets are left (on an error; a kill leaves them to the next run)."""
-        self._close()
+        for f in self._files:
+            with contextlib.suppress(OSError):  # a full disk cannot take the buffered rest: deleted anyway
+                f.close()
         for path in self.paths:
             try:
                 path.unlink()

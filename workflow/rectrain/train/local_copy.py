@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import pwd
 import shutil
 import stat
 import sys
@@ -38,7 +37,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from rectrain import cli
+from rectrain import cli, safefs
 from rectrain import log as rlog
 from rectrain.atomic import fsync_path, publish
 
@@ -62,13 +61,6 @@ def default_local_dir(local_storage: str | None, dataset: str, env=None) -> Path
     return Path(base) / dataset
 
 
-def _owner(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
 def _refuse(path: Path, why: str) -> StageError:
     return StageError(
         f"node-local staging directory {path} {why}; staging refuses it because another user could read or "
@@ -77,42 +69,10 @@ def _refuse(path: Path, why: str) -> StageError:
     )
 
 
-def _check_parent(parent: Path) -> None:
-    """A folder another user owns, or may write to without the sticky bit, lets them swap our directory."""
-    st = os.stat(parent)
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
-        raise _refuse(parent, f"(the folder it is created in) belongs to {_owner(st.st_uid)}, not to you")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        raise _refuse(parent, "(the folder it is created in) is writable by other users and not sticky")
-
-
 def private_dir(path) -> Path:
     """Create `path` (and missing parents) owner-only, or check that the existing one is a real directory
     of this user; tighten its mode to 0700.  Raises StageError naming the path, its owner and the fix."""
-    path = Path(path)
-    missing = []
-    p = path
-    while not os.path.lexists(p):
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        _check_parent(d.parent)
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:  # another rank made it first; checked below like any existing one
-            pass
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise _refuse(path, f"is a symbolic link (to {os.readlink(path)}, owned by {_owner(st.st_uid)})")
-    if not stat.S_ISDIR(st.st_mode):
-        raise _refuse(path, "exists and is not a directory")
-    if st.st_uid != os.geteuid():
-        raise _refuse(path, f"belongs to {_owner(st.st_uid)}, not to you ({_owner(os.geteuid())})")
-    _check_parent(path.parent)
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700, follow_symlinks=False)
-    return path
+    return safefs.owned_dir(path, _refuse, 0o700)
 
 
 def _regular_file(path: Path) -> bool:
