@@ -324,15 +324,21 @@ def _scan(folder: Path) -> list[os.DirEntry]:
 
 
 def _files_below(folder: Path) -> Iterator[Path]:
-    """Every non-directory below folder (links and special files too, never followed): for listing."""
-    if folder.is_symlink():
-        yield folder
-        return
-    for entry in _scan(folder):
-        if entry.is_dir(follow_symlinks=False):
-            yield from _files_below(Path(entry.path))
-        else:
-            yield Path(entry.path)
+    """Every non-directory below folder (links and special files too, never followed): for listing.
+    A stack, not recursion: a dataset can nest folders deeper than Python's recursion limit."""
+    todo = [folder]
+    while todo:
+        here = todo.pop()
+        if here.is_symlink():
+            yield here
+            continue
+        below = []
+        for entry in _scan(here):
+            if entry.is_dir(follow_symlinks=False):
+                below.append(Path(entry.path))
+            else:
+                yield Path(entry.path)
+        todo.extend(reversed(below))
 
 
 def _hidden(name: str) -> bool:
@@ -371,26 +377,30 @@ def walk_class_folders(top: Path, raw: Path, found: Found, kinds: _Kinds) -> Row
 
 def _walk_class(folder: Path, below: str, wnid: str, found: Found, kinds: _Kinds, rows: Rows) -> bool:
     """Add folder's images as rows of wnid (names relative to the class folder: below + name), its
-    sub-folders' too; returns whether a sub-folder held an image."""
-    nested, prefix = False, rows.prefix
-    for sub in _scan(folder):
-        kind, why = kinds.of(sub)
-        name = below + sub.name
-        if kind == "dir" and _hidden(sub.name):
-            found.unclassified += [
-                (_rel(p, kinds.raw), f"hidden folder below class directory {wnid}")
-                for p in _files_below(Path(sub.path))
-            ]
-        elif kind == "dir":
-            before = len(rows)
-            _walk_class(Path(sub.path), name + "/", wnid, found, kinds, rows)
-            nested = nested or len(rows) > before
-        elif kind == "other":
-            found.unclassified.append((prefix + name, why))
-        elif (reason := unclassifiable(name, folder)) is not None:
-            found.unclassified.append((prefix + name, reason))
-        else:
-            rows.add(name, wnid)
+    sub-folders' too; returns whether a sub-folder held an image. A stack of folders, not recursion:
+    a dataset can nest folders deeper than Python's recursion limit."""
+    nested, prefix, todo = False, rows.prefix, [(folder, below)]
+    while todo:
+        here, below = todo.pop()
+        before, subs = len(rows), []
+        for sub in _scan(here):
+            kind, why = kinds.of(sub)
+            name = below + sub.name
+            if kind == "dir" and _hidden(sub.name):
+                found.unclassified += [
+                    (_rel(p, kinds.raw), f"hidden folder below class directory {wnid}")
+                    for p in _files_below(Path(sub.path))
+                ]
+            elif kind == "dir":
+                subs.append((Path(sub.path), name + "/"))
+            elif kind == "other":
+                found.unclassified.append((prefix + name, why))
+            elif (reason := unclassifiable(name, here)) is not None:
+                found.unclassified.append((prefix + name, reason))
+            else:
+                rows.add(name, wnid)
+        nested = nested or (here is not folder and len(rows) > before)
+        todo.extend(reversed(subs))
     return nested
 
 
