@@ -1,14 +1,21 @@
 """Untrusted raw datasets (issue 26): what a dataset plants cannot make the index recurse without
 limit, read files outside the raw root by a fixed name, hang on a tar header or exhaust memory."""
 
+import io
+import json
 import os
 import shutil
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
-from rectrain.data import demo
-from rectrain.data.index import discover
+from rectrain.data import demo, index
+from rectrain.data.archives import TRAIN_TAR
+from rectrain.data.demo import tar_bytes
+from rectrain.data.index import LayoutError, discover
 
 CFG = {
     "classes": 4,
@@ -79,3 +86,49 @@ def test_a_folder_1200_levels_deep_is_indexed_without_recursion_error(demo_raw, 
     finally:
         remove_deep(in_class, DEPTH)
         remove_deep(hidden, DEPTH)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(Path(index.__file__).parents[2]))
+    cmd = [sys.executable, "-m", "rectrain.data.index", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+
+
+SECRET = "hunter2-private-token"
+
+
+def test_a_linked_synset_mapping_outside_the_root_is_not_read_and_its_content_appears_nowhere(demo_raw, tmp_path):
+    root = foldered(demo_raw, tmp_path / "raw")
+    secret = tmp_path / "secrets.txt"
+    secret.write_text(f"{WNIDS[0]} {SECRET}\n")
+    (root / "LOC_synset_mapping.txt").symlink_to(secret)
+    out = tmp_path / "index"
+    proc = run_cli("--raw", str(root), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert f"LOC_synset_mapping.txt resolves outside the raw root (to {secret}): not read" in proc.stderr
+    assert "index.allow_outside_root" in proc.stderr
+    for written in [proc.stderr, proc.stdout, *(f.read_text() for f in out.iterdir())]:
+        assert SECRET not in written
+    # the user's own link, named in the config, is read
+    allowed = run_cli(
+        "--raw", str(root), "--out", str(out), "--config-json", json.dumps({"allow_outside_root": [str(secret)]})
+    )
+    assert allowed.returncode == 0, allowed.stderr
+    assert SECRET in (out / "classes.tsv").read_text() and "not read" not in allowed.stderr
+
+
+def test_a_linked_train_archive_outside_the_root_is_refused_with_the_reason(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with tarfile.open(elsewhere / TRAIN_TAR, "w") as tar:
+        data = tar_bytes([(f"{WNIDS[0]}_1.JPEG", b"x")])
+        info = tarfile.TarInfo(f"{WNIDS[0]}.tar")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    root = tmp_path / "raw"
+    root.mkdir()
+    (root / TRAIN_TAR).symlink_to(elsewhere / TRAIN_TAR)
+    with pytest.raises(LayoutError, match=f"Not read: {TRAIN_TAR} resolves outside the raw root"):
+        discover(root)
+    found = discover(root, absent_splits=["val"], allow_outside=[str(root / TRAIN_TAR)])
+    assert list(found.train) == [(f"{TRAIN_TAR}::{WNIDS[0]}.tar::{WNIDS[0]}_1.JPEG", WNIDS[0])]

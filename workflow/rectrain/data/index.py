@@ -66,6 +66,7 @@ from typing import Iterable, Iterator
 
 from rectrain import cli
 from rectrain.atomic import replacing
+from rectrain.config import expand_path
 from rectrain.data.archives import (
     DEVKIT_DIR,
     DEVKIT_TGZ,
@@ -293,7 +294,7 @@ class _Kinds:
         self.raw = raw
         self.roots = tuple({os.path.realpath(p) for p in (raw, *tops)})
 
-    def _inside(self, target: str) -> bool:
+    def inside(self, target: str) -> bool:
         return any(target == root or target.startswith(root.rstrip(os.sep) + os.sep) for root in self.roots)
 
     def of(self, entry: os.DirEntry) -> tuple[str, str]:
@@ -305,7 +306,7 @@ class _Kinds:
         if not entry.is_symlink():
             return "other", f"{_special(entry.stat(follow_symlinks=False).st_mode)}, not a regular file"
         target = os.path.realpath(entry.path)
-        if not self._inside(target):
+        if not self.inside(target):
             return "other", f"symbolic link resolving outside the raw root (to {target})"
         try:
             mode = os.stat(entry.path).st_mode
@@ -515,20 +516,22 @@ class Devkit:
         return {f"ILSVRC2012_val_{i:08d}": self.meta[t][0] for i, t in enumerate(self.truth, start=1)}
 
 
-def find_devkit(dirs: list[Path], tgzs: list[Path]) -> Devkit | None:
-    """The devkit ground truth and its id map, from an extracted folder or read inside the .tar.gz."""
+def _any_file(paths: Iterable[Path]) -> Path | None:
+    return _first(paths)
+
+
+def find_devkit(dirs: list[Path], tgzs: list[Path], usable=_any_file) -> Devkit | None:
+    """The devkit ground truth and its id map, from an extracted folder or read inside the .tar.gz.
+    usable(paths): the first of paths that may be read (_Raw.file: only inside the raw root)."""
     for folder in dirs:
-        gt = folder / GROUND_TRUTH
-        if gt.is_file():
-            meta = next((folder / m for m in (META_MAT, META_CSV) if (folder / m).is_file()), None)
+        if gt := usable([folder / GROUND_TRUTH]):
+            meta = usable(folder / m for m in (META_MAT, META_CSV))
             if meta is None:
                 raise LayoutError(f"{gt} has no meta.mat or meta.csv beside it to map ILSVRC2012_IDs to wnids")
             return Devkit(
                 str(folder), [int(x) for x in gt.read_text().split()], parse_meta(meta.read_bytes(), meta.name)
             )
-    for tgz in tgzs:
-        if not tgz.is_file():
-            continue
+    for tgz in filter(None, (usable([t]) for t in tgzs)):
         with tarfile.open(tgz, mode="r:gz") as tar:
             files = {}
             for info in tar:
@@ -579,9 +582,12 @@ def _describe(folder: Path, raw: Path) -> str:
 
 
 class _Raw:
-    """Where things are under one raw root."""
+    """Where things are under one raw root. Files found by a fixed name (the archives, label files,
+    devkit) are used only when they resolve inside the raw root (or a split folder the user linked),
+    or when the config's index.allow_outside_root names them: a dataset from elsewhere can hold a
+    LOC_synset_mapping.txt linked to any file this user may read."""
 
-    def __init__(self, raw: Path):
+    def __init__(self, raw: Path, allow_outside: Iterable[str] = ()):
         self.raw = raw
         nested_roots = [raw / "ILSVRC" / "Data" / "CLS-LOC", raw / TINY_ROOT]  # Kaggle's, Tiny-ImageNet's zip
         self.images = _first([*nested_roots, raw], lambda p: (p / "train").is_dir()) or raw
@@ -589,29 +595,46 @@ class _Raw:
         self.train_dir = self.images / "train" if _has_class_dirs(self.images / "train") else None
         self.val_folders = self.images / "val" if _has_class_dirs(self.images / "val") else None
         self.val_flat = _first([self.images / "val", self.images / "val_flat"], _has_files)
-        tiny_val = self.images / "val"
-        self.tiny_labels = _first([tiny_val / TINY_VAL_LABELS])
-        self.tiny_val = tiny_val / "images" if self.tiny_labels and _has_files(tiny_val / "images") else None
-        self.tiny_wnids, self.tiny_words = _first([self.images / TINY_WNIDS]), _first([self.images / TINY_WORDS])
-        self.train_tar = _first(d / TRAIN_TAR for d in self.archive_dirs)
-        self.val_tar = _first(d / VAL_TAR for d in self.archive_dirs)
-        label_dirs = [raw, self.images, raw / "archives"]
-        self.kaggle_csv = _first(d / KAGGLE_CSV for d in label_dirs)
-        self.mapping = _first(d / SYNSET_MAPPING for d in label_dirs)
-        self.devkit_dirs = [
-            raw / "devkit",
-            raw / "devkit" / "data",
-            raw / DEVKIT_DIR,
-            raw / "archives" / DEVKIT_DIR,
-        ]
-        self.devkit_tgzs = [d / DEVKIT_TGZ for d in self.archive_dirs]
-        self._devkit: Devkit | None | bool = False
         tops = (self.images, self.train_dir, self.val_folders, self.val_flat)
         self.kinds = _Kinds(raw, [p for p in tops if p is not None])
+        self.allowed = {os.path.realpath(p) for p in allow_outside}
+        self.refused: list[str] = []  # fixed-name files not read, with the reason
+        self._locate_fixed_names()
+        self._devkit: Devkit | None | bool = False
+
+    def _locate_fixed_names(self) -> None:
+        raw, images, tiny_val = self.raw, self.images, self.images / "val"
+        self.tiny_labels = self.file([tiny_val / TINY_VAL_LABELS])
+        self.tiny_val = tiny_val / "images" if self.tiny_labels and _has_files(tiny_val / "images") else None
+        self.tiny_wnids, self.tiny_words = self.file([images / TINY_WNIDS]), self.file([images / TINY_WORDS])
+        self.train_tar = self.file(d / TRAIN_TAR for d in self.archive_dirs)
+        self.val_tar = self.file(d / VAL_TAR for d in self.archive_dirs)
+        label_dirs = [raw, images, raw / "archives"]
+        self.kaggle_csv = self.file(d / KAGGLE_CSV for d in label_dirs)
+        self.mapping = self.file(d / SYNSET_MAPPING for d in label_dirs)
+        self.devkit_dirs = [raw / "devkit", raw / "devkit" / "data", raw / DEVKIT_DIR, raw / "archives" / DEVKIT_DIR]
+        self.devkit_tgzs = [d / DEVKIT_TGZ for d in self.archive_dirs]
+
+    def file(self, paths: Iterable[Path]) -> Path | None:
+        """The first of paths that is a regular file we may read (see the class doc); one that
+        resolves elsewhere is skipped and said in self.refused (its path, never its content)."""
+        for path in paths:
+            if not path.is_file():
+                continue
+            target = os.path.realpath(path)
+            if self.kinds.inside(target) or target in self.allowed:
+                return path
+            why = (
+                f"{self.rel(path)} resolves outside the raw root (to {target}): not read, a link that came with "
+                f"a dataset could point at any file. If it is yours, list it in the config's index.allow_outside_root"
+            )
+            if why not in self.refused:
+                self.refused.append(why)
+        return None
 
     def devkit(self) -> Devkit | None:
         if self._devkit is False:
-            self._devkit = find_devkit(self.devkit_dirs, self.devkit_tgzs)
+            self._devkit = find_devkit(self.devkit_dirs, self.devkit_tgzs, self.file)
         return self._devkit
 
     def rel(self, path: Path) -> str:
@@ -755,9 +778,12 @@ def _index_val(r: _Raw, layout: str, reader: SourceReader, found: Found, absent:
         found.layout["val"] = f"{outer} (read in place) labelled by {how}"
 
 
-def discover(raw_root: str | os.PathLike, layout: str = "auto", absent_splits: Iterable[str] = ()) -> Found:
+def discover(
+    raw_root: str | os.PathLike, layout: str = "auto", absent_splits: Iterable[str] = (), allow_outside=()
+) -> Found:
     """Classify every file of the chosen (or detected) layout; see the module doc. absent_splits: splits
-    the config says are missing on purpose (no error when they hold no images)."""
+    the config says are missing on purpose (no error when they hold no images); allow_outside: paths of
+    fixed-name files that may resolve outside the raw root (index.allow_outside_root)."""
     raw = Path(raw_root)
     if not raw.is_dir():
         raise LayoutError(
@@ -767,15 +793,21 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto", absent_splits: I
     if layout not in LAYOUTS:
         raise LayoutError(f"unknown --layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     absent = set(absent_splits)
-    r, found = _Raw(raw), Found()
-    with SourceReader(raw) as reader:
-        _index_train(r, layout, reader, found)
-        found.spans["train"] = (0, len(found.unclassified))
-        start = len(found.unclassified)
-        _index_val(r, layout, reader, found, "val" in absent)
-    missing = _keep_train_classes(found)
-    found.spans["val"] = (start, len(found.unclassified))
-    _check_not_empty(found, absent)
+    r, found = _Raw(raw, allow_outside), Found()
+    try:
+        with SourceReader(raw) as reader:
+            _index_train(r, layout, reader, found)
+            found.spans["train"] = (0, len(found.unclassified))
+            start = len(found.unclassified)
+            _index_val(r, layout, reader, found, "val" in absent)
+        missing = _keep_train_classes(found)
+        found.spans["val"] = (start, len(found.unclassified))
+        _check_not_empty(found, absent)
+    except LayoutError as err:
+        if r.refused:  # what was looked for may be one of them
+            raise LayoutError(f"{err} Not read: {'; '.join(r.refused)}.") from None
+        raise
+    found.warnings += r.refused
     _check_classes(found, missing)
     if r.mapping:
         found.names = read_synset_mapping(r.mapping)
@@ -923,7 +955,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, cfg: dict) -> None:
-    found = discover(args.raw, args.layout, cfg["absent_splits"])
+    allow = [expand_path(p, "index.allow_outside_root") for p in cfg["allow_outside_root"]]
+    found = discover(args.raw, args.layout, cfg["absent_splits"], allow)
     for split, how in found.layout.items():
         log.info("%s: %s", split, how)
     for note in found.notes:
