@@ -8,12 +8,13 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
 from rectrain.data import demo, index
-from rectrain.data.archives import TRAIN_TAR
+from rectrain.data.archives import DEVKIT_TGZ, TRAIN_TAR, UnsafeArchiveMember
 from rectrain.data.demo import tar_bytes
 from rectrain.data.index import LayoutError, discover
 
@@ -132,3 +133,80 @@ def test_a_linked_train_archive_outside_the_root_is_refused_with_the_reason(tmp_
         discover(root)
     found = discover(root, absent_splits=["val"], allow_outside=[str(root / TRAIN_TAR)])
     assert list(found.train) == [(f"{TRAIN_TAR}::{WNIDS[0]}.tar::{WNIDS[0]}_1.JPEG", WNIDS[0])]
+
+
+def train_tar_with_pax(path: Path, digits: int) -> None:
+    """The train archive, its one member carrying a pax header whose value is `digits` digits long."""
+    inner = tar_bytes([(f"{WNIDS[0]}_1.JPEG", b"x")])
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(f"{WNIDS[0]}.tar")
+        info.size, info.pax_headers = len(inner), {"comment": "7" * digits}
+        tar.addfile(info, io.BytesIO(inner))
+
+
+@pytest.mark.parametrize("digits", [50_000, 200_000])  # under and over the header's size bound
+def test_a_pax_header_of_many_digits_is_refused_in_well_under_a_second(tmp_path, digits):
+    # CVE-2024-6232: Python 3.11.7 (this venv) parses such a header in quadratic time: 50k digits
+    # took ~2 s, 200k ~35 s (1.31 s at 40k, 5.45 s at 80k measured).
+    root = tmp_path / "raw"
+    root.mkdir()
+    train_tar_with_pax(root / TRAIN_TAR, digits)
+    start = time.perf_counter()
+    with pytest.raises(UnsafeArchiveMember, match=f"refusing {TRAIN_TAR}: it holds a pax extended header"):
+        discover(root, absent_splits=["val"])
+    assert time.perf_counter() - start < 0.5
+
+
+def test_a_short_pax_header_is_read(tmp_path):
+    root = tmp_path / "raw"
+    root.mkdir()
+    train_tar_with_pax(root / TRAIN_TAR, 20)
+    assert len(discover(root, absent_splits=["val"]).train) == 1
+
+
+BOMB_BYTES = 512 << 20
+
+
+def devkit_bomb(demo_raw: Path, root: Path) -> None:
+    """Train folders, a flat val, and a devkit .tar.gz (2.3 MB at gzip level 1) whose meta.csv unpacks to
+    512 MiB of zeros."""
+    root.mkdir()
+    shutil.copytree(demo_raw / "train", root / "train")
+    shutil.copytree(demo_raw / "val_flat", root / "val")
+
+    class Zeros(io.RawIOBase):
+        def __init__(self):
+            self.left = BOMB_BYTES
+
+        def readinto(self, buf):
+            n = min(len(buf), self.left)
+            buf[:n] = bytes(n)
+            self.left -= n
+            return n
+
+    with tarfile.open(root / DEVKIT_TGZ, "w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("ILSVRC2012_devkit_t12/data/meta.csv")
+        info.size = BOMB_BYTES
+        tar.addfile(info, Zeros())
+
+
+def test_a_devkit_that_unpacks_to_512_mib_is_refused_with_index_peak_memory_under_200_mib(demo_raw, tmp_path):
+    root = tmp_path / "raw"
+    devkit_bomb(demo_raw, root)
+    assert (root / DEVKIT_TGZ).stat().st_size < 4 << 20  # 2.3 MB
+    code = (
+        "import resource, sys\n"
+        "from rectrain.data.index import discover, LayoutError\n"
+        "try:\n"
+        f"    discover({str(root)!r})\n"
+        "except LayoutError as err:\n"
+        "    print(err)\n"
+        "print('peak_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(index.__file__).parents[2]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{DEVKIT_TGZ} holds over 64 MiB unpacked: not read" in proc.stdout
+    peak_mib = int(proc.stdout.rsplit("peak_kib", 1)[1]) / 1024
+    print(f"index peak with a {BOMB_BYTES >> 20} MiB devkit member: {peak_mib:.0f} MiB")
+    assert peak_mib < 200

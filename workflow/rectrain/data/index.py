@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import io
 import logging
 import os
@@ -84,10 +85,13 @@ from rectrain.data.archives import (
     TRAIN_TAR,
     UNNAMEABLE,
     VAL_TAR,
+    BoundedTarInfo,
     CorruptArchive,
+    HeaderTooLarge,
     SourceReader,
     UnsafeArchiveMember,
     check_member,
+    refuse_header,
 )
 from rectrain.data.formats import HEAD_BYTES, SUPPORTED_FORMATS, extension, extensions, named_format, sniff
 
@@ -426,10 +430,35 @@ def label_flat(
 
 # ---------------------------------------------------------------- label files
 
+# Label files and the devkit come with the dataset: read up to this much. The largest real one,
+# Tiny-ImageNet's words.txt, is 2.6 MB; the devkit .tar.gz unpacks to about 10 MB.
+LABEL_MAX_BYTES = 64 << 20
+
+
+def _bounded(fh, what: str, how: str = "") -> bytes:
+    data = fh.read(LABEL_MAX_BYTES + 1)
+    if len(data) > LABEL_MAX_BYTES:
+        raise LayoutError(
+            f"{what} holds over {LABEL_MAX_BYTES >> 20} MiB{' ' + how if how else ''}: not read, no real label file "
+            f"or devkit is that large (the largest, Tiny-ImageNet's words.txt, is 2.6 MB). Replace it with the "
+            f"original download."
+        )
+    return data
+
+
+def read_label_file(path: Path) -> bytes:
+    """A label file's bytes, up to LABEL_MAX_BYTES (else a LayoutError naming it)."""
+    with open(path, "rb") as fh:
+        return _bounded(fh, str(path))
+
+
+def _label_text(path: Path) -> str:
+    return read_label_file(path).decode("utf-8")
+
 
 def read_kaggle_solution(path: Path) -> dict[str, str]:
     """LOC_val_solution.csv: ImageId -> wnid (first token of PredictionString)."""
-    with open(path, newline="") as fh:
+    with io.StringIO(_label_text(path), newline="") as fh:
         reader = csv.DictReader(fh)
         if not reader.fieldnames or not {"ImageId", "PredictionString"} <= set(reader.fieldnames):
             raise LayoutError(f"{path}: expected the Kaggle header 'ImageId,PredictionString', got {reader.fieldnames}")
@@ -439,7 +468,7 @@ def read_kaggle_solution(path: Path) -> dict[str, str]:
 def read_synset_mapping(path: Path) -> dict[str, str]:
     """LOC_synset_mapping.txt: 'wnid readable name' per line."""
     names = {}
-    for line in path.read_text().splitlines():
+    for line in _label_text(path).splitlines():
         wnid, _, name = line.strip().partition(" ")
         if wnid:
             names[wnid] = name.strip()
@@ -450,7 +479,7 @@ def read_tiny_annotations(path: Path) -> dict[str, str]:
     """Tiny-ImageNet's val_annotations.txt: 'val_0.JPEG<TAB>n03444034<TAB>x0<TAB>y0<TAB>x1<TAB>y1' per
     line; image stem -> wnid (the stem, as the other val labels are keyed)."""
     truth = {}
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(_label_text(path).splitlines(), 1):
         fields = line.split("\t")
         if len(fields) < 2 or not fields[0] or not fields[1]:
             if line.strip():
@@ -463,7 +492,7 @@ def read_tiny_annotations(path: Path) -> dict[str, str]:
 def read_tiny_words(path: Path, wnids: set[str]) -> dict[str, str]:
     """Tiny-ImageNet's words.txt ('wnid<TAB>words' for all 82,115 WordNet ids): the names of wnids."""
     names = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in _label_text(path).splitlines():
         wnid, _, words = line.partition("\t")
         if wnid in wnids:
             names[wnid] = words.strip()
@@ -472,7 +501,7 @@ def read_tiny_words(path: Path, wnids: set[str]) -> dict[str, str]:
 
 def _check_tiny_wnids(path: Path, found: Found) -> None:
     """A warning when wnids.txt lists other classes than the train folders hold."""
-    listed = set(path.read_text(encoding="utf-8").split())
+    listed = set(_label_text(path).split())
     have = found.train.classes()
     if listed != have:
         missing, extra = sorted(listed - have), sorted(have - listed)
@@ -516,6 +545,23 @@ class Devkit:
         return {f"ILSVRC2012_val_{i:08d}": self.meta[t][0] for i, t in enumerate(self.truth, start=1)}
 
 
+def _devkit_files(tgz: Path) -> dict[str, bytes]:
+    """The ground truth and meta files inside the devkit .tar.gz, unpacked in memory up to
+    LABEL_MAX_BYTES: a small .tar.gz can unpack to gigabytes (1 MB of gzip holds 1 GB of zeros)."""
+    with gzip.open(tgz) as gz:
+        data = _bounded(gz, str(tgz), "unpacked")
+    files = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:", tarinfo=BoundedTarInfo) as tar:
+            for info in tar:
+                check_member(info, str(tgz))
+                if info.isfile() and PurePosixPath(info.name).name in (GROUND_TRUTH, META_MAT, META_CSV):
+                    files[PurePosixPath(info.name).name] = tar.extractfile(info).read()
+    except HeaderTooLarge as err:
+        raise refuse_header(err, str(tgz)) from None
+    return files
+
+
 def _any_file(paths: Iterable[Path]) -> Path | None:
     return _first(paths)
 
@@ -529,15 +575,10 @@ def find_devkit(dirs: list[Path], tgzs: list[Path], usable=_any_file) -> Devkit 
             if meta is None:
                 raise LayoutError(f"{gt} has no meta.mat or meta.csv beside it to map ILSVRC2012_IDs to wnids")
             return Devkit(
-                str(folder), [int(x) for x in gt.read_text().split()], parse_meta(meta.read_bytes(), meta.name)
+                str(folder), [int(x) for x in read_label_file(gt).split()], parse_meta(read_label_file(meta), meta.name)
             )
     for tgz in filter(None, (usable([t]) for t in tgzs)):
-        with tarfile.open(tgz, mode="r:gz") as tar:
-            files = {}
-            for info in tar:
-                check_member(info, str(tgz))
-                if info.isfile() and PurePosixPath(info.name).name in (GROUND_TRUTH, META_MAT, META_CSV):
-                    files[PurePosixPath(info.name).name] = tar.extractfile(info).read()
+        files = _devkit_files(tgz)
         meta_name = META_MAT if META_MAT in files else META_CSV
         if GROUND_TRUTH not in files or meta_name not in files:
             raise LayoutError(f"{tgz}: expected {GROUND_TRUTH} and meta.mat (or meta.csv) inside")
