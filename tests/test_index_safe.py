@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rectrain import log
 from rectrain.data import demo, index
 from rectrain.data.archives import DEVKIT_TGZ, TRAIN_TAR, UnsafeArchiveMember
 from rectrain.data.demo import tar_bytes
@@ -210,3 +211,20 @@ def test_a_devkit_that_unpacks_to_512_mib_is_refused_with_index_peak_memory_unde
     peak_mib = int(proc.stdout.rsplit("peak_kib", 1)[1]) / 1024
     print(f"index peak with a {BOMB_BYTES >> 20} MiB devkit member: {peak_mib:.0f} MiB")
     assert peak_mib < 200
+
+
+def test_terminal_escape_codes_in_a_class_name_are_escaped_in_the_index_log(demo_raw, tmp_path):
+    root = foldered(demo_raw, tmp_path / "raw")
+    evil = "cls\x1b[2J\x1b]0;owned\x07\x08\u202eend"  # clear screen, window title, backspace, RTL override
+    (root / "train" / WNIDS[0]).rename(root / "train" / evil)
+    proc = run_cli("--raw", str(root), "--out", str(tmp_path / "index"))
+    assert proc.returncode == 0, proc.stderr
+    assert "cls\\x1b[2J\\x1b]0;owned\\x07\\x08\\u202eend" in proc.stderr  # the not-a-WordNet-id warning names it
+    assert not any(c in proc.stderr for c in "\x1b\x07\x08\u202e")
+
+
+def test_a_logged_name_with_a_line_break_or_odd_bytes_cannot_forge_a_log_line(capsys):
+    logger = log.setup("pack")
+    logger.warning("skipped %s: %s", Path("a.JPEG\n[pack] all images verified\udcff"), "not an image")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["[pack] skipped a.JPEG\\n[pack] all images verified\\xff: not an image"]
