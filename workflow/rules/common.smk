@@ -15,6 +15,7 @@ from rectrain.snakefile.checks import check_config
 from rectrain.snakefile.jobenv import export_operational, prepare_job_env
 from rectrain.snakefile.params import block_params, report_params
 from rectrain.snakefile.resources import scheduled_gpus, train_rule_resources
+from rectrain.private import apply as apply_private
 from rectrain.sources import stage_sources
 
 prepare_job_env(Path(workflow.basedir) / "workflow")
@@ -41,6 +42,8 @@ FAST = f"{config['pack']['fast_storage'].rstrip('/')}/{DS}"
 # index.absent_splits: [val] - a dataset without a val split packs and trains on train alone; there is
 # nothing to evaluate, so the report is built without the evaluate stage and says so.
 HAS_VAL = "val" not in config["index"]["absent_splits"]
+# private: true - every job's outputs owner-only, and the existing output folders closed (rectrain.private).
+apply_private(config["private"], ["results", "logs", "benchmarks", ".snakemake", FAST])
 SPLITS = ["train", "val"] if HAS_VAL else ["train"]
 ENV = "../../envs/rectrain.yaml"
 # A rule's params: carry only its own block's output-changing keys (rectrain.snakefile.params), so a
