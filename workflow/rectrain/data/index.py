@@ -45,6 +45,12 @@ Warnings, said once each in the log: counts of the official archives that differ
 dataset), empty class folders, val classes that train lacks.
 Tar member names are never used as filesystem paths; a member that is absolute, climbs with `..`,
 is a link or a device is refused with an error naming the archive and the member.
+Untrusted datasets (issue 26): files found by a fixed name (the archives, LOC_*, the devkit,
+Tiny-ImageNet's label files) are read only when they resolve inside the raw root or a linked split
+folder, or when the config's index.allow_outside_root names them (else a warning with the target,
+never the content); label files and the unpacked devkit are read up to LABEL_MAX_BYTES; tar headers are
+bounded before tarfile parses them (rectrain.data.archives); folders are walked with a stack, so
+any depth is indexed.
 """
 
 from __future__ import annotations
