@@ -14,7 +14,8 @@
 # Without DALI the pipeline still runs (torch loader, GPU decode) and the bench marks DALI as skipped.
 #
 # Environment: PYTHON (default python3); GPU_CHECK_WORK (the pipeline's working folder, default the
-# repository); GPU_CHECK_SCRATCH (default $TMPDIR/rectrain-gpu-check); GPU_CHECK_WHEELS (the wheel
+# repository); GPU_CHECK_SCRATCH (default $TMPDIR/rectrain-gpu-check-<uid>, used only when it is the
+# user's own and writable by no one else); GPU_CHECK_WHEELS (the wheel
 # parts, default .whl; unpacked only when snakemake or DALI is missing); GPU_CHECK_SNAKEMAKE_ARGS (extra
 # arguments, e.g. --config overrides for a small CPU rehearsal); GPU_CHECK_EFFICIENCY_ARGS (extra
 # arguments for bench/gpu_efficiency.py, e.g. --runs resnet50:224 --hw-decoder-load 0.9); GPU_CHECK_DEADLINE_S (end every part
@@ -38,7 +39,16 @@ REPO=$PWD
 OUTDIR=${1:-${OUT:-bench/out/gpu}}
 mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd)
 WORK=${GPU_CHECK_WORK:-$REPO}
-SCRATCH=${GPU_CHECK_SCRATCH:-${TMPDIR:-/tmp}/rectrain-gpu-check}
+SCRATCH=${GPU_CHECK_SCRATCH:-${TMPDIR:-/tmp}/rectrain-gpu-check-$(id -u)}
+# The scratch folder holds the venv the check installs into and runs: in a shared /tmp, one made by
+# someone else (or a link to theirs) would run their code. Used only when it is ours, no link, and
+# writable by nobody else; a new one is made 0700.
+mkdir -m 700 -p "$SCRATCH" 2>/dev/null
+if [ -L "$SCRATCH" ] || [ ! -d "$SCRATCH" ] || [ ! -O "$SCRATCH" ] || [ -n "$(find "$SCRATCH" -maxdepth 0 -perm /022)" ]; then
+    echo "gpu_check: refusing scratch folder $SCRATCH: it is not a folder of $(id -un)'s that only they can write (a link, another user's, or writable by others), and the check would run the venv inside it. Remove it, or set GPU_CHECK_SCRATCH to a folder of your own." \
+        | tee "$OUTDIR/summary.txt" >&2
+    exit 2
+fi
 WHEELS=${GPU_CHECK_WHEELS:-$REPO/.whl}
 rm -rf "$SCRATCH/tables" "$SCRATCH/whl"  # a previous run's tables must not pass for this run's
 mkdir -p "$WORK" "$SCRATCH/tables" && WORK=$(cd "$WORK" && pwd)

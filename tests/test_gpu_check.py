@@ -205,3 +205,28 @@ def test_a_venv_made_from_a_venv_sees_the_interpreters_packages_after_the_overla
     # The venv's own packages still come first (what pip installs there wins over the interpreter's).
     order = subprocess.run([str(venv_python), "-c", "import sys; print(sys.path)"], capture_output=True, text=True)
     assert order.stdout.index(str(site(venv_python))) < order.stdout.index(str(site(interpreter)))
+
+
+@pytest.mark.parametrize("planted", ["writable by others", "another user's", "a link"])
+def test_a_scratch_folder_someone_else_could_have_planted_is_refused_and_its_venv_never_run(tmp_path, planted):
+    scratch, marker = tmp_path / "scratch", tmp_path / "ran"
+    real = tmp_path / "elsewhere" if planted == "a link" else scratch
+    (real / "venv/bin").mkdir(parents=True)
+    python = real / "venv/bin/python"
+    python.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    python.chmod(0o755)
+    if planted == "a link":
+        scratch.symlink_to(real)
+    elif planted == "writable by others":
+        scratch.chmod(0o777)
+    elif os.getuid() == 0:
+        os.chown(scratch, 65534, 65534)  # nobody's
+    else:
+        pytest.skip("giving a folder to another user needs root")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(out)], env=check_env(tmp_path, 30), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert f"refusing scratch folder {scratch}" in (out / "summary.txt").read_text()
+    assert not marker.exists()

@@ -1,12 +1,14 @@
 """Code inputs are derived from imports (rectrain.sources), so a module a stage uses cannot be left out."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import scheduled_rules, snakemake
 
 from rectrain import sources
 from rectrain.sources import PACKAGE_DIR, STAGE_ENTRIES, import_closure, stage_sources
@@ -123,3 +125,29 @@ def test_an_unreadable_saved_closure_is_derived_again(tmp_path):
 def test_unknown_stage_is_named():
     with pytest.raises(KeyError, match="unknown pipeline stage 'trian'"):
         stage_sources("trian")
+
+
+def test_an_edit_that_keeps_size_and_time_reruns_its_stage_in_snakemake(tmp_path):
+    pkg = small_package(tmp_path)
+    snakefile = tmp_path / "Snakefile"
+    snakefile.write_text(
+        textwrap.dedent(f"""\
+            import sys
+            sys.path.insert(0, {str(PACKAGE_DIR.parent)!r})
+            from rectrain.sources import stage_sources
+
+            rule demo:
+                input: stage_sources("demo_data", {str(pkg)!r})
+                output: "out.txt"
+                shell: "echo done > {{output}}"
+            """)
+    )
+    snakemake("--cores", "1", "out.txt", cwd=tmp_path, snakefile=snakefile, check=True)
+    assert scheduled_rules(snakemake("-n", "out.txt", cwd=tmp_path, snakefile=snakefile, check=True).stdout) == {}
+    demo = pkg / "data" / "demo.py"
+    st = demo.stat()
+    demo.write_text("X = 2\n")  # same size
+    os.utime(demo, ns=(st.st_atime_ns, st.st_mtime_ns))  # same time (cp -p, rsync -t, a restored checkout)
+    assert demo.stat().st_size == st.st_size
+    dry = snakemake("-n", "out.txt", cwd=tmp_path, snakefile=snakefile, check=True)
+    assert scheduled_rules(dry.stdout) == {"demo": 1}, dry.stdout

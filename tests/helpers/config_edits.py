@@ -21,6 +21,7 @@ EXPLICIT = {
     ("pack", "resize"): [80, 96],
     ("pack", "fast_storage"): ["results/fast_storage_b", "results/fast_storage_c"],
     ("index", "absent_splits"): [["val"], []],
+    ("index", "allow_outside_root"): [["/tmp/rectrain-linked-label-file.txt"], []],
 }
 
 

@@ -34,7 +34,7 @@ from rectrain.atomic import write_json
 from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
 from rectrain.metrics import Tally, all_reduce, tally
 from rectrain.progress import Progress
-from rectrain.tables import read_classes
+from rectrain.tables import read_classes, spreadsheet_safe
 from rectrain.train.checkpoint import load as load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def class_table(path: str | os.PathLike, num_classes: int) -> pd.DataFrame:
 
 def write_outputs(out: Path, m: dict, table: pd.DataFrame) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "per_class.csv", index=False)
+    table.map(spreadsheet_safe).to_csv(out / "per_class.csv", index=False)  # class names from the dataset
     write_json(out / "metrics.json", m)  # last: its presence means the outputs are complete
 
 

@@ -3,17 +3,57 @@
 Each module logs through `logging.getLogger(__name__)`; `setup(tag)` sends records to stderr
 as `[tag] message`, or `[tag   12.3s] message` with the seconds since start when `elapsed` is set
 (training, where the time of each line is the point).
+
+Every line is printable: file and class names come from datasets, and a name holding terminal escape
+codes (colours, cursor moves, a window title, a carriage return that overwrites the line) or
+bidirectional overrides would act on the terminal or the log viewer instead of being read. Control
+characters are written as Python escapes (ESC as \\x1b, a right-to-left override as \\u202e), the odd
+bytes of a non-UTF-8 name as \\xNN; in the message's arguments (the names) line breaks and tabs too, so a
+name cannot forge a log line.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 import sys
 import time
 
 # Seconds are counted from the import of this module, i.e. from the start of the stage process.
 _WALL0 = time.time()
+
+
+_BIDI = "\u202a-\u202e\u2066-\u2069"
+# The message keeps its own line breaks and tabs; an argument (a name) keeps none.
+_IN_MESSAGE = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}\ud800-\udfff]")
+_IN_ARGUMENT = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}\ud800-\udfff]")
+
+
+def _escape_char(match: re.Match) -> str:
+    c = match.group()
+    if "\udc80" <= c <= "\udcff":  # os.scandir's surrogateescape for a byte that is not UTF-8
+        return f"\\x{ord(c) - 0xDC00:02x}"
+    return c.encode("unicode_escape").decode("ascii")
+
+
+def printable(text: str, pattern: re.Pattern = _IN_ARGUMENT) -> str:
+    """text with control characters, bidirectional overrides and undecodable bytes escaped."""
+    return pattern.sub(_escape_char, text)
+
+
+def _printable_arg(arg):
+    if isinstance(arg, os.PathLike):
+        arg = os.fspath(arg)
+    return printable(arg) if isinstance(arg, str) else arg  # numbers stay numbers, for %d
+
+
+def _printable_args(args):
+    """The values a message is formatted with (the names), escaped."""
+    if isinstance(args, dict):
+        return {key: _printable_arg(value) for key, value in args.items()}
+    return tuple(_printable_arg(arg) for arg in args)
 
 
 class _StageFormatter(logging.Formatter):
@@ -23,10 +63,11 @@ class _StageFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         prefix = f"[{self.tag} {record.created - _WALL0:6.1f}s]" if self.elapsed else f"[{self.tag}]"
-        text = f"{prefix} {record.getMessage()}" if self.tag else record.getMessage()
+        message = str(record.msg) % _printable_args(record.args) if record.args else str(record.msg)
+        text = f"{prefix} {message}" if self.tag else message
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
-        return text
+        return printable(text, _IN_MESSAGE)
 
 
 def setup(tag: str, elapsed: bool = False, level: int = logging.INFO) -> logging.Logger:

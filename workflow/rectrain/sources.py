@@ -65,9 +65,13 @@ def _import_statements(tree: ast.Module):
             todo.extend(getattr(node, field, None) or ())
 
 
+def _sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 @functools.lru_cache(maxsize=None)
-def _imports(path: Path, mtime_ns: int, size: int) -> tuple[tuple[int, str, tuple[str, ...]], ...]:
-    """(level, module, names) of each import statement; parsed once per file version (every stage's
+def _imports(path: Path, digest: str) -> tuple[tuple[int, str, tuple[str, ...]], ...]:
+    """(level, module, names) of each import statement; parsed once per file content (every stage's
     closure visits the shared modules: the dry-run parses each file once instead of once per stage)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     out = []
@@ -85,8 +89,7 @@ def imported_names(path: Path, package_dir: Path = PACKAGE_DIR) -> set[str]:
     this = _module_name(path, package_dir)
     is_pkg = path.name == "__init__.py"
     names: set[str] = set()
-    st = path.stat()
-    for level, module, imported in _imports(path, st.st_mtime_ns, st.st_size):
+    for level, module, imported in _imports(path, _sha256(path)):
         if not imported:  # import a.b
             names.add(module)
             continue
@@ -137,16 +140,17 @@ def _package_data(modules: set[Path]) -> set[Path]:
 CACHE = Path("__pycache__") / "rectrain-stage-sources.json"
 
 
-def package_listing(package_dir: Path) -> dict[str, list[int]]:
-    """[mtime_ns, size] of every file in the package but bytecode: the closures depend on nothing else
-    (which files exist, and what each one imports)."""
+def package_listing(package_dir: Path) -> dict[str, str]:
+    """sha256 of every file in the package but bytecode: the closures depend on nothing else (which
+    files exist, and what each one imports). Content, not size and time: an edit that keeps both (a
+    copy with preserved times, an editor that restores them) changes an import all the same."""
     listing = {}
     for folder, dirs, files in os.walk(package_dir):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         for name in files:
             if not name.endswith(".pyc"):
-                st = os.stat(os.path.join(folder, name))
-                listing[os.path.relpath(os.path.join(folder, name), package_dir)] = [st.st_mtime_ns, st.st_size]
+                path = os.path.join(folder, name)
+                listing[os.path.relpath(path, package_dir)] = _sha256(path)
     return listing
 
 
@@ -163,6 +167,7 @@ def all_stage_sources(package_dir: Path) -> dict[str, list[str]]:
     listing, cache = package_listing(package_dir), package_dir / CACHE
     try:
         saved = json.loads(cache.read_text(encoding="utf-8"))
+        _touch_edited(package_dir, saved["listing"], listing)
         if saved["listing"] == listing and saved["stages"].keys() == STAGE_ENTRIES.keys():
             return saved["stages"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -174,6 +179,18 @@ def all_stage_sources(package_dir: Path) -> dict[str, list[str]]:
     except OSError:
         pass  # a read-only install: derive them again next time
     return stages
+
+
+def _touch_edited(package_dir: Path, saved: dict[str, str], listing: dict[str, str]) -> None:
+    """Give every file whose content changed since the saved listing the time of now. Snakemake
+    reruns a rule when an input is newer than its outputs: an edit that kept the file's time (a copy
+    with preserved times, an editor or a checkout that restores them) would rerun nothing."""
+    for name, digest in listing.items():
+        if isinstance(old := saved.get(name), str) and old != digest:  # not in an old listing: no edit seen
+            try:
+                os.utime(package_dir / name)
+            except OSError:
+                pass  # a file we may not touch is one nobody edits in place (a read-only install)
 
 
 def _stage_sources(stage: str, package_dir: Path) -> tuple[Path, ...]:

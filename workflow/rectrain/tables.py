@@ -23,3 +23,14 @@ def read_classes(path: str | os.PathLike) -> list[dict]:
     if not rows:
         raise ValueError(f"{path} lists no classes: rerun the index stage (index_raw)")
     return rows
+
+
+# A cell starting with one of these is a formula to a spreadsheet (=HYPERLINK(...) sends data away,
+# =cmd|... ran programs in old Excel): class names come from the dataset.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(value):
+    """A text cell for a CSV that people open in a spreadsheet: one that would start a formula gets a
+    leading ' (the OWASP advice on CSV injection), so it is shown as text. Numbers are left alone."""
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value

@@ -17,6 +17,7 @@ from rectrain.snakefile.jobenv import export_operational, prepare_job_env
 from rectrain.snakefile.params import block_params, report_params
 from rectrain.snakefile.prestart import before_jobs
 from rectrain.snakefile.resources import scheduled_gpus, train_rule_resources
+from rectrain.private import apply as apply_private
 from rectrain.sources import stage_sources
 
 prepare_job_env(Path(workflow.basedir) / "workflow")
@@ -54,6 +55,8 @@ FAST = f"{config['pack']['fast_storage'].rstrip('/')}/{DS}"
 # when recordio.val is.
 BYO = config["recordio"]["train"] is not None
 HAS_VAL = config["recordio"]["val"] is not None if BYO else "val" not in config["index"]["absent_splits"]
+# private: true - every job's outputs owner-only, and the existing output folders closed (rectrain.private).
+apply_private(config["private"], ["results", "logs", "benchmarks", ".snakemake", FAST])
 SPLITS = ["train", "val"] if HAS_VAL else ["train"]
 ENV = "../../envs/rectrain.yaml"
 # A rule's params: carry only its own block's output-changing keys (rectrain.snakefile.params), so a

@@ -50,6 +50,54 @@ class CorruptArchive(ValueError):
     """A tar whose listing does not reach a valid end, or whose member runs past the end of the file."""
 
 
+# Extended (POSIX.1-2001 pax) and GNU long-name headers: tarfile reads each whole into memory, and
+# Python before 3.11.10 / 3.12.6 parses a pax header in time quadratic in its runs of digits
+# (CVE-2024-6232; measured on 3.11.7: 1.31 s at 40k digits, 5.45 s at 80k). Real ones hold a path, a
+# size and times - a few hundred bytes - so both are bounded before tarfile parses them, on every Python.
+HEADER_MAX_BYTES = 64 * 1024
+PAX_MAX_DIGITS = 64  # a run of digits that long is no size, time or id: parsing stays linear below it
+
+
+class HeaderTooLarge(Exception):
+    """An extended tar header beyond the bounds above (raised from inside tarfile's parsing)."""
+
+    def __init__(self, what: str, offset: int):
+        super().__init__(what)
+        self.offset = offset
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """tarfile's member header, refusing pax and GNU long-name headers beyond the bounds above before
+    tarfile reads or parses them (pass tarinfo=BoundedTarInfo to tarfile.open)."""
+
+    def _proc_gnulong(self, tarfile):
+        self._bound(tarfile, "GNU long name header")
+        return super()._proc_gnulong(tarfile)
+
+    def _proc_pax(self, tarfile):
+        buf = self._bound(tarfile, "pax extended header")
+        if re.search(rb"\d{%d}" % (PAX_MAX_DIGITS + 1), buf):
+            raise HeaderTooLarge(f"a pax extended header with a run of over {PAX_MAX_DIGITS} digits", self.offset)
+        return super()._proc_pax(tarfile)
+
+    def _bound(self, tarfile, what: str) -> bytes:
+        """The header's bytes, read and put back (tarfile reads them again), after checking its size."""
+        if self.size > HEADER_MAX_BYTES:
+            raise HeaderTooLarge(f"a {what} of {self.size} bytes (at most {HEADER_MAX_BYTES} are read)", self.offset)
+        pos = tarfile.fileobj.tell()
+        buf = tarfile.fileobj.read(self.size)
+        tarfile.fileobj.seek(pos)
+        return buf
+
+
+def refuse_header(err: HeaderTooLarge, archive: str, where: str = "") -> UnsafeArchiveMember:
+    """The error naming the archive and the header's offset."""
+    return UnsafeArchiveMember(
+        f"refusing {archive}: it holds {err} at {where or f'byte {err.offset}'}; real archives hold no such "
+        f"header (and older Pythons parse one in quadratic time, CVE-2024-6232). Re-create the archive."
+    )
+
+
 class _Window(io.RawIOBase):
     """Read-only view of bytes [start, start + size) of an open file descriptor, addressed from 0.
 
@@ -145,7 +193,7 @@ def scan_tar(fileobj, archive: str, size: int, outer: tuple[str, int] | None = N
     order. outer = (file on disk, byte where this tar starts in it) when the tar is a member of another."""
     members, seen = [], set()
     try:
-        with tarfile.open(fileobj=fileobj, mode="r:") as tar:
+        with tarfile.open(fileobj=fileobj, mode="r:", tarinfo=BoundedTarInfo) as tar:
             for info in tar:
                 check_member(info, archive)
                 if info.offset_data + info.size > size:
@@ -164,6 +212,8 @@ def scan_tar(fileobj, archive: str, size: int, outer: tuple[str, int] | None = N
                 seen.add(info.name)
                 members.append((info.name, info.offset_data, info.size))
             end = tar.offset
+    except HeaderTooLarge as err:
+        raise refuse_header(err, archive, _where(archive, err.offset, outer)) from None
     except tarfile.ReadError as err:
         at = members[-1][1] + members[-1][2] if members else 0
         raise CorruptArchive(

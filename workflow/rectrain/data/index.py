@@ -45,12 +45,19 @@ Warnings, said once each in the log: counts of the official archives that differ
 dataset), empty class folders, val classes that train lacks.
 Tar member names are never used as filesystem paths; a member that is absolute, climbs with `..`,
 is a link or a device is refused with an error naming the archive and the member.
+Untrusted datasets (issue 26): files found by a fixed name (the archives, LOC_*, the devkit,
+Tiny-ImageNet's label files) are read only when they resolve inside the raw root or a linked split
+folder, or when the config's index.allow_outside_root names them (else a warning with the target,
+never the content); label files and the unpacked devkit are read up to LABEL_MAX_BYTES; tar headers are
+bounded before tarfile parses them (rectrain.data.archives); folders are walked with a stack, so
+any depth is indexed.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import io
 import logging
 import os
@@ -66,6 +73,7 @@ from typing import Iterable, Iterator
 
 from rectrain import cli
 from rectrain.atomic import replacing
+from rectrain.config import expand_path
 from rectrain.data.archives import (
     DEVKIT_DIR,
     DEVKIT_TGZ,
@@ -83,10 +91,13 @@ from rectrain.data.archives import (
     TRAIN_TAR,
     UNNAMEABLE,
     VAL_TAR,
+    BoundedTarInfo,
     CorruptArchive,
+    HeaderTooLarge,
     SourceReader,
     UnsafeArchiveMember,
     check_member,
+    refuse_header,
 )
 from rectrain.data.formats import HEAD_BYTES, SUPPORTED_FORMATS, extension, extensions, named_format, sniff
 
@@ -324,15 +335,21 @@ def _scan(folder: Path) -> list[os.DirEntry]:
 
 
 def _files_below(folder: Path) -> Iterator[Path]:
-    """Every non-directory below folder (links and special files too, never followed): for listing."""
-    if folder.is_symlink():
-        yield folder
-        return
-    for entry in _scan(folder):
-        if entry.is_dir(follow_symlinks=False):
-            yield from _files_below(Path(entry.path))
-        else:
-            yield Path(entry.path)
+    """Every non-directory below folder (links and special files too, never followed): for listing.
+    A stack, not recursion: a dataset can nest folders deeper than Python's recursion limit."""
+    todo = [folder]
+    while todo:
+        here = todo.pop()
+        if here.is_symlink():
+            yield here
+            continue
+        below = []
+        for entry in _scan(here):
+            if entry.is_dir(follow_symlinks=False):
+                below.append(Path(entry.path))
+            else:
+                yield Path(entry.path)
+        todo.extend(reversed(below))
 
 
 def _hidden(name: str) -> bool:
@@ -371,26 +388,30 @@ def walk_class_folders(top: Path, raw: Path, found: Found, kinds: _Kinds) -> Row
 
 def _walk_class(folder: Path, below: str, wnid: str, found: Found, kinds: _Kinds, rows: Rows) -> bool:
     """Add folder's images as rows of wnid (names relative to the class folder: below + name), its
-    sub-folders' too; returns whether a sub-folder held an image."""
-    nested, prefix = False, rows.prefix
-    for sub in _scan(folder):
-        kind, why = kinds.of(sub)
-        name = below + sub.name
-        if kind == "dir" and _hidden(sub.name):
-            found.unclassified += [
-                (_rel(p, kinds.raw), f"hidden folder below class directory {wnid}")
-                for p in _files_below(Path(sub.path))
-            ]
-        elif kind == "dir":
-            before = len(rows)
-            _walk_class(Path(sub.path), name + "/", wnid, found, kinds, rows)
-            nested = nested or len(rows) > before
-        elif kind == "other":
-            found.unclassified.append((prefix + name, why))
-        elif (reason := unclassifiable(name, folder)) is not None:
-            found.unclassified.append((prefix + name, reason))
-        else:
-            rows.add(name, wnid)
+    sub-folders' too; returns whether a sub-folder held an image. A stack of folders, not recursion:
+    a dataset can nest folders deeper than Python's recursion limit."""
+    nested, prefix, todo = False, rows.prefix, [(folder, below)]
+    while todo:
+        here, below = todo.pop()
+        before, subs = len(rows), []
+        for sub in _scan(here):
+            kind, why = kinds.of(sub)
+            name = below + sub.name
+            if kind == "dir" and _hidden(sub.name):
+                found.unclassified += [
+                    (_rel(p, kinds.raw), f"hidden folder below class directory {wnid}")
+                    for p in _files_below(Path(sub.path))
+                ]
+            elif kind == "dir":
+                subs.append((Path(sub.path), name + "/"))
+            elif kind == "other":
+                found.unclassified.append((prefix + name, why))
+            elif (reason := unclassifiable(name, here)) is not None:
+                found.unclassified.append((prefix + name, reason))
+            else:
+                rows.add(name, wnid)
+        nested = nested or (here is not folder and len(rows) > before)
+        todo.extend(reversed(subs))
     return nested
 
 
@@ -415,10 +436,35 @@ def label_flat(
 
 # ---------------------------------------------------------------- label files
 
+# Label files and the devkit come with the dataset: read up to this much. The largest real one,
+# Tiny-ImageNet's words.txt, is 2.6 MB; the devkit .tar.gz unpacks to about 10 MB.
+LABEL_MAX_BYTES = 64 << 20
+
+
+def _bounded(fh, what: str, how: str = "") -> bytes:
+    data = fh.read(LABEL_MAX_BYTES + 1)
+    if len(data) > LABEL_MAX_BYTES:
+        raise LayoutError(
+            f"{what} holds over {LABEL_MAX_BYTES >> 20} MiB{' ' + how if how else ''}: not read, no real label file "
+            f"or devkit is that large (the largest, Tiny-ImageNet's words.txt, is 2.6 MB). Replace it with the "
+            f"original download."
+        )
+    return data
+
+
+def read_label_file(path: Path) -> bytes:
+    """A label file's bytes, up to LABEL_MAX_BYTES (else a LayoutError naming it)."""
+    with open(path, "rb") as fh:
+        return _bounded(fh, str(path))
+
+
+def _label_text(path: Path) -> str:
+    return read_label_file(path).decode("utf-8")
+
 
 def read_kaggle_solution(path: Path) -> dict[str, str]:
     """LOC_val_solution.csv: ImageId -> wnid (first token of PredictionString)."""
-    with open(path, newline="") as fh:
+    with io.StringIO(_label_text(path), newline="") as fh:
         reader = csv.DictReader(fh)
         if not reader.fieldnames or not {"ImageId", "PredictionString"} <= set(reader.fieldnames):
             raise LayoutError(f"{path}: expected the Kaggle header 'ImageId,PredictionString', got {reader.fieldnames}")
@@ -428,7 +474,7 @@ def read_kaggle_solution(path: Path) -> dict[str, str]:
 def read_synset_mapping(path: Path) -> dict[str, str]:
     """LOC_synset_mapping.txt: 'wnid readable name' per line."""
     names = {}
-    for line in path.read_text().splitlines():
+    for line in _label_text(path).splitlines():
         wnid, _, name = line.strip().partition(" ")
         if wnid:
             names[wnid] = name.strip()
@@ -439,7 +485,7 @@ def read_tiny_annotations(path: Path) -> dict[str, str]:
     """Tiny-ImageNet's val_annotations.txt: 'val_0.JPEG<TAB>n03444034<TAB>x0<TAB>y0<TAB>x1<TAB>y1' per
     line; image stem -> wnid (the stem, as the other val labels are keyed)."""
     truth = {}
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(_label_text(path).splitlines(), 1):
         fields = line.split("\t")
         if len(fields) < 2 or not fields[0] or not fields[1]:
             if line.strip():
@@ -452,7 +498,7 @@ def read_tiny_annotations(path: Path) -> dict[str, str]:
 def read_tiny_words(path: Path, wnids: set[str]) -> dict[str, str]:
     """Tiny-ImageNet's words.txt ('wnid<TAB>words' for all 82,115 WordNet ids): the names of wnids."""
     names = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in _label_text(path).splitlines():
         wnid, _, words = line.partition("\t")
         if wnid in wnids:
             names[wnid] = words.strip()
@@ -461,7 +507,7 @@ def read_tiny_words(path: Path, wnids: set[str]) -> dict[str, str]:
 
 def _check_tiny_wnids(path: Path, found: Found) -> None:
     """A warning when wnids.txt lists other classes than the train folders hold."""
-    listed = set(path.read_text(encoding="utf-8").split())
+    listed = set(_label_text(path).split())
     have = found.train.classes()
     if listed != have:
         missing, extra = sorted(listed - have), sorted(have - listed)
@@ -505,26 +551,40 @@ class Devkit:
         return {f"ILSVRC2012_val_{i:08d}": self.meta[t][0] for i, t in enumerate(self.truth, start=1)}
 
 
-def find_devkit(dirs: list[Path], tgzs: list[Path]) -> Devkit | None:
-    """The devkit ground truth and its id map, from an extracted folder or read inside the .tar.gz."""
-    for folder in dirs:
-        gt = folder / GROUND_TRUTH
-        if gt.is_file():
-            meta = next((folder / m for m in (META_MAT, META_CSV) if (folder / m).is_file()), None)
-            if meta is None:
-                raise LayoutError(f"{gt} has no meta.mat or meta.csv beside it to map ILSVRC2012_IDs to wnids")
-            return Devkit(
-                str(folder), [int(x) for x in gt.read_text().split()], parse_meta(meta.read_bytes(), meta.name)
-            )
-    for tgz in tgzs:
-        if not tgz.is_file():
-            continue
-        with tarfile.open(tgz, mode="r:gz") as tar:
-            files = {}
+def _devkit_files(tgz: Path) -> dict[str, bytes]:
+    """The ground truth and meta files inside the devkit .tar.gz, unpacked in memory up to
+    LABEL_MAX_BYTES: a small .tar.gz can unpack to gigabytes (1 MB of gzip holds 1 GB of zeros)."""
+    with gzip.open(tgz) as gz:
+        data = _bounded(gz, str(tgz), "unpacked")
+    files = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:", tarinfo=BoundedTarInfo) as tar:
             for info in tar:
                 check_member(info, str(tgz))
                 if info.isfile() and PurePosixPath(info.name).name in (GROUND_TRUTH, META_MAT, META_CSV):
                     files[PurePosixPath(info.name).name] = tar.extractfile(info).read()
+    except HeaderTooLarge as err:
+        raise refuse_header(err, str(tgz)) from None
+    return files
+
+
+def _any_file(paths: Iterable[Path]) -> Path | None:
+    return _first(paths)
+
+
+def find_devkit(dirs: list[Path], tgzs: list[Path], usable=_any_file) -> Devkit | None:
+    """The devkit ground truth and its id map, from an extracted folder or read inside the .tar.gz.
+    usable(paths): the first of paths that may be read (_Raw.file: only inside the raw root)."""
+    for folder in dirs:
+        if gt := usable([folder / GROUND_TRUTH]):
+            meta = usable(folder / m for m in (META_MAT, META_CSV))
+            if meta is None:
+                raise LayoutError(f"{gt} has no meta.mat or meta.csv beside it to map ILSVRC2012_IDs to wnids")
+            return Devkit(
+                str(folder), [int(x) for x in read_label_file(gt).split()], parse_meta(read_label_file(meta), meta.name)
+            )
+    for tgz in filter(None, (usable([t]) for t in tgzs)):
+        files = _devkit_files(tgz)
         meta_name = META_MAT if META_MAT in files else META_CSV
         if GROUND_TRUTH not in files or meta_name not in files:
             raise LayoutError(f"{tgz}: expected {GROUND_TRUTH} and meta.mat (or meta.csv) inside")
@@ -569,9 +629,12 @@ def _describe(folder: Path, raw: Path) -> str:
 
 
 class _Raw:
-    """Where things are under one raw root."""
+    """Where things are under one raw root. Files found by a fixed name (the archives, label files,
+    devkit) are used only when they resolve inside the raw root (or a split folder the user linked),
+    or when the config's index.allow_outside_root names them: a dataset from elsewhere can hold a
+    LOC_synset_mapping.txt linked to any file this user may read."""
 
-    def __init__(self, raw: Path):
+    def __init__(self, raw: Path, allow_outside: Iterable[str] = ()):
         self.raw = raw
         nested_roots = [raw / "ILSVRC" / "Data" / "CLS-LOC", raw / TINY_ROOT]  # Kaggle's, Tiny-ImageNet's zip
         self.images = _first([*nested_roots, raw], lambda p: (p / "train").is_dir()) or raw
@@ -579,29 +642,46 @@ class _Raw:
         self.train_dir = self.images / "train" if _has_class_dirs(self.images / "train") else None
         self.val_folders = self.images / "val" if _has_class_dirs(self.images / "val") else None
         self.val_flat = _first([self.images / "val", self.images / "val_flat"], _has_files)
-        tiny_val = self.images / "val"
-        self.tiny_labels = _first([tiny_val / TINY_VAL_LABELS])
-        self.tiny_val = tiny_val / "images" if self.tiny_labels and _has_files(tiny_val / "images") else None
-        self.tiny_wnids, self.tiny_words = _first([self.images / TINY_WNIDS]), _first([self.images / TINY_WORDS])
-        self.train_tar = _first(d / TRAIN_TAR for d in self.archive_dirs)
-        self.val_tar = _first(d / VAL_TAR for d in self.archive_dirs)
-        label_dirs = [raw, self.images, raw / "archives"]
-        self.kaggle_csv = _first(d / KAGGLE_CSV for d in label_dirs)
-        self.mapping = _first(d / SYNSET_MAPPING for d in label_dirs)
-        self.devkit_dirs = [
-            raw / "devkit",
-            raw / "devkit" / "data",
-            raw / DEVKIT_DIR,
-            raw / "archives" / DEVKIT_DIR,
-        ]
-        self.devkit_tgzs = [d / DEVKIT_TGZ for d in self.archive_dirs]
-        self._devkit: Devkit | None | bool = False
         tops = (self.images, self.train_dir, self.val_folders, self.val_flat)
         self.kinds = _Kinds(raw, [p for p in tops if p is not None])
+        self.allowed = {os.path.realpath(p) for p in allow_outside}
+        self.refused: list[str] = []  # fixed-name files not read, with the reason
+        self._locate_fixed_names()
+        self._devkit: Devkit | None | bool = False
+
+    def _locate_fixed_names(self) -> None:
+        raw, images, tiny_val = self.raw, self.images, self.images / "val"
+        self.tiny_labels = self.file([tiny_val / TINY_VAL_LABELS])
+        self.tiny_val = tiny_val / "images" if self.tiny_labels and _has_files(tiny_val / "images") else None
+        self.tiny_wnids, self.tiny_words = self.file([images / TINY_WNIDS]), self.file([images / TINY_WORDS])
+        self.train_tar = self.file(d / TRAIN_TAR for d in self.archive_dirs)
+        self.val_tar = self.file(d / VAL_TAR for d in self.archive_dirs)
+        label_dirs = [raw, images, raw / "archives"]
+        self.kaggle_csv = self.file(d / KAGGLE_CSV for d in label_dirs)
+        self.mapping = self.file(d / SYNSET_MAPPING for d in label_dirs)
+        self.devkit_dirs = [raw / "devkit", raw / "devkit" / "data", raw / DEVKIT_DIR, raw / "archives" / DEVKIT_DIR]
+        self.devkit_tgzs = [d / DEVKIT_TGZ for d in self.archive_dirs]
+
+    def file(self, paths: Iterable[Path]) -> Path | None:
+        """The first of paths that is a regular file we may read (see the class doc); one that
+        resolves elsewhere is skipped and said in self.refused (its path, never its content)."""
+        for path in paths:
+            if not path.is_file():
+                continue
+            target = os.path.realpath(path)
+            if self.kinds.inside(target) or target in self.allowed:
+                return path
+            why = (
+                f"{self.rel(path)} resolves outside the raw root (to {target}): not read, a link that came with "
+                f"a dataset could point at any file. If it is yours, list it in the config's index.allow_outside_root"
+            )
+            if why not in self.refused:
+                self.refused.append(why)
+        return None
 
     def devkit(self) -> Devkit | None:
         if self._devkit is False:
-            self._devkit = find_devkit(self.devkit_dirs, self.devkit_tgzs)
+            self._devkit = find_devkit(self.devkit_dirs, self.devkit_tgzs, self.file)
         return self._devkit
 
     def rel(self, path: Path) -> str:
@@ -751,9 +831,12 @@ def _index_val(r: _Raw, layout: str, reader: SourceReader, found: Found, absent:
         found.layout["val"] = f"{outer} (read in place) labelled by {how}"
 
 
-def discover(raw_root: str | os.PathLike, layout: str = "auto", absent_splits: Iterable[str] = ()) -> Found:
+def discover(
+    raw_root: str | os.PathLike, layout: str = "auto", absent_splits: Iterable[str] = (), allow_outside=()
+) -> Found:
     """Classify every file of the chosen (or detected) layout; see the module doc. absent_splits: splits
-    the config says are missing on purpose (no error when they hold no images)."""
+    the config says are missing on purpose (no error when they hold no images); allow_outside: paths of
+    fixed-name files that may resolve outside the raw root (index.allow_outside_root)."""
     raw = Path(raw_root)
     if not raw.is_dir():
         raise LayoutError(
@@ -763,15 +846,21 @@ def discover(raw_root: str | os.PathLike, layout: str = "auto", absent_splits: I
     if layout not in LAYOUTS:
         raise LayoutError(f"unknown --layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     absent = set(absent_splits)
-    r, found = _Raw(raw), Found()
-    with SourceReader(raw) as reader:
-        _index_train(r, layout, reader, found)
-        found.spans["train"] = (0, len(found.unclassified))
-        start = len(found.unclassified)
-        _index_val(r, layout, reader, found, "val" in absent)
-    missing = _keep_train_classes(found)
-    found.spans["val"] = (start, len(found.unclassified))
-    _check_not_empty(found, absent)
+    r, found = _Raw(raw, allow_outside), Found()
+    try:
+        with SourceReader(raw) as reader:
+            _index_train(r, layout, reader, found)
+            found.spans["train"] = (0, len(found.unclassified))
+            start = len(found.unclassified)
+            _index_val(r, layout, reader, found, "val" in absent)
+        missing = _keep_train_classes(found)
+        found.spans["val"] = (start, len(found.unclassified))
+        _check_not_empty(found, absent)
+    except LayoutError as err:
+        if r.refused:  # what was looked for may be one of them
+            raise LayoutError(f"{err} Not read: {'; '.join(r.refused)}.") from None
+        raise
+    found.warnings += r.refused
     _check_classes(found, missing)
     if r.mapping:
         found.names = read_synset_mapping(r.mapping)
@@ -919,7 +1008,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, cfg: dict) -> None:
-    found = discover(args.raw, args.layout, cfg["absent_splits"])
+    allow = [expand_path(p, "index.allow_outside_root") for p in cfg["allow_outside_root"]]
+    found = discover(args.raw, args.layout, cfg["absent_splits"], allow)
     for split, how in found.layout.items():
         log.info("%s: %s", split, how)
     for note in found.notes:

