@@ -285,3 +285,92 @@ def test_demo_pipeline_runs_as_slurm_jobs_to_the_report(slurm_cluster, tmp_path)
     assert "[launch] copying" in train_log  # the node-local copy, logged by the launcher that made it
     assert info["rec_device"]["path"].startswith(str(tmp_path / "node-local"))
     print(f"SLURM demo pipeline: {len(submitted)} jobs in {time.monotonic() - started:.0f} s")
+
+
+def job_state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def wait_for(what: str, check, proc, timeout: float, out: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        assert proc.poll() is None, f"Snakemake ended while waiting for {what}: {out.read_text()[-4000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"no {what} within {timeout:.0f} s: {out.read_text()[-4000:]}")
+
+
+def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_and_finishes(slurm_cluster, tmp_path):
+    """profiles/slurm asks for SIGTERM RECTRAIN_SLURM_WARNING_S before the train job's time limit.  The
+    test shortens the running job's limit (scontrol update TimeLimit) so that SLURM itself sends that
+    warning mid-training; the ranks checkpoint mid-epoch, the job requeues itself under the same id,
+    the same Snakemake keeps waiting for it, and the restarted job resumes and finishes.  (SLURM holds
+    a requeued job before it may start again; the test releases it at once and restores the limit.)"""
+    work = copy_repo(tmp_path / "rectrain")
+    # 40 epochs of 2 steps per rank: still training when the warning comes (SLURM checks limits every ~30 s).
+    (work / "test-cluster.yaml").write_text(
+        TEST_CONFIG.replace("epochs: 1,", "epochs: 40, checkpoint_interval_min: 0,")
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "RECTRAIN_"))}
+    env.update(
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+        RECTRAIN_GPUS_PER_NODE="0",
+        RECTRAIN_SLURM_WARNING_S="600",
+        TMPDIR=str(tmp_path / "node-local"),
+    )
+    (tmp_path / "node-local").mkdir()
+    out = tmp_path / "snakemake.out"
+    argv = [
+        str(VENV_BIN / "snakemake"),
+        "results/demo/train/model.pt",
+        "--workflow-profile",
+        "profiles/slurm",
+        "--slurm-status-command",
+        "squeue",
+        "--slurm-init-seconds-before-status-checks",
+        "2",
+        "--configfile",
+        "test-cluster.yaml",
+    ]
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(argv, cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    try:
+        job = wait_for(
+            "train submission",
+            lambda: (m := re.search(r"jobid (\d+) \(log: \S+/rule_train/", out.read_text())) and m.group(1),
+            proc,
+            600,
+            out,
+        )
+        steps = work / "results" / "demo" / "train" / "telemetry" / "steps_rank0.csv"
+        wait_for(
+            "epoch 1 in steps_rank0.csv",
+            lambda: steps.exists() and any(line.startswith("0,1,") for line in steps.read_text().splitlines()),
+            proc,
+            600,
+            out,
+        )
+        # The job's end is now at most 5 min away: inside the 600 s warning, so SLURM signals it.
+        subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"], check=True)
+        wait_for("the requeue", lambda: job_state(job) in ("PENDING", "REQUEUED", "REQUEUE_HOLD"), proc, 240, out)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=60"], check=True)
+        subprocess.run(["scontrol", "release", job], capture_output=True)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.read_text()
+    assert proc.returncode == 0, text[-6000:] + "".join(
+        f"\n== {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((work / "logs").rglob("*.log"))
+    )
+    assert len(re.findall(r"jobid \d+ \(log: \S+/rule_train/", text)) == 1, "one submission: SLURM requeued the job"
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert re.search(r"Restarts=1\b", shown), shown
+    info = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
+    assert info["resumed_from_epoch"] >= 1, info
+    with open(work / "results" / "demo" / "train" / "steps.csv") as f:
+        rows = [tuple(line.split(",")[:3]) for line in f.read().splitlines()[1:]]
+    assert len(rows) == len(set(rows)) == 2 * 40 * 2, "every (rank, epoch, step) once: 2 ranks, 40 epochs of 2 steps"

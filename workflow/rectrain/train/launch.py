@@ -19,8 +19,9 @@ from pathlib import Path
 
 from rectrain import cli, distributed, driver_check
 from rectrain.config import ConfigError, stage_block
-from rectrain.train import cluster, supervise
+from rectrain.train import cluster, requeue, supervise
 from rectrain.train import local_copy as stage
+from rectrain.train.stop import EXIT_STOPPED
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,11 @@ def _run(own: argparse.Namespace, cfg: dict) -> int | None:
     if own.print_only:
         return None
     # torchrun as a child, not exec'd: a stop signal reaches the ranks and a stop maps to EXIT_STOPPED.
-    return supervise.run_torchrun(cmd, env, _out_dir(train_argv) / "checkpoints", cfg["stop_signals"])
+    status = supervise.run_torchrun(cmd, env, _out_dir(train_argv) / "checkpoints", cfg["stop_signals"])
+    said = requeue.after_stop(os.environ) if status == EXIT_STOPPED else None
+    if said:  # under SLURM: back in the queue at the time limit, or why not
+        log.info("%s", said)
+    return status
 
 
 def staging_dir() -> str | None:

@@ -50,11 +50,12 @@ def seconds_left(job_id: str, run=subprocess.run, now: float | None = None) -> f
     return end - (time.time() if now is None else now)
 
 
-def after_stop(env, run=subprocess.run, now: float | None = None) -> str:
-    """Requeue this SLURM job when the stop was its time limit's warning; say what happened."""
+def after_stop(env, run=subprocess.run, now: float | None = None) -> str | None:
+    """Requeue this SLURM job when the stop was its time limit's warning; say what happened (None
+    outside SLURM: the launcher has said how to continue)."""
     job_id = env.get("SLURM_JOB_ID")
     if not job_id:
-        return "rerun the same snakemake command to continue from the checkpoint"
+        return None
     if env.get("SLURM_PROCID", "0") != "0":
         return "the job's first task decides whether SLURM requeues the job"
     left = seconds_left(job_id, run, now)
