@@ -309,10 +309,9 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     the same Snakemake keeps waiting for it, and the restarted job resumes and finishes.  (SLURM holds
     a requeued job before it may start again; the test releases it at once and restores the limit.)"""
     work = copy_repo(tmp_path / "rectrain")
-    # 40 epochs of 2 steps per rank: still training when the warning comes (SLURM checks limits every ~30 s).
-    (work / "test-cluster.yaml").write_text(
-        TEST_CONFIG.replace("epochs: 1,", "epochs: 40, checkpoint_interval_min: 0,")
-    )
+    # 8 epochs of 2 steps per rank (10-30 s an epoch here): still training when the warning comes
+    # (SLURM checks the limits every ~30 s).
+    (work / "test-cluster.yaml").write_text(TEST_CONFIG.replace("epochs: 1,", "epochs: 8, checkpoint_interval_min: 0,"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "RECTRAIN_"))}
     env.update(
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
@@ -373,4 +372,4 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     assert info["resumed_from_epoch"] >= 1, info
     with open(work / "results" / "demo" / "train" / "steps.csv") as f:
         rows = [tuple(line.split(",")[:3]) for line in f.read().splitlines()[1:]]
-    assert len(rows) == len(set(rows)) == 2 * 40 * 2, "every (rank, epoch, step) once: 2 ranks, 40 epochs of 2 steps"
+    assert len(rows) == len(set(rows)) == 2 * 8 * 2, "every (rank, epoch, step) once: 2 ranks, 8 epochs of 2 steps"
