@@ -101,6 +101,7 @@ def metrics(t: Tally, loader: str, checkpoint: str) -> dict:
     return {
         "top1": float(t.confusion.diagonal().sum()) / n,
         "top5": t.top5_hits / n,
+        "num_classes": int(t.confusion.shape[0]),  # top-5 of 5 classes or fewer is 1.0 by construction
         "loss": t.loss_sum / n,
         "images": n,
         "images_per_s": n / t.seconds if t.seconds > 0 else None,
@@ -110,7 +111,8 @@ def metrics(t: Tally, loader: str, checkpoint: str) -> dict:
 
 
 def per_class(confusion: torch.Tensor, classes: pd.DataFrame) -> pd.DataFrame:
-    """One row per class: accuracy and the class its images were most often mistaken for."""
+    """One row per class: accuracy, the class its images were most often mistaken for, and how many
+    val images (of any class) the model predicted as it (a model that predicts one class for all)."""
     conf = confusion.cpu().long()
     n = conf.shape[0]
     wnids = dict(zip(classes["label"].astype(int), classes["wnid"].astype(str), strict=True))
@@ -133,6 +135,7 @@ def per_class(confusion: torch.Tensor, classes: pd.DataFrame) -> pd.DataFrame:
                 "most_confused_label": worst if count > 0 else "",
                 "most_confused_wnid": wnids.get(worst, "") if count > 0 else "",
                 "most_confused_count": max(count, 0),
+                "predicted": int(conf[:, label].sum()),
             }
         )
     return pd.DataFrame(rows)
