@@ -30,6 +30,7 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    """Build the whole chain for the configured dataset: the report and everything it needs."""
     default_target: True
     input:
         "results/report.html",

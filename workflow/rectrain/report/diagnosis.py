@@ -573,6 +573,7 @@ def diagnose(
     manifests: Mapping[str, Mapping] | None,
     cfg: Mapping,
     image_sizes: pd.DataFrame | None = None,
+    *,
     learned: Iterable[Finding] = (),
 ) -> list[Finding]:
     """All findings, most urgent first. Exactly one 'no_problems' finding when no rule flags a problem
