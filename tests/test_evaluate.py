@@ -182,7 +182,8 @@ def test_evaluation_logs_a_progress_line_per_interval_with_batch_k_of_k_and_an_e
 def test_outputs_follow_the_contract(val_set, tmp_path):
     evaluate(val_set, "torch", tmp_path)
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert set(m) == {"top1", "top5", "num_classes", "loss", "images", "images_per_s", "loader", "checkpoint"}
+    assert set(m) == {"top1", "top5", "num_classes", "loss", "images", "images_per_s", "loader", "checkpoint", "usage"}
+    assert m["usage"]["cpu_s"] > 0 and m["usage"]["max_rss_mb"] > 100, "the evaluating process's own numbers"
     assert m["loader"] == "torch" and m["checkpoint"] == val_set["ckpt"] and m["images_per_s"] > 0
     table = pd.read_csv(tmp_path / "per_class.csv", keep_default_na=False)
     assert list(table.columns) == [

@@ -132,3 +132,32 @@ def test_a_resumed_run_says_from_where(small, tmp_path):
     )
     fresh = build(loaded(write_run(tmp_path)), config(), repo=tmp_path)
     assert 'id="resumed"' not in fresh
+
+
+def test_stage_cpu_and_memory_come_from_the_stages_own_processes(tmp_path):
+    """The pack's manifest, run.json and metrics.json carry rectrain.usage's numbers; Snakemake's
+    benchmark (CPU 8.0 s and RSS 500-504 MB in helpers.synthetic_run) stays only for index_raw."""
+    import json
+
+    from rectrain import usage
+
+    paths = write_run(tmp_path)
+    own = {"cpu_s": 123.4, "max_rss_mb": 876.5, "processes": 1, "measured_by": usage.WHAT}
+    for f in (paths["pack"] / "train.manifest.json", paths["train"] / "run.json", paths["eval"] / "metrics.json"):
+        f.write_text(json.dumps({**json.loads(f.read_text()), "usage": own}))
+    html = build(loaded(paths), config(), repo=tmp_path)
+    rows = dict(re.findall(r"<tr><td>([a-z_ ]+)</td>(.*?)</tr>", section(html, "stages"), flags=re.S))
+    for stage in ("pack train", "train", "evaluate"):
+        assert '<td class="n">123.4</td>' in rows[stage] and "876.5" in rows[stage] and "getrusage" in rows[stage]
+    assert "Snakemake benchmark (samples every 30 s)" in rows["index_raw"] and "123.4" not in rows["index_raw"]
+    assert "Snakemake benchmark" in rows["pack val"], "the val manifest here records no usage"
+
+
+def test_usage_of_this_process_is_measured_and_ranks_combine():
+    from rectrain import usage
+
+    me = usage.own()
+    assert me["cpu_s"] > 0 and me["max_rss_mb"] > 10 and me["processes"] == 1
+    both = usage.combined([me, me])
+    assert both["cpu_s"] == pytest.approx(2 * me["cpu_s"]) and both["processes"] == 2
+    assert "summed over the ranks" in both["measured_by"]

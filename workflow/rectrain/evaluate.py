@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rectrain import cli, distributed, watchdog
+from rectrain import cli, distributed, usage, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
@@ -216,9 +216,10 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
             t = tally(model, batches, num_classes, d.device, precision, channels_last=channels_last, progress=progress)
             watchdog.beat("summing the ranks' tallies")
             t = all_reduce(t, d.device)
+            used = usage.combined(distributed.all_gather(usage.own(), d))
         if not d.master:
             return None
-        m = metrics(t, kind, checkpoint)
+        m = {**metrics(t, kind, checkpoint), "usage": used}
         write_outputs(Path(out), m, per_class(t.confusion, classes))
         log.info(
             "top-1 %.2f %%, top-5 %.2f %%, loss %.4f on %d images (%.0f img/s)",

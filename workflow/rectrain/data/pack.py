@@ -52,7 +52,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from rectrain import cli, storage
+from rectrain import cli, storage, usage
 from rectrain.atomic import fsync_path, publish, temporary_name, write_json
 from rectrain.config import ConfigError
 from rectrain.data import indextable, readorder
@@ -564,7 +564,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
                 f"the written {args.split} pair failed verification and was not published "
                 f"(left as *{PARTIAL} for inspection): {err}"
             ) from err
-        write_json(args.manifest, manifest)
+        write_json(args.manifest, {**manifest, "usage": usage.own()})
     log.info(
         "pack %s: manifest %s: %d packed, %d skipped, %d repaired, %s img/s, %s MB/s",
         args.split,

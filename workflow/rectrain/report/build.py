@@ -220,6 +220,30 @@ def resumed(run: dict) -> dict | None:
     return {"epoch": int(start), "after": int(start) - 1, "despite": list(run.get("resumed_despite") or [])}
 
 
+def own_usage(data: RunData) -> dict[str, dict]:
+    """Stage name (as the benchmark rows name it) -> the CPU and memory the stage measured of its own
+    processes (rectrain.usage), where its output records it."""
+    found = {f"pack {split}": m.get("usage") for split, m in data.manifests.items()}
+    found.update({"train": data.run.get("usage"), "evaluate": data.metrics.get("usage")})
+    return {stage: u for stage, u in found.items() if u}
+
+
+def stage_rows(data: RunData) -> list[dict]:
+    """The Stages table: Snakemake's benchmark per stage, with CPU time and peak RSS replaced by the
+    stage's own measurement where it has one (Snakemake samples every 30 s, from the wrapper shell
+    on: a short stage reads as that shell)."""
+    own = own_usage(data)
+    rows = []
+    for row in data.benchmarks.to_dict("records"):
+        u = own.get(row["rule"])
+        if u:
+            row = {**row, "cpu_time": u["cpu_s"], "max_rss": u["max_rss_mb"], "measured_by": u["measured_by"]}
+        else:
+            row = {**row, "measured_by": "Snakemake benchmark (samples every 30 s)"}
+        rows.append(row)
+    return rows
+
+
 def summary(data: RunData, config: dict, rates: dict) -> dict:
     run, metrics, bench = data.run, data.metrics, data.benchmarks
     n_classes = int(metrics.get("num_classes") or len(data.per_class) or len(data.classes))
@@ -299,7 +323,7 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
         "storage_warnings": list(
             dict.fromkeys(w for m in data.manifests.values() if (w := (m.get("storage") or {}).get("warning")))
         ),
-        "stages": data.benchmarks.to_dict("records"),
+        "stages": stage_rows(data),
         "plot_x": axis.words if axis else "",
         "plots": {
             "throughput": plots.throughput_plot(data.steps, axis),

@@ -35,9 +35,9 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rectrain import cli, distributed, driver_check, watchdog
+from rectrain import cli, distributed, driver_check, usage, watchdog
 from rectrain.atomic import write_json
-from rectrain.distributed import barrier
+from rectrain.distributed import all_gather, barrier
 from rectrain.train import batchplan, calibrate, failure, outputs, provenance
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.epochs import Books, train_epochs
@@ -135,10 +135,11 @@ def train_run(run: Run) -> None:
     with outputs.telemetry_logs(run, start_epoch) as (steps_log, epochs_log):
         train_epochs(run, start_epoch, Books(steps_log, epochs_log, calibration))
     watchdog.beat("publishing the outputs")
+    used = usage.combined(all_gather(usage.own(), d))  # every rank's CPU and memory: the report's train row
     barrier(d)
     if d.master:
         epochs_log.close()
-        outputs.finish(run, info)
+        outputs.finish(run, {**info, "usage": used})
     barrier(d)
 
 
