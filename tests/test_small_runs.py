@@ -2,12 +2,15 @@
 the calibration stays a small share of a short run, bounded in time and with progress lines."""
 
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 from helpers.train_data import config_json, packed_dataset, rows
 
 from rectrain.train import batchplan
@@ -85,3 +88,35 @@ def test_reference_config_on_150_images_trains_with_the_capped_plan_and_a_bounde
     assert re.search(r"calibration \d+/\d+ images \(", proc.stderr), "a progress line while calibrating"
     epochs = rows(out / "epochs.csv")
     assert float(epochs[-1]["val_top1"]) >= 3 * 0.2, f"the capped plan learns (chance is 0.2): {epochs}"
+
+
+class SlowNet(torch.nn.Module):
+    """A linear layer whose forward takes at least 50 ms: a step of known least duration."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3 * 4 * 4, 3)
+
+    def forward(self, x):
+        time.sleep(0.05)
+        return self.fc(x.flatten(1))
+
+
+def test_calibration_stops_at_its_time_cap_with_progress_lines_and_says_so(caplog):
+    from rectrain.distributed import Dist
+    from rectrain.train.calibrate import Shape, calibrate
+    from rectrain.train.step import Step
+
+    net = SlowNet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    d = Dist(0, 1, 0, 1, torch.device("cpu"))
+    step = Step(net, torch.nn.CrossEntropyLoss(), opt, sched, scaler, 1, "fp32", False, d)
+    with caplog.at_level(logging.INFO, logger="rectrain"):
+        cal = calibrate(step, net, Shape(2, 4, 3), 100, 1, bounds=Bounds(max_s=0.6, progress_s=0.15))
+    assert cal["skipped"] is None and 1 <= cal["steps"] < 12, "100 steps of >= 50 ms do not fit in 0.6 s"
+    assert f"train.calibration_max_s = 0.6 s: {cal['steps']} of 100 steps measured" in cal["shortened"]
+    assert cal["seconds"] < 0.6 + 0.5, "the cap ends it within about a step of its limit"
+    lines = [m for m in caplog.messages if m.startswith("calibration ")]
+    assert len(lines) >= 2 and all(re.match(r"calibration \d+/200 images \(", m) for m in lines), lines
