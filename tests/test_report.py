@@ -335,11 +335,11 @@ def test_full_run_shows_worst_best_confused_and_a_finder_for_every_class(full_ru
 
 def test_time_projection_from_a_run_of_known_throughput(tmp_path):
     """2 ranks x 32 images per 0.5 s step = 128 img/s steady; 2 epochs of 20 steps; evaluation 400 img/s on
-    40 images (helpers.synthetic_run); full ImageNet: 1,281,167 train and 50,000 val images.  The
-    dataset has ImageNet's 1000 wnid classes: only then is there a full-ImageNet projection."""
+    40 images (helpers.synthetic_run); full ImageNet: 1,281,167 train and 50,000 val images (its
+    4 classes are WordNet ids: a subset of ImageNet)."""
     from rectrain.report.projection import project
 
-    paths = write_run(tmp_path, classes=1000, evil=False)
+    paths = write_run(tmp_path)
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     p = project(data.steps, data.epochs, data.run, data.metrics)
     assert p.train_img_s == pytest.approx(128.0) and p.val_img_s == 400.0 and p.ranks == 2

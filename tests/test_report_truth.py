@@ -73,11 +73,11 @@ def test_no_full_imagenet_projection_for_a_five_class_custom_dataset_and_every_t
     assert "projected: this run, 4 epochs" in summary
 
 
-def test_imagenet_like_means_1000_wordnet_ids():
+def test_imagenet_like_means_classes_named_by_wordnet_ids():
     wnids = pd.DataFrame({"wnid": [f"n{i:08d}" for i in range(1000)]})
-    assert imagenet_like(wnids)
-    assert not imagenet_like(wnids.head(999)), "a subset of the classes is another task"
+    assert imagenet_like(wnids) and imagenet_like(wnids.head(10)), "ImageNet, or a subset of its classes"
     assert not imagenet_like(wnids.assign(wnid=[f"class{i}" for i in range(1000)]))
+    assert not imagenet_like(pd.DataFrame({"wnid": ["cat", "dog", "n01440764"]})), "one folder name is enough"
 
 
 def test_top5_of_five_classes_is_not_shown_as_a_result(small):

@@ -102,9 +102,8 @@ class SlowNet(torch.nn.Module):
         return self.fc(x.flatten(1))
 
 
-def test_calibration_stops_at_its_time_cap_with_progress_lines_and_says_so(caplog):
+def slow_step():
     from rectrain.distributed import Dist
-    from rectrain.train.calibrate import Shape, calibrate
     from rectrain.train.step import Step
 
     net = SlowNet()
@@ -112,11 +111,28 @@ def test_calibration_stops_at_its_time_cap_with_progress_lines_and_says_so(caplo
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     d = Dist(0, 1, 0, 1, torch.device("cpu"))
-    step = Step(net, torch.nn.CrossEntropyLoss(), opt, sched, scaler, 1, "fp32", False, d)
+    return Step(net, torch.nn.CrossEntropyLoss(), opt, sched, scaler, 1, "fp32", False, d), net
+
+
+def test_calibration_stops_at_its_time_cap_with_progress_lines_and_says_so(caplog):
+    from rectrain.train.calibrate import Shape, calibrate
+
+    step, net = slow_step()
     with caplog.at_level(logging.INFO, logger="rectrain"):
         cal = calibrate(step, net, Shape(2, 4, 3), 100, 1, bounds=Bounds(max_s=0.6, progress_s=0.15))
     assert cal["skipped"] is None and 1 <= cal["steps"] < 12, "100 steps of >= 50 ms do not fit in 0.6 s"
     assert f"train.calibration_max_s = 0.6 s: {cal['steps']} of 100 steps measured" in cal["shortened"]
     assert cal["seconds"] < 0.6 + 0.5, "the cap ends it within about a step of its limit"
     lines = [m for m in caplog.messages if m.startswith("calibration ")]
-    assert len(lines) >= 2 and all(re.match(r"calibration \d+/200 images \(", m) for m in lines), lines
+    assert len(lines) >= 2 and all(re.match(r"calibration \d+/202 images \(", m) for m in lines), lines
+
+
+def test_a_warm_up_longer_than_the_time_cap_is_cut_and_one_step_is_still_measured(caplog):
+    from rectrain.train.calibrate import Shape, calibrate
+
+    step, net = slow_step()
+    with caplog.at_level(logging.INFO, logger="rectrain"):
+        cal = calibrate(step, net, Shape(2, 4, 3), 10, 100, bounds=Bounds(max_s=0.4, progress_s=0.1))
+    assert cal["steps"] == 1 and 1 <= cal["warmup_steps"] < 10 and cal["images_per_s"]["0"] > 0
+    assert f"{cal['warmup_steps']} warm-up step(s), then one optimizer step of 10 measured" in cal["shortened"]
+    assert any(m.startswith("calibration ") for m in caplog.messages), "the warm-up logs its progress too"

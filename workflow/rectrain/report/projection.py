@@ -4,8 +4,8 @@ The number a user with two GPUs and a deadline wants first.  Computed from measu
   training   steady img/s of all ranks (steps.csv without each epoch's first step, the input
              efficiency's real rate) over the images one epoch trains (steps.csv, padding included)
   validation the evaluate stage's img/s (metrics.json) over the val images, once per epoch
-and, for an ImageNet-like dataset only (1000 classes named by WordNet ids: ImageNet or a subset of
-its images), the same rates over 1,281,167 train images and 50,000 val images, for the configured
+and, for an ImageNet-like dataset only (classes named by WordNet ids: ImageNet, or a subset of its
+classes or images), the same rates over 1,281,167 train images and 50,000 val images, for the configured
 epochs (the loaders' padding to full batches, under ranks x batch images, is left out).  Loader start-up (each epoch's first
 step) and checkpoint writing are not in it; the run's measured wall time stands beside it as a check.
 Pure functions over parsed telemetry, like diagnosis.py.
@@ -30,9 +30,10 @@ WNID = re.compile(r"^n\d{8}$")
 
 
 def imagenet_like(classes: pd.DataFrame) -> bool:
-    """1000 classes, every one a WordNet id (n01440764): full ImageNet's per-image cost and class count
-    carry over; a 5-class dataset of one's own is no basis for a full-ImageNet time."""
-    if len(classes) != IMAGENET_CLASSES or "wnid" not in classes:
+    """Every class a WordNet id (n01440764): ImageNet's 1000 classes or a subset of them (the demo,
+    ImageNet-100), whose per-image cost carries over to full ImageNet; a 5-class dataset of one's own
+    (classes named cat, dog, ...) is no basis for a full-ImageNet time."""
+    if classes.empty or "wnid" not in classes or len(classes) > IMAGENET_CLASSES:
         return False
     return bool(classes["wnid"].astype(str).str.match(WNID).all())
 

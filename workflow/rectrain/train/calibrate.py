@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -161,31 +161,50 @@ def skipped(why: str, shape: Shape) -> dict:
     }
 
 
-def bounded_steps(
-    step: Step, batches, steps: int, bounds: Bounds, progress: Progress | None, started: float
-) -> tuple[list, str]:
-    """Up to `steps` measured steps in chunks of whole optimizer steps, each chunk about one progress
-    interval long, until train.calibration_max_s have passed since `started` (perf_counter; elapsed
-    time gathered from every rank, so all stop together); (their step rows, why fewer ran or "")."""
+@dataclass
+class Chunks:
+    """How far a bounded calibration got: steps done (warm-up included), the warm-up's length (cut
+    short when the time cap comes first), the measured rows, why it stopped early."""
+
+    warmup: int
+    done: int = 0
+    rows: list = field(default_factory=list)
+    stopped: str = ""
+
+
+def bounded_steps(step: Step, batches, steps: int, bounds: Bounds, progress: Progress | None, chunks: Chunks) -> None:
+    """`chunks.warmup` warm-up steps then up to `steps` measured ones, in chunks of whole optimizer steps
+    about one progress interval long (a progress line after each when due), until
+    train.calibration_max_s have passed: the warm-up is cut short then, and at least one step is
+    measured.  Elapsed time is gathered from every rank, so all take the same decisions."""
     d, t0 = step.dist, time.perf_counter()
-    rows, done, chunk, per_step = [], 0, bounds.accum, 0.0
-    while done < steps:
-        n = min(chunk, steps - done)
+    total, chunk = chunks.warmup + steps, bounds.accum
+    while chunks.done < total:
+        limit = chunks.warmup if chunks.done < chunks.warmup else total  # the warm-up ends on a chunk's end
+        n = min(chunk, limit - chunks.done)
         part = StepRows()
         run_steps(step, CALIBRATION_EPOCH, batches, part, n_batches=n, max_steps=n)
-        rows += [{**r, "step": r["step"] + done} for r in part.rows]
-        done += n
-        now = time.perf_counter()
-        times = all_gather((now - t0, now - started), d)
-        measured, elapsed = max(t[0] for t in times), max(t[1] for t in times)
-        per_step = measured / done
+        if chunks.done >= chunks.warmup:
+            chunks.rows += part.rows
+        chunks.done += n
+        elapsed = max(all_gather(time.perf_counter() - t0, d))
+        per_step = elapsed / chunks.done
         if progress is not None:
-            progress.count(done * (part.rows[-1]["images"] if part.rows else 0) * d.world_size)
-        if done < steps and elapsed + per_step > bounds.max_s:
-            return rows, f"train.calibration_max_s = {bounds.max_s:g} s: {done} of {steps} steps measured"
-        ahead = max(1, int(min(steps - done, min(bounds.progress_s, bounds.max_s - elapsed) / per_step)))
-        chunk = max(bounds.accum, ahead // bounds.accum * bounds.accum)
-    return rows, ""
+            progress.count(chunks.done * (part.rows[-1]["images"] if part.rows else 0) * d.world_size)
+        if chunks.done < total and elapsed + per_step > bounds.max_s:
+            if chunks.rows:
+                chunks.stopped = (
+                    f"train.calibration_max_s = {bounds.max_s:g} s: {len(chunks.rows)} of {steps} steps measured"
+                )
+                return
+            chunks.warmup = min(chunks.warmup, chunks.done)  # the warm-up ends here: one optimizer step measured
+            chunks.stopped = (
+                f"train.calibration_max_s = {bounds.max_s:g} s: {chunks.warmup} warm-up step(s), then one optimizer "
+                f"step of {steps} measured"
+            )
+            total = chunks.done + bounds.accum
+        ahead = min(total - chunks.done, min(bounds.progress_s, bounds.max_s - elapsed) / per_step)
+        chunk = max(bounds.accum, int(ahead) // bounds.accum * bounds.accum)
 
 
 def calibrate(
@@ -203,24 +222,23 @@ def calibrate(
     t0 = time.perf_counter()
     progress = Progress(bounds.progress_s, d.world_size) if d.master else None
     if progress is not None:
-        progress.begin("calibration", steps * shape.batch * d.world_size, unit="images")
+        progress.begin("calibration", (warmup + steps) * shape.batch * d.world_size, unit="images")
+    chunks = Chunks(warmup)
     with restored(step, model):
         batches = watchdog.watched(synthetic_batches(shape, d.device, warmup + steps), "calibration")
-        if warmup:
-            run_steps(step, CALIBRATION_EPOCH, batches, StepRows(), n_batches=warmup, max_steps=warmup)
-        rows, stopped = bounded_steps(step, batches, steps, bounds, progress, t0)
-        result = steady(rows, 0)
+        bounded_steps(step, batches, steps, bounds, progress, chunks)
+        result = steady(chunks.rows, 0)
     seconds = time.perf_counter() - t0
     rates = all_gather(result["img_s"], d)
     seconds = max(all_gather(seconds, d))
     return {
         "images_per_s": {str(r): float(v) for r, v in enumerate(rates)},
         "steps": result["steps"],
-        "warmup_steps": warmup,
+        "warmup_steps": chunks.warmup,
         "seconds": round(seconds, 3),
         "batch_size": shape.batch,
         "skipped": None,
-        "shortened": "; ".join(w for w in (cut, stopped) if w) or None,
+        "shortened": "; ".join(w for w in (cut, chunks.stopped) if w) or None,
     }
 
 
