@@ -3,17 +3,27 @@
 Each module logs through `logging.getLogger(__name__)`; `setup(tag)` sends records to stderr
 as `[tag] message`, or `[tag   12.3s] message` with the seconds since start when `elapsed` is set
 (training, where the time of each line is the point).
+
+A rule sends a stage's output to its log file, so its progress lines (rectrain.progress) would be
+seen only there; when stderr is not a terminal but the process has one (Snakemake started from a
+shell), the progress lines are also written to that terminal (/dev/tty).  RECTRAIN_CONSOLE=0 turns
+that off.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import sys
 import time
 
 # Seconds are counted from the import of this module, i.e. from the start of the stage process.
 _WALL0 = time.time()
+# The terminal a job started from a shell still has, whatever its stderr is redirected to.
+CONSOLE = "/dev/tty"
+PROGRESS_LOGGER = "rectrain.progress"
 
 
 class _StageFormatter(logging.Formatter):
@@ -29,14 +39,40 @@ class _StageFormatter(logging.Formatter):
         return text
 
 
-def setup(tag: str, elapsed: bool = False, level: int = logging.INFO) -> logging.Logger:
-    """Configure the `rectrain` logger for a stage process and return it.  `tag` '' prints bare lines."""
+@functools.lru_cache(maxsize=None)
+def _open_console(path: str):
+    """The terminal, opened once per process (a stage sets up logging once; tests, many times)."""
+    try:
+        return open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    except OSError:
+        return None
+
+
+def console_handler(tag: str, elapsed: bool) -> logging.Handler | None:
+    """A handler for the progress lines on the terminal, when stderr goes elsewhere (a rule's log) and
+    the process has a terminal; None otherwise (a test, a batch job, stderr already the terminal)."""
+    if os.environ.get("RECTRAIN_CONSOLE") == "0" or sys.stderr.isatty():
+        return None
+    stream = _open_console(CONSOLE)
+    if stream is None:
+        return None
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(_StageFormatter(tag, elapsed))
+    handler.addFilter(lambda record: record.name == PROGRESS_LOGGER)
+    return handler
+
+
+def setup(tag: str, elapsed: bool = False, level: int = logging.INFO, console_tag: str = "") -> logging.Logger:
+    """Configure the `rectrain` logger for a stage process and return it.  `tag` '' prints bare lines;
+    `console_tag`: the tag of the terminal's progress lines (default `tag`; a terminal shows several
+    stages' lines)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_StageFormatter(tag, elapsed))
+    console = console_handler(console_tag or tag or "rectrain", elapsed)
     # "__main__" too: a module run with `python -m` logs under that name, not under rectrain.*.
     for name in ("rectrain", "__main__"):
         logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
+        logger.handlers[:] = [handler] + ([console] if console and name == "rectrain" else [])
         logger.setLevel(level)
         logger.propagate = False
     return logging.getLogger("rectrain")
