@@ -20,6 +20,7 @@ def test_progress_lines_also_go_to_the_terminal_when_stderr_is_a_log_file(tmp_pa
     tty = tmp_path / "tty"
     monkeypatch.setattr(stage_log, "CONSOLE", str(tty))  # stands in for /dev/tty
     monkeypatch.delenv("RECTRAIN_CONSOLE", raising=False)
+    monkeypatch.delenv("RECTRAIN_TTY", raising=False)
 
     def run():
         stage_log.setup("pack")
@@ -42,3 +43,15 @@ def test_no_terminal_or_rectrain_console_0_means_no_console_handler(tmp_path, mo
     monkeypatch.setattr(stage_log, "CONSOLE", str(tmp_path / "tty"))
     monkeypatch.setenv("RECTRAIN_CONSOLE", "0")
     assert stage_log.console_handler("train", True) is None
+
+
+def test_a_rank_in_a_session_of_its_own_finds_the_terminal_by_its_path(tmp_path, monkeypatch):
+    """torchrun starts each rank with start_new_session: /dev/tty is gone, the launcher's RECTRAIN_TTY
+    names the terminal instead."""
+    monkeypatch.setattr(stage_log, "CONSOLE", str(tmp_path / "no-controlling-terminal" / "tty"))
+    monkeypatch.setenv("RECTRAIN_TTY", str(tmp_path / "pts"))
+    monkeypatch.delenv("RECTRAIN_CONSOLE", raising=False)
+    handler = stage_log.console_handler("train", False)
+    handler.handle(logging.makeLogRecord({"name": "rectrain.progress", "msg": "epoch 0 (of 4) step 2/5"}))
+    handler.flush()
+    assert (tmp_path / "pts").read_text() == "[train] epoch 0 (of 4) step 2/5\n"

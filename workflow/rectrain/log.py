@@ -6,12 +6,14 @@ as `[tag] message`, or `[tag   12.3s] message` with the seconds since start when
 
 A rule sends a stage's output to its log file, so its progress lines (rectrain.progress) would be
 seen only there; when stderr is not a terminal but the process has one (Snakemake started from a
-shell), the progress lines are also written to that terminal (/dev/tty).  RECTRAIN_CONSOLE=0 turns
+shell), the progress lines are also written to that terminal (/dev/tty, and by its own path,
+RECTRAIN_TTY, in torchrun's ranks, which run in sessions of their own).  RECTRAIN_CONSOLE=0 turns
 that off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -24,6 +26,8 @@ _WALL0 = time.time()
 # The terminal a job started from a shell still has, whatever its stderr is redirected to.
 CONSOLE = "/dev/tty"
 PROGRESS_LOGGER = "rectrain.progress"
+# The terminal's own path (/dev/pts/3), for child processes in a session of their own (torchrun's ranks).
+TTY_ENV = "RECTRAIN_TTY"
 
 
 class _StageFormatter(logging.Formatter):
@@ -48,14 +52,27 @@ def _open_console(path: str):
         return None
 
 
+def terminal_path() -> str | None:
+    """The terminal's own device path (/dev/pts/3) from whichever standard stream is still on it
+    (a rule redirects stdout and stderr; stdin stays the shell's); None when none is."""
+    for fd in (0, 1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                return os.ttyname(fd)
+    return None
+
+
 def console_handler(tag: str, elapsed: bool) -> logging.Handler | None:
     """A handler for the progress lines on the terminal, when stderr goes elsewhere (a rule's log) and
     the process has a terminal; None otherwise (a test, a batch job, stderr already the terminal)."""
     if os.environ.get("RECTRAIN_CONSOLE") == "0" or sys.stderr.isatty():
         return None
-    stream = _open_console(CONSOLE)
+    stream = _open_console(os.environ.get(TTY_ENV) or CONSOLE)
     if stream is None:
         return None
+    path = terminal_path()
+    if path:  # torchrun starts the ranks in new sessions, without /dev/tty
+        os.environ[TTY_ENV] = path
     handler = logging.StreamHandler(stream)
     handler.setFormatter(_StageFormatter(tag, elapsed))
     handler.addFilter(lambda record: record.name == PROGRESS_LOGGER)
