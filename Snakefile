@@ -46,6 +46,7 @@ include: "workflow/rules/report.smk"
 
 # The configured dataset's report; `snakemake results/report.html` also copies it to results/report.html.
 rule all:
+    """Build the whole chain for the configured dataset: the report and everything it needs."""
     default_target: True
     input:
         rules.report.output,

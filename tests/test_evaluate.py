@@ -182,7 +182,8 @@ def test_evaluation_logs_a_progress_line_per_interval_with_batch_k_of_k_and_an_e
 def test_outputs_follow_the_contract(val_set, tmp_path):
     evaluate(val_set, "torch", tmp_path)
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert set(m) == {"top1", "top5", "loss", "images", "images_per_s", "loader", "checkpoint"}
+    assert set(m) == {"top1", "top5", "num_classes", "loss", "images", "images_per_s", "loader", "checkpoint", "usage"}
+    assert m["usage"]["cpu_s"] > 0 and m["usage"]["max_rss_mb"] > 100, "the evaluating process's own numbers"
     assert m["loader"] == "torch" and m["checkpoint"] == val_set["ckpt"] and m["images_per_s"] > 0
     table = pd.read_csv(tmp_path / "per_class.csv", keep_default_na=False)
     assert list(table.columns) == [
@@ -195,7 +196,9 @@ def test_outputs_follow_the_contract(val_set, tmp_path):
         "most_confused_label",
         "most_confused_wnid",
         "most_confused_count",
+        "predicted",
     ]
+    assert table["predicted"].sum() == table["images"].sum() == m["images"]
     assert table.loc[3, "name"] == "NA" and table.loc[1, "name"] == "<script>alert(1)</script>"
     # the mislabelled red record: class 1's images were mistaken for class 0 once
     assert str(table.loc[1, "most_confused_label"]) == "0" and table.loc[1, "most_confused_wnid"] == "n00000000"
@@ -209,6 +212,7 @@ def test_per_class_most_confused_from_a_known_confusion_matrix():
     assert t["images"].tolist() == [9, 4, 2] and t["correct"].tolist() == [5, 4, 0]
     assert t["most_confused_wnid"].tolist() == ["b", "", "a"]
     assert t["most_confused_count"].tolist() == [3, 0, 2]
+    assert t["predicted"].tolist() == [7, 7, 1], "column sums: what the model said, whatever the truth"
     assert t["accuracy"].tolist() == pytest.approx([5 / 9, 1.0, 0.0])
 
 

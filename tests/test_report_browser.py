@@ -8,7 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
+from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run, write_small_custom_run
 from PIL import Image, ImageStat
 
 from rectrain.report import build, load
@@ -125,3 +125,32 @@ def test_full_run_report_opens_with_per_epoch_plots_class_finder_and_epoch_toggl
     assert len(alts) == 7 and sum("per epoch (median and 10-90th percentile band)" in a for a in alts) == 4, alts
     finder = dom[dom.index('<details id="class-finder">') :]
     assert len(re.findall(r"<tr><td>\d+</td><td>n\d{8}</td>", finder[: finder.index("</details>")])) == 1000
+
+
+@pytest.fixture(scope="module")
+def small_run_file(tmp_path_factory):
+    """Issue 27's run: 5 custom classes, 150 images, one step per epoch, at chance, resumed
+    (helpers.synthetic_run.write_small_custom_run)."""
+    tmp = tmp_path_factory.mktemp("small-browser")
+    paths = write_small_custom_run(tmp)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    out = tmp / "report.html"
+    out.write_text(build(data, {"dataset": "mydata", "report": dict(REPORT_CFG)}, repo=tmp), encoding="utf-8")
+    return out
+
+
+def test_small_custom_run_page_shows_none_of_the_misleading_tiles(small_run_file, tmp_path):
+    dom = chromium(tmp_path, "--dump-dom", small_run_file.as_uri()).stdout
+    tiles = re.findall(r'<div class="kpi[^"]*"[^>]*>(.*?)</div>', dom, flags=re.S)
+    assert tiles and not any("full ImageNet" in t for t in tiles), "no full-ImageNet time for 5 custom classes"
+    assert all("projected" in t for t in tiles if re.search(r"this run, \d+ epochs", t))
+    top5 = [t for t in tiles if t.startswith("top-5")]
+    assert top5 == [t for t in top5 if "<b>n/a</b>" in t] and top5, "top-5 of 5 classes is not a result"
+    efficiency = [re.search(r"<b>([\d.]+)</b>", t).group(1) for t in tiles if "input efficiency" in t and "<b>" in t]
+    assert efficiency and all(float(v) <= 1.0 for v in efficiency), f"input efficiency tiles: {efficiency}"
+    assert "<th>wnid</th>" not in dom and "<th>class (folder)</th>" in dom
+    assert "named as JPEG" not in dom and "PNG file re-encoded as JPEG" in dom
+    assert 'id="resumed"' in dom
+    for finding in ("few_steps", "chance_accuracy", "one_class_predicted"):
+        assert f'id="finding-{finding}"' in dom
+    assert 'id="finding-no_problems"' not in dom

@@ -263,7 +263,8 @@ def in_process_run(monkeypatch, tmp_path):
         n: (lg.handlers[:], lg.level, lg.propagate) for n in ("rectrain", "__main__") for lg in [logging.getLogger(n)]
     }
     threads = torch.get_num_threads()
-    yield [*packed_dataset(tmp_path / "data", n_train=20, n_val=5), "--out", str(tmp_path / "t"), "--threads", "1"]
+    # 64 images: a global batch of 16 gives 4 steps per epoch, so batch_size auto is not capped to the data
+    yield [*packed_dataset(tmp_path / "data", n_train=64, n_val=5), "--out", str(tmp_path / "t"), "--threads", "1"]
     torch.set_num_threads(threads)
     for name, (handlers, level, propagate) in saved.items():
         lg = logging.getLogger(name)

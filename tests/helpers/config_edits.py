@@ -48,7 +48,9 @@ def another_value(block: str, key: str, spec: dict, current):
     if isinstance(current, int):
         return current + 1 if current + 1 <= spec.get("maximum", current + 1) else current - 1
     if isinstance(current, float):
-        return current / 2 if current > 0 else 0.5
+        half = current / 2 if current > 0 else 0.5
+        # a key with a floor (report.chance_factor >= 1) goes up instead
+        return half if half >= spec.get("minimum", half) else min(current * 2, spec.get("maximum", current * 2))
     if current is None:
         types = spec["type"] if isinstance(spec.get("type"), list) else [spec.get("type")]
         return 64 if "integer" in types else "/tmp/rectrain-edited"

@@ -292,3 +292,45 @@ def write_run(
         name = f"{ds}_{part}.tsv" if part else f"{ds}.tsv"
         pd.DataFrame([row], columns=BENCH_COLUMNS).to_csv(bench / rule / name, sep="\t", index=False)
     return {"train": train, "eval": ev, "pack": pack, "index": index, "benchmarks": bench, "run": run}
+
+
+CUSTOM_CLASSES = ["cat", "dog", "fish", "frog", "owl"]
+
+
+def write_small_custom_run(root: Path, **run_overrides) -> dict:
+    """The issue-27 run: a 5-class custom dataset (folder names, no wnids, no names) of 150 train and
+    50 val images trained with batch_size auto and global_batch 256 on 2 CPU processes: one step per
+    epoch, val top-1 at chance with every image predicted as one class, top-5 of 5 classes, an input
+    efficiency above 1, a real .png repaired, resumed at epoch 2."""
+    paths = write_run(root, wait_share={0: 0.02, 1: 0.02}, epochs=4, steps=1, classes=5, evil=False)
+    train, ev, index, pack = paths["train"], paths["eval"], paths["index"], paths["pack"]
+    steps = make_steps({0: 0.02, 1: 0.02}, epochs=4, steps=1, images=128)
+    # a step per epoch: the first of each epoch is its only one, so the steady rate is every step's
+    steps.to_csv(train / "steps.csv", index=False)
+    classes = pd.DataFrame({"label": range(5), "wnid": CUSTOM_CLASSES, "name": [""] * 5})
+    classes.to_csv(index / "classes.tsv", sep="\t", index=False)
+    per_class = classes.assign(
+        images=10,
+        correct=[10, 0, 0, 0, 0],
+        accuracy=[1.0, 0, 0, 0, 0],
+        most_confused_label=["", 0, 0, 0, 0],
+        most_confused_wnid=["", "cat", "cat", "cat", "cat"],
+        most_confused_count=[0, 10, 10, 10, 10],
+        predicted=[50, 0, 0, 0, 0],
+    )
+    per_class.to_csv(ev / "per_class.csv", index=False)
+    metrics = {"top1": 0.2, "top5": 1.0, "num_classes": 5, "loss": 1.61, "images": 50, "images_per_s": 90.0}
+    (ev / "metrics.json").write_text(json.dumps({**metrics, "loader": "dali", "checkpoint": str(train / "model.pt")}))
+    # steady 512 img/s (2 ranks x 128 images / 0.5 s) against 388 calibrated: 1.32
+    run = make_run(world_size=2, gpus=0, batch_size=128, global_batch=256, padding_per_epoch=106, epochs=4)
+    run.update(calibration=make_calibration({0: 194.0, 1: 194.0}), resumed_from_epoch=2, resumed_despite=[])
+    run.update(run_overrides)
+    (train / "run.json").write_text(json.dumps(run))
+    for split, n in (("train", 150), ("val", 50)):
+        man = make_manifest(split, packed=n)
+        if split == "train":
+            man["repaired"] = [
+                {"id": 3, "source": "train/owl/photo.png", "reason": "PNG content named as JPEG re-encoded as JPEG"}
+            ]
+        (pack / f"{split}.manifest.json").write_text(json.dumps(man))
+    return {**paths, "run": run}

@@ -70,7 +70,7 @@ def main(
     parser = _parser(block, arguments, run, doc, passthrough, config_required)
     args = parser.parse_known_args(argv)[0] if passthrough else parser.parse_args(argv)
     args.argv = argv
-    stage_log.setup("" if bare else tag, elapsed=elapsed)
+    stage_log.setup("" if bare else tag, elapsed=elapsed, console_tag=tag)
     codes = {ConfigError: 1, **(errors or {})}
     try:
         cfg = None if block is None else read_config(block, args.config_json)

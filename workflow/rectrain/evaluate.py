@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rectrain import cli, distributed, watchdog
+from rectrain import cli, distributed, usage, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
@@ -101,6 +101,7 @@ def metrics(t: Tally, loader: str, checkpoint: str) -> dict:
     return {
         "top1": float(t.confusion.diagonal().sum()) / n,
         "top5": t.top5_hits / n,
+        "num_classes": int(t.confusion.shape[0]),  # top-5 of 5 classes or fewer is 1.0 by construction
         "loss": t.loss_sum / n,
         "images": n,
         "images_per_s": n / t.seconds if t.seconds > 0 else None,
@@ -110,7 +111,8 @@ def metrics(t: Tally, loader: str, checkpoint: str) -> dict:
 
 
 def per_class(confusion: torch.Tensor, classes: pd.DataFrame) -> pd.DataFrame:
-    """One row per class: accuracy and the class its images were most often mistaken for."""
+    """One row per class: accuracy, the class its images were most often mistaken for, and how many
+    val images (of any class) the model predicted as it (a model that predicts one class for all)."""
     conf = confusion.cpu().long()
     n = conf.shape[0]
     wnids = dict(zip(classes["label"].astype(int), classes["wnid"].astype(str), strict=True))
@@ -133,6 +135,7 @@ def per_class(confusion: torch.Tensor, classes: pd.DataFrame) -> pd.DataFrame:
                 "most_confused_label": worst if count > 0 else "",
                 "most_confused_wnid": wnids.get(worst, "") if count > 0 else "",
                 "most_confused_count": max(count, 0),
+                "predicted": int(conf[:, label].sum()),
             }
         )
     return pd.DataFrame(rows)
@@ -213,9 +216,10 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
             t = tally(model, batches, num_classes, d.device, precision, channels_last=channels_last, progress=progress)
             watchdog.beat("summing the ranks' tallies")
             t = all_reduce(t, d.device)
+            used = usage.combined(distributed.all_gather(usage.own(), d))
         if not d.master:
             return None
-        m = metrics(t, kind, checkpoint)
+        m = {**metrics(t, kind, checkpoint), "usage": used}
         write_outputs(Path(out), m, per_class(t.confusion, classes))
         log.info(
             "top-1 %.2f %%, top-5 %.2f %%, loss %.4f on %d images (%.0f img/s)",

@@ -10,10 +10,18 @@ bidirectional overrides would act on the terminal or the log viewer instead of b
 characters are written as Python escapes (ESC as \\x1b, a right-to-left override as \\u202e), the odd
 bytes of a non-UTF-8 name as \\xNN; in the message's arguments (the names) line breaks and tabs too, so a
 name cannot forge a log line.
+
+A rule sends a stage's output to its log file, so its progress lines (rectrain.progress) would be
+seen only there; when stderr is not a terminal but the process has one (Snakemake started from a
+shell), the progress lines are also written to that terminal (/dev/tty, and by its own path,
+RECTRAIN_TTY, in torchrun's ranks, which run in sessions of their own).  RECTRAIN_CONSOLE=0 turns
+that off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import os
@@ -23,6 +31,11 @@ import time
 
 # Seconds are counted from the import of this module, i.e. from the start of the stage process.
 _WALL0 = time.time()
+# The terminal a job started from a shell still has, whatever its stderr is redirected to.
+CONSOLE = "/dev/tty"
+PROGRESS_LOGGER = "rectrain.progress"
+# The terminal's own path (/dev/pts/3), for child processes in a session of their own (torchrun's ranks).
+TTY_ENV = "RECTRAIN_TTY"
 
 
 _BIDI = "\u202a-\u202e\u2066-\u2069"
@@ -70,14 +83,53 @@ class _StageFormatter(logging.Formatter):
         return printable(text, _IN_MESSAGE)
 
 
-def setup(tag: str, elapsed: bool = False, level: int = logging.INFO) -> logging.Logger:
-    """Configure the `rectrain` logger for a stage process and return it.  `tag` '' prints bare lines."""
+@functools.lru_cache(maxsize=None)
+def _open_console(path: str):
+    """The terminal, opened once per process (a stage sets up logging once; tests, many times)."""
+    try:
+        return open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    except OSError:
+        return None
+
+
+def terminal_path() -> str | None:
+    """The terminal's own device path (/dev/pts/3) from whichever standard stream is still on it
+    (a rule redirects stdout and stderr; stdin stays the shell's); None when none is."""
+    for fd in (0, 1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                return os.ttyname(fd)
+    return None
+
+
+def console_handler(tag: str, elapsed: bool) -> logging.Handler | None:
+    """A handler for the progress lines on the terminal, when stderr goes elsewhere (a rule's log) and
+    the process has a terminal; None otherwise (a test, a batch job, stderr already the terminal)."""
+    if os.environ.get("RECTRAIN_CONSOLE") == "0" or sys.stderr.isatty():
+        return None
+    stream = _open_console(os.environ.get(TTY_ENV) or CONSOLE)
+    if stream is None:
+        return None
+    path = terminal_path()
+    if path:  # torchrun starts the ranks in new sessions, without /dev/tty
+        os.environ[TTY_ENV] = path
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(_StageFormatter(tag, elapsed))
+    handler.addFilter(lambda record: record.name == PROGRESS_LOGGER)
+    return handler
+
+
+def setup(tag: str, elapsed: bool = False, level: int = logging.INFO, console_tag: str = "") -> logging.Logger:
+    """Configure the `rectrain` logger for a stage process and return it.  `tag` '' prints bare lines;
+    `console_tag`: the tag of the terminal's progress lines (default `tag`; a terminal shows several
+    stages' lines)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_StageFormatter(tag, elapsed))
+    console = console_handler(console_tag or tag or "rectrain", elapsed)
     # "__main__" too: a module run with `python -m` logs under that name, not under rectrain.*.
     for name in ("rectrain", "__main__"):
         logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
+        logger.handlers[:] = [handler] + ([console] if console and name == "rectrain" else [])
         logger.setLevel(level)
         logger.propagate = False
     return logging.getLogger("rectrain")

@@ -4,6 +4,7 @@
 
 
 rule demo_data:
+    """Generate the demo's ImageNet-shaped raw dataset (folders, tars, planted defects) when raw is null."""
     input:
         code=code("demo_data"),
     output:

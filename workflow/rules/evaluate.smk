@@ -5,6 +5,7 @@
 
 
 rule evaluate:
+    """Evaluate model.pt on the val split: metrics.json and per_class.csv."""
     input:
         unpack(val_pair),
         checkpoint=f"results/{DS}/train/model.pt",

@@ -6,6 +6,7 @@
 
 
 rule index_raw:
+    """Index the raw dataset: train/val/classes TSVs, and every file not taken with why."""
     input:
         # A real raw root is checked by config validation; its millions of files are not tracked.
         marker=[f"{DEMO_ROOT}/.done"] if config["raw"] is None else [],

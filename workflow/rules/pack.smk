@@ -4,6 +4,7 @@
 
 
 rule pack:
+    """Pack one split into a verified MXNet RecordIO .rec/.idx on fast storage, with its manifest."""
     input:
         tsv=f"results/{DS}/index/{{split}}.tsv",
         classes=f"results/{DS}/index/classes.tsv",

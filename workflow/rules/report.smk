@@ -6,6 +6,7 @@
 
 
 rule report:
+    """Write results/report.html: speed, accuracy, plain-words diagnosis, from every stage's outputs."""
     input:
         train=expand(f"results/{DS}/train/{{name}}", name=["steps.csv", "epochs.csv", "system.csv", "run.json"]),
         eval=rules.evaluate.output if HAS_VAL else [],

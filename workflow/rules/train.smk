@@ -8,6 +8,7 @@
 
 
 rule train:
+    """Train with DDP under torchrun (GPUs, or CPU processes): model.pt, telemetry, run.json; resumes from last.pt."""
     input:
         # validated after every epoch, unless the dataset has no val split (index.absent_splits)
         **({"val_rec": f"{FAST}/val.rec", "val_idx": f"{FAST}/val.idx"} if HAS_VAL else {}),

@@ -62,7 +62,7 @@ from typing import Iterator
 
 import numpy as np
 
-from rectrain import cli, safefs, storage
+from rectrain import cli, safefs, storage, usage
 from rectrain.atomic import fsync_path, publish, temporary_name, write_json
 from rectrain.config import ConfigError
 from rectrain.data import indextable, pairowner, readorder, space
@@ -657,7 +657,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
                 f"(left as *{PARTIAL} for inspection): {err}"
             ) from err
         pairowner.claim(args.rec)
-        write_json(args.manifest, manifest)
+        write_json(args.manifest, {**manifest, "usage": usage.own()})
     log.info(
         "pack %s: manifest %s: %d packed, %d skipped, %d repaired, %s img/s, %s MB/s",
         args.split,

@@ -11,7 +11,7 @@ import pandas as pd
 import yaml
 
 from rectrain.log import duration
-from rectrain.report import efficiency, plots, projection, provenance
+from rectrain.report import efficiency, learning, plots, projection, provenance
 from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
 from rectrain.report.stats import (
@@ -101,12 +101,16 @@ def training_rates(steps: pd.DataFrame, eff: efficiency.Efficiency | None = None
 
 
 def efficiency_headline(eff: efficiency.Efficiency, steps: pd.DataFrame) -> dict:
-    """The Throughput section's headline: input efficiency overall and the data-wait share beside it."""
+    """The Throughput section's headline: input efficiency overall (at most 1: above it, what was
+    measured and its spread say it is noise) and the data-wait share beside it."""
     wait = overall_data_wait_share(steps)
     cal = eff.calibration or {}
     return {
         "measured": eff.measured,
         "ratio": eff.ratio,
+        "shown": eff.shown,
+        "above_one": eff.above_one,
+        "spread": efficiency.epoch_spread(steps, eff),
         "real": eff.real_total,
         "synthetic": eff.synthetic_total,
         "note": eff.note,
@@ -194,8 +198,55 @@ def epoch_rows(epochs: pd.DataFrame) -> tuple[list[dict], list[dict]]:
     return every, rows
 
 
+# With this many classes or fewer, top-5 holds every class (or nearly): 100 % says nothing.
+TOP5_MIN_CLASSES = 6
+
+
+def class_columns(classes: pd.DataFrame) -> dict:
+    """What the class tables' two text columns hold: WordNet ids and names (ImageNet), or the class
+    folder names of a dataset of one's own (classes.tsv's wnid column holds `cat`, name is empty)."""
+    wnids = classes["wnid"].astype(str) if "wnid" in classes else pd.Series(dtype=str)
+    names = classes["name"].astype(str) if "name" in classes else pd.Series(dtype=str)
+    is_wnid = not wnids.empty and bool(wnids.str.match(projection.WNID).all())
+    return {"id": "wnid" if is_wnid else "class (folder)", "names": bool((names != "").any())}
+
+
+def resumed(run: dict) -> dict | None:
+    """Where a resumed run continued from (run.json's resumed_from_epoch, resumed_despite); None when it
+    started at epoch 0."""
+    start = run.get("resumed_from_epoch")
+    if not start:
+        return None
+    return {"epoch": int(start), "after": int(start) - 1, "despite": list(run.get("resumed_despite") or [])}
+
+
+def own_usage(data: RunData) -> dict[str, dict]:
+    """Stage name (as the benchmark rows name it) -> the CPU and memory the stage measured of its own
+    processes (rectrain.usage), where its output records it."""
+    found = {f"pack {split}": m.get("usage") for split, m in data.manifests.items()}
+    found.update({"train": data.run.get("usage"), "evaluate": data.metrics.get("usage")})
+    return {stage: u for stage, u in found.items() if u}
+
+
+def stage_rows(data: RunData) -> list[dict]:
+    """The Stages table: Snakemake's benchmark per stage, with CPU time and peak RSS replaced by the
+    stage's own measurement where it has one (Snakemake samples every 30 s, from the wrapper shell
+    on: a short stage reads as that shell)."""
+    own = own_usage(data)
+    rows = []
+    for row in data.benchmarks.to_dict("records"):
+        u = own.get(row["rule"])
+        if u:
+            row = {**row, "cpu_time": u["cpu_s"], "max_rss": u["max_rss_mb"], "measured_by": u["measured_by"]}
+        else:
+            row = {**row, "measured_by": "Snakemake benchmark (samples every 30 s)"}
+        rows.append(row)
+    return rows
+
+
 def summary(data: RunData, config: dict, rates: dict) -> dict:
     run, metrics, bench = data.run, data.metrics, data.benchmarks
+    n_classes = int(metrics.get("num_classes") or len(data.per_class) or len(data.classes))
     devices = run.get("devices") or []
     return {
         "dataset": config["dataset"],
@@ -212,6 +263,9 @@ def summary(data: RunData, config: dict, rates: dict) -> dict:
         "epochs": run.get("epochs", len(data.epochs)),
         "top1": 100 * metrics["top1"] if metrics.get("top1") is not None else None,
         "top5": 100 * metrics["top5"] if metrics.get("top5") is not None else None,
+        "top5_trivial": 0 < n_classes < TOP5_MIN_CLASSES,
+        "n_classes": n_classes,
+        "resumed": resumed(run),
         "eval_images": metrics.get("images"),
         "eval_loader": metrics.get("loader"),
         "eval_img_s": metrics.get("images_per_s"),
@@ -234,16 +288,27 @@ def image_mpx(sizes: pd.DataFrame | None) -> float | None:
 def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
     """The report as one self-contained HTML string."""
     report_cfg = config["report"]
-    findings = diagnose(data.steps, data.system, data.run, data.manifests, report_cfg, image_sizes=data.image_sizes)
+    findings = diagnose(
+        data.steps,
+        data.system,
+        data.run,
+        data.manifests,
+        report_cfg,
+        image_sizes=data.image_sizes,
+        learned=learning.findings(data, report_cfg),
+    )
     axis = plots.time_axis(data.steps, data.system)
     eff = efficiency.input_efficiency(data.steps, data.run)
     rates = training_rates(data.steps, eff)
     views = class_views(class_table(data.per_class, data.classes), int(report_cfg["classes_shown"]))
     all_epochs, shown_epochs = epoch_rows(data.epochs)
+    like_imagenet = projection.imagenet_like(data.classes)
     context = {
         "title": report_cfg["title"],
+        "like_imagenet": like_imagenet,
         "summary": summary(data, config, rates),
-        "projection": projection.project(data.steps, data.epochs, data.run, data.metrics),
+        "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
+        "class_columns": class_columns(data.classes),
         "findings": findings,
         "rates": rates,
         "eff": efficiency_headline(eff, data.steps),
@@ -258,7 +323,7 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
         "storage_warnings": list(
             dict.fromkeys(w for m in data.manifests.values() if (w := (m.get("storage") or {}).get("warning")))
         ),
-        "stages": data.benchmarks.to_dict("records"),
+        "stages": stage_rows(data),
         "plot_x": axis.words if axis else "",
         "plots": {
             "throughput": plots.throughput_plot(data.steps, axis),

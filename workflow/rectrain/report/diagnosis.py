@@ -573,10 +573,13 @@ def diagnose(
     manifests: Mapping[str, Mapping] | None,
     cfg: Mapping,
     image_sizes: pd.DataFrame | None = None,
+    *,
+    learned: Iterable[Finding] = (),
 ) -> list[Finding]:
     """All findings, most urgent first. Exactly one 'no_problems' finding when no rule flags a problem
     (informational findings such as repaired images may accompany it). `image_sizes` (width, height of
-    a sample of the packed train images) lets the resize advice quote the decode work it saves."""
+    a sample of the packed train images) lets the resize advice quote the decode work it saves;
+    `learned`: the findings on whether the run learned (rectrain.report.learning)."""
     run, manifests = run or {}, manifests or {}
     ev = efficiency.gather(steps, system, run, manifests, image_sizes)
     found: list[Finding] = []
@@ -593,6 +596,7 @@ def diagnose(
             found.append(f)
     found += gpu_memory(system, run, cfg)
     found += pack_quality(manifests)
+    found += list(learned)
     if not any(f.severity in ("critical", "warning") for f in found):
         found.append(_healthy(steps, system, ev))
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))

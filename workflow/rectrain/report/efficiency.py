@@ -65,11 +65,26 @@ class Efficiency:
         """Over all ranks: their summed real rate over their summed synthetic rate."""
         return self.real_total / self.synthetic_total if self.measured and self.synthetic_total else None
 
+    @property
+    def shown(self) -> float | None:
+        """The ratio as the headline gives it: at most 1 (real data cannot beat no input cost; above
+        1 the calibration and the epochs ran at different speeds - measurement noise)."""
+        return min(self.ratio, 1.0) if self.ratio is not None else None
+
+    @property
+    def above_one(self) -> bool:
+        return self.ratio is not None and self.ratio > 1.0
+
     def headline(self) -> str:
         if not self.measured:
             return f"input efficiency {self.note}"
+        value = (
+            f"{self.shown:.2f} (measured {self.ratio:.2f}, above 1 is measurement noise)"
+            if self.above_one
+            else f"{self.ratio:.2f}"
+        )
         return (
-            f"input efficiency {self.ratio:.2f}: {self.real_total:.1f} img/s on real data against "
+            f"input efficiency {value}: {self.real_total:.1f} img/s on real data against "
             f"{self.synthetic_total:.1f} img/s on synthetic data on the device"
         )
 
@@ -82,6 +97,18 @@ def steady_rates(steps: pd.DataFrame) -> dict[int, float]:
     sums = s.groupby("rank")[["images", "wall_s"]].sum()
     sums = sums[sums["wall_s"] > 0]
     return {int(r): float(row["images"] / row["wall_s"]) for r, row in sums.iterrows()}
+
+
+def epoch_spread(steps: pd.DataFrame, eff: Efficiency) -> tuple[float, float] | None:
+    """(lowest, highest) input efficiency of a single epoch: each epoch's steady img/s of all ranks over
+    the calibration's; the spread that says how much one measurement of it varies on this machine."""
+    if not eff.measured or not eff.synthetic_total or steps.empty:
+        return None
+    s = steady_steps(steps)
+    per = s.groupby(["epoch", "rank"])[["images", "wall_s"]].sum()
+    per = per[per["wall_s"] > 0]
+    rates = (per["images"] / per["wall_s"]).groupby(level="epoch").sum() / eff.synthetic_total
+    return (float(rates.min()), float(rates.max())) if not rates.empty else None
 
 
 def _not_measured(run: Mapping) -> str | None:

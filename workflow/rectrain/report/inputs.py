@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,28 @@ class RunData:
     benchmarks: pd.DataFrame  # one row per rule: rule, s, max_rss, io_in, io_out, cpu_time, mean_load
     paths: dict[str, str] = field(default_factory=dict)
     image_sizes: pd.DataFrame | None = None  # width, height of a sample of the packed train images
+
+
+# The pack's reason for a non-JPEG payload ("PNG content named as JPEG re-encoded as JPEG"), true only
+# when the file's name says JPEG.
+NAMED_AS_JPEG = re.compile(r"\b(\w+) content named as JPEG")
+JPEG_SUFFIXES = (".jpg", ".jpeg")
+
+
+def repair_reason(source: str, reason: str) -> str:
+    """The repair reason as true for this file: a `.png` holding a PNG is a PNG file re-encoded, not
+    PNG content named as JPEG (the last member of an archive path decides)."""
+    name = str(source).rsplit("::", 1)[-1]
+    if Path(name).suffix.lower() in JPEG_SUFFIXES:
+        return reason
+    return NAMED_AS_JPEG.sub(lambda m: f"{m.group(1)} file", str(reason))
+
+
+def _true_reasons(manifest: dict) -> dict:
+    repaired = [
+        {**r, "reason": repair_reason(r.get("source", ""), r.get("reason", ""))} for r in manifest.get("repaired") or []
+    ]
+    return {**manifest, "repaired": repaired}
 
 
 def _csv(path: Path, columns: list[str], stage: str, **kw) -> pd.DataFrame:
@@ -122,7 +145,7 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
     for split in ("train", "val"):
         p = pack_dir / f"{split}.manifest.json"
         if p.exists():
-            manifests[split] = json.loads(p.read_text())
+            manifests[split] = _true_reasons(json.loads(p.read_text()))
     if not manifests:
         raise FileNotFoundError(f"no pack manifests in {pack_dir}: rerun the pack stage")
     classes = _classes(index_dir / "classes.tsv")

@@ -12,6 +12,13 @@ preferred when it is a split of this config's global batch over the same world s
 fits (on a GPU the preflight's largest fitting batch proves it; on CPU nothing is measured and it is
 reused as is).  Otherwise a restart with less free memory would plan another micro-batch and the
 checkpoint would be another run's; when it no longer fits, the reason says so, naming both plans.
+
+A small dataset caps 'auto': a global batch of 256 over 150 images is one optimizer step per epoch,
+and a run of a few such steps learns nothing (it has: val top-1 at chance, one class predicted for
+every image).  With batch_size auto the per-device batch is cut so an epoch has at least
+MIN_STEPS_PER_EPOCH optimizer steps; the plan's global batch is then the smaller one, so train.lr
+scales with what each step really averages, and the reason names the numbers.  A number in
+train.batch_size is never changed: the report's few-steps finding says what it costs.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rectrain.distributed import Dist, all_gather
 from rectrain.loaders import DaliOptions, LoaderSpec, resolve_loader, resolve_workers
+from rectrain.recordio import idx_arrays
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import memory
 from rectrain.train.optim import make_optimizer
@@ -31,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # train.global_batch null with batch_size auto: the batch the reference LR (train.lr) is given for.
 DEFAULT_AUTO_GLOBAL_BATCH = 256
+# batch_size auto: the fewest optimizer steps per epoch the plan allows (see the module doc; the
+# report's report.min_steps_per_epoch defaults to the same number).
+MIN_STEPS_PER_EPOCH = 4
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class BatchPlan:
     preflight: dict = field(default_factory=dict, compare=False)  # run.json's `preflight` report
     reason: str = ""  # where the batch came from, in words (the failure line)
     auto: bool = False  # train.batch_size was 'auto'
+    capped: str = ""  # why the dataset capped an 'auto' batch, in words; "" when it did not
 
     @property
     def global_batch(self) -> int:
@@ -59,6 +72,26 @@ def wanted(cfg: dict, world_size: int) -> int:
     return int(cfg["batch_size"])
 
 
+def dataset_cap(cfg: dict, world_size: int, train_images: int | None) -> tuple[int | None, str]:
+    """(the largest per-device batch that gives MIN_STEPS_PER_EPOCH optimizer steps per epoch on
+    `train_images` images, why in words) when 'auto's share of the global batch is larger; (None, "")
+    when it is not, or the image count is unknown."""
+    want = wanted(cfg, world_size)
+    if not train_images:
+        return None, ""
+    cap = max(1, train_images // (world_size * MIN_STEPS_PER_EPOCH))
+    if want <= cap:
+        return None, ""
+    gb = auto_global_batch(cfg)
+    why = (
+        f"capped to {cap} per device (global batch {cap * world_size}, not {gb}): the dataset's {train_images} "
+        f"train images fill a global batch of {gb} {train_images / gb:.2f} time(s) per epoch, and an epoch needs "
+        f"at least {MIN_STEPS_PER_EPOCH} optimizer steps (batchplan.MIN_STEPS_PER_EPOCH) to learn; train.lr "
+        f"scales to the smaller global batch (set train.batch_size to a number to override)"
+    )
+    return cap, why
+
+
 def plan(
     cfg: dict,
     world_size: int,
@@ -66,21 +99,26 @@ def plan(
     preflight: dict | None = None,
     *,
     previous: BatchPlan | None = None,
+    train_images: int | None = None,
 ) -> BatchPlan:
     """The plan for this config on `world_size` processes when at most `fits` samples fit on a device
     (None: not measured).  A number in train.batch_size is used as given - the preflight has stopped
-    the run already if it does not fit; 'auto' takes its share of the global batch and, when that does
-    not fit, accumulates gradients over smaller batches so the global batch stays - or reuses the
-    checkpoint's plan `previous` (see the module doc)."""
+    the run already if it does not fit; 'auto' takes its share of the global batch, cut to what
+    `train_images` can fill (module doc), and, when that does not fit, accumulates gradients over
+    smaller batches so the global batch stays - or reuses the checkpoint's plan `previous`."""
     if cfg["batch_size"] != "auto":
         batch, accum = int(cfg["batch_size"]), int(cfg["grad_accum"])
         return BatchPlan(batch, accum, world_size, preflight or {}, f"train.batch_size: {batch}")
-    want = wanted(cfg, world_size)
+    cap, capped = dataset_cap(cfg, world_size, train_images)
+    want = cap or wanted(cfg, world_size)
     reason = f"batch_size auto: global batch {auto_global_batch(cfg)} over {world_size} process(es)"
+    reason += f", {capped}" if capped else ""
     not_reused = previous and why_not_reused(previous, want, world_size, fits)
     if previous and not not_reused:
         reason += f", the checkpoint's plan {previous.batch} x accum {previous.grad_accum} reused (it still fits)"
-        return BatchPlan(previous.batch, previous.grad_accum, world_size, preflight or {}, reason, auto=True)
+        return BatchPlan(
+            previous.batch, previous.grad_accum, world_size, preflight or {}, reason, auto=True, capped=capped
+        )
     batch, accum = memory.split_batch(want, min(want, fits or want))
     if accum > 1:
         reason += f", {want} per device did not fit, {fits} did"
@@ -89,7 +127,15 @@ def plan(
             f"; the checkpoint's plan {previous.batch} x accum {previous.grad_accum} is not reused ({not_reused}), "
             f"this run plans {batch} x accum {accum}"
         )
-    return BatchPlan(batch, accum, world_size, preflight or {}, reason, auto=True)
+    return BatchPlan(batch, accum, world_size, preflight or {}, reason, auto=True, capped=capped)
+
+
+def train_images(spec: LoaderSpec | None) -> int | None:
+    """Records in the train .idx the loader will read; None when there is none to count (a preflight
+    without data)."""
+    if spec is None or not spec.idx or not Path(spec.idx).is_file():
+        return None
+    return len(idx_arrays(spec.idx)[0])
 
 
 def why_not_reused(previous: BatchPlan, want: int, world_size: int, fits: int | None) -> str | None:
@@ -158,36 +204,44 @@ def choose_batch(
     the batch fits beside what the loaders and DDP will hold - or the run stops here with what does fit
     (rectrain.train.memory).  `spec`: the train loader's (batch not yet chosen); by default the one this
     config builds.  `previous`: the checkpoint's plan, preferred with batch_size auto (module doc)."""
+    images = train_images(spec) if cfg["batch_size"] == "auto" else None
     if d.device.type != "cuda":
         skipped = "no GPU: batch_size auto uses global_batch / world_size" if cfg["batch_size"] == "auto" else None
         chosen = plan(
-            cfg, d.world_size, preflight={"skipped": skipped or "no GPU memory to check on CPU"}, previous=previous
+            cfg,
+            d.world_size,
+            preflight={"skipped": skipped or "no GPU memory to check on CPU"},
+            previous=previous,
+            train_images=images,
         )
     else:
         trial, held = preflight_inputs(cfg, model, loss_fn, d, num_classes, spec)
         state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
         try:
-            chosen = _measured_plan(cfg, trial, held, d, previous)
+            chosen = _measured_plan(cfg, trial, held, d, previous, images)
         finally:
             model.load_state_dict(state)
-    if previous and chosen.auto and d.master:
+    if (previous or chosen.capped) and chosen.auto and d.master:
         log.info("batch plan: %s", chosen.reason)
     return chosen
 
 
-def _measured_plan(cfg: dict, trial: memory.Trial, held: tuple, d: Dist, previous: BatchPlan | None) -> BatchPlan:
-    """The plan from trial steps on this rank's GPU, with the preflight report run.json keeps."""
+def _measured_plan(
+    cfg: dict, trial: memory.Trial, held: tuple, d: Dist, previous: BatchPlan | None, images: int | None
+) -> BatchPlan:
+    """The plan from trial steps on this rank's GPU, with the preflight report run.json keeps
+    (`images`: the train images, which may cap an 'auto' batch)."""
     auto = cfg["batch_size"] == "auto"
     gpu = memory.GpuInfo.of(d.device)
     budget = memory.device_budget(d.device, held, memory.HEADROOM if auto else 1.0)
     try_step = memory.cuda_try_step(trial, budget)
-    want = wanted(cfg, d.world_size)
+    want = dataset_cap(cfg, d.world_size, images)[0] or wanted(cfg, d.world_size)
     fits, found = memory.preflight(
         try_step, want, auto=auto, gpu=gpu, world_size=d.world_size, accum=int(cfg["grad_accum"])
     )
     if auto:  # every rank must use the same batch: the smallest GPU decides
         fits = int(min(all_gather(fits, d)))
-    draft = plan(cfg, d.world_size, fits, previous=previous)
+    draft = plan(cfg, d.world_size, fits, previous=previous, train_images=images)
     with memory.autotune_off():
         need_mb = memory.cuda_try_step(trial, memory.device_budget(d.device, held))(draft.batch)
     if auto:

@@ -16,6 +16,13 @@ would compile twice), and warms cuDNN's autotuner for the first epoch.  Under DD
 all-reduce synthetic gradients among the ranks, which all run the same number of steps; every
 optimizer step ends with zero_grad(set_to_none), and the restore drops the gradients, so nothing of
 them reaches a real step.
+
+Bounded (a calibration once took 135 s, longer than the 1-step-per-epoch run it measured, silent all
+along): its steps (warm-up included) are at most CALIBRATION_SHARE of the steps the whole run trains
+(shortened, or skipped when not even one measured step after a warm-up one fits), it stops measuring
+once train.calibration_max_s have passed, and rank 0 logs a progress line every train.progress_s.
+The measured steps run in chunks of whole optimizer steps; after each chunk the ranks gather their
+elapsed time, so every rank takes the same decision to go on and runs the same number of steps.
 """
 
 from __future__ import annotations
@@ -23,13 +30,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from rectrain import watchdog
 from rectrain.distributed import Dist, all_gather
+from rectrain.progress import Progress
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.step import Step, run_steps
 
@@ -40,6 +48,37 @@ log = logging.getLogger(__name__)
 
 # The epoch number calibration steps carry in their step rows (kept in memory, never in steps.csv).
 CALIBRATION_EPOCH = -1
+# The calibration's steps (warm-up included) are at most this share of the steps the run trains.
+CALIBRATION_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What limits a calibration: the steps the whole run trains (None: unbounded), its time cap in
+    seconds (train.calibration_max_s), rank 0's progress interval (train.progress_s), the micro-steps
+    of one optimizer step (chunks end on whole optimizer steps)."""
+
+    run_steps: int | None = None
+    max_s: float = float("inf")
+    progress_s: float = float("inf")
+    accum: int = 1
+
+    def fit(self, steps: int, warmup: int) -> tuple[int, int, str | None]:
+        """(measured steps, warm-up steps, why they were cut or None) within CALIBRATION_SHARE of the run;
+        0 measured steps when none fits."""
+        if self.run_steps is None or steps <= 0:
+            return steps, warmup, None
+        allowed = int(CALIBRATION_SHARE * self.run_steps)
+        if warmup + steps <= allowed:
+            return steps, warmup, None
+        why = (
+            f"the run trains only {self.run_steps} steps: {warmup} warm-up + {steps} calibration steps would be more "
+            f"than {CALIBRATION_SHARE:.0%} of it"
+        )
+        if allowed < 2:
+            return 0, 0, why
+        cut_warmup = min(warmup, allowed // 2)
+        return allowed - cut_warmup, cut_warmup, why + f", so at most {cut_warmup} + {allowed - cut_warmup}"
 
 
 class StepRows:
@@ -122,26 +161,84 @@ def skipped(why: str, shape: Shape) -> dict:
     }
 
 
-def calibrate(step: Step, model: torch.nn.Module, shape: Shape, steps: int, warmup: int) -> dict:
+@dataclass
+class Chunks:
+    """How far a bounded calibration got: steps done (warm-up included), the warm-up's length (cut
+    short when the time cap comes first), the measured rows, why it stopped early."""
+
+    warmup: int
+    done: int = 0
+    rows: list = field(default_factory=list)
+    stopped: str = ""
+
+
+def bounded_steps(step: Step, batches, steps: int, bounds: Bounds, progress: Progress | None, chunks: Chunks) -> None:
+    """`chunks.warmup` warm-up steps then up to `steps` measured ones, in chunks of whole optimizer steps
+    about one progress interval long (a progress line after each when due), until
+    train.calibration_max_s have passed: the warm-up is cut short then, and at least one step is
+    measured.  Elapsed time is gathered from every rank, so all take the same decisions."""
+    d, t0 = step.dist, time.perf_counter()
+    total, chunk = chunks.warmup + steps, bounds.accum
+    while chunks.done < total:
+        limit = chunks.warmup if chunks.done < chunks.warmup else total  # the warm-up ends on a chunk's end
+        n = min(chunk, limit - chunks.done)
+        part = StepRows()
+        run_steps(step, CALIBRATION_EPOCH, batches, part, n_batches=n, max_steps=n)
+        if chunks.done >= chunks.warmup:
+            chunks.rows += part.rows
+        chunks.done += n
+        elapsed = max(all_gather(time.perf_counter() - t0, d))
+        per_step = elapsed / chunks.done
+        if progress is not None:
+            progress.count(chunks.done * (part.rows[-1]["images"] if part.rows else 0) * d.world_size)
+        if chunks.done < total and elapsed + per_step > bounds.max_s:
+            if chunks.rows:
+                chunks.stopped = (
+                    f"train.calibration_max_s = {bounds.max_s:g} s: {len(chunks.rows)} of {steps} steps measured"
+                )
+                return
+            chunks.warmup = min(chunks.warmup, chunks.done)  # the warm-up ends here: one optimizer step measured
+            chunks.stopped = (
+                f"train.calibration_max_s = {bounds.max_s:g} s: {chunks.warmup} warm-up step(s), then one optimizer "
+                f"step of {steps} measured"
+            )
+            total = chunks.done + bounds.accum
+        ahead = min(total - chunks.done, min(bounds.progress_s, bounds.max_s - elapsed) / per_step)
+        chunk = max(bounds.accum, int(ahead) // bounds.accum * bounds.accum)
+
+
+def calibrate(
+    step: Step, model: torch.nn.Module, shape: Shape, steps: int, warmup: int, *, bounds: Bounds = Bounds()
+) -> dict:
     """Every rank calibrates; returns run.json's `calibration` (every rank's img/s, gathered) on all
-    ranks.  `model` is the unwrapped network under step.net, whose state is restored afterwards."""
+    ranks.  `model` is the unwrapped network under step.net, whose state is restored afterwards;
+    `bounds`: what limits it (module doc)."""
     d: Dist = step.dist
     if steps <= 0:
         return skipped("train.calibration_steps is 0", shape)
+    steps, warmup, cut = bounds.fit(steps, warmup)
+    if steps <= 0:
+        return skipped(cut, shape)
     t0 = time.perf_counter()
+    progress = Progress(bounds.progress_s, d.world_size) if d.master else None
+    if progress is not None:
+        progress.begin("calibration", (warmup + steps) * shape.batch * d.world_size, unit="images")
+    chunks = Chunks(warmup)
     with restored(step, model):
         batches = watchdog.watched(synthetic_batches(shape, d.device, warmup + steps), "calibration")
-        result = measure(step, batches, steps, warmup)
+        bounded_steps(step, batches, steps, bounds, progress, chunks)
+        result = steady(chunks.rows, 0)
     seconds = time.perf_counter() - t0
     rates = all_gather(result["img_s"], d)
     seconds = max(all_gather(seconds, d))
     return {
         "images_per_s": {str(r): float(v) for r, v in enumerate(rates)},
         "steps": result["steps"],
-        "warmup_steps": warmup,
+        "warmup_steps": chunks.warmup,
         "seconds": round(seconds, 3),
         "batch_size": shape.batch,
         "skipped": None,
+        "shortened": "; ".join(w for w in (cut, chunks.stopped) if w) or None,
     }
 
 
@@ -157,7 +254,15 @@ def calibrate_run(run: Run) -> dict:
     data with the run's own step and planned batch."""
     cfg = run.cfg
     shape = Shape(run.plan.batch, cfg["image_size"], len(run.classes))
-    cal = calibrate(run.step, run.model, shape, cfg["calibration_steps"], cfg["calibration_warmup_steps"])
+    bounds = Bounds(
+        run_steps=cfg["epochs"] * run.train_loader.batches_per_epoch,
+        max_s=cfg["calibration_max_s"],
+        progress_s=cfg["progress_s"],
+        accum=run.plan.grad_accum,
+    )
+    cal = calibrate(
+        run.step, run.model, shape, cfg["calibration_steps"], cfg["calibration_warmup_steps"], bounds=bounds
+    )
     if run.d.master:
         if cal["skipped"]:
             log.info("calibration skipped: %s (no input efficiency for this run)", cal["skipped"])
@@ -170,4 +275,6 @@ def calibrate_run(run: Run) -> dict:
                 cal["warmup_steps"],
                 cal["seconds"],
             )
+        if cal.get("shortened"):
+            log.info("calibration shortened: %s", cal["shortened"])
     return cal

@@ -36,9 +36,9 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rectrain import cli, distributed, driver_check, watchdog
+from rectrain import cli, distributed, driver_check, usage, watchdog
 from rectrain.atomic import write_json
-from rectrain.distributed import barrier
+from rectrain.distributed import all_gather, barrier
 from rectrain.train import batchplan, calibrate, failure, outputs, provenance, stop, supervise
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.epochs import Books, train_epochs
@@ -148,10 +148,11 @@ def train_run(run: Run, request: StopRequest) -> None:
     with outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log):
         train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration), agreement)
     watchdog.beat("publishing the outputs")
+    used = usage.combined(all_gather(usage.own(), d))  # every rank's CPU and memory: the report's train row
     barrier(d)
     if d.master:
         epochs_log.close()
-        outputs.finish(run, info)
+        outputs.finish(run, {**info, "usage": used})
     barrier(d)
 
 
