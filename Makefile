@@ -35,8 +35,9 @@ $(MXSTAMP): envs/mxnet-interop.txt
 
 # Style first: it takes seconds, so a formatting slip fails at once instead of after the suite.
 test: $(STAMP) $(MXSTAMP) style
-	@# pytest exit code 5 means no test ran: that is a failure here, not a pass.
-	$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	@# pytest exit code 5 means no test ran: that is a failure here, not a pass. --durations: the slowest
+	@# tests in every CI log, to keep the suite well under 20 minutes.
+	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 	$(VENV)/bin/snakemake -n results/report.html
 	$(VENV)/bin/snakemake --lint
