@@ -302,6 +302,8 @@ def wait_for(what: str, check, proc, timeout: float, out: Path):
     raise AssertionError(f"no {what} within {timeout:.0f} s: {out.read_text()[-4000:]}")
 
 
+# Two starts of the train job and SLURM's own pace (limits checked every ~30 s): minutes on a busy box.
+@pytest.mark.timeout(1500)
 def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_and_finishes(slurm_cluster, tmp_path):
     """profiles/slurm asks for SIGTERM RECTRAIN_SLURM_WARNING_S before the train job's time limit.  The
     test shortens the running job's limit (scontrol update TimeLimit) so that SLURM itself sends that
