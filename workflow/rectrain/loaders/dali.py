@@ -11,7 +11,9 @@ checkpointing on: `state()` is the pipeline's own checkpoint after the batches t
 the crop and flip generators - and yields the epoch's remaining batches, the ones an uninterrupted
 epoch would have yielded (tests/test_train_preempt.py checks them pixel for pixel).  Last batch: FILL for train (equal full
 batches on every rank, padding repeats the shard's last record and is counted), PARTIAL for eval
-(padding dropped, every record exactly once).
+(padding dropped, every record exactly once).  On the CPU the train pipeline is run directly, not
+through DALIGenericIterator: batches land in reused buffers and nothing past the epoch is decoded
+(DaliLoader._host_batches).
 """
 
 from __future__ import annotations
