@@ -100,3 +100,33 @@ def test_epoch_data_is_a_function_of_seed_epoch_rank(id_rec, kind):
     a = [(x, y) for x, y in build_loader(kind, spec).epoch(1)]
     b = [(x, y) for x, y in build_loader(kind, spec).epoch(1)]
     assert all(torch.equal(ya, yb) and torch.equal(xa, xb) for (xa, ya), (xb, yb) in zip(a, b, strict=True))
+
+
+def test_dali_cpu_batches_the_consumer_keeps_are_never_overwritten(id_rec):
+    """The CPU train path reuses its batch buffers; a batch still held must keep its pixels."""
+    rec, idx = id_rec
+    loader = build_loader("dali", LoaderSpec(rec, idx, batch_size=8, image_size=16, workers=1, seed=2))
+    kept = [(x, x.clone(), y) for x, y in loader.epoch(0)]
+    assert len(kept) == loader.batches_per_epoch > 3, "more batches than the buffer pool holds"
+    assert len({x.data_ptr() for x, _, _ in kept}) == len(kept), "two kept batches share memory"
+    assert all(torch.equal(x, first_seen) for x, first_seen, _ in kept), "a kept batch was overwritten"
+
+
+def test_dali_host_buffers_reuse_a_batch_buffer_only_once_nothing_holds_it():
+    import weakref
+
+    import numpy as np
+    from nvidia.dali.tensors import TensorCPU
+
+    from rectrain.loaders.dali import _HostBuffers
+
+    buffers = _HostBuffers()
+    batch = TensorCPU(np.arange(2 * 4 * 4 * 3, dtype=np.float32).reshape(2, 4, 4, 3))
+    dropped = weakref.ref(buffers.copy(batch).permute(0, 3, 1, 2)._base)
+    held = buffers.copy(batch)
+    assert held is dropped(), "a buffer nobody holds was not reused"
+    view = held.permute(0, 3, 1, 2)
+    del held
+    fresh = buffers.copy(batch)
+    assert fresh is not view._base and fresh.data_ptr() != view.data_ptr(), "a buffer held via a view was reused"
+    assert torch.equal(fresh, torch.from_numpy(np.array(batch)))

@@ -11,7 +11,9 @@ checkpointing on: `state()` is the pipeline's own checkpoint after the batches t
 the crop and flip generators - and yields the epoch's remaining batches, the ones an uninterrupted
 epoch would have yielded (tests/test_train_preempt.py checks them pixel for pixel).  Last batch: FILL for train (equal full
 batches on every rank, padding repeats the shard's last record and is counted), PARTIAL for eval
-(padding dropped, every record exactly once).
+(padding dropped, every record exactly once).  On the CPU the train pipeline is run directly, not
+through DALIGenericIterator: batches land in reused buffers and nothing past the epoch is decoded
+(DaliLoader._host_batches).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import itertools
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
-from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy, feed_ndarray, to_torch_type
 
 from rectrain.loaders import (
     CROP_RATIO,
@@ -113,6 +115,32 @@ def _pipeline(
     return images, labels
 
 
+class _HostBuffers:
+    """Torch tensors reused for a CPU pipeline's image batches.
+
+    A fresh 64x224x224x3 float32 batch is 38 MB, above glibc's largest mmap threshold (32 MB): each
+    one is mapped anew and page-faulted in, ~25 CPU-ms a batch against ~6 for the copy into a buffer
+    already touched (bench/RESULTS.md, "DALI loader: the per-batch overhead").  A buffer is reused only
+    once nothing outside holds it (its storage's use count is back to what it was when only this pool
+    held it): a consumer that keeps its batches gets fresh ones, never overwritten pixels."""
+
+    def __init__(self, keep: int = 3):
+        self.keep = keep  # the consumer's loop variable still holds the last batch while it asks for the next
+        self._use_count = getattr(torch._C, "_storage_Use_Count", None)  # absent: every batch fresh
+        self._pool = []  # (tensor, its storage, the storage's use count with only the pool holding it)
+
+    def copy(self, dali_tensor) -> torch.Tensor:
+        shape, dtype = dali_tensor.shape(), to_torch_type[dali_tensor.dtype]
+        for buf, storage, idle in self._pool:
+            if self._use_count(storage._cdata) == idle and list(buf.shape) == shape and buf.dtype == dtype:
+                return feed_ndarray(dali_tensor, buf)
+        buf = torch.empty(shape, dtype=dtype)
+        if self._use_count is not None:
+            storage = buf.untyped_storage()
+            self._pool = [*self._pool, (buf, storage, self._use_count(storage._cdata))][-self.keep :]
+        return feed_ndarray(dali_tensor, buf)
+
+
 class DaliLoader:
     kind = "dali"
 
@@ -123,9 +151,10 @@ class DaliLoader:
         self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
         self._eval_iter = None
-        self._train_iter = None  # the epoch's, for state()
+        self._train_iter = None  # the epoch's, for state(); None on the CPU, which runs _train_pipe itself
+        self._train_pipe = None
 
-    def _iterator(self, epoch: int, checkpoint: bytes | None = None) -> DALIGenericIterator:
+    def _build(self, epoch: int, checkpoint: bytes | None = None):
         s = self.spec
         gpu = s.on_gpu
         device_id = (torch.device(s.device).index or 0) if gpu else None
@@ -150,8 +179,12 @@ class DaliLoader:
             checkpoint=checkpoint,
         )
         pipe.build()
+        return pipe
+
+    def _iterator(self, epoch: int, checkpoint: bytes | None = None) -> DALIGenericIterator:
+        s = self.spec
         return DALIGenericIterator(
-            pipe,
+            self._build(epoch, checkpoint),
             ["images", "labels"],
             reader_name="Reader",
             last_batch_policy=LastBatchPolicy.FILL if s.train else LastBatchPolicy.PARTIAL,
@@ -160,12 +193,38 @@ class DaliLoader:
 
     def state(self) -> bytes:
         """The train pipeline's DALI checkpoint after the batches yielded so far in this epoch."""
+        if self._train_iter is None:
+            return self._train_pipe.checkpoint()  # counts the batches taken with outputs()
         return self._train_iter.checkpoints()[0]
+
+    def _host_batches(self, epoch: int, start: int, state: bytes | None):
+        """The CPU train pipeline's batches, run without DALIGenericIterator: it copies each batch into
+        a fresh torch.empty, and on the CPU that allocation costs 4x the copy (see _HostBuffers); and
+        it keeps the prefetch queue full to the end, so prefetch_queue_depth batches of the next epoch
+        are decoded and thrown away with the pipeline.  Here nothing past the epoch is scheduled.  The
+        reader pads the shard's last batch itself (pad_last_batch), as the iterator's FILL does."""
+        remaining = self.batches_per_epoch - start
+        pipe = self._train_pipe = self._build(epoch, state if start else None)
+        if remaining <= 0:
+            return
+        buffers = _HostBuffers()
+        pipe.schedule_run()  # the first call fills the prefetch queue
+        scheduled = self.spec.dali.prefetch_queue_depth
+        for _ in range(remaining):
+            images, labels = pipe.outputs()
+            batch = {"images": buffers.copy(images.as_tensor()), "labels": torch.from_numpy(labels.as_array())}
+            if scheduled < remaining:
+                pipe.schedule_run()
+                scheduled += 1
+            yield batch
 
     def epoch(self, epoch: int, start: int = 0, state: bytes | None = None):
         """Iterator of (images, labels) for one epoch; from batch `start` on with the `state()` taken
         there (a restored pipeline would run on into the next epoch: the remaining batches are counted)."""
-        if self.spec.train:
+        if self.spec.train and not self.spec.on_gpu:
+            self._train_iter = None
+            it = ([batch] for batch in self._host_batches(epoch, start, state))  # the iterator's shape
+        elif self.spec.train:
             it = self._train_iter = self._iterator(epoch, state if start else None)
             it = itertools.islice(it, self.batches_per_epoch - start)
         else:
