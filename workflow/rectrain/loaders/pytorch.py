@@ -44,7 +44,8 @@ def _label(header) -> int:
 
 
 def augment(spec: LoaderSpec):
-    """The uint8 CHW tensor -> uint8 CHW transform matching the DALI pipeline's semantics."""
+    """The uint8 CHW tensor (rectrain.loaders.jpeg; PILToTensor passes tensors through) -> uint8 CHW
+    transform matching the DALI pipeline's semantics."""
     if spec.train:
         return v2.Compose(
             [
