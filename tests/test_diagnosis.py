@@ -2,6 +2,7 @@
 and stays silent on a healthy run."""
 
 import pandas as pd
+import pytest
 from helpers.synthetic_run import REPORT_CFG, make_calibration, make_manifest, make_run, make_steps, make_system
 
 from rectrain.report.diagnosis import Finding, diagnose
@@ -217,15 +218,22 @@ def test_input_bound_with_cpu_decode_on_gpus_suggests_gpu_decode():
 
 def test_input_bound_after_dali_fallback_says_install_dali():
     fix = _input_fix(
-        decode="gpu: torchvision.io.decode_jpeg",
+        decode="gpu: TorchCodec decode_jpeg (nvJPEG), one batched call per step",
         loader="torch",
         loader_note="train.loader is 'dali' but DALI cannot be imported (ImportError)",
     )
     assert "install DALI" in fix and "hardware JPEG engines" in fix
 
 
-def test_input_bound_with_torchvision_gpu_decode_suggests_dali():
-    fix = _input_fix(decode="gpu: torchvision.io.decode_jpeg, one batched call per step", loader="torch")
+@pytest.mark.parametrize(
+    "decode",
+    [
+        "gpu: TorchCodec decode_jpeg (nvJPEG), one batched call per step",
+        "gpu: torchvision.io.decode_jpeg, one batched call per step",  # what run.json said before #24
+    ],
+)
+def test_input_bound_with_torch_gpu_decode_suggests_dali(decode):
+    fix = _input_fix(decode=decode, loader="torch")
     assert "train.loader: dali" in fix and "CUDA cores" in fix
 
 

@@ -78,8 +78,8 @@ def test_bad_hw_decoder_load_is_rejected_naming_the_key():
         (True, True, True, "dali", "gpu: DALI mixed"),
         (True, True, False, "dali", "cpu: DALI"),
         (False, True, True, "dali", "cpu: DALI"),
-        (True, False, True, "torch", "gpu: torchvision.io.decode_jpeg"),
-        (False, False, True, "torch", "cpu: PIL"),
+        (True, False, True, "torch", "gpu: TorchCodec decode_jpeg"),
+        (False, False, True, "torch", "cpu: simplejpeg"),
     ],
 )
 def test_dali_request_dispatch(has_cuda, has_dali, gpu_decode, kind, decode_on):
@@ -104,6 +104,20 @@ def test_torch_request_never_needs_dali(has_cuda):
     choice = choose_loader("torch", has_cuda, has_dali=False)
     assert choice.kind == "torch" and choice.note is None
     assert choice.decode.startswith("gpu" if has_cuda else "cpu")
+
+
+@pytest.mark.parametrize("requested", ["dali", "torch"])
+def test_torch_gpu_decode_without_torchcodec_decodes_on_the_cpu_and_says_how_to_fix(requested):
+    choice = choose_loader(requested, True, has_dali=False, torchcodec_error="ModuleNotFoundError: no torchcodec")
+    assert choice.kind == "torch" and choice.decode.startswith("cpu: simplejpeg")
+    for fragment in (
+        "train.gpu_decode is true",
+        "ModuleNotFoundError: no torchcodec",
+        "torchcodec==",
+        "gpu_decode: false",
+    ):
+        assert fragment in choice.note
+    assert choose_loader("dali", True, has_dali=True, torchcodec_error="absent").decode.startswith("gpu: DALI")
 
 
 def test_unknown_loader_names_the_key():

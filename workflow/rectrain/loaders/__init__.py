@@ -36,6 +36,8 @@ IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 EVAL_CROP_FRACTION = 0.875
+# The torch loader's GPU decode (rectrain.loaders.jpeg.decode_batch) needs TorchCodec's image decoders.
+TORCHCODEC_FIX = "install torchcodec==0.17.0 (envs/requirements-common.txt)"
 
 
 @dataclass(frozen=True)
@@ -133,25 +135,37 @@ class LoaderChoice:
 
 
 def choose_loader(
-    requested: str, has_cuda: bool, has_dali: bool, gpu_decode: bool = True, dali_error: str | None = None
+    requested: str,
+    has_cuda: bool,
+    has_dali: bool,
+    gpu_decode: bool = True,
+    dali_error: str | None = None,
+    torchcodec_error: str | None = None,
 ) -> LoaderChoice:
     """The loader and decoder for train.loader=`requested` on this machine (a pure decision).
 
     DALI requested but not importable: the torch loader reads the same .rec, decoding on the GPU with
-    torchvision.io.decode_jpeg when there is one - slower than DALI's hardware decoder, never a crash."""
+    TorchCodec's decode_jpeg when there is one - slower than DALI's hardware decoder, never a crash.
+    The torch loader's GPU decode needs TorchCodec (`torchcodec_error`: why it cannot be imported);
+    without it the workers decode on the CPU, saying why."""
     if requested not in ("dali", "torch"):
         raise ValueError(f"unknown loader {requested!r}: set train.loader to 'dali' or 'torch'")
-    gpu = has_cuda and gpu_decode
-    note = None
-    kind = requested
-    if requested == "dali" and not has_dali:
-        kind = "torch"
-        note = (
+    kind = "torch" if requested == "dali" and not has_dali else requested
+    gpu = has_cuda and gpu_decode and (kind == "dali" or torchcodec_error is None)
+    notes = []
+    if kind != requested:
+        notes.append(
             f"train.loader is 'dali' but DALI cannot be imported ({dali_error or 'not installed'}): using the "
             f"torch loader on the same .rec instead, decoding "
-            + ("on the GPU with torchvision.io.decode_jpeg" if gpu else "on the CPU in worker processes")
+            + ("on the GPU with TorchCodec's decode_jpeg" if gpu else "on the CPU in worker processes")
             + ". For DALI's mixed decoder install nvidia-dali-cuda<CUDA major>0 (e.g. nvidia-dali-cuda120); "
             "to keep the torch loader and silence this, set train.loader: torch"
+        )
+    if kind == "torch" and has_cuda and gpu_decode and not gpu:
+        notes.append(
+            f"train.gpu_decode is true but TorchCodec cannot be imported ({torchcodec_error}): the torch loader "
+            f"decodes on the CPU in worker processes. For its GPU decode {TORCHCODEC_FIX}; "
+            "to silence this, set train.gpu_decode: false"
         )
     if kind == "dali":
         decode = (
@@ -161,11 +175,11 @@ def choose_loader(
         )
     else:
         decode = (
-            "gpu: torchvision.io.decode_jpeg, one batched call per step"
+            "gpu: TorchCodec decode_jpeg (nvJPEG), one batched call per step"
             if gpu
-            else "cpu: PIL in train.workers worker processes"
+            else "cpu: simplejpeg (libjpeg-turbo, JPEG only) in train.workers worker processes"
         )
-    return LoaderChoice(kind, decode, note)
+    return LoaderChoice(kind, decode, "; ".join(notes) or None)
 
 
 class Loader(Protocol):
@@ -192,8 +206,11 @@ class Loader(Protocol):
 
 def resolve_loader(requested: str, spec: LoaderSpec) -> LoaderChoice:
     """choose_loader for this machine and spec."""
+    from rectrain.loaders import jpeg
+
     error = dali_import_error() if requested == "dali" else None
-    return choose_loader(requested, spec.on_gpu, error is None, spec.gpu_decode, error)
+    codec_error = jpeg.torchcodec_error() if spec.on_gpu and spec.gpu_decode else None
+    return choose_loader(requested, spec.on_gpu, error is None, spec.gpu_decode, error, codec_error)
 
 
 def build_loader(kind: str, spec: LoaderSpec) -> Loader:

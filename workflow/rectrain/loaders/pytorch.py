@@ -1,10 +1,11 @@
 """Pure-PyTorch loader from the same .rec: the fallback when DALI is unavailable, and the baseline.
 
 A map-style Dataset over rectrain.recordio.IndexedRecordReader (its file descriptor opens lazily in
-each worker).  Workers decode with PIL and crop/flip with torchvision transforms v2, returning uint8
-so little crosses the process boundary; the float conversion and normalisation happen once per
-batch on the target device.  On a GPU with gpu_decode, workers only read bytes and the batch is
-decoded by torchvision.io.decode_jpeg(device="cuda").
+each worker).  Workers decode JPEG and nothing else (rectrain.loaders.jpeg: simplejpeg) and crop/flip
+with torchvision transforms v2, returning uint8 so little crosses the process boundary; the float
+conversion and normalisation happen once per batch on the target device.  On a GPU with gpu_decode
+(and TorchCodec installed), workers only read bytes and the batch is decoded by TorchCodec's
+decode_jpeg(device="cuda").  A record that is not a JPEG stops the epoch naming the record.
 Sharding (ShardSampler): one permutation of all records per epoch, seeded by (seed, epoch), the same
 on every rank; rank r takes every world-th record starting at r, like DistributedSampler.
 Training samples are augmented under their own seed, drawn from (seed, epoch, rank, position in the
@@ -16,12 +17,10 @@ crops and flips of the uninterrupted epoch's batches k and later.
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
@@ -32,6 +31,7 @@ from rectrain.loaders import (
     IMAGENET_STD,
     LoaderSpec,
     epoch_seed,
+    jpeg,
     train_batches_per_epoch,
     train_padding,
 )
@@ -44,7 +44,8 @@ def _label(header) -> int:
 
 
 def augment(spec: LoaderSpec):
-    """The PIL/tensor -> uint8 CHW transform matching the DALI pipeline's semantics."""
+    """The uint8 CHW tensor (rectrain.loaders.jpeg; PILToTensor passes tensors through) -> uint8 CHW
+    transform matching the DALI pipeline's semantics."""
     if spec.train:
         return v2.Compose(
             [
@@ -54,6 +55,10 @@ def augment(spec: LoaderSpec):
             ]
         )
     return v2.Compose([v2.PILToTensor(), v2.Resize(spec.eval_resize, antialias=True), v2.CenterCrop(spec.image_size)])
+
+
+class RecordDecodeError(RuntimeError):
+    """A record's image cannot be decoded; str() names the .rec, the record and the cause."""
 
 
 class RecordDataset(Dataset):
@@ -79,7 +84,10 @@ class RecordDataset(Dataset):
         header, data = unpack_record(self.reader.nth(i)[1])
         if not self.decode:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8), _label(header), header.id
-        image = Image.open(io.BytesIO(data)).convert("RGB")
+        try:
+            image = jpeg.decode(data)
+        except (OSError, ValueError) as err:
+            raise RecordDecodeError(f"{self.reader.rec_path} record {i} (id {header.id}): {err}") from None
         return (self.transform(image) if self.transform else image), _label(header), header.id
 
 
@@ -145,7 +153,10 @@ class TorchLoader:
     def __init__(self, spec: LoaderSpec, decode_on_device: bool | None = None):
         self.spec = spec
         # Batch decode on the device (GPU by default when there is one; forcing it on CPU is for tests).
-        self.decode_on_device = spec.on_gpu and spec.gpu_decode if decode_on_device is None else decode_on_device
+        # On a GPU that needs TorchCodec (choose_loader says so in the run's log when it is missing).
+        if decode_on_device is None:
+            decode_on_device = spec.on_gpu and spec.gpu_decode and jpeg.torchcodec_error() is None
+        self.decode_on_device = decode_on_device
         self.transform = augment(spec)
         self.dataset = RecordDataset(
             spec.rec, spec.idx, None if self.decode_on_device else self.transform, decode=not self.decode_on_device
@@ -182,10 +193,13 @@ class TorchLoader:
         )
         return iter(loader)
 
-    def _decode_batch(self, data: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    def _decode_batch(self, data: list[torch.Tensor], ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        try:
+            images = jpeg.decode_batch(data, device)
+        except (RuntimeError, ValueError) as err:
+            position = getattr(err, "position", None)
+            where = f"record id {int(ids[position])}" if position is not None else f"one of records {ids.tolist()}"
+            raise RecordDecodeError(f"{self.spec.rec} {where}: {err}") from None
         return torch.stack([self.transform(img) for img in images])
 
     def state(self) -> None:
@@ -198,7 +212,7 @@ class TorchLoader:
         # GPU decode runs on its own stream: batch k+1 decodes while step k still computes on the main
         # stream (the training loop keeps the host a step ahead), instead of queueing behind it.
         side = torch.cuda.Stream(device) if self.decode_on_device and device.type == "cuda" else None
-        for images, labels, _ids in self.batches(epoch, start):
+        for images, labels, ids in self.batches(epoch, start):
             if side:
                 # nvJPEG writes the decoded images from its own stream into tensors allocated on `side`;
                 # the allocator hands `side` memory back as soon as the previous batch's kernels are
@@ -206,7 +220,7 @@ class TorchLoader:
                 side.synchronize()
             with torch.cuda.stream(side) if side else contextlib.nullcontext():
                 if self.decode_on_device:
-                    images = self._decode_batch(images, device)
+                    images = self._decode_batch(images, ids, device)
                 images = images.to(device, non_blocking=True).float().sub_(self._mean).div_(self._std)
             if side:
                 main = torch.cuda.current_stream(device)

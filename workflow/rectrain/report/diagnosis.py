@@ -81,7 +81,7 @@ def input_fix(run: Mapping | None) -> str:
             f"host stage (train.workers{now('workers')}, about cores / GPUs), deepen "
             f"train.dali_prefetch_queue_depth{now('dali_prefetch_queue_depth')}, {storage}, or {shrink}."
         )
-    if decode.startswith("gpu: torchvision"):
+    if decode.startswith(("gpu: TorchCodec", "gpu: torchvision")):  # runs before #24 decoded with torchvision.io
         return (
             f"The torch loader decodes on the GPU's CUDA cores, competing with training: use "
             f"train.loader: dali (hardware JPEG engines via the mixed decoder), add reader processes "

@@ -246,7 +246,7 @@ def loader_reservation(choice: LoaderChoice, spec: LoaderSpec, role: str = "trai
         )
         return Reservation(what, pad * threads, (depth + 1) * sample + 3 * width * height)
     if choice.decode.startswith("gpu"):
-        what = f"held by the {role} loader's GPU decode (torchvision; a batch ahead and one in use: {{batch_mb}})"
+        what = f"held by the {role} loader's GPU decode (TorchCodec; a batch ahead and one in use: {{batch_mb}})"
     else:
         what = f"held by the {role} loader's batches on the device (one ahead and one in use: {{batch_mb}})"
     return Reservation(what, 0, 2 * sample)
