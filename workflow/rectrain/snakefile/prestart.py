@@ -8,6 +8,8 @@ so `workflow.local_exec` is always true during the parse) and why the train job 
   it here (a SLURM allocation, or a rendezvous endpoint), when the jobs run here (a local executor);
   under a cluster executor (--executor slurm, --workflow-profile profiles/slurm) the jobs run on
   other nodes and this login node's GPUs say nothing, so the job checks them where it runs.
+- A pack job's pair in fast storage that another working directory's run published
+  (rectrain.data.pairowner) is refused now: Snakemake would delete it before the pack job could.
 - The train job learns whether Snakemake forced it (rectrain.train.finished.FORCED_ENV): forced, it
   trains again; otherwise it republishes a finished run it matches.
 
@@ -17,25 +19,43 @@ Not run by a dry-run (nothing runs) or with --no-hooks; the train job's own chec
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
 from rectrain.config import format_problems
+from rectrain.data import pairowner
 from rectrain.snakefile.checks import device_problems, node_problems
 from rectrain.train.finished import FORCED_ENV
 
 TRAIN_RULE = "train"
+PACK_RULE = "pack"
 
 
 def before_jobs(workflow, config: dict) -> None:
     """The onstart hook: mark a forced train job, and refuse devices or nodes this machine cannot
-    give it before any output is removed."""
-    jobs = [job for job in workflow.dag.needrun_jobs() if job.rule.name == TRAIN_RULE]
+    give it, or a pair another run owns, before any output is removed."""
+    needed = list(workflow.dag.needrun_jobs())
+    jobs = [job for job in needed if job.rule.name == TRAIN_RULE]
     mark_forced(any(workflow.dag.reason(job).forced for job in jobs))
-    if jobs and checks_gpus_here(workflow.executor_plugin.common_settings):
-        problems = device_problems(config["train"]["devices"]) + node_problems(config["train"]["nodes"])
-        if problems:
-            raise WorkflowError(format_problems(problems))
+    settings = workflow.executor_plugin.common_settings
+    problems = [] if settings.dryrun_exec or settings.touch_exec else pair_problems(needed)
+    if jobs and checks_gpus_here(settings):
+        problems += device_problems(config["train"]["devices"]) + node_problems(config["train"]["nodes"])
+    if problems:
+        raise WorkflowError(format_problems(problems))
+
+
+def pair_problems(jobs) -> list[str]:
+    """Each .rec a pack job would replace that belongs to a run in another working directory."""
+    recs = [Path(out) for job in jobs if job.rule.name == PACK_RULE for out in job.output if str(out).endswith(".rec")]
+    problems = []
+    for rec in recs:
+        try:
+            pairowner.check(rec)
+        except pairowner.PairTaken as taken:
+            problems.append(str(taken))
+    return problems
 
 
 def checks_gpus_here(executor) -> bool:
