@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rectrain import model as models
@@ -43,7 +44,13 @@ def set_backend_flags(cfg: dict, device: torch.device) -> None:
 
 def make_model(cfg: dict, num_classes: int, device: torch.device):
     """(model on device, in channels_last when asked; the loss)."""
-    model = models.build(cfg["model"], num_classes, cfg["channels_last"]).to(device)
+    model = models.build(
+        cfg["model"],
+        num_classes,
+        cfg["channels_last"],
+        zero_init_residual=cfg["zero_init_residual"],
+        blurpool=cfg["blurpool"],
+    ).to(device)
     return model, torch.nn.CrossEntropyLoss(label_smoothing=cfg["label_smoothing"])
 
 
@@ -105,7 +112,7 @@ def build_run(args: argparse.Namespace, cfg: dict, parts: RankParts, plan: Batch
     train_loader, val_loader = make_loaders(args, cfg, parts.spec, plan.batch)
     opt_steps = math.ceil(train_loader.batches_per_epoch / plan.grad_accum)
     optimizer, scheduler, scaler = make_optimizer(cfg, model, plan.global_batch, opt_steps)
-    net = wrap(model, d, cfg["compile"])
+    net = wrap(model, d, cfg)
     step = Step(
         net, parts.loss_fn, optimizer, scheduler, scaler, plan.grad_accum, cfg["precision"], cfg["channels_last"], d
     )
@@ -139,9 +146,29 @@ def make_loaders(args: argparse.Namespace, cfg: dict, spec: LoaderSpec, batch: i
     return train_loader, build_loader(cfg["loader"], val_spec)
 
 
-def wrap(model: torch.nn.Module, d: Dist, compile_: bool) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, d: Dist, cfg: dict) -> torch.nn.Module:
     """DDP across ranks, then torch.compile when asked: the network the steps run."""
-    net = model
-    if d.world_size > 1:
-        net = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    return torch.compile(net) if compile_ else net
+    net = ddp(model, d, cfg) if d.world_size > 1 else model
+    return torch.compile(net) if cfg["compile"] else net
+
+
+# DDP's compression hooks by train.ddp_comm_hook: gradients travel as fp16/bf16 (half the bytes of
+# an all-reduce) and are decompressed into the fp32 buckets.
+COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def ddp(model: torch.nn.Module, d: Dist, cfg: dict) -> DDP:
+    """The model under DDP with train.ddp_*: gradients as views into the all-reduce buckets (no copy
+    in and out, one gradient-sized buffer less), a static graph (every parameter used every step, as in
+    the torchvision classifiers: DDP can skip its per-step unused-parameter bookkeeping), and the
+    optional compression hook."""
+    net = DDP(
+        model,
+        device_ids=[d.device.index] if d.device.type == "cuda" else None,
+        gradient_as_bucket_view=cfg["ddp_bucket_view"],
+        static_graph=cfg["ddp_static_graph"],
+    )
+    hook = cfg["ddp_comm_hook"]
+    if hook != "none":
+        net.register_comm_hook(None, COMM_HOOKS[hook])
+    return net
