@@ -129,7 +129,8 @@ def test_the_lr_at_every_step_equals_the_schedules_formula_across_a_mid_epoch_re
     got = sorted((int(r["epoch"]), int(r["step"]), float(r["lr"])) for r in rows(out / "steps.csv"))
     assert [(e, s) for e, s, _ in got] == [(e, s) for e in range(3) for s in range(12)], "each step once"
     want = formula_lrs({**FAST_CFG, **cfg})
-    np.testing.assert_allclose([lr for _, _, lr in got], want, rtol=1e-6)
+    # steps.csv writes 6 significant digits: a relative rounding of at most 5e-6
+    np.testing.assert_allclose([lr for _, _, lr in got], want, rtol=5e-6)
 
 
 FAST_CFG = {"model": "squeezenet1_1", "precision": "fp32", "calibration_steps": 0, "batch_size": 4}

@@ -212,7 +212,7 @@ def _continue(run: Run) -> tuple[Resumed, str | None]:
     at = Position.of(state)
     if run.d.master:
         _say_resuming(run, last, state, despite)
-    return Resumed(at.epoch, state["rng"], despite, at.step, at.ranks), None
+    return Resumed(at.epoch, state["rng"], despite, start_step=at.step, ranks=at.ranks), None
 
 
 def _done_text(state: dict) -> tuple[str, str]:
