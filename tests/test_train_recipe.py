@@ -148,7 +148,8 @@ def test_blurpool_wraps_the_strided_convolutions_except_the_rgb_stem():
     net = models.build("resnet50", 10, blurpool=True)
     blurred = [n for n, m in net.named_modules() if isinstance(m, models.BlurPoolConv2d)]
     strided = [
-        n for n, m in models.build("resnet50", 10).named_modules()
+        n
+        for n, m in models.build("resnet50", 10).named_modules()
         if isinstance(m, torch.nn.Conv2d) and max(m.stride) > 1 and m.in_channels >= 16
     ]
     assert blurred == strided and "conv1" not in blurred and "layer2.0.downsample.0" in blurred

@@ -12,7 +12,12 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
 def build(
-    name: str, num_classes: int, channels_last: bool = False, *, zero_init_residual: bool = False, blurpool: bool = False
+    name: str,
+    num_classes: int,
+    channels_last: bool = False,
+    *,
+    zero_init_residual: bool = False,
+    blurpool: bool = False,
 ) -> torch.nn.Module:
     """A torchvision architecture by registry name (train.model), randomly initialised.  For the ResNet
     family, zero_init_residual zeroes each residual branch's last BatchNorm weight (torchvision's own
