@@ -14,6 +14,8 @@ EXPLICIT = {
     ("train", "batch_size"): [16, 8],
     ("train", "model"): ["resnet34", "resnet18"],
     ("train", "dali_preallocate"): [[64, 64], [0, 0]],
+    ("train", "weight_decay"): [1.0e-4, 5.0e-5],
+    ("train", "lr_step_epochs"): [[20, 40], [30, 60, 80]],
     ("train", "stop_signals"): [["SIGTERM", "SIGUSR1"], ["SIGTERM"]],
     ("evaluate", "resize"): [80, 96],
     ("evaluate", "crop"): [48, 56],

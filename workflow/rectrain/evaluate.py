@@ -59,7 +59,7 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     missing = [k for k in ("model", "model_name", "num_classes", "image_size") if k not in ckpt]
     if missing:
         raise KeyError(f"checkpoint lacks {missing}: it was not written by rectrain.train; rerun the train rule")
-    model = models.build(ckpt["model_name"], int(ckpt["num_classes"]))
+    model = models.build(ckpt["model_name"], int(ckpt["num_classes"]), blurpool=bool(ckpt.get("blurpool", False)))
     model.load_state_dict(ckpt["model"])
     return model.eval()
 

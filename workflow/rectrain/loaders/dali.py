@@ -53,6 +53,17 @@ def decoder_args(decode_device: str, opts: DaliOptions) -> dict:
     }
 
 
+# Records in the mxnet reader's shuffle buffer (its initial_fill; DALI's default 1024).  The reader
+# reads its shard in file order through this buffer, so two epochs of one shard (a rank's every other
+# epoch with 2 ranks) have correlated orders: on a 40k-record .rec (20k a shard) the position
+# correlation is 0.971 at 1024, 0.679 at 4096, 0.282 at 8192, 0.010 at 16384 (bench/shuffle_bench.py).
+# The cost is host memory per rank: 16384 x the mean record (~1.7 GiB at ImageNet's ~110 KB JPEGs,
+# ~0.4 GiB at pack.resize 256).  It decorrelates only shards up to ~20k records: the correlation
+# follows buffer / shard size (0.679 at 16384 on an 80k shard), so a 640k-record ImageNet shard stays
+# close to the order of the .rec (see bench/RESULTS.md).
+SHUFFLE_BUFFER = 16384
+
+
 @pipeline_def
 def _pipeline(
     *,
@@ -74,6 +85,7 @@ def _pipeline(
         shard_id=shard_id,
         num_shards=num_shards,
         random_shuffle=train,
+        initial_fill=SHUFFLE_BUFFER,
         pad_last_batch=True,
         stick_to_shard=True,
         name="Reader",

@@ -50,6 +50,7 @@ def run_state(run: Run, epoch: int, rngs: list, step: int | None = None, ranks: 
         "config": run.cfg,
         "num_classes": len(run.classes),
         "model_name": run.cfg["model"],
+        "blurpool": run.cfg["blurpool"],  # the network's structure: evaluation builds the same one
         "image_size": run.cfg["image_size"],
         **run.identity.stamp(),
     }

@@ -1,33 +1,123 @@
 """The optimizer and its learning-rate schedule: SGD (nesterov) with the LR scaled linearly with the
-global batch (train.lr is for 256), linear warmup then cosine to zero, per optimizer step."""
+global batch (train.lr is for 256), per optimizer step, in one of three shapes (train.lr_schedule):
+
+- cosine: linear warmup (train.warmup_epochs), then cosine to 0 (rectrain's original schedule);
+- linear: FFCV's step-free schedule (libffcv/ffcv-imagenet train_imagenet.py, get_cyclic_lr): from
+  1e-4 x peak at epoch 0 linearly to the peak at train.lr_peak_epoch, then linearly to 0 at the last
+  epoch.  FFCV interpolates per iteration between its per-epoch values, which for a piecewise-linear
+  curve with breakpoints on epoch boundaries is the curve itself at the fractional epoch;
+- step: the classic schedule (torchvision's ResNet recipe): x train.lr_step_ratio at each epoch in
+  train.lr_step_epochs, after the linear warmup.
+
+The factor is a pure function of the optimizer step, so LambdaLR's checkpointed step count makes the
+LR exact across any resume.  Norm and bias parameters get no weight decay unless
+train.decay_norm_and_bias (FFCV's bn_wd: 0, torchvision's norm_weight_decay=0.0)."""
 
 from __future__ import annotations
 
+import bisect
 import math
+from dataclasses import dataclass
 
 import torch
 
+# Weight decay by model family when train.weight_decay is null: 5e-5 for the ResNet-18/34 family
+# (FFCV rn18_configs/*.yaml: weight_decay 5e-5), 1e-4 for everything else - torchvision's classic
+# ResNet-50 recipe (references/classification, --wd 1e-4, 76.1 % top-1) and FFCV rn50_configs/*.yaml.
+FAMILY_WEIGHT_DECAY = {"resnet18": 5.0e-5, "resnet34": 5.0e-5}
+DEFAULT_WEIGHT_DECAY = 1.0e-4
+LINEAR_START = 1e-4  # FFCV's get_cyclic_lr starts at 1e-4 x the peak LR
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warmup to 1, then cosine to 0, per optimizer step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+def weight_decay(cfg: dict) -> float:
+    """train.weight_decay, or the model family's published value when it is null."""
+    if cfg.get("weight_decay") is not None:
+        return float(cfg["weight_decay"])
+    return FAMILY_WEIGHT_DECAY.get(cfg["model"], DEFAULT_WEIGHT_DECAY)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The LR factor (of the peak) at each optimizer step."""
+
+    kind: str  # cosine | linear | step
+    steps_per_epoch: int
+    epochs: int
+    warmup_steps: int = 0
+    peak_epoch: float = 2.0
+    step_epochs: tuple[float, ...] = (30, 60, 80)
+    step_ratio: float = 0.1
+
+    def factor(self, step: int) -> float:
+        if self.kind == "linear":
+            return self._linear(step / self.steps_per_epoch)
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "step":
+            return self.step_ratio ** bisect.bisect_right(self.step_epochs, step / self.steps_per_epoch)
+        total = self.epochs * self.steps_per_epoch
+        progress = (step - self.warmup_steps) / max(1, total - self.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    def _linear(self, epoch: float) -> float:
+        peak = min(self.peak_epoch, self.epochs)
+        if epoch < peak:
+            return LINEAR_START + (1.0 - LINEAR_START) * epoch / peak
+        if epoch >= self.epochs:
+            return 0.0
+        return (self.epochs - epoch) / (self.epochs - peak)
+
+
+def schedule(cfg: dict, opt_steps_per_epoch: int) -> Schedule:
+    return Schedule(
+        kind=cfg["lr_schedule"],
+        steps_per_epoch=opt_steps_per_epoch,
+        epochs=cfg["epochs"],
+        warmup_steps=round(cfg["warmup_epochs"] * opt_steps_per_epoch),
+        peak_epoch=cfg["lr_peak_epoch"],
+        step_epochs=tuple(sorted(cfg["lr_step_epochs"])),
+        step_ratio=cfg["lr_step_ratio"],
+    )
+
+
+def is_norm_or_bias(module: torch.nn.Module, name: str) -> bool:
+    """Whether parameter `name` of `module` (its own, not a child's) is a norm layer's or a bias."""
+    norms = (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm, torch.nn.LayerNorm)
+    return isinstance(module, norms) or name == "bias"
+
+
+def param_groups(model: torch.nn.Module, decay: float, decay_norm_and_bias: bool) -> list[dict]:
+    """[decayed, not decayed] parameter groups; one group when everything decays."""
+    if decay_norm_and_bias:
+        return [{"params": list(model.parameters()), "weight_decay": decay}]
+    plain, exempt = [], []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            (exempt if is_norm_or_bias(module, name) else plain).append(p)
+    groups = [{"params": plain, "weight_decay": decay}, {"params": exempt, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def fused_supported(device: torch.device) -> bool:
+    """torch's fused SGD kernel runs on this device (CUDA and, since torch 2.4, CPU)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return device.type in _get_fused_kernels_supported_devices()
 
 
 def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int):
-    """(SGD with nesterov, warmup + cosine schedule, GradScaler for fp16) for the global batch."""
-    peak_lr = cfg["lr"] * global_batch / 256
-    total_steps = cfg["epochs"] * opt_steps_per_epoch
-    warmup_steps = round(cfg["warmup_epochs"] * opt_steps_per_epoch)
+    """(SGD with nesterov, the LR schedule, GradScaler for fp16) for the global batch.  The fused
+    kernel takes the GradScaler's scale and found-inf flag as tensors (SGD._step_supports_amp_scaling),
+    so an fp16 step skips an overflowed update on the device instead of reading the flag on the host."""
+    device = next(model.parameters()).device
     optimizer = torch.optim.SGD(
-        model.parameters(),
-        lr=peak_lr,
+        param_groups(model, weight_decay(cfg), cfg["decay_norm_and_bias"]),
+        lr=cfg["lr"] * global_batch / 256,
         momentum=cfg["momentum"],
         nesterov=cfg["nesterov"] and cfg["momentum"] > 0,
-        weight_decay=cfg["weight_decay"],
+        fused=bool(cfg["fused_sgd"]) and fused_supported(device),
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
-    scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=cfg["precision"] == "fp16")
+    sched = schedule(cfg, opt_steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: sched.factor(s))
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg["precision"] == "fp16")
     return optimizer, scheduler, scaler

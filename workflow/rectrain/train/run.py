@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rectrain import model as models
@@ -43,7 +44,13 @@ def set_backend_flags(cfg: dict, device: torch.device) -> None:
 
 def make_model(cfg: dict, num_classes: int, device: torch.device):
     """(model on device, in channels_last when asked; the loss)."""
-    model = models.build(cfg["model"], num_classes, cfg["channels_last"]).to(device)
+    model = models.build(
+        cfg["model"],
+        num_classes,
+        cfg["channels_last"],
+        zero_init_residual=cfg["zero_init_residual"],
+        blurpool=cfg["blurpool"],
+    ).to(device)
     return model, torch.nn.CrossEntropyLoss(label_smoothing=cfg["label_smoothing"])
 
 
@@ -105,7 +112,7 @@ def build_run(args: argparse.Namespace, cfg: dict, parts: RankParts, plan: Batch
     train_loader, val_loader = make_loaders(args, cfg, parts.spec, plan.batch)
     opt_steps = math.ceil(train_loader.batches_per_epoch / plan.grad_accum)
     optimizer, scheduler, scaler = make_optimizer(cfg, model, plan.global_batch, opt_steps)
-    net = wrap(model, d, cfg["compile"])
+    net = wrap(model, d, cfg, plan.grad_accum)
     step = Step(
         net, parts.loss_fn, optimizer, scheduler, scaler, plan.grad_accum, cfg["precision"], cfg["channels_last"], d
     )
@@ -139,9 +146,34 @@ def make_loaders(args: argparse.Namespace, cfg: dict, spec: LoaderSpec, batch: i
     return train_loader, build_loader(cfg["loader"], val_spec)
 
 
-def wrap(model: torch.nn.Module, d: Dist, compile_: bool) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, d: Dist, cfg: dict, grad_accum: int = 1) -> torch.nn.Module:
     """DDP across ranks, then torch.compile when asked: the network the steps run."""
-    net = model
-    if d.world_size > 1:
-        net = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    return torch.compile(net) if compile_ else net
+    net = ddp(model, d, cfg, grad_accum) if d.world_size > 1 else model
+    return torch.compile(net) if cfg["compile"] else net
+
+
+# DDP's compression hooks by train.ddp_comm_hook: gradients travel as fp16/bf16 (half the bytes of
+# an all-reduce) and are decompressed into the fp32 buckets.
+COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def ddp(model: torch.nn.Module, d: Dist, cfg: dict, grad_accum: int) -> DDP:
+    """The model under DDP with train.ddp_*: gradients as views into the all-reduce buckets (no copy
+    in and out, one gradient-sized buffer less), a static graph (every parameter used every step, as in
+    the torchvision classifiers: DDP can skip its per-step unused-parameter bookkeeping), and the
+    optional compression hook.  A static graph is only valid without gradient accumulation: torch 2.14's
+    reducer fails an internal assert (expect_autograd_hooks_) when the first backward runs under
+    no_sync, which every accumulating micro-batch does."""
+    static = bool(cfg["ddp_static_graph"]) and grad_accum == 1
+    if cfg["ddp_static_graph"] and not static and d.master:
+        log.info("DDP static_graph off: grad_accum %d runs micro-batches under no_sync, which it cannot", grad_accum)
+    net = DDP(
+        model,
+        device_ids=[d.device.index] if d.device.type == "cuda" else None,
+        gradient_as_bucket_view=cfg["ddp_bucket_view"],
+        static_graph=static,
+    )
+    hook = cfg["ddp_comm_hook"]
+    if hook != "none":
+        net.register_comm_hook(None, COMM_HOOKS[hook])
+    return net
