@@ -17,8 +17,10 @@ import torchvision
 from PIL import Image
 
 from rectrain.config import stage_block
-from rectrain.evaluate import EvalSpec, per_class, relaunch_command, run
 from rectrain.evaluate import main as evaluate_main
+from rectrain.evaluate import per_class, relaunch_command, run
+from rectrain.loaders import LoaderSpec
+from rectrain.metrics import predict, tally
 from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record, unpack_record
 
 COLOURS = [(220, 30, 30), (30, 200, 30), (30, 30, 220), (220, 220, 30)]
@@ -121,21 +123,30 @@ def cfg(loader, **kw):
     )
 
 
-def manual_predictions(vs):
+def manual_logits(vs, resize=RESIZE, crop=CROP, mirror_too=False):
     """Independent of the loaders: read every record, decode with PIL, resize + centre crop with
-    torchvision's functional API, run the model one image at a time."""
+    torchvision's functional API, run the model one image at a time (with mirror_too, also on the crop
+    mirrored by reversing its columns, the two logits averaged). (labels, logits)."""
     import torchvision.transforms.functional as TF
 
     reader = IndexedRecordReader(vs["rec"], vs["idx"])
-    truth, pred = [], []
+    truth, logits = [], []
     with torch.inference_mode():
         for key in reader.keys:
             header, data = unpack_record(reader.read(key))
-            img = TF.center_crop(TF.resize(Image.open(io.BytesIO(data)).convert("RGB"), RESIZE), CROP)
+            img = TF.center_crop(TF.resize(Image.open(io.BytesIO(data)).convert("RGB"), resize), crop)
             x = normalise(TF.pil_to_tensor(img)[None])
-            pred.append(int(vs["model"](x).argmax()))
+            out = vs["model"](x)
+            if mirror_too:
+                out = (out + vs["model"](x[..., torch.arange(crop - 1, -1, -1)])) / 2
+            logits.append(out[0])
             truth.append(int(header.label))
-    return np.array(truth), np.array(pred)
+    return np.array(truth), torch.stack(logits)
+
+
+def manual_predictions(vs, resize=RESIZE, crop=CROP):
+    truth, logits = manual_logits(vs, resize, crop)
+    return truth, logits.argmax(1).numpy()
 
 
 def evaluate(vs, loader, out, **kw):
@@ -182,9 +193,12 @@ def test_evaluation_logs_a_progress_line_per_interval_with_batch_k_of_k_and_an_e
 def test_outputs_follow_the_contract(val_set, tmp_path):
     evaluate(val_set, "torch", tmp_path)
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert set(m) == {"top1", "top5", "num_classes", "loss", "images", "images_per_s", "loader", "checkpoint", "usage"}
+    headline = {"top1", "top5", "loss", "images", "images_per_s", "crop", "resize"}
+    assert set(m) == headline | {"loader", "checkpoint", "flip_tta", "resolutions", "num_classes", "usage"}
     assert m["usage"]["cpu_s"] > 0 and m["usage"]["max_rss_mb"] > 100, "the evaluating process's own numbers"
     assert m["loader"] == "torch" and m["checkpoint"] == val_set["ckpt"] and m["images_per_s"] > 0
+    assert (m["crop"], m["resize"], m["flip_tta"]) == (CROP, RESIZE, False)
+    assert m["resolutions"] == [{k: m[k] for k in headline}]
     table = pd.read_csv(tmp_path / "per_class.csv", keep_default_na=False)
     assert list(table.columns) == [
         "label",
@@ -217,9 +231,69 @@ def test_per_class_most_confused_from_a_known_confusion_matrix():
 
 
 def test_evaluate_resize_setting_overrides_the_default():
-    spec = EvalSpec("r", "i", batch_size=8, image_size=224, train=False)
+    spec = LoaderSpec("r", "i", batch_size=8, image_size=224, train=False)
     assert spec.eval_resize == 256
-    assert EvalSpec("r", "i", batch_size=8, image_size=224, train=False, resize=288).eval_resize == 288
+    assert LoaderSpec("r", "i", batch_size=8, image_size=224, train=False, resize=288).eval_resize == 288
+
+
+@pytest.mark.parametrize("kind", ["torch", "dali"])
+def test_a_resolution_sweep_writes_one_row_per_resolution_the_first_the_headline(val_set, tmp_path, kind):
+    """[24, null, 24]: a 24 px crop from a 27 px shorter side (24 / 0.875), then the configured resize 19 +
+    crop 16; the repeated 24 is evaluated once. Each row equals an evaluation at that resolution alone."""
+    m = evaluate(val_set, kind, tmp_path / "sweep", resolutions=[24, None, 24])
+    rows = m["resolutions"]
+    assert [(r["crop"], r["resize"]) for r in rows] == [(24, 27), (CROP, RESIZE)]
+    alone = [evaluate(val_set, kind, tmp_path / str(r), resolutions=[r]) for r in (24, None)]
+    scores = ("top1", "top5", "loss", "images", "crop", "resize")
+    for r, single in zip(rows, alone, strict=True):
+        assert {k: r[k] for k in scores} == {k: single[k] for k in scores}
+        assert r["images"] == N_RECORDS and r["images_per_s"] > 0
+    assert rows[0]["loss"] != rows[1]["loss"], "two resolutions, two passes"
+    assert json.loads((tmp_path / "sweep" / "metrics.json").read_text()) == m
+    assert {k: m[k] for k in rows[0]} == rows[0], "the top-level fields are the headline's"
+    pd.testing.assert_frame_equal(
+        pd.read_csv(tmp_path / "sweep" / "per_class.csv"), pd.read_csv(tmp_path / "24" / "per_class.csv")
+    )
+
+
+def test_flip_tta_logits_are_the_mean_of_the_image_and_its_mirror_logits(val_set):
+    model = val_set["model"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 3, CROP, CROP, generator=g)
+    mirrored = x[..., torch.arange(CROP - 1, -1, -1)]
+    with torch.inference_mode():
+        plain, tta = predict(model, x), predict(model, x, flip_tta=True)
+        each = [(model(x[i : i + 1]) + model(mirrored[i : i + 1])) / 2 for i in range(3)]
+    torch.testing.assert_close(tta, torch.cat(each), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(tta, plain, atol=1e-3), "the mirror image must change the logits of noise"
+
+
+def test_the_tally_with_flip_tta_counts_the_averaged_logits(val_set):
+    """fp32 on noise images (unlike colour patches, not mirror-symmetric to the model): loss, top-1 and
+    top-5 from the mean of each image's and its mirror image's logits."""
+    model = val_set["model"]
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 3, CROP, CROP, generator=g), torch.randint(0, 4, (5,), generator=g)) for _ in range(2)]
+    ce = torch.nn.functional.cross_entropy
+    tallied = tally(model, batches, 4, torch.device("cpu"), flip_tta=True)
+    plain = tally(model, batches, 4, torch.device("cpu"))
+    with torch.inference_mode():
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        mean = (model(x) + model(x[..., torch.arange(CROP - 1, -1, -1)])) / 2
+    assert tallied.loss_sum == pytest.approx(float(ce(mean, y, reduction="sum")), rel=1e-5)
+    assert plain.loss_sum != pytest.approx(tallied.loss_sum, rel=1e-3)
+    assert int(tallied.confusion.diagonal().sum()) == int((mean.argmax(1) == y).sum())
+
+
+def test_evaluate_with_flip_tta_counts_the_averaged_logits(val_set, tmp_path):
+    m = evaluate(val_set, "torch", tmp_path, flip_tta=True)
+    truth, logits = manual_logits(val_set, mirror_too=True)
+    assert m["flip_tta"] is True and m["images"] == N_RECORDS
+    assert m["top1"] == pytest.approx((logits.argmax(1).numpy() == truth).mean())
+    ce = torch.nn.functional.cross_entropy
+    labels = torch.from_numpy(truth)
+    # the checkpoint's precision is bf16 (autocast on the CPU), the manual loop's fp32: 3e-4 apart (measured)
+    assert m["loss"] == pytest.approx(float(ce(logits, labels)), rel=0.01)
 
 
 def test_evaluation_uses_one_process_per_training_gpu_and_one_process_on_cpu():

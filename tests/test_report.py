@@ -132,6 +132,36 @@ def test_summary_data_and_stage_numbers(problem_report):
     assert "data_wait_share: 0.2" in problem_report  # the config used
 
 
+def test_a_resolution_sweep_shows_one_row_per_resolution_and_names_the_headline(tmp_path):
+    paths = write_run(tmp_path)
+    rows = [
+        {"top1": 0.6125, "top5": 0.95, "loss": 1.05, "images": 40, "images_per_s": 300.0, "crop": 256, "resize": 293},
+        {"top1": 0.5875, "top5": 0.925, "loss": 1.1, "images": 40, "images_per_s": 400.0, "crop": 224, "resize": 256},
+    ]
+    metrics = {**rows[0], "loader": "dali", "checkpoint": "model.pt", "flip_tta": True, "resolutions": rows}
+    (paths["eval"] / "metrics.json").write_text(json.dumps(metrics))
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    html = build(data, config(), repo=tmp_path)
+    assert "top-1 61.25 %, top-5 95.00 % on 40 val images at 256 px (shorter side 293, centre crop, flip TTA)" in html
+    table = _between(html, '<table id="eval-resolutions">', "</table>")
+    cells = [re.sub(r"\s+", " ", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table)]
+    assert cells == [
+        *("256 px (headline)", "293", "61.25 %", "95.00 %", "1.0500", "40", "300"),
+        *("224 px", "256", "58.75 %", "92.50 %", "1.1000", "40", "400"),
+    ]
+
+
+def test_one_resolution_is_named_in_the_summary_without_a_table(tmp_path):
+    paths = write_run(tmp_path)
+    row = {"top1": 0.575, "top5": 0.95, "loss": 1.1, "images": 40, "images_per_s": 400.0, "crop": 64, "resize": 73}
+    metrics = {**row, "loader": "dali", "checkpoint": "model.pt", "flip_tta": False, "resolutions": [row]}
+    (paths["eval"] / "metrics.json").write_text(json.dumps(metrics))
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    html = build(data, config(), repo=tmp_path)
+    assert "on 40 val images at 64 px (shorter side 73, centre crop) (dali loader" in html
+    assert 'id="eval-resolutions"' not in html
+
+
 def test_healthy_cpu_only_run_says_no_problems_and_has_no_gpu_plot(tmp_path):
     html = render(tmp_path, gpus=None, evil=False)
     assert "No problems found" in html

@@ -19,6 +19,7 @@ EXPLICIT = {
     ("train", "stop_signals"): [["SIGTERM", "SIGUSR1"], ["SIGTERM"]],
     ("evaluate", "resize"): [80, 96],
     ("evaluate", "crop"): [48, 56],
+    ("evaluate", "resolutions"): [[80, None], [None]],
     ("evaluate", "workers"): [1, 2],
     ("pack", "resize"): [80, 96],
     ("pack", "fast_storage"): ["results/fast_storage_b", "results/fast_storage_c"],

@@ -12,6 +12,12 @@ over every record exactly once. On CPU it runs as one process: a second process 
 adds start-up and gains nothing over torch's intra-op threads. It also runs correctly when started
 under torchrun by hand (gloo on CPU).
 
+Test resolutions: one pass over the .rec per entry of evaluate.resolutions (null = training's image
+size, or evaluate.resize / evaluate.crop), optionally averaging each image's logits with its mirror
+image's (evaluate.flip_tta).  metrics.json keeps the first entry's (the headline's) metrics at its top
+level, naming its crop and resize, and lists every entry's in `resolutions`; per_class.csv is the
+headline's.
+
 Model shape (architecture, classes, image size) comes from the checkpoint, so the rule's params need
 only the evaluate block; the checkpoint is loaded with weights_only=True (no pickled code runs).
 """
@@ -31,7 +37,7 @@ import torch
 from rectrain import cli, distributed, usage, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
-from rectrain.loaders import EVAL_CROP_FRACTION, LoaderSpec, build_loader, resolve_workers
+from rectrain.loaders import LoaderSpec, build_loader, eval_resize_for, resolve_workers
 from rectrain.metrics import Tally, all_reduce, tally
 from rectrain.progress import Progress
 from rectrain.tables import read_classes, spreadsheet_safe
@@ -41,14 +47,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class EvalSpec(LoaderSpec):
-    """LoaderSpec whose shorter-side resize can be set (evaluate.resize) instead of image_size/0.875."""
+class Resolution:
+    """One test resolution: images resized to `resize` on their shorter side, then centre-cropped to `crop`."""
 
-    resize: int | None = None
-
-    @property
-    def eval_resize(self) -> int:
-        return self.resize or int(round(self.image_size / EVAL_CROP_FRACTION))
+    crop: int
+    resize: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,20 +72,35 @@ def loader_kind(cfg: dict, ckpt: dict) -> str:
     return cfg["loader"] or (ckpt.get("config") or {}).get("loader") or "dali"
 
 
-def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist) -> EvalSpec:
+def resolutions(cfg: dict, ckpt: dict) -> list[Resolution]:
+    """evaluate.resolutions in order (the first is the headline), each once: null = evaluate.resize /
+    evaluate.crop, by default training's image_size / 0.875 and image_size; a number r = a centre crop of
+    r px from a shorter side of r / 0.875 (so the model can be tested above the size it trained at, as
+    FFCV tests at 256 px what it trained at 160-192)."""
+    crop = int(cfg["crop"] or ckpt["image_size"])
+    configured = Resolution(crop, int(cfg["resize"] or eval_resize_for(crop)))
+    out: list[Resolution] = []
+    for r in cfg["resolutions"]:
+        res = configured if r is None else Resolution(int(r), eval_resize_for(int(r)))
+        if res not in out:
+            out.append(res)
+    return out
+
+
+def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist, res: Resolution) -> LoaderSpec:
     train_cfg = ckpt.get("config") or {}
-    return EvalSpec(
+    return LoaderSpec(
         rec=rec,
         idx=idx,
         batch_size=int(cfg["batch_size"]),
-        image_size=int(cfg["crop"] or ckpt["image_size"]),
+        image_size=res.crop,
         train=False,
         rank=d.rank,
         world_size=d.world_size,
         workers=resolve_workers(cfg["workers"], d.local_world_size),
         device=str(d.device),
         gpu_decode=bool(train_cfg.get("gpu_decode", True)),
-        resize=cfg["resize"],
+        resize=res.resize,
     )
 
 
@@ -90,24 +108,80 @@ def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist) ->
 # The pass over the data
 
 
+@dataclass(frozen=True)
+class Passes:
+    """What every resolution's pass over the val .rec shares."""
+
+    cfg: dict
+    ckpt: dict
+    rec: str
+    idx: str
+    d: distributed.Dist
+    model: torch.nn.Module
+    kind: str  # the loader asked for
+    channels_last: bool
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.ckpt["num_classes"])
+
+
+def tally_at(p: Passes, res: Resolution, label: str) -> Tally:
+    """The val .rec at one resolution, every rank's tally summed."""
+    spec = eval_spec(p.cfg, p.ckpt, p.rec, p.idx, p.d, res)
+    log.info(
+        "rank %d/%d on %s: %s loader, resize %d + centre crop %d%s, batch %d",
+        p.d.rank,
+        p.d.world_size,
+        p.d.device,
+        p.kind,
+        res.resize,
+        res.crop,
+        " + flip TTA" if p.cfg["flip_tta"] else "",
+        spec.batch_size,
+    )
+    loader = build_loader(p.kind, spec)
+    batches = watchdog.watched(loader.epoch(0), label)
+    progress = evaluation_progress(p.cfg, p.d, loader.batches_per_epoch, label)
+    precision = (p.ckpt.get("config") or {}).get("precision", "fp32")
+    t = tally(
+        p.model,
+        batches,
+        p.num_classes,
+        p.d.device,
+        precision,
+        channels_last=p.channels_last,
+        progress=progress,
+        flip_tta=bool(p.cfg["flip_tta"]),
+    )
+    watchdog.beat("summing the ranks' tallies")
+    return all_reduce(t, p.d.device)
+
+
+def pass_label(res: Resolution, passes: int) -> str:
+    """What the progress lines and the watchdog call a pass: one resolution is just 'evaluation'."""
+    return "evaluation" if passes == 1 else f"evaluation at {res.crop} px"
+
+
 # ---------------------------------------------------------------------------------------------
 # Outputs
 
 
-def metrics(t: Tally, loader: str, checkpoint: str) -> dict:
-    n = t.images
-    if n == 0:
-        raise ValueError("the val .rec produced no images: check the pack stage's val manifest")
+def row(t: Tally, res: Resolution) -> dict:
+    """One resolution's line of metrics.json's `resolutions`."""
     return {
-        "top1": float(t.confusion.diagonal().sum()) / n,
-        "top5": t.top5_hits / n,
-        "num_classes": int(t.confusion.shape[0]),  # top-5 of 5 classes or fewer is 1.0 by construction
-        "loss": t.loss_sum / n,
-        "images": n,
-        "images_per_s": n / t.seconds if t.seconds > 0 else None,
-        "loader": loader,
-        "checkpoint": str(checkpoint),
+        **t.scores(),
+        "images": t.images,
+        "images_per_s": t.images / t.seconds if t.seconds > 0 else None,
+        "crop": res.crop,
+        "resize": res.resize,
     }
+
+
+def metrics(rows: list[dict], loader: str, checkpoint: str, flip_tta: bool) -> dict:
+    """metrics.json: the headline resolution's (the first) fields at the top level, as readers of a
+    single evaluation expect them, and every resolution's row in `resolutions`."""
+    return {**rows[0], "loader": loader, "checkpoint": str(checkpoint), "flip_tta": flip_tta, "resolutions": rows}
 
 
 def per_class(confusion: torch.Tensor, classes: pd.DataFrame) -> pd.DataFrame:
@@ -171,67 +245,69 @@ def relaunch_command(train_cfg: dict, argv: list[str], gpu_count: int) -> tuple[
     return distributed.torchrun_command(plan, "rectrain.evaluate", argv)
 
 
-def evaluation_progress(cfg: dict, d: distributed.Dist, batches: int) -> Progress | None:
+def evaluation_progress(cfg: dict, d: distributed.Dist, batches: int, label: str = "evaluation") -> Progress | None:
     """Rank 0's progress lines every evaluate.progress_s (the other ranks log none)."""
     if not d.master:
         return None
     progress = Progress(cfg["progress_s"], d.world_size)
-    progress.begin("evaluation batch", batches)
+    progress.begin(f"{label} batch", batches)
     return progress
 
 
 def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: str) -> dict | None:
-    """Evaluate in this process (one rank of torchrun, or alone). Returns the metrics on rank 0."""
+    """Evaluate in this process (one rank of torchrun, or alone), once per evaluate.resolutions entry.
+    Returns the metrics on rank 0."""
     ckpt = load_checkpoint(checkpoint)
     train_cfg = ckpt.get("config") or {}
     # The same process group set-up and collective timeout as training.
     d = distributed.setup(train_cfg.get("devices") != "cpu", train_cfg.get("collective_timeout_s", 600))
     try:
-        num_classes = int(ckpt["num_classes"])
-        classes = class_table(classes_path, num_classes)
-        model = model_from_checkpoint(ckpt).to(d.device)
-        channels_last = d.device.type == "cuda"
-        if channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        kind = loader_kind(cfg, ckpt)
-        spec = eval_spec(cfg, ckpt, rec, idx, d)
-        log.info(
-            "rank %d/%d on %s: %s loader, resize %d + centre crop %d, batch %d",
-            d.rank,
-            d.world_size,
-            d.device,
-            kind,
-            spec.eval_resize,
-            spec.image_size,
-            spec.batch_size,
-        )
-        loader = build_loader(kind, spec)
-        precision = train_cfg.get("precision", "fp32")
+        classes = class_table(classes_path, int(ckpt["num_classes"]))
+        p = passes(cfg, ckpt, rec, idx, d)
+        todo = resolutions(cfg, ckpt)
         # A rank stalled in reading leaves its peers in the all_reduce below, which the collective timeout
         # ends; but a single process, or every rank stalled at once (a hung filesystem), has no pending
         # collective: the watchdog ends those, with training's train.watchdog_s.
         with watchdog.Watchdog(train_cfg.get("watchdog_s", 900), d.rank, d.world_size, Path(out) / ".watchdog"):
-            batches = watchdog.watched(loader.epoch(0), "evaluation")
-            progress = evaluation_progress(cfg, d, loader.batches_per_epoch)
-            t = tally(model, batches, num_classes, d.device, precision, channels_last=channels_last, progress=progress)
-            watchdog.beat("summing the ranks' tallies")
-            t = all_reduce(t, d.device)
+            tallies = [tally_at(p, res, pass_label(res, len(todo))) for res in todo]
             used = usage.combined(distributed.all_gather(usage.own(), d))
         if not d.master:
             return None
-        m = {**metrics(t, kind, checkpoint), "usage": used}
-        write_outputs(Path(out), m, per_class(t.confusion, classes))
-        log.info(
-            "top-1 %.2f %%, top-5 %.2f %%, loss %.4f on %d images (%.0f img/s)",
-            100 * m["top1"],
-            100 * m["top5"],
-            m["loss"],
-            m["images"],
-            m["images_per_s"] or 0,
-        )
+        rows = [row(t, res) for t, res in zip(tallies, todo, strict=True)]
+        m = metrics(rows, p.kind, checkpoint, bool(cfg["flip_tta"]))
+        # num_classes: top-5 of 5 classes or fewer is 1.0 by construction; usage: this stage's own CPU and memory
+        m.update(num_classes=int(tallies[0].confusion.shape[0]), usage=used)
+        write_outputs(Path(out), m, per_class(tallies[0].confusion, classes))
+        log_rows(rows, bool(cfg["flip_tta"]))
         return m
     finally:
         distributed.teardown()
+
+
+def passes(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist) -> Passes:
+    """The model on this rank's device (channels_last on a GPU) and what each pass needs beside it."""
+    model = model_from_checkpoint(ckpt).to(d.device)
+    channels_last = d.device.type == "cuda"
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return Passes(cfg, ckpt, rec, idx, d, model, loader_kind(cfg, ckpt), channels_last)
+
+
+def log_rows(rows: list[dict], flip_tta: bool) -> None:
+    tta = ", flip TTA" if flip_tta else ""
+    for k, r in enumerate(rows):
+        log.info(
+            "%s%d px (resize %d%s): top-1 %.2f %%, top-5 %.2f %%, loss %.4f on %d images (%.0f img/s)",
+            "headline, " if k == 0 and len(rows) > 1 else "",
+            r["crop"],
+            r["resize"],
+            tta,
+            100 * r["top1"],
+            100 * r["top5"],
+            r["loss"],
+            r["images"],
+            r["images_per_s"] or 0,
+        )
 
 
 def _arguments(ap: argparse.ArgumentParser) -> None:

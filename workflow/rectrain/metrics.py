@@ -31,6 +31,26 @@ class Tally:
     def images(self) -> int:
         return int(self.confusion.sum())
 
+    def scores(self) -> dict:
+        """top1, top5 and the mean loss over the images counted (a tally of none has no scores)."""
+        n = self.images
+        if n == 0:
+            raise ValueError("the val .rec produced no images: check the pack stage's val manifest")
+        return {
+            "top1": float(self.confusion.diagonal().sum()) / n,
+            "top5": self.top5_hits / n,
+            "loss": self.loss_sum / n,
+        }
+
+
+def predict(model: torch.nn.Module, images: torch.Tensor, flip_tta: bool = False) -> torch.Tensor:
+    """float32 logits of a batch; with flip_tta the mean of the images' and their mirror images' logits
+    (horizontal-flip test-time augmentation, as FFCV's ImageNet evaluation does)."""
+    logits = model(images).float()
+    if flip_tta:
+        logits = (logits + model(images.flip(3)).float()) / 2
+    return logits
+
 
 @torch.inference_mode()
 def tally(
@@ -42,10 +62,11 @@ def tally(
     *,
     channels_last: bool = False,
     progress: Progress | None = None,
+    flip_tta: bool = False,
 ) -> Tally:
     """Confusion matrix, top-5 hits and summed cross-entropy over (images, labels) batches.  The evaluate
     stage and training's per-epoch validation both count with this.  With `progress` (rank 0, begun
-    for this pass) it logs progress lines from clock marks read once per line."""
+    for this pass) it logs progress lines from clock marks read once per line; flip_tta: see predict."""
     t = Tally(confusion=torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device))
     k = min(5, num_classes)
     hits = torch.zeros((), dtype=torch.int64, device=device)
@@ -59,8 +80,7 @@ def tally(
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with models.autocast(device, precision):
-            logits = model(images)
-        logits = logits.float()
+            logits = predict(model, images, flip_tta)
         loss += F.cross_entropy(logits, labels, reduction="sum").double()
         topk = logits.topk(k, dim=1).indices
         hits += (topk == labels[:, None]).any(dim=1).sum()

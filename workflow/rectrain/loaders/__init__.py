@@ -3,7 +3,8 @@
 Both yield (images, labels): images float32 NCHW normalised with the ImageNet mean/std on the loader's
 device, labels int64 taken from each record's IRHeader (so they agree with the index by construction).
 Same augmentation semantics in both: train = random-resized-crop (scale 0.08-1, ratio 3/4-4/3) to
-image_size + horizontal flip; eval = resize the shorter side to image_size/0.875 + centre crop.
+image_size + horizontal flip; eval = resize the shorter side to `resize` (default image_size/0.875) +
+centre crop to image_size (rectrain.evaluate tests several such resolutions in one run).
 
 Sharding and the last batch (the part that makes or breaks DDP):
 - train: every rank yields the same number of FULL batches, ceil(ceil(N / world) / batch) of them;
@@ -83,6 +84,7 @@ class LoaderSpec:
     gpu_decode: bool = True  # decode JPEGs on the GPU when device is cuda
     seed: int = 0
     dali: DaliOptions = field(default_factory=DaliOptions.defaults)
+    resize: int | None = None  # eval: the shorter side before the centre crop; None = image_size / 0.875
 
     @property
     def on_gpu(self) -> bool:
@@ -90,7 +92,13 @@ class LoaderSpec:
 
     @property
     def eval_resize(self) -> int:
-        return int(round(self.image_size / EVAL_CROP_FRACTION))
+        return self.resize or eval_resize_for(self.image_size)
+
+
+def eval_resize_for(crop: int) -> int:
+    """The shorter side a centre crop of `crop` px is taken from: the crop is 0.875 of it, as in
+    torchvision's and FFCV's ImageNet evaluation (224 of 256)."""
+    return int(round(crop / EVAL_CROP_FRACTION))
 
 
 def resolve_workers(setting: int | str, local_ranks: int, cores: int | None = None) -> int:

@@ -269,6 +269,12 @@ def summary(data: RunData, config: dict, rates: dict) -> dict:
         "eval_images": metrics.get("images"),
         "eval_loader": metrics.get("loader"),
         "eval_img_s": metrics.get("images_per_s"),
+        # the headline's resolution (absent from a metrics.json written before evaluate.resolutions) and
+        # one row per resolution tested, the headline first
+        "eval_crop": metrics.get("crop"),
+        "eval_resize": metrics.get("resize"),
+        "eval_flip_tta": bool(metrics.get("flip_tta")),
+        "eval_rows": metrics.get("resolutions") or [],
         # no evaluate stage ran: the dataset has no val split (index.absent_splits)
         "no_val": not data.paths.get("eval") and not metrics,
         "train_img_s": rates["total"],

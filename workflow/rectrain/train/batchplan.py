@@ -168,13 +168,20 @@ def loader_spec(cfg: dict, d: Dist, rec: str, idx: str, workers: int) -> LoaderS
     )
 
 
+def val_loader_spec(cfg: dict, spec: LoaderSpec, rec: str, idx: str) -> LoaderSpec:
+    """The per-epoch validation loader's, from the train loader's `spec`: every record once, a centre
+    crop of train.val_resolution (null = image_size) from a shorter side of it / 0.875."""
+    return dataclasses.replace(spec, rec=rec, idx=idx, train=False, image_size=cfg["val_resolution"] or spec.image_size)
+
+
 def preflight_inputs(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None):
     """(the trial step, what will be held beside it) for choose_batch."""
     spec = spec or loader_spec(cfg, d, "", "", resolve_workers(cfg["workers"], d.local_world_size))
     choice = resolve_loader(cfg["loader"], spec)
     held = (
         memory.loader_reservation(choice, spec, "training"),
-        memory.loader_reservation(choice, spec, "validation"),  # its pipeline stays built for the whole run
+        # its pipeline stays built for the whole run
+        memory.loader_reservation(choice, val_loader_spec(cfg, spec, spec.rec, spec.idx), "validation"),
         memory.ddp_reservation(model, d.world_size),
     )
     trial = memory.Trial(

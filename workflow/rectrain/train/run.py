@@ -24,7 +24,7 @@ from rectrain.distributed import Dist
 from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
 from rectrain.tables import read_classes
 from rectrain.train import checkpoint as ckpt
-from rectrain.train.batchplan import BatchPlan, loader_spec
+from rectrain.train.batchplan import BatchPlan, loader_spec, val_loader_spec
 from rectrain.train.optim import make_optimizer
 from rectrain.train.step import Step
 
@@ -142,7 +142,7 @@ def make_loaders(args: argparse.Namespace, cfg: dict, spec: LoaderSpec, batch: i
     if not args.val_rec:
         log.info("no val split (--val-rec not given, index.absent_splits): epochs are not validated")
         return train_loader, None
-    val_spec = dataclasses.replace(spec, rec=args.val_rec, idx=args.val_idx, batch_size=batch, train=False)
+    val_spec = dataclasses.replace(val_loader_spec(cfg, spec, args.val_rec, args.val_idx), batch_size=batch)
     return train_loader, build_loader(cfg["loader"], val_spec)
 
 
