@@ -198,7 +198,13 @@ def smk(work: Path, *args, config: str = "byo.yaml", timeout=600):
 def test_the_dry_run_checks_the_pair_instead_of_indexing_and_packing(work):
     proc = smk(work, "-n", "results/report.html")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert scheduled_rules(proc.stdout) == {"check_recordio": 1, "train": 1, "evaluate": 1, "report": 1}
+    assert scheduled_rules(proc.stdout) == {
+        "check_recordio": 1,
+        "train": 1,
+        "evaluate": 1,
+        "report": 1,
+        "current_report": 1,
+    }
 
 
 def test_without_a_val_pair_the_dry_run_leaves_evaluate_out(work):
@@ -207,7 +213,7 @@ def test_without_a_val_pair_the_dry_run_leaves_evaluate_out(work):
     (work / "trainonly.yaml").write_text(yaml.safe_dump(config))
     proc = smk(work, "-n", "results/report.html", config="trainonly.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert scheduled_rules(proc.stdout) == {"check_recordio": 1, "train": 1, "report": 1}
+    assert scheduled_rules(proc.stdout) == {"check_recordio": 1, "train": 1, "report": 1, "current_report": 1}
     assert "val.rec" not in proc.stdout
 
 

@@ -138,7 +138,14 @@ def test_a_resolution_sweep_shows_one_row_per_resolution_and_names_the_headline(
         {"top1": 0.6125, "top5": 0.95, "loss": 1.05, "images": 40, "images_per_s": 300.0, "crop": 256, "resize": 293},
         {"top1": 0.5875, "top5": 0.925, "loss": 1.1, "images": 40, "images_per_s": 400.0, "crop": 224, "resize": 256},
     ]
-    metrics = {**rows[0], "loader": "dali", "checkpoint": "model.pt", "flip_tta": True, "resolutions": rows}
+    metrics = {
+        **rows[0],
+        "loader": "dali",
+        "checkpoint": "model.pt",
+        "flip_tta": True,
+        "resolutions": rows,
+        "num_classes": 10,
+    }
     (paths["eval"] / "metrics.json").write_text(json.dumps(metrics))
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     html = build(data, config(), repo=tmp_path)
@@ -154,7 +161,14 @@ def test_a_resolution_sweep_shows_one_row_per_resolution_and_names_the_headline(
 def test_one_resolution_is_named_in_the_summary_without_a_table(tmp_path):
     paths = write_run(tmp_path)
     row = {"top1": 0.575, "top5": 0.95, "loss": 1.1, "images": 40, "images_per_s": 400.0, "crop": 64, "resize": 73}
-    metrics = {**row, "loader": "dali", "checkpoint": "model.pt", "flip_tta": False, "resolutions": [row]}
+    metrics = {
+        **row,
+        "loader": "dali",
+        "checkpoint": "model.pt",
+        "flip_tta": False,
+        "resolutions": [row],
+        "num_classes": 10,
+    }
     (paths["eval"] / "metrics.json").write_text(json.dumps(metrics))
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     html = build(data, config(), repo=tmp_path)
