@@ -5,16 +5,14 @@ gets the schema's defaults. README, "Your own dataset": how config files combine
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, snakemake
+from helpers import REPO, copy_workflow, snakemake
 
 from rectrain.config import load_schema
 
-WORKFLOW_PARTS = ["Snakefile", "workflow", "config", "envs", "profiles"]
 SCHEMA = load_schema(REPO / "config" / "schema.yaml")
 DEMO = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
 MARK = "PROBE-CONFIG "
@@ -24,10 +22,7 @@ MARK = "PROBE-CONFIG "
 def probe(tmp_path_factory) -> Path:
     """A copy of the workflow plus probe.smk: the real Snakefile, then the config it ended with."""
     work = tmp_path_factory.mktemp("probe")
-    for part in WORKFLOW_PARTS:
-        src = REPO / part
-        copy = shutil.copytree if src.is_dir() else shutil.copy2
-        copy(src, work / part, **({"ignore": shutil.ignore_patterns("__pycache__")} if src.is_dir() else {}))
+    copy_workflow(work)
     (work / "probe.smk").write_text(f'include: "Snakefile"\n\n\nprint("{MARK}" + json.dumps(config))\n')
     return work
 

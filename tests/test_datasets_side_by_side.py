@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, scheduled_rules, snakemake
+from helpers import copy_workflow, scheduled_rules, snakemake
 from helpers.packdata import jpeg, photo
 from helpers.train_data import TINY_TRAIN
 
 pytestmark = pytest.mark.slow
 
-WORKFLOW_PARTS = ["Snakefile", "workflow", "config", "envs", "profiles"]
 TRAIN = {**TINY_TRAIN, "epochs": 1}
 DEMO = {"classes": 3, "train_per_class": 8, "val_per_class": 2, "min_size": 40, "max_size": 64, "bad_files": False}
 DATASETS = ("demo", "mydata")
@@ -37,13 +35,7 @@ def custom_tree(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """Both datasets run, the demo first, each through `snakemake results/report.html`."""
-    work = tmp_path_factory.mktemp("two")
-    for part in WORKFLOW_PARTS:
-        src = REPO / part
-        if src.is_dir():
-            shutil.copytree(src, work / part, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, work / part)
+    work = copy_workflow(tmp_path_factory.mktemp("two"))
     configs = {
         "demo": {"demo": DEMO, "train": TRAIN},
         "mydata": {"dataset": "mydata", "raw": str(custom_tree(work / "mydata-raw")), "train": TRAIN},

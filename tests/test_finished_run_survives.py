@@ -5,17 +5,15 @@ good config publishes it again without training; --forcerun train still trains a
 edited and edited back brings the finished run back from checkpoints/replaced/."""
 
 import os
-import shutil
 
 import pytest
 import yaml
-from helpers import REPO, scheduled_rules, snakemake
+from helpers import copy_workflow, scheduled_rules, snakemake
 
 from rectrain.train.checkpoint import load
 
 pytestmark = pytest.mark.slow
 
-WORKFLOW_PARTS = ["Snakefile", "workflow", "config", "envs", "profiles"]
 TINY = {
     "demo": {
         "classes": 3,
@@ -47,13 +45,7 @@ PUBLISHED = ["model.pt", "steps.csv", "epochs.csv", "system.csv", "run.json"]
 def work(tmp_path_factory):
     """A scratch copy of the workflow, a finished tiny run in it, and good.yaml / gpu.yaml beside it."""
     work = tmp_path_factory.mktemp("survive")
-    for part in WORKFLOW_PARTS:
-        copy = shutil.copytree if (REPO / part).is_dir() else shutil.copy2
-        copy(
-            REPO / part,
-            work / part,
-            **({"ignore": shutil.ignore_patterns("__pycache__")} if part != "Snakefile" else {}),
-        )
+    copy_workflow(work)
     (work / "good.yaml").write_text(yaml.safe_dump(TINY))
     (work / "gpu.yaml").write_text(yaml.safe_dump({**TINY, "train": {**TINY["train"], "devices": [0]}}))
     proc = smk(work, "good.yaml", "--cores", "2")

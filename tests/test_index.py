@@ -12,21 +12,13 @@ from collections import Counter
 from pathlib import Path, PurePosixPath
 
 import pytest
+from helpers.packdata import TINY_DEMO
 
 from rectrain.data import demo, index
 from rectrain.data.archives import SourceReader, UnsafeArchiveMember
 from rectrain.data.index import LayoutError, discover, write_index
 
-CFG = {
-    "classes": 4,
-    "train_per_class": 3,
-    "val_per_class": 2,
-    "min_size": 24,
-    "max_size": 40,
-    "quality": 80,
-    "seed": 7,
-    "bad_files": True,
-}
+CFG = {**TINY_DEMO, "bad_files": True}
 LAYOUTS = ["folders", "flat-kaggle", "flat-devkit", "archives"]
 
 

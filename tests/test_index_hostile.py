@@ -17,30 +17,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.packdata import TINY_DEMO, TINY_WNIDS, tiny_demo_raw
 
 from rectrain.data import archives, demo, index
 from rectrain.data.archives import TRAIN_TAR, VAL_TAR, CorruptArchive
 from rectrain.data.demo import tar_bytes
 from rectrain.data.index import LayoutError, discover
 
-CFG = {
-    "classes": 4,
-    "train_per_class": 3,
-    "val_per_class": 2,
-    "min_size": 24,
-    "max_size": 40,
-    "quality": 80,
-    "seed": 7,
-    "bad_files": False,
-}
-WNIDS = [wnid for wnid, _ in demo.class_list(4)]
+CFG = TINY_DEMO
+WNIDS = TINY_WNIDS
 
 
 @pytest.fixture(scope="module")
 def demo_raw(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hostile") / "raw"
-    demo.generate(CFG, out)
-    return out
+    return tiny_demo_raw(tmp_path_factory, "hostile")
 
 
 def kaggle_flat(demo_raw: Path, root: Path) -> Path:

@@ -12,32 +12,22 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.packdata import TINY_DEMO, TINY_WNIDS, tiny_demo_raw
 
 from rectrain import log
-from rectrain.data import demo, index
+from rectrain.data import index
 from rectrain.data.archives import DEVKIT_TGZ, TRAIN_TAR, UnsafeArchiveMember
 from rectrain.data.demo import tar_bytes
 from rectrain.data.index import LayoutError, discover
 
-CFG = {
-    "classes": 4,
-    "train_per_class": 3,
-    "val_per_class": 2,
-    "min_size": 24,
-    "max_size": 40,
-    "quality": 80,
-    "seed": 7,
-    "bad_files": False,
-}
-WNIDS = [wnid for wnid, _ in demo.class_list(4)]
+CFG = TINY_DEMO
+WNIDS = TINY_WNIDS
 DEPTH = 1200  # deeper than Python's default recursion limit (1000)
 
 
 @pytest.fixture(scope="module")
 def demo_raw(tmp_path_factory):
-    out = tmp_path_factory.mktemp("safe") / "raw"
-    demo.generate(CFG, out)
-    return out
+    return tiny_demo_raw(tmp_path_factory, "safe")
 
 
 def foldered(demo_raw: Path, root: Path) -> Path:

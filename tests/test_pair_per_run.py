@@ -4,28 +4,20 @@ so Snakemake never deletes the first run's published pair to make room for its p
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, snakemake
+from helpers import copy_workflow, snakemake
 
 pytestmark = pytest.mark.slow
 
-WORKFLOW_PARTS = ["Snakefile", "workflow", "config", "envs", "profiles"]
 DEMO = {"classes": 3, "train_per_class": 6, "val_per_class": 2, "min_size": 40, "max_size": 64, "bad_files": False}
 PACKED = ["results/demo/pack/train.manifest.json", "results/demo/pack/val.manifest.json"]
 
 
 def working_directory(root: Path, fast: Path) -> Path:
-    root.mkdir()
-    for part in WORKFLOW_PARTS:
-        src = REPO / part
-        if src.is_dir():
-            shutil.copytree(src, root / part, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, root / part)
+    copy_workflow(root)
     (root / "run.yaml").write_text(yaml.safe_dump({"demo": DEMO, "pack": {"fast_storage": str(fast)}}))
     return root
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, VENV_BIN, scheduled_rules, snakemake
+from helpers import VENV_BIN, copy_workflow, scheduled_rules, snakemake
 from helpers.config_edits import another_value, block_keys, filled
 
 from rectrain.sources import STAGE_ENTRIES, stage_sources
@@ -33,7 +33,6 @@ pytestmark = pytest.mark.slow
 CHAIN = ["demo_data", "index_raw", "pack", "train", "evaluate", "report"]
 DOWNSTREAM_OF_TRAIN = {"train", "evaluate", "report"}
 DOWNSTREAM_OF_PACK = {"pack", "train", "evaluate", "report"}
-WORKFLOW_PARTS = ["Snakefile", "workflow", "config", "envs", "profiles"]
 # One output of each stage's job in the demo config: the target that isolates that stage.
 STAGE_TARGET = {
     "demo_data": "results/demo/raw/.done",
@@ -69,13 +68,7 @@ class Pipeline:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    work = tmp_path_factory.mktemp("pipeline")
-    for part in WORKFLOW_PARTS:
-        src = REPO / part
-        if src.is_dir():
-            shutil.copytree(src, work / part, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, work / part)
+    work = copy_workflow(tmp_path_factory.mktemp("pipeline"))
     config = yaml.safe_load((work / "config" / "config.yaml").read_text())
     run = Pipeline(work, config)
     proc = run.smk("--cores", "2", "results/report.html", timeout=1200)

@@ -217,32 +217,44 @@ def copy_repo(dst: Path) -> Path:
     return dst
 
 
-def test_demo_pipeline_runs_as_slurm_jobs_to_the_report(slurm_cluster, tmp_path):
-    work = copy_repo(tmp_path / "rectrain")
-    (work / "test-cluster.yaml").write_text(TEST_CONFIG)
+def cluster_env(tmp_path: Path, **extra: str) -> dict:
+    """The environment Snakemake runs in on the login node: no SLURM_/SBATCH_/RECTRAIN_ variables of
+    ours, this venv first, CPU-only nodes, and TMPDIR the folder each node stages the pairs into."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "RECTRAIN_"))}
+    (tmp_path / "node-local").mkdir()
     env.update(
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
         RECTRAIN_GPUS_PER_NODE="0",  # these nodes have no GPUs
         TMPDIR=str(tmp_path / "node-local"),
-    )  # where each node stages the .rec/.idx pairs
-    (tmp_path / "node-local").mkdir()
+        **extra,
+    )
+    return env
+
+
+def profile_run(target: str, *configfiles: str) -> list[str]:
+    """`snakemake <target> --workflow-profile profiles/slurm ... --configfile <files>` for this cluster."""
+    return [
+        str(VENV_BIN / "snakemake"),
+        target,
+        "--workflow-profile",
+        "profiles/slurm",
+        # No accounting database on this test cluster: job states come from squeue (MinJobAge=600).
+        "--slurm-status-command",
+        "squeue",
+        "--slurm-init-seconds-before-status-checks",
+        "2",
+        "--configfile",
+        *configfiles,
+    ]
+
+
+def test_demo_pipeline_runs_as_slurm_jobs_to_the_report(slurm_cluster, tmp_path):
+    work = copy_repo(tmp_path / "rectrain")
+    (work / "test-cluster.yaml").write_text(TEST_CONFIG)
+    env = cluster_env(tmp_path)
     started = time.monotonic()
     proc = subprocess.run(
-        [
-            str(VENV_BIN / "snakemake"),
-            "results/report.html",
-            "--workflow-profile",
-            "profiles/slurm",
-            # No accounting database on this test cluster: job states come from squeue (MinJobAge=600).
-            "--slurm-status-command",
-            "squeue",
-            "--slurm-init-seconds-before-status-checks",
-            "2",
-            "--configfile",
-            "config/config.yaml",
-            "test-cluster.yaml",
-        ],
+        profile_run("results/report.html", "config/config.yaml", "test-cluster.yaml"),
         cwd=work,
         env=env,
         capture_output=True,
@@ -314,27 +326,9 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     # 8 epochs of 2 steps per rank (10-30 s an epoch here): still training when the warning comes
     # (SLURM checks the limits every ~30 s).
     (work / "test-cluster.yaml").write_text(TEST_CONFIG.replace("epochs: 1,", "epochs: 8, checkpoint_interval_min: 0,"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "RECTRAIN_"))}
-    env.update(
-        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
-        RECTRAIN_GPUS_PER_NODE="0",
-        RECTRAIN_SLURM_WARNING_S="600",
-        TMPDIR=str(tmp_path / "node-local"),
-    )
-    (tmp_path / "node-local").mkdir()
+    env = cluster_env(tmp_path, RECTRAIN_SLURM_WARNING_S="600")
     out = tmp_path / "snakemake.out"
-    argv = [
-        str(VENV_BIN / "snakemake"),
-        "results/demo/train/model.pt",
-        "--workflow-profile",
-        "profiles/slurm",
-        "--slurm-status-command",
-        "squeue",
-        "--slurm-init-seconds-before-status-checks",
-        "2",
-        "--configfile",
-        "test-cluster.yaml",
-    ]
+    argv = profile_run("results/demo/train/model.pt", "test-cluster.yaml")
     with open(out, "w") as sink:
         proc = subprocess.Popen(argv, cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
     try:

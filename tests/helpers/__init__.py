@@ -1,14 +1,29 @@
 """Test helpers shared by several test modules (tests import them from here, never from conftest.py
-or from another test module): the repo root, this checkout's Snakemake, dry-run parsing."""
+or from another test module): the repo root, this checkout's Snakemake, a copy of the workflow, dry-run parsing."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
+# What a working directory of its own needs to run the workflow (no results, logs or .snakemake).
+WORKFLOW_PARTS = ["Snakefile", "workflow", "config", "envs", "profiles"]
+
+
+def copy_workflow(dst: Path) -> Path:
+    """This checkout's workflow files copied into `dst` (made if missing), without __pycache__."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for part in WORKFLOW_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(src, dst / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst / part)
+    return dst
 
 
 def snakemake(*args, cwd=REPO, timeout=300, check=False, snakefile=None):

@@ -16,6 +16,27 @@ from PIL import Image
 from rectrain.data import demo
 from rectrain.data.images import read_jpeg_header
 
+# A 4-class demo of 3 + 2 small images per class, without planted defects: the index tests' raw root.
+TINY_DEMO = {
+    "classes": 4,
+    "train_per_class": 3,
+    "val_per_class": 2,
+    "min_size": 24,
+    "max_size": 40,
+    "quality": 80,
+    "seed": 7,
+    "bad_files": False,
+}
+TINY_WNIDS = [wnid for wnid, _ in demo.class_list(TINY_DEMO["classes"])]
+
+
+def tiny_demo_raw(tmp_path_factory, name: str) -> Path:
+    """TINY_DEMO generated under a fresh temporary folder `name`; its raw root."""
+    out = tmp_path_factory.mktemp(name) / "raw"
+    demo.generate(TINY_DEMO, out)
+    return out
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 
