@@ -1,4 +1,4 @@
-"""Small parts of the training stage: schedule, checkpoint files, telemetry CSVs, resume decisions."""
+"""Small parts of the training stage: checkpoint files, telemetry CSVs, resume decisions."""
 
 import csv
 import random
@@ -10,14 +10,6 @@ from helpers.train_data import run_identity
 
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import telemetry
-from rectrain.train.optim import lr_factor
-
-
-def test_lr_warms_up_linearly_then_decays_to_zero_by_cosine():
-    f = [lr_factor(s, warmup_steps=10, total_steps=110) for s in range(110)]
-    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
-    assert f[10] == pytest.approx(1.0) and f[60] == pytest.approx(0.5)
-    assert all(a >= b for a, b in zip(f[10:], f[11:], strict=False)) and f[-1] < 1e-3
 
 
 def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
