@@ -49,7 +49,14 @@ def test_every_key_named_like_a_path_is_marked_x_path_so_it_is_expanded():
     schema = load_schema(SCHEMA)
     marked = {".".join(k) for k in path_keys(schema)}
     byo = {f"recordio.{split}.{kind}" for split in ("train", "val") for kind in ("rec", "idx", "lst")}
-    assert marked == {"raw", "pack.fast_storage", "pack.local_storage", "recordio.classes", *byo}
+    assert marked == {
+        "raw",
+        "pack.fast_storage",
+        "pack.local_storage",
+        "index.allow_outside_root",
+        "recordio.classes",
+        *byo,
+    }
 
     def named_like_paths(spec, path=()):
         for name, sub in spec.get("properties", {}).items():
@@ -105,13 +112,14 @@ def test_dry_run_reads_a_raw_root_and_fast_storage_given_with_tilde_and_a_variab
         "results/report.html",
         "--config",
         "raw=~/data/raw",
+        "dataset=mine",
         "pack={fast_storage: $RECTRAIN_TEST_SSD}",
         timeout=180,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert f"--raw {home}/data/raw " in out, "the index rule reads the expanded raw root"
-    assert f"{tmp_path}/ssd/demo/train.rec" in out, "the pack writes under the expanded fast storage"
+    assert f"{tmp_path}/ssd/mine/train.rec" in out, "the pack writes under the expanded fast storage"
 
 
 def test_path_key_whose_variable_is_empty_is_refused(home, monkeypatch):

@@ -212,7 +212,7 @@ def fake_run(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     return SimpleNamespace(
         ck_dir=tmp_path / "checkpoints",
-        cfg={"model": "linear", "image_size": 8},
+        cfg={"model": "linear", "image_size": 8, "blurpool": False},
         classes=[0] * 64,
         d=Dist(0, 1, 0, 1, torch.device("cpu")),
         identity=run_identity(world_size=1),

@@ -159,13 +159,17 @@ def path_keys(schema: dict, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]
 
 
 def _path_slots(config: dict, schema: dict):
-    """(dotted key, the dict holding it, its name) for every path key set to a string."""
+    """(dotted key, the dict or list holding it, its name or index) for every path key set to a string,
+    and for each string of a path key set to a list of them (index.allow_outside_root)."""
     for keys in path_keys(schema):
         block = config
         for key in keys[:-1]:
             block = block.get(key) if isinstance(block, dict) else None
-        if isinstance(block, dict) and isinstance(block.get(keys[-1]), str):
+        value = block.get(keys[-1]) if isinstance(block, dict) else None
+        if isinstance(value, str):
             yield key_path(keys), block, keys[-1]
+        elif isinstance(value, list):
+            yield from ((f"{key_path(keys)}[{i}]", value, i) for i, item in enumerate(value) if isinstance(item, str))
 
 
 def path_values(config: dict, schema: dict) -> dict[str, str]:
