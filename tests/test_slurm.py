@@ -367,5 +367,7 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     info = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
     assert info["resumed_from_epoch"] >= 1, info
     with open(work / "results" / "demo" / "train" / "steps.csv") as f:
-        rows = [tuple(line.split(",")[:3]) for line in f.read().splitlines()[1:]]
-    assert len(rows) == len(set(rows)) == 2 * 8 * 2, "every (rank, epoch, step) once: 2 ranks, 8 epochs of 2 steps"
+        rows = [tuple(int(v) for v in line.split(",")[:3]) for line in f.read().splitlines()[1:]]
+    steps = 1 + max(step for _, _, step in rows)
+    grid = {(rank, epoch, step) for rank in range(2) for epoch in range(8) for step in range(steps)}
+    assert len(rows) == len(set(rows)) and set(rows) == grid, "every (rank, epoch, step) once across the requeue"
