@@ -241,7 +241,7 @@ def test_an_im2rec_pair_trains_evaluates_and_the_report_says_where_the_data_came
     for key, value, expected in [
         ("threads", 1, set()),
         ("progress_s", 1, set()),
-        ("order", "shuffle", {"check_recordio", "train", "evaluate", "report"}),
+        ("order", "shuffle", {"check_recordio", "train", "evaluate", "report", "current_report"}),
     ]:
         config = yaml.safe_load((work / "byo.yaml").read_text())
         config["recordio"][key] = value

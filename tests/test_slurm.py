@@ -303,6 +303,11 @@ def job_state(job_id: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
+def nodes_idle() -> bool:
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True).stdout.split()
+    return bool(states) and all(state == "idle" for state in states)
+
+
 def wait_for(what: str, check, proc, timeout: float, out: Path):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -350,6 +355,18 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
         # The job's end is now at most 5 min away: inside the 600 s warning, so SLURM signals it.
         subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"], check=True)
         wait_for("the requeue", lambda: job_state(job) in ("PENDING", "REQUEUED", "REQUEUE_HOLD"), proc, 240, out)
+        # SLURM revokes the first start's job credential at the requeue, in whole seconds: a start within
+        # the same second, or while the nodes still complete the first start, is killed ("Job credential
+        # revoked") and fails the job.  SLURM's own hold after a requeue avoids that; the test waits for
+        # the nodes to be idle and a later second instead.
+        requeued = time.time()
+        wait_for(
+            "the nodes to finish the first start",
+            lambda: job_state(job) in ("PENDING", "REQUEUE_HOLD") and nodes_idle() and time.time() > requeued + 2,
+            proc,
+            120,
+            out,
+        )
         subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=60"], check=True)
         subprocess.run(["scontrol", "release", job], capture_output=True)
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
