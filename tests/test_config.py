@@ -170,6 +170,22 @@ def test_pack_resize_below_train_image_size_warns(caplog):
     assert any("'pack.resize' = 32" in r.message and "'train.image_size' = 64" in r.message for r in caplog.records)
 
 
+def test_pack_resize_and_max_side_together_are_refused_naming_both_keys_and_the_fix():
+    message = refusal({"pack": {"resize": 256, "max_side": 500}})
+    assert "'pack.resize' = 256 and 'pack.max_side' = 500 are both set" in message
+    assert "pack.resize: 0" in message and "pack.max_side: null" in message
+
+
+def test_pack_max_side_whose_4_3_shorter_side_is_below_train_image_size_warns(caplog):
+    with caplog.at_level("WARNING", logger="rectrain.snakefile.checks"):
+        check_config(merged({"pack": {"max_side": 80}, "train": {"image_size": 64}}), SCHEMA, workdir=REPO)
+        quiet = len(caplog.records)
+        check_config(merged({"pack": {"max_side": 86}, "train": {"image_size": 64}}), SCHEMA, workdir=REPO)
+    warned = [r.message for r in caplog.records[:quiet] if "'pack.max_side' = 80" in r.message]
+    assert warned and "80x60" in warned[0] and "pack.max_side >= 86" in warned[0], warned
+    assert not any("pack.max_side" in r.message for r in caplog.records[quiet:]), "86x64 holds a 64 px crop"
+
+
 def test_global_batch_without_auto_batch_warns(caplog):
     with caplog.at_level("WARNING", logger="rectrain.snakefile.checks"):
         check_config(merged({"train": {"global_batch": 512, "batch_size": 32}}), SCHEMA, workdir=REPO)

@@ -276,6 +276,19 @@ def test_loader_that_cannot_keep_up_gets_the_fixes_its_evidence_supports():
     assert "contention" not in found and "cpu_bound" not in found
 
 
+def test_an_input_bound_run_on_large_photos_is_advised_max_side_and_on_imagenet_sizes_resize():
+    run = calibrated(128.0, decode="cpu: DALI (libjpeg-turbo) in train.workers threads", workers=2)
+    photos = pd.DataFrame({"width": [4000, 3000] * 4, "height": [3000, 4000] * 4})
+    fix = run_diag(wait={0: 0.35, 1: 0.30}, run=run, cpu=95.0, sizes=photos)["input_bound"].fix
+    # 12 Mpx -> 500x375: 98 % of the pixels go, nearly resize 80's 100 %
+    assert "pack.max_side: 500, now pass-through" in fix and "pack.resize: 80" in fix
+    assert "0.19 Mpx at 500 px on the longest side, so about 98 % less decode work, nearly the 100 %" in fix
+    # ImageNet's 500x375: max_side 500 removes nothing, so the advice stays resize
+    imagenet = pd.DataFrame({"width": [500] * 8, "height": [375] * 8})
+    fix = run_diag(wait={0: 0.35, 1: 0.30}, run=run, cpu=95.0, sizes=imagenet)["input_bound"].fix
+    assert "pack.max_side" not in fix and "pack.resize: 80, now pass-through" in fix
+
+
 def test_low_efficiency_without_data_wait_is_contention_on_the_sms_of_a_gpu_without_jpeg_engine():
     run = calibrated(88.9, decode="gpu: DALI mixed decoder (nvJPEG)", config={"dali_hw_decoder_load": 0.65})
     found = run_diag(wait={0: 0.01, 1: 0.01}, run=run, cpu=50.0)

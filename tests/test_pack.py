@@ -11,7 +11,18 @@ import cv2
 import numpy as np
 import psutil
 import pytest
-from helpers.packdata import EXPECTED, fake_sysfs, jpeg, kinds, kinds_dataset, pack_args, photo, run_pack, write_dataset
+from helpers.packdata import (
+    EXPECTED,
+    fake_sysfs,
+    jpeg,
+    kinds,
+    kinds_dataset,
+    pack_args,
+    photo,
+    png_bytes,
+    run_pack,
+    write_dataset,
+)
 from PIL import Image
 
 from rectrain import storage
@@ -128,6 +139,45 @@ def test_resize_sets_the_shorter_side_and_never_upscales(tmp_path):
     assert np.abs(stored - reference).mean() < 6
     assert Image.open(io.BytesIO(records[3][1])).mode == "RGB"
     assert _manifest(tmp_path / "out")["resize"] == 64
+
+
+def test_max_side_sets_the_longest_side_and_passes_smaller_images_through(tmp_path):
+    wide, tall, inside = photo(400, 300, 1), photo(150, 300, 2), photo(120, 90, 3)
+    files = [
+        ("a/wide.JPEG", 0, jpeg(wide)),
+        ("a/tall.JPEG", 1, jpeg(tall)),
+        ("a/inside.JPEG", 0, jpeg(inside)),  # longest side 120 < 128: untouched
+        ("a/png_big.png", 1, png_bytes(photo(256, 64, 4))),  # the Pillow path (a repair) honours it too
+    ]
+    raw, index = write_dataset(tmp_path, files, classes=2)
+    proc = run_pack(raw, index, tmp_path / "out", cfg={"max_side": 128, "quality": 80})
+    assert proc.returncode == 0, proc.stderr
+    _, records = _records(tmp_path / "out")
+    sizes = {rid: Image.open(io.BytesIO(img)).size for rid, (_, img) in records.items()}
+    assert sizes == {0: (128, 96), 1: (64, 128), 2: (120, 90), 3: (128, 32)}
+    assert records[2][1] == files[2][2], "a clean JPEG within max_side is stored as is"
+    stored = np.asarray(Image.open(io.BytesIO(records[0][1])).convert("RGB"), dtype=float)
+    reference = np.asarray(wide.resize((128, 96), Image.Resampling.BILINEAR), dtype=float)
+    assert np.abs(stored - reference).mean() < 6
+    m = _manifest(tmp_path / "out")
+    assert (m["max_side"], m["resize"], m["quality"]) == (128, 0, 80)
+
+
+def test_resize_and_max_side_together_are_refused_naming_both_keys(tmp_path):
+    raw, index = write_dataset(tmp_path, [("a/x.JPEG", 0, jpeg(photo(64, 48, 1)))], classes=1)
+    proc = run_pack(raw, index, tmp_path / "out", cfg={"resize": 64, "max_side": 128})
+    assert proc.returncode == 2, proc.stderr
+    assert "'pack.resize' = 64 and 'pack.max_side' = 128 are both set" in proc.stderr
+    assert not (tmp_path / "out" / "fast" / "train.rec").exists()
+
+
+def test_verify_refuses_a_record_above_the_max_side_it_was_packed_with(tmp_path):
+    raw, index = write_dataset(tmp_path, [("a/x.JPEG", 0, jpeg(photo(200, 100, 1)))], classes=1)
+    assert run_pack(raw, index, tmp_path / "out").returncode == 0
+    fast = tmp_path / "out" / "fast"
+    args = ["--rec", str(fast / "train.rec"), "--idx", str(fast / "train.idx"), "--index", str(index)]
+    assert verify_main([*args, "--split", "train", "--max-side", "200"]) == 0
+    assert verify_main([*args, "--split", "train", "--max-side", "150"]) == 1
 
 
 def test_resized_records_are_byte_identical_whatever_the_worker_count(tmp_path):

@@ -190,12 +190,12 @@ def test_any_failure_on_one_image_is_a_skip_naming_it_and_the_pack_goes_on(tmp_p
     raw, index = write_dataset(tmp_path, files, classes=1)
     real = pack.prepare
 
-    def failing(data, *args):
+    def failing(data, *args, **kwargs):
         if data == files[1][2]:
             raise MemoryError
         if data == files[2][2]:
             raise RuntimeError("a bug in a decoder")
-        return real(data, *args)
+        return real(data, *args, **kwargs)
 
     monkeypatch.setattr(pack, "prepare", failing)
     monkeypatch.setattr(recordio, "MAX_PAYLOAD", 20_000)  # the 400x300 q100 photo is ~60 KB

@@ -132,6 +132,18 @@ def test_summary_data_and_stage_numbers(problem_report):
     assert "data_wait_share: 0.2" in problem_report  # the config used
 
 
+def test_data_section_says_how_each_split_was_stored(tmp_path):
+    paths = write_run(tmp_path, wait_share={0: 0.01})
+    train = paths["pack"] / "train.manifest.json"
+    train.write_text(json.dumps({**json.loads(train.read_text()), "max_side": 500, "quality": 90}))
+    html = build(
+        load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo"), config()
+    )
+    data = html[html.index('<section id="data">') :]
+    assert "<td>longest side 500 px (larger ones re-encoded at q90)</td>" in data
+    assert "<td>original size</td>" in data  # val: resize 0, no max_side
+
+
 def test_a_resolution_sweep_shows_one_row_per_resolution_and_names_the_headline(tmp_path):
     paths = write_run(tmp_path)
     rows = [

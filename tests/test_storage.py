@@ -93,6 +93,14 @@ def test_preflight_refuses_an_impossible_size_naming_both_numbers(tmp_path):
     assert not (tmp_path / "fast").exists()
 
 
+def test_space_estimate_for_max_side_is_the_square_and_never_exceeds_the_sources():
+    # 500x375 originals of ~110 KB mostly pass through a 500 px limit: the estimate must not fall below them
+    capped = storage.estimate_needed_bytes(110_000 * 1000, 1000, 0, 90, max_side=500)
+    assert 110_000 * 1000 <= capped <= storage.estimate_needed_bytes(110_000 * 1000, 1000, 0, 90)
+    huge_sources = storage.estimate_needed_bytes(4_000_000 * 1000, 1000, 0, 90, max_side=500)
+    assert huge_sources < 4_000_000 * 1000 / 20, "4 MB camera photos shrink to ~0.1 MB each"
+
+
 def test_space_estimate_shrinks_with_resize_but_never_exceeds_the_sources():
     full = storage.estimate_needed_bytes(110_000 * 1000, 1000, 0, 90)
     resized = storage.estimate_needed_bytes(110_000 * 1000, 1000, 256, 90)

@@ -2,7 +2,7 @@
 
 - a clean JPEG (baseline/extended/progressive Huffman, 8-bit, grayscale or YCbCr, complete, no EXIF
   rotation, entropy-coded data that libjpeg-turbo decodes without a warning) is stored byte for byte
-  when no resize is needed: no quality loss;
+  when no resize is needed (pack.resize, pack.max_side: rectrain.data.fit): no quality loss;
 - CMYK/YCCK, other formats behind a .JPEG name (PNG, GIF, BMP, TIFF, WebP), EXIF-rotated or otherwise
   odd JPEGs are decoded, fixed and re-encoded as RGB JPEG, and reported as repaired with the reason;
   16-bit samples are scaled to 8 bits, transparency is composited on mid-gray, an animation keeps its
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from rectrain.data.fit import Fit
 from rectrain.data.formats import SUPPORTED_FORMATS, extension, named_format
 
 try:  # libjpeg-turbo through a thinner wrapper: decodes 500x375 JPEGs in ~0.75 ms, Pillow ~0.92 ms
@@ -167,17 +168,6 @@ def _jpeg_problems(info: JpegInfo, orientation: int) -> list[str]:
     return problems
 
 
-def _target_size(width: int, height: int, resize: int) -> tuple[int, int]:
-    """Shorter side = resize, aspect kept; never larger than the source."""
-    short = min(width, height)
-    if resize <= 0 or short <= resize:
-        return width, height
-    scale = resize / short
-    if width <= height:
-        return resize, max(1, round(height * scale))
-    return max(1, round(width * scale)), resize
-
-
 def _prefilter_sigma(scale: float) -> float:
     """Gaussian blur that takes a pixel's own blur (sigma 0.5) to that of the larger output pixel
     (0.5 * scale): sqrt((0.5 s)^2 - 0.5^2), the scale-space rule image pyramids use."""
@@ -207,8 +197,9 @@ def shrink(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     return cv2.resize(pixels, size, interpolation=cv2.INTER_LINEAR)
 
 
-def _decoded_short_side(short: int, resize: int) -> int:
-    """The shorter side to decode a JPEG at: the strongest 1/8, 1/4 or 1/2 reduction still >= resize.
+def _decoded_side(side: int, target: int) -> int:
+    """The limited side (shorter for resize, longer for max_side) to decode a JPEG at: the strongest
+    1/8, 1/4 or 1/2 reduction still >= target.
 
     libjpeg-turbo also scales by m/8 (6/8 makes a 375-px side 282 px), but measured on 500x375 q90
     JPEGs to 256 px that is no faster: its m/8 inverse DCTs have no SIMD code (decoding at 6/8 takes
@@ -217,24 +208,24 @@ def _decoded_short_side(short: int, resize: int) -> int:
     are the ones Pillow's draft() uses, so both paths agree.
     """
     for denominator in (8, 4, 2):
-        if -(-short // denominator) >= resize:
-            return -(-short // denominator)
-    return short
+        if -(-side // denominator) >= target:
+            return -(-side // denominator)
+    return side
 
 
-def _resize_clean_jpeg(data: bytes, info: JpegInfo, resize: int, quality: int) -> bytes:
+def _resize_clean_jpeg(data: bytes, info: JpegInfo, fit: Fit, quality: int) -> bytes:
     """Decode (simplejpeg, RGB), shrink and encode (simplejpeg) a clean JPEG.
 
     The decode is strict: libjpeg-turbo's warnings raise ValueError (see libjpeg_refusal), so it is
     also this image's scan-data check.
     """
-    size = _target_size(info.width, info.height, resize)
+    size = fit.size(info.width, info.height)
     # simplejpeg decodes at the strongest reduction that keeps this side: exactly the one asked for
-    if info.width <= info.height:
-        fit = {"min_width": _decoded_short_side(info.width, resize)}
+    if fit.limited_axis(info.width, info.height) == 0:
+        reduced = {"min_width": _decoded_side(info.width, size[0])}
     else:
-        fit = {"min_height": _decoded_short_side(info.height, resize)}
-    pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", **fit)
+        reduced = {"min_height": _decoded_side(info.height, size[1])}
+    pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", **reduced)
     if pixels.shape[1::-1] != size:
         pixels = shrink(pixels, size)
     # the same libjpeg-turbo encoder and 4:2:0 subsampling as Pillow's default, ~0.1 ms faster
@@ -317,7 +308,7 @@ def _to_rgb(im: Image.Image, source_format: str, deep: bool, notes: list[str]) -
 
 
 def _encode(
-    data: bytes, resize: int, quality: int, jpeg: JpegInfo | None, orientation: int | None
+    data: bytes, fit: Fit, quality: int, jpeg: JpegInfo | None, orientation: int | None
 ) -> tuple[bytes, list[str]]:
     """Decode, orient, convert, shrink and encode as JPEG; returns the bytes and what was done to the
     pixels on the way. ``orientation`` None = not known yet."""
@@ -332,7 +323,7 @@ def _encode(
             notes.append(f"animated {source_format}: first of {frames} frames kept")
         deep = source_format != "JPEG" and any(";16" in str(tile.args) for tile in im.tile)
         if jpeg is not None:
-            target = _target_size(im.width, im.height, resize)
+            target = fit.size(im.width, im.height)
             # A YCbCr JPEG stays YCbCr through the resize into the encoder (no colour conversions),
             # and draft() downscales in the DCT domain (1/2, 1/4, 1/8) while decoding.
             im.draft("YCbCr" if im.mode == "RGB" and jpeg.adobe_transform != 0 else None, target)
@@ -343,7 +334,7 @@ def _encode(
                 source_size = source_size[::-1]
             im = upright
         im = _to_rgb(im, source_format, deep, notes)
-        size = _target_size(*source_size, resize)
+        size = fit.size(*source_size)
         if size != im.size:  # YCbCr pixels shrink like RGB ones: the filter is per channel
             im = Image.frombytes(im.mode, size, shrink(np.asarray(im), size).tobytes())
         buf = io.BytesIO()
@@ -355,7 +346,7 @@ def _encode(
         raise Skip(f"cannot decode: {err}") from None
 
 
-def _prepare_jpeg(data: bytes, info: JpegInfo, resize: int, quality: int, scan: bool) -> tuple[bytes, str | None]:
+def _prepare_jpeg(data: bytes, info: JpegInfo, fit: Fit, quality: int, scan: bool) -> tuple[bytes, str | None]:
     if not info.complete:
         raise Skip("truncated JPEG: no end-of-image marker after the scan data")
     if info.sof is None:
@@ -367,10 +358,10 @@ def _prepare_jpeg(data: bytes, info: JpegInfo, resize: int, quality: int, scan: 
     check_pixels(info.width, info.height, "the JPEG frame header")
     orientation = exif_orientation(info.exif)
     problems = _jpeg_problems(info, orientation)
-    keeps_size = _target_size(info.width, info.height, resize) == (info.width, info.height)
+    keeps_size = fit.size(info.width, info.height) == (info.width, info.height)
     if not problems and not keeps_size and simplejpeg is not None:
         try:
-            return _resize_clean_jpeg(data, info, resize, quality), None
+            return _resize_clean_jpeg(data, info, fit, quality), None
         except ValueError as err:
             problems.append(libjpeg_refusal(str(err)))
     else:
@@ -379,7 +370,7 @@ def _prepare_jpeg(data: bytes, info: JpegInfo, resize: int, quality: int, scan: 
             problems.append(lenient)
         elif not problems and keeps_size:
             return data, None
-    image, notes = _encode(data, resize, quality, info, orientation)
+    image, notes = _encode(data, fit, quality, info, orientation)
     return image, "; ".join(problems + notes) or None
 
 
@@ -393,7 +384,7 @@ def _format_reason(fmt: str, name: str | None) -> str:
     return f"{fmt} content named {what} re-encoded as JPEG"
 
 
-def _prepare_other(data: bytes, resize: int, quality: int, name: str | None) -> tuple[bytes, str]:
+def _prepare_other(data: bytes, fit: Fit, quality: int, name: str | None) -> tuple[bytes, str]:
     for magic, refused in _REFUSED_SIGNATURES.items():
         if data.startswith(magic):
             raise Skip(
@@ -411,14 +402,16 @@ def _prepare_other(data: bytes, resize: int, quality: int, name: str | None) -> 
         raise Skip(f"decompression bomb guard: {err}") from None
     except (OSError, SyntaxError, ValueError) as err:
         raise Skip(f"cannot decode: {err}") from None
-    image, notes = _encode(data, resize, quality, None, None)
+    image, notes = _encode(data, fit, quality, None, None)
     return image, "; ".join([_format_reason(fmt, name), *notes])
 
 
 def prepare(
-    data: bytes, resize: int, quality: int, check_scan_data: bool = True, name: str | None = None
+    data: bytes, resize: int, quality: int, check_scan_data: bool = True, name: str | None = None, *, max_side: int = 0
 ) -> tuple[bytes, str | None]:
     """The JPEG bytes to store for one source and the repair reason (None when nothing was wrong).
+    ``resize`` (pack.resize, shorter side) or ``max_side`` (pack.max_side, longest side) shrinks a
+    larger image; 0 = no limit (they are exclusive: rectrain.data.fit).
 
     Raises Skip when the file cannot become a usable image. ``check_scan_data`` False (the pack's
     pack.check_scan_data) stores a clean-headed JPEG without decoding it at all. ``name``: the
@@ -426,7 +419,8 @@ def prepare(
     """
     if not data:
         raise Skip("empty file (0 bytes)")
+    fit = Fit(resize, max_side)
     info = read_jpeg_header(data)
     if info is None:
-        return _prepare_other(data, resize, quality, name)
-    return _prepare_jpeg(data, info, resize, quality, check_scan_data)
+        return _prepare_other(data, fit, quality, name)
+    return _prepare_jpeg(data, info, fit, quality, check_scan_data)

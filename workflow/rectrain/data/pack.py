@@ -1,6 +1,6 @@
 """Pack one split of the index into an MXNet RecordIO pair on fast storage.
 
-    python -m rectrain.data.pack --config-json '{"resize": 0, "quality": 90, "shuffle_seed": 0, ...}' \\
+    python -m rectrain.data.pack --config-json '{"resize": 0, "max_side": null, "quality": 90, "shuffle_seed": 0, ...}' \\
         --index results/demo/index --raw results/demo/raw --split train \\
         --rec results/fast_storage/demo/train.rec --idx results/fast_storage/demo/train.idx \\
         --manifest results/demo/pack/train.manifest.json --threads 8
@@ -67,6 +67,7 @@ from rectrain.atomic import fsync_path, publish, temporary_name, write_json
 from rectrain.config import ConfigError
 from rectrain.data import indextable, pairowner, readorder, space
 from rectrain.data.archives import READ_ERRORS, SEP, SourceReader
+from rectrain.data.fit import Fit, pack_fit
 from rectrain.data.images import Skip, prepare
 from rectrain.data.indextable import BadIndex, IndexTable
 from rectrain.data.rawfiles import RawFiles, Refused
@@ -138,7 +139,7 @@ class _Packer:
     def __init__(self, raw_root: str, cfg: dict):
         root = Path(raw_root).resolve()
         self.reader = SourceReader(root, RawFiles(root, cfg["max_image_bytes"]))
-        self.resize, self.quality, self.check_scan_data = cfg["resize"], cfg["quality"], cfg["check_scan_data"]
+        self.fit, self.quality, self.check_scan_data = pack_fit(cfg), cfg["quality"], cfg["check_scan_data"]
 
     def one(self, rid: int, source: str, label: int, data=None) -> tuple[bytes, str | None]:
         """(framed record, repair reason or None); Skip when the image cannot be packed. `data` is the
@@ -150,7 +151,8 @@ class _Packer:
                 data = err
         if isinstance(data, Exception):
             raise Skip(str(data) if isinstance(data, Refused) else f"cannot read source: {data}")
-        image, repaired = prepare(data, self.resize, self.quality, self.check_scan_data, source)
+        fit, quality = self.fit, self.quality
+        image, repaired = prepare(data, fit.shorter, quality, self.check_scan_data, source, max_side=fit.longer)
         try:
             return frame_payload(pack_record((0, float(label), rid, 0), image)), repaired
         except RecordIOError as err:
@@ -356,9 +358,10 @@ def _prepare(target: Target, raw_root: Path, table: IndexTable, cfg: dict, choic
     fsync_path(target.idx.parent)
     n = len(table)
     files = RawFiles(raw_root, cfg["max_image_bytes"])
-    extra = space.reencoded_extra(files, table.iter_sources(), cfg["resize"], cfg["quality"])
+    fit = pack_fit(cfg)
+    extra = space.reencoded_extra(files, table.iter_sources(), fit, cfg["quality"])
     needed = storage.estimate_needed_bytes(
-        space.source_bytes(raw_root, table.iter_sources()), n, cfg["resize"], cfg["quality"], extra
+        space.source_bytes(raw_root, table.iter_sources()), n, fit.shorter, cfg["quality"], extra, max_side=fit.longer
     )
     buckets = readorder.bucket_count(needed) if choice["used"] == "storage" else 0
     if buckets:
@@ -552,7 +555,7 @@ def _records(table: IndexTable, raw_root: Path, cfg: dict, choice: dict, target:
         packer.reader.close()
 
 
-def _verify(table: IndexTable, num_classes: int, written: Written, target: Target, pool, resize: int) -> dict:
+def _verify(table: IndexTable, num_classes: int, written: Written, target: Target, pool, fit: Fit) -> dict:
     """Read the partial pair back completely while forcing it to disk."""
     expected = Expected(table.ids[written.packed], table.labels[written.packed])
     log.info("verify %s: reading back %d records", target.split, len(expected))
@@ -560,7 +563,7 @@ def _verify(table: IndexTable, num_classes: int, written: Written, target: Targe
     # Forcing the pair to disk waits on the device, reading it back on the page cache: overlap
     # them (~10 % of a pass-through pack's wall time). Both finish before anything is published.
     synced = pool.submit(fsync_path, *target.partial)
-    check = verify_pair(*target.partial, expected, num_classes, resize, progress=progress.count)
+    check = verify_pair(*target.partial, expected, num_classes, fit, progress=progress.count)
     synced.result()
     progress.count(check["records"], force=True)
     return check
@@ -580,7 +583,7 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, target: Target) -> di
         pack_s = time.time() - t0
         _log_and_check_skips(target, n, written, cfg)
         with _stops_when_full(target, written, 0):  # fsync can be the first to learn the disk is full
-            check = _verify(table, num_classes, written, target, pool, cfg["resize"])
+            check = _verify(table, num_classes, written, target, pool, pack_fit(cfg))
     finally:
         pool.shutdown(cancel_futures=True)  # on an error or Ctrl-C, do not finish queued batches
         table.close()
@@ -612,6 +615,7 @@ def _manifest(cfg: dict, target: Target, written: Written, timing: dict, facts: 
         "images_per_s": round(n / wall, 1) if wall else None,
         "mb_per_s": round(written.bytes_written / 1e6 / wall, 2) if wall else None,
         "resize": cfg["resize"],
+        "max_side": cfg["max_side"],
         "quality": cfg["quality"],
         "shuffle_seed": cfg["shuffle_seed"],
         "max_skipped_share": cfg["max_skipped_share"],
@@ -636,6 +640,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, cfg: dict) -> None:
+    pack_fit(cfg)  # resize and max_side both set: refused before the old pair is touched
     _keep_freed_memory()
     with exclusive(args.rec, args.split):
         pairowner.check(args.rec)  # before anything of the old pair is deleted

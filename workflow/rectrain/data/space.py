@@ -16,6 +16,7 @@ from typing import Iterable
 from PIL import Image, UnidentifiedImageError
 
 from rectrain import storage
+from rectrain.data.fit import Fit
 from rectrain.data.images import MAX_PIXELS, open_supported
 from rectrain.data.rawfiles import RawFiles
 
@@ -45,12 +46,7 @@ JPEG_NAMES = (".jpg", ".jpeg")
 HEADER_BYTES = 64 << 10  # enough for the size fields of PNG, GIF, BMP, WebP and most TIFF headers
 
 
-def _output_pixels(width: int, height: int, resize: int) -> int:
-    short = min(width, height)
-    return width * height if resize <= 0 or short <= resize else round(width * height * (resize / short) ** 2)
-
-
-def reencoded_extra(files: RawFiles, sources: Iterable[str], resize: int, quality: int) -> int:
+def reencoded_extra(files: RawFiles, sources: Iterable[str], fit: Fit, quality: int) -> int:
     """Bytes the re-encoded JPEGs of the files not named as JPEG may take beyond their own size, from
     their headers (opened as the pack opens them). Files that cannot be read add nothing: they are skips."""
     extra, per_pixel = 0, storage.jpeg_bytes_per_pixel(quality)
@@ -68,5 +64,6 @@ def reencoded_extra(files: RawFiles, sources: Iterable[str], resize: int, qualit
         except (OSError, SyntaxError, ValueError, UnidentifiedImageError, Image.DecompressionBombError):
             continue
         if width * height <= MAX_PIXELS:  # a larger one is a skip (the decompression bomb guard)
-            extra += max(0, int(_output_pixels(width, height, resize) * per_pixel) - size)
+            out_w, out_h = fit.size(width, height)
+            extra += max(0, int(out_w * out_h * per_pixel) - size)
     return extra

@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image
 
 from rectrain import cli
+from rectrain.data.fit import ORIGINAL, Fit
 from rectrain.data.indextable import BadIndex, load
 from rectrain.recordio import RecordIOError, iter_idx, scan_records, unpack_record
 
@@ -84,10 +85,11 @@ def _check_record(offset: int, key: int, payload: bytes, expected: Expected, num
 
 
 def verify_pair(
-    rec_path, idx_path, expected: Expected, num_classes: int, resize: int = 0, sample: int = 64, *, progress=None
+    rec_path, idx_path, expected: Expected, num_classes: int, fit: Fit = ORIGINAL, sample: int = 64, *, progress=None
 ) -> dict:
     """Verify the pair against ``expected`` (every record that must be there, with its label),
     reading the .rec and the .idx side by side (nothing per record kept but a bit in ``expected``).
+    ``fit``: the pack's size rule, which each decoded sample must obey.
     ``progress(done)`` is called after each record. Returns {records, decoded, verify_s}; raises
     VerifyError/RecordIOError."""
     start = time.time()
@@ -105,7 +107,7 @@ def verify_pair(
             raise VerifyError(f"record {i} (key {key}) starts at byte offset {offset} but {idx_path} says {idx_offset}")
         image = _check_record(offset, key, payload, expected, num_classes)
         if i in sample_at:
-            _check_decodes(key, image, resize)
+            _check_decodes(key, image, fit)
             decoded += 1
         count += 1
         if progress is not None:
@@ -118,7 +120,7 @@ def verify_pair(
     return {"records": count, "decoded": decoded, "verify_s": round(time.time() - start, 3)}
 
 
-def _check_decodes(key: int, image: bytes, resize: int) -> None:
+def _check_decodes(key: int, image: bytes, fit: Fit) -> None:
     try:
         with Image.open(io.BytesIO(image), formats=("JPEG",)) as im:  # the pack stores only JPEG
             im.load()
@@ -127,8 +129,8 @@ def _check_decodes(key: int, image: bytes, resize: int) -> None:
         raise VerifyError(f"record id {key} does not decode: {err}") from None
     if mode not in ("RGB", "L"):
         raise VerifyError(f"record id {key} decodes as {mode}, not RGB or grayscale")
-    if resize and min(size) > resize:
-        raise VerifyError(f"record id {key} is {size[0]}x{size[1]}: shorter side above resize {resize}")
+    if fit.size(*size) != size:
+        raise VerifyError(f"record id {key} is {size[0]}x{size[1]}: larger than the pack's {fit.describe()}")
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,7 +139,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index", required=True, help="index directory (holds <split>.tsv, classes.tsv)")
     parser.add_argument("--split", required=True)
     parser.add_argument("--manifest", help="pack manifest: records it lists as skipped are not expected")
-    parser.add_argument("--resize", type=int, default=0)
+    parser.add_argument("--resize", type=int, default=0, help="pack.resize the pair was packed with")
+    parser.add_argument("--max-side", type=int, default=0, help="pack.max_side the pair was packed with")
     parser.add_argument("--sample", type=int, default=64)
 
 
@@ -149,7 +152,8 @@ def _run(args: argparse.Namespace, cfg: None) -> None:
     table, num_classes = load(args.index, args.split)
     keep = ~np.isin(table.ids, np.fromiter(skipped, dtype=np.int64, count=len(skipped)))
     expected = Expected(table.ids[keep], table.labels[keep])
-    print(json.dumps(verify_pair(args.rec, args.idx, expected, num_classes, args.resize, args.sample)))
+    fit = Fit(args.resize, args.max_side)
+    print(json.dumps(verify_pair(args.rec, args.idx, expected, num_classes, fit, args.sample)))
 
 
 def main(argv=None) -> int:

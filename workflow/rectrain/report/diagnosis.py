@@ -223,13 +223,24 @@ def _resize_tip(ev: Evidence) -> str | None:
     if r is None or (r.packed_resize and r.packed_resize <= r.target):
         return None
     now = f", now {r.packed_resize}" if r.packed_resize else ", now pass-through"
+    if r.packed_max_side:
+        now = f", now pack.max_side: {r.packed_max_side}"
     head = f"pack a lower-resolution .rec (pack.resize: {r.target}{now})"
     if r.saving is None:
         return f"{head}: decode time falls with the pixels removed (the .rec could not be read to measure them)"
     if r.saving < 0.1:
         return None
+    measured = f"the packed images average {r.mpx_now:.2f} Mpx (sample of {r.sampled})"
+    if r.advise_max_side:
+        side = efficiency.ADVISED_MAX_SIDE
+        return (
+            f"pack a .rec with a {side} px longest side (pack.max_side: {side}, now pass-through): {measured}, "
+            f"{r.mpx_max_side:.2f} Mpx at {side} px on the longest side, so about {100 * r.max_side_saving:.0f} % less "
+            f"decode work, nearly the {100 * r.saving:.0f} % of pack.resize: {r.target}, while keeping the pixels "
+            "that higher test resolutions and small random crops use"
+        )
     return (
-        f"{head}: the packed images average {r.mpx_now:.2f} Mpx (sample of {r.sampled}), {r.mpx_after:.2f} Mpx "
+        f"{head}: {measured}, {r.mpx_after:.2f} Mpx "
         f"at {r.target} px on the shorter side, so about {100 * r.saving:.0f} % less decode work"
     )
 

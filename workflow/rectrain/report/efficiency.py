@@ -14,6 +14,7 @@ from typing import Mapping
 
 import pandas as pd
 
+from rectrain.data.fit import Fit
 from rectrain.report.stats import overall_data_wait_share, steady_steps, train_setting
 
 # GPUs with a hardware JPEG decoder (nvJPEG's hardware back end, which DALI's mixed decoder uses
@@ -24,6 +25,14 @@ HW_JPEG_GPU = r"\b(A100|A800|A30|H100|H800|H200|H20|GH200|B100|B200|GB200)\b"
 # Standard ImageNet practice stores and resizes to 256 for a 224 crop: 8/7 of the crop size, which
 # keeps RandomResizedCrop's scale range meaningful while dropping the pixels the crop never uses.
 RESIZE_PER_CROP = 8 / 7
+# The longest side the advice may name instead (FFCV's ImageNet), and when: if it removes at least
+# MAX_SIDE_SHARE of the pixels pack.resize would, it costs about as little to decode while keeping
+# the pixels that higher test resolutions and small random crops use. bench/RESULTS.md ("Decode cost
+# per pack variant"): on ImageNet-like images, mostly within 500 px, it saves 10-40 % of the CPU
+# decode and pack.resize 256 ~70 %, so resize stays the advice there; on larger photos max_side
+# removes nearly as much.
+ADVISED_MAX_SIDE = 500
+MAX_SIDE_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -196,16 +205,18 @@ def suggested_resize(image_size: int) -> int:
     return int(math.ceil(image_size * RESIZE_PER_CROP / 8) * 8)
 
 
-def resize_saving(sizes: pd.DataFrame | None, resize: int) -> tuple[float, float, float] | None:
-    """(mean megapixels now, mean megapixels at pack.resize = `resize`, share of pixels saved) over a
-    sample of the packed images (width, height columns). JPEG decode time grows with the pixel count
-    (every 8x8 block is entropy-decoded, inverse-transformed and colour-converted), so the share of
-    pixels saved is the expected share of decode time saved."""
+def pixel_saving(sizes: pd.DataFrame | None, fit: Fit) -> tuple[float, float, float] | None:
+    """(mean megapixels now, mean megapixels stored by `fit` (pack.resize or pack.max_side), share of
+    pixels saved) over a sample of the packed images (width, height columns). JPEG decode time grows
+    with the pixel count (every 8x8 block is entropy-decoded, inverse-transformed and colour-converted),
+    so the share of pixels saved is the expected share of decode time saved."""
     if sizes is None or sizes.empty:
         return None
     w, h = sizes["width"].astype(float), sizes["height"].astype(float)
     now = w * h
-    scale = (resize / pd.concat([w, h], axis=1).min(axis=1)).clip(upper=1.0)  # resize never enlarges
+    sides = pd.concat([w, h], axis=1)
+    side = sides.min(axis=1) if fit.shorter else sides.max(axis=1)
+    scale = (fit.limit / side).clip(upper=1.0)  # the pack never enlarges
     after = now * scale**2
     return float(now.mean() / 1e6), float(after.mean() / 1e6), float(1.0 - after.sum() / now.sum())
 
@@ -227,6 +238,18 @@ class ResizeGain:
     mpx_now: float | None = None
     mpx_after: float | None = None
     saving: float | None = None  # share of decoded pixels (and so of decode time) saved
+    packed_max_side: int = 0  # pack.max_side the .rec was built with (0 = none)
+    mpx_max_side: float | None = None  # mean megapixels at ADVISED_MAX_SIDE
+    max_side_saving: float | None = None
+
+    @property
+    def advise_max_side(self) -> bool:
+        """pack.max_side: ADVISED_MAX_SIDE is the better advice than pack.resize: target (see MAX_SIDE_SHARE),
+        for a pass-through .rec whose 4:3 images would keep a shorter side of at least the target."""
+        if self.packed_resize or self.packed_max_side or not self.saving or self.max_side_saving is None:
+            return False
+        keeps_target = Fit(longer=ADVISED_MAX_SIDE).typical_shorter_side() >= self.target
+        return keeps_target and self.max_side_saving >= MAX_SIDE_SHARE * self.saving
 
 
 @dataclass(frozen=True)
@@ -254,11 +277,13 @@ def resize_gain(run: Mapping, manifests: Mapping, sizes: pd.DataFrame | None) ->
     if not image_size:
         return None
     target = suggested_resize(int(image_size))
-    packed = int(((manifests.get("train") or {}).get("resize")) or 0)
-    saved = resize_saving(sizes, target)
+    train = manifests.get("train") or {}
+    packed, packed_max_side = int(train.get("resize") or 0), int(train.get("max_side") or 0)
+    saved = pixel_saving(sizes, Fit(shorter=target))
     if saved is None:
-        return ResizeGain(target, packed, 0)
-    return ResizeGain(target, packed, len(sizes), *saved)
+        return ResizeGain(target, packed, 0, packed_max_side=packed_max_side)
+    _, mpx_max_side, max_side_saving = pixel_saving(sizes, Fit(longer=ADVISED_MAX_SIDE))
+    return ResizeGain(target, packed, len(sizes), *saved, packed_max_side, mpx_max_side, max_side_saving)
 
 
 def gather(

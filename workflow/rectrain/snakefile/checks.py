@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from rectrain.config import (
     path_values,
     shown_path,
 )
+from rectrain.data.fit import TYPICAL_ASPECT, Fit, pack_fit
 from rectrain.snakefile.byo import byo_problems
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,10 @@ def whole_numbers(value, schema: dict, path=()) -> list[str]:
 def cross_check(config: dict) -> list[str]:
     """Combinations of keys that every schema check passes but that can only fail in a later job."""
     problems = []
+    try:
+        pack_fit(config["pack"])
+    except ConfigError as err:
+        problems.append(str(err))
     train, ev = config["train"], config["evaluate"]
     crop = ev["crop"] or train["image_size"]
     if ev["resize"] is not None and crop > ev["resize"]:
@@ -122,19 +128,33 @@ def cross_check(config: dict) -> list[str]:
 
 def cross_warnings(config: dict) -> list[str]:
     """Combinations that run but waste work or are ignored."""
-    lines = []
     pack, train = config["pack"], config["train"]
-    if pack["resize"] and pack["resize"] < train["image_size"]:
-        lines.append(
-            f"'pack.resize' = {pack['resize']} stores images smaller than 'train.image_size' = {train['image_size']}: "
-            "every training crop is upscaled; set pack.resize >= train.image_size (or 0 to keep the originals)"
-        )
+    lines = stored_size_warnings(pack, train["image_size"])
     if train["global_batch"] is not None and train["batch_size"] != "auto":
         lines.append(
             f"'train.global_batch' = {train['global_batch']} is used only with batch_size: auto and is ignored "
             f"with batch_size: {train['batch_size']}"
         )
     return lines
+
+
+def stored_size_warnings(pack: dict, image_size: int) -> list[str]:
+    """The pack's stored images smaller than the training crop: every such crop is upscaled. A longest
+    side is judged by a 4:3 photo's shorter side (rectrain.data.fit.TYPICAL_ASPECT)."""
+    resize, max_side = pack["resize"], pack.get("max_side")
+    if resize and resize < image_size:
+        return [
+            f"'pack.resize' = {resize} stores images smaller than 'train.image_size' = {image_size}: "
+            "every training crop is upscaled; set pack.resize >= train.image_size (or 0 to keep the originals)"
+        ]
+    shorter = Fit(longer=max_side or 0).typical_shorter_side()
+    if shorter and shorter < image_size:
+        return [
+            f"'pack.max_side' = {max_side} stores a 4:3 photo at {max_side}x{shorter}, its shorter side below "
+            f"'train.image_size' = {image_size}: most training crops are upscaled; set pack.max_side >= "
+            f"{math.ceil(image_size * TYPICAL_ASPECT)} (or null to keep the originals)"
+        ]
+    return []
 
 
 def device_problems(devices, env=None, gpus: driver_check.Gpus | None = None) -> list[str]:
