@@ -12,10 +12,13 @@ torch's own StepLR, which its references/classification/train.py steps once per 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pandas as pd
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, copy_workflow, snakemake
 from helpers.config_edits import filled
 
 from rectrain.config import SCHEMA_PATH, load_schema
@@ -200,3 +203,38 @@ def test_every_preset_validates_over_the_reference_and_the_demo_config(name, bas
 
 def test_presets_cover_the_issues_list():
     assert ALL_PRESETS == sorted([*FFCV, "tv-rn50-90ep"])
+
+
+# A preset shortened on the command line, as a user tries one on the demo before committing a box to it:
+# 3 epochs, a 32 -> 64 px ramp, tiny demo data without planted defects (its few images would exceed the
+# pack's skipped-share limit), batch 16 so an epoch has a few steps.
+SHORTENED = [
+    "train={epochs: 3, image_size: 64, val_resolution: 64, batch_size: 16,"
+    " progressive: {min_res: 32, max_res: 64, start_ramp: 0, end_ramp: 2}}",
+    "evaluate={resolutions: [64]}",
+    "demo={classes: 5, train_per_class: 24, val_per_class: 4, bad_files: false}",
+]
+
+
+@pytest.mark.slow
+def test_a_preset_shortened_on_the_command_line_runs_the_demo_and_reports_time_to_accuracy(tmp_path):
+    """The workdir pattern of tests/test_pipeline_e2e.py (a copy of the workflow), one run."""
+    work = copy_workflow(tmp_path / "work")
+    proc = snakemake(
+        "--directory", str(work), "--cores", "2", "results/report.html",
+        "--configfile", "config/recipes/rn18-16ep.yaml", "--config", *SHORTENED,
+        cwd=work, snakefile=work / "Snakefile", timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    html = (work / "results" / "report.html").read_text()
+    panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
+    assert "published top-1, 16 epochs<b>66.9 %</b>" in panel and "rn18_configs/rn18_16_epochs.yaml" in panel
+    assert "not the recipe's 16" in panel, "3 epochs are not the published recipe: the panel says so"
+    assert "projected: full ImageNet on this hardware, 3 epochs" in panel  # the demo's classes are WordNet ids
+    assert '<table id="per-resolution">' in panel and "steady img/s (measured)" in panel
+    epochs = pd.read_csv(work / "results" / "demo" / "train" / "epochs.csv")
+    run = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
+    assert len(epochs) == 3 and run["config"]["progressive"]["max_res"] == 64 and run["config"]["blurpool"]
+    if "resolution" in epochs:  # recorded once the loaders follow train.progressive
+        assert epochs["resolution"].tolist() == [resolution_at(e, run["config"]) for e in range(3)] == [32, 64, 64]
+        assert "32 px" in panel and "64 px" in panel
