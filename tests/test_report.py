@@ -523,3 +523,11 @@ def test_a_schedule_resolution_without_a_measured_rate_is_named_instead_of_proje
         RN50_40, per_resolution(data.steps, data.epochs, run), data.epochs, run, data.metrics, like_imagenet=True
     )
     assert t.train_s is None and t.note == "no steady training rate measured at 224 px"
+
+
+def test_a_recipe_block_with_only_a_name_renders_with_the_missing_values_marked(tmp_path):
+    data = progressive_run(tmp_path)
+    html = build(data, {**config(), "recipe": {"name": "mine"}}, repo=tmp_path)
+    panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
+    assert "published top-1<b>- %</b>" in panel and "(source: not given)" in panel
+    assert 'id="tta-shortened"' not in panel, "no published epoch count to differ from"

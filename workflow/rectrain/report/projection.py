@@ -175,6 +175,11 @@ class TimeToAccuracy:
         return None if self.train_s is None else self.train_s + (self.val_s or 0.0)
 
     @property
+    def published_pct(self) -> float | None:
+        top1 = self.recipe.get("published_top1")
+        return None if top1 is None else 100 * top1
+
+    @property
     def shortened(self) -> bool:
         """This run trained another epoch count than the one the top-1 was published for."""
         return bool(self.recipe.get("epochs")) and self.recipe["epochs"] != self.run_epochs
