@@ -46,7 +46,9 @@ RN50 = {
     "val_resolution": 256,
     "lr_tta": True,
     "arch": "resnet50",
+    "jpeg_quality": 90,  # the README's `./write_imagenet.sh 500 0.50 90` (max side, compress share, quality)
 }
+# jpeg_quality: the README states the write command for ResNet-50's data only; its quality is assumed here.
 RN18 = {**RN50, "lr": 0.5, "batch_size": 1024, "world_size": 1, "weight_decay": 5e-5, "arch": "resnet18"}
 FFCV = {
     "rn50-16ep": {**RN50, "epochs": 16, "start_ramp": 11, "end_ramp": 13},
@@ -161,6 +163,7 @@ def test_ffcv_preset_sets_ffcvs_optimizer_model_and_test_values(name):
     assert (ev["resolutions"][0], ev["flip_tta"], train["val_resolution"]) == (v["val_resolution"], v["lr_tta"], 256)
     assert train["image_size"] == v["max_res"]
     assert cfg["pack"]["resize"] >= round(v["val_resolution"] / 0.875), "the test crop's shorter side is never upscaled"
+    assert cfg["pack"]["quality"] == v["jpeg_quality"]
 
 
 @pytest.mark.parametrize("name", sorted(FFCV))
