@@ -138,7 +138,9 @@ class ResolutionRow:
     imagenet_epoch_s: float | None  # projected: full ImageNet's train images at train_img_s; None if not ImageNet-like
 
 
-def per_resolution(steps: pd.DataFrame, epochs_csv: pd.DataFrame, run: Mapping, *, like_imagenet: bool = True):
+def per_resolution(
+    steps: pd.DataFrame, epochs_csv: pd.DataFrame, run: Mapping, *, like_imagenet: bool = True
+) -> list[ResolutionRow]:
     """One ResolutionRow per training resolution the run used, smallest first; [] without steps."""
     if steps.empty:
         return []
@@ -192,7 +194,15 @@ def schedule_of(res_of: Mapping[int, int]) -> tuple[tuple[int, int], ...]:
     return tuple(counts.items())
 
 
-def time_to_accuracy(recipe: Mapping, rows, epochs_csv: pd.DataFrame, run: Mapping, metrics: Mapping, *, like_imagenet):
+def time_to_accuracy(
+    recipe: Mapping,
+    rows: list[ResolutionRow],
+    epochs_csv: pd.DataFrame,
+    run: Mapping,
+    metrics: Mapping,
+    *,
+    like_imagenet: bool,
+) -> TimeToAccuracy | None:
     """None for a run without a preset (recipe.name null); else the panel, its projection only for an
     ImageNet-like dataset with a steady rate measured at every resolution of the schedule."""
     if not recipe or not recipe.get("name"):
