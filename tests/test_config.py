@@ -227,6 +227,15 @@ def test_lists_and_nested_values_from_the_command_line_are_read_as_the_schema_ty
     assert check_config(merged(command_line("train={devices: cpu}")), SCHEMA, workdir=REPO)["train"]["devices"] == "cpu"
 
 
+def test_a_nullable_block_from_the_command_line_is_read_as_the_schema_types_its_keys():
+    """train.progressive is null or a block: shortening a preset's schedule on the command line."""
+    given = command_line("train={epochs: 3, progressive: {min_res: 32, max_res: 64, start_ramp: 0, end_ramp: 2}}")
+    cfg = check_config(merged(given), SCHEMA, workdir=REPO)
+    assert cfg["train"]["progressive"] == {"min_res": 32, "max_res": 64, "start_ramp": 0, "end_ramp": 2}
+    off = check_config(merged(command_line("train={progressive: null}")), SCHEMA, workdir=REPO)
+    assert off["train"]["progressive"] is None
+
+
 def test_a_list_item_out_of_range_from_the_command_line_is_refused_for_its_value_not_its_type():
     with pytest.raises(ConfigError) as info:
         check_config(merged(command_line("train={devices: [0, -1]}")), SCHEMA, workdir=REPO)

@@ -79,7 +79,7 @@ def pipeline(tmp_path_factory):
 def dryrun_with(run, tmp_path, **blocks):
     edited = json.loads(json.dumps(run.config))
     for block, changes in blocks.items():
-        edited[block].update(changes)
+        edited.setdefault(block, {}).update(changes)  # config.yaml has no recipe block
     cfgfile = tmp_path / "edited.yaml"
     cfgfile.write_text(yaml.safe_dump(edited))
     proc = run.smk("-n", REPORT, "--configfile", str(cfgfile))
@@ -139,7 +139,7 @@ def test_editing_report_thresholds_reruns_report_only(pipeline, tmp_path):
 
 # The stage that reads each block: an edit there reruns it and every later stage.
 FIRST_STAGE = {"demo": "demo_data", "index": "index_raw", "pack": "pack", "train": "train", "evaluate": "evaluate"}
-FIRST_STAGE["report"] = "report"
+FIRST_STAGE["report"] = FIRST_STAGE["recipe"] = "report"  # recipe: what a preset publishes, shown by the report
 # A dataset without its val split packs only train and has no evaluate stage.
 SPECIAL = {("index", "absent_splits"): {"index_raw", "pack", "train", "report"}}
 

@@ -6,6 +6,7 @@ import json
 import re
 from html.parser import HTMLParser
 
+import pandas as pd
 import pytest
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
 from PIL import Image
@@ -15,7 +16,18 @@ from rectrain.report import build, load
 from rectrain.report.__main__ import main as report_main
 from rectrain.report.inputs import sample_image_sizes
 
-SECTIONS = ["summary", "diagnosis", "throughput", "utilization", "learning", "classes", "data", "stages", "provenance"]
+SECTIONS = [
+    "summary",
+    "time-to-accuracy",
+    "diagnosis",
+    "throughput",
+    "utilization",
+    "learning",
+    "classes",
+    "data",
+    "stages",
+    "provenance",
+]
 TWO_GPUS = {0: (90.0, 7000.0, 11264.0), 1: (40.0, 7000.0, 11264.0)}
 
 
@@ -425,3 +437,109 @@ def test_no_imagenet_projection_for_a_run_of_imagenet_size(tmp_path):
     full = data.steps.assign(images=32_100)  # 2 ranks x 20 steps x 32,100 = 1,284,000 images per epoch
     p = project(full, data.epochs, data.run, data.metrics)
     assert p.run.train_images == 1_284_000 and p.imagenet is None
+
+
+# --- time to accuracy: per-resolution rates and a preset's published top-1 beside the projection -----------
+
+RN50_40 = {
+    "name": "rn50-40ep",
+    "published_top1": 0.772,
+    "epochs": 40,
+    "source": "FFCV (libffcv/ffcv-imagenet @ 4dd291a): README Configurations table, rn50_configs/rn50_40_epochs.yaml",
+    "reference_hardware": "8x A100",
+    "reference_minutes": 35.6,
+}
+
+
+def progressive_run(tmp_path):
+    """4 epochs of 20 steps, 2 ranks x 32 images: epochs 0-1 at 160 px with 0.5 s steps (128 img/s),
+    epochs 2-3 at 192 px with 0.75 s steps (85.3 img/s); epochs.csv's wall 10 s and 15 s."""
+    paths = write_run(tmp_path, epochs=4)
+    steps_csv, epochs_csv = paths["train"] / "steps.csv", paths["train"] / "epochs.csv"
+    steps = pd.read_csv(steps_csv)
+    steps.loc[steps["epoch"] >= 2, "wall_s"] = 0.75
+    steps.to_csv(steps_csv, index=False)
+    epochs = pd.read_csv(epochs_csv).assign(resolution=[160, 160, 192, 192], wall_s=[10.0, 10.0, 15.0, 15.0])
+    epochs.to_csv(epochs_csv, index=False)
+    run = json.loads((paths["train"] / "run.json").read_text())
+    (paths["train"] / "run.json").write_text(json.dumps({**run, "epochs": 4, "image_size": 192}))
+    return load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+
+
+def test_time_per_epoch_at_each_resolution_is_measured_from_its_own_epochs(tmp_path):
+    from rectrain.report.projection import per_resolution
+
+    data = progressive_run(tmp_path)
+    rows = per_resolution(data.steps, data.epochs, data.run)
+    assert [(r.resolution, r.epochs) for r in rows] == [(160, 2), (192, 2)]
+    assert rows[0].train_img_s == pytest.approx(128.0) and rows[1].train_img_s == pytest.approx(64 / 0.75)
+    assert (rows[0].epoch_s, rows[1].epoch_s) == (10.0, 15.0)
+    assert rows[1].imagenet_epoch_s == pytest.approx(1_281_167 / (64 / 0.75))
+
+
+def test_without_a_resolution_column_every_epoch_counts_at_train_image_size(tmp_path):
+    from rectrain.report.projection import per_resolution
+
+    paths = write_run(tmp_path)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    rows = per_resolution(data.steps, data.epochs, data.run)
+    assert [(r.resolution, r.epochs, r.epoch_s) for r in rows] == [(64, 2, 30.0)]
+    assert rows[0].train_img_s == pytest.approx(128.0)
+    html = build(data, config(), repo=tmp_path)
+    panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
+    assert 'id="tta-no-recipe"' in panel and "train.image_size (epochs.csv records no resolution)" in panel
+
+
+def test_a_preset_run_shows_the_published_top1_beside_full_imagenets_projected_time(tmp_path):
+    """Full ImageNet: 2 epochs at 128 img/s and 2 at 85.3 img/s of 1,281,167 images = 50,046 s of
+    training; 4 x 50,000 val images at the evaluate stage's 400 img/s = 500 s."""
+    from rectrain.report.projection import per_resolution, time_to_accuracy
+
+    data = progressive_run(tmp_path)
+    rows = per_resolution(data.steps, data.epochs, data.run)
+    t = time_to_accuracy(RN50_40, rows, data.epochs, data.run, data.metrics, like_imagenet=True)
+    assert t.schedule == ((160, 2), (192, 2)) and t.note is None and t.shortened
+    assert t.train_s == pytest.approx(2 * 1_281_167 / 128 + 2 * 1_281_167 * 0.75 / 64)
+    assert t.val_s == pytest.approx(500.0) and t.total_s == pytest.approx(t.train_s + 500.0)
+
+    html = build(data, {**config(), "recipe": RN50_40}, repo=tmp_path)
+    panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
+    assert "published top-1, 40 epochs<b>77.2 %</b>" in panel
+    assert "projected: full ImageNet on this hardware, 4 epochs<b>14 h 02 min</b>" in panel  # 50,546 s
+    assert "published time<b>35 min 36 s</b><small>on 8x A100" in panel
+    assert "2 epoch(s) at 160 px, 2 epoch(s) at 192 px" in panel and "rn50_configs/rn50_40_epochs.yaml" in panel
+    assert 'id="tta-shortened"' in panel and "not the recipe's 40" in panel
+    assert "epochs.csv's resolution column" in panel
+    table = panel[panel.index('<table id="per-resolution">') :]
+    assert table.index("160 px") < table.index("192 px") and "85.3" in table and "128.0" in table
+
+
+def test_a_preset_on_a_dataset_not_like_imagenet_shows_the_published_top1_without_a_projection(tmp_path):
+    from rectrain.report.projection import per_resolution, time_to_accuracy
+
+    data = progressive_run(tmp_path)
+    rows = per_resolution(data.steps, data.epochs, data.run, like_imagenet=False)
+    t = time_to_accuracy(RN50_40, rows, data.epochs, data.run, data.metrics, like_imagenet=False)
+    assert t.total_s is None and "not ImageNet-like" in t.note
+    assert all(r.imagenet_epoch_s is None for r in rows) and rows[0].train_img_s == pytest.approx(128.0)
+
+
+def test_a_schedule_resolution_without_a_measured_rate_is_named_instead_of_projected(tmp_path):
+    """run.json says 5 epochs, epochs.csv has 4 (160/192 px): the fifth counts at image_size 224,
+    where nothing was measured."""
+    from rectrain.report.projection import per_resolution, time_to_accuracy
+
+    data = progressive_run(tmp_path)
+    run = {**data.run, "epochs": 5, "image_size": 224}
+    t = time_to_accuracy(
+        RN50_40, per_resolution(data.steps, data.epochs, run), data.epochs, run, data.metrics, like_imagenet=True
+    )
+    assert t.train_s is None and t.note == "no steady training rate measured at 224 px"
+
+
+def test_a_recipe_block_with_only_a_name_renders_with_the_missing_values_marked(tmp_path):
+    data = progressive_run(tmp_path)
+    html = build(data, {**config(), "recipe": {"name": "mine"}}, repo=tmp_path)
+    panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
+    assert "published top-1<b>- %</b>" in panel and "(source: not given)" in panel
+    assert 'id="tta-shortened"' not in panel, "no published epoch count to differ from"

@@ -73,6 +73,13 @@ def test_no_full_imagenet_projection_for_a_five_class_custom_dataset_and_every_t
     assert "projected: this run, 4 epochs" in summary
 
 
+def test_a_custom_dataset_gets_its_time_per_epoch_per_resolution_and_no_full_imagenet_column(small):
+    _, html = small
+    panel = section(html, "time-to-accuracy")
+    assert "<th>training per epoch (measured)</th>" in panel and "full ImageNet training per epoch" not in panel
+    assert "not shown: this dataset is not ImageNet-like" in panel
+
+
 def test_imagenet_like_means_classes_named_by_wordnet_ids():
     wnids = pd.DataFrame({"wnid": [f"n{i:08d}" for i in range(1000)]})
     assert imagenet_like(wnids) and imagenet_like(wnids.head(10)), "ImageNet, or a subset of its classes"

@@ -98,7 +98,7 @@ def _coerced(value, schema: dict):
     """`value` as the schema types it: a string read as YAML (number, boolean, null, list, ...), a list
     item by item, a block key by key; unchanged when it is valid, holds no string or cannot be read."""
     if isinstance(value, dict):
-        coerce_strings(value, schema)
+        coerce_strings(value, _object_schema(schema))
         return value
     if not _holds_string(value) or jsonschema.Draft202012Validator(schema).is_valid(value):
         return value
@@ -111,6 +111,13 @@ def _coerced(value, schema: dict):
     except yaml.YAMLError:
         return value
     return value if isinstance(parsed, str) else _coerced(parsed, schema)
+
+
+def _object_schema(schema: dict) -> dict:
+    """The schema of a block's keys: its own, or that of the oneOf/anyOf alternative that is a block
+    (train.progressive is null or {min_res, ...})."""
+    branches = (schema, *schema.get("oneOf", []), *schema.get("anyOf", []))
+    return next((b for b in branches if "properties" in b), schema)
 
 
 def _coerced_items(items: list, schema: dict) -> list:

@@ -291,6 +291,21 @@ def image_mpx(sizes: pd.DataFrame | None) -> float | None:
     return float((sizes["width"] * sizes["height"]).mean() / 1e6)
 
 
+def time_to_accuracy(data: RunData, config: dict, like_imagenet: bool) -> dict:
+    """The Time-to-accuracy section: measured rate and epoch time per training resolution, and for a
+    run of a preset its published top-1 beside full ImageNet's projected time on this hardware."""
+    rows = projection.per_resolution(data.steps, data.epochs, data.run, like_imagenet=like_imagenet)
+    recipe = config.get("recipe") or {}
+    tta = projection.time_to_accuracy(recipe, rows, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet)
+    recorded = "resolution" in data.epochs
+    return {
+        "by_resolution": rows,
+        "tta": tta,
+        "resolution_recorded": recorded,
+        "imagenet_train": projection.IMAGENET_TRAIN,
+    }
+
+
 def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
     """The report as one self-contained HTML string."""
     report_cfg = config["report"]
@@ -314,6 +329,7 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
         "like_imagenet": like_imagenet,
         "summary": summary(data, config, rates),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
+        **time_to_accuracy(data, config, like_imagenet),
         "class_columns": class_columns(data.classes),
         "findings": findings,
         "rates": rates,

@@ -8,6 +8,9 @@ and, for an ImageNet-like dataset only (classes named by WordNet ids: ImageNet, 
 classes or images), the same rates over 1,281,167 train images and 50,000 val images, for the configured
 epochs (the loaders' padding to full batches, under ranks x batch images, is left out).  Loader start-up (each epoch's first
 step) and checkpoint writing are not in it; the run's measured wall time stands beside it as a check.
+Per training resolution (epochs.csv's `resolution`, else train.image_size): the steady img/s and time per
+epoch measured there, and for a run of a preset (config/recipes/, the config's `recipe` block) the source's
+published top-1 beside full ImageNet's time on this hardware, each epoch at its resolution's measured rate.
 Pure functions over parsed telemetry, like diagnosis.py.
 """
 
@@ -107,3 +110,117 @@ def project(
         full = plan(IMAGENET_TRAIN, IMAGENET_VAL, (train_rate, val_rate), epochs)
     wall = epochs_csv["wall_s"].mean() if "wall_s" in epochs_csv and not epochs_csv.empty else None
     return Projection(train_rate, val_rate, ranks, this, full, _run_seconds(run), wall)
+
+
+# --- time to accuracy: per-resolution rates, and a preset's published top-1 beside its projected time ---------
+
+
+def epoch_resolutions(epochs_csv: pd.DataFrame, run: Mapping, epochs) -> dict[int, int]:
+    """The training crop (px) of each of `epochs`: epochs.csv's `resolution` column where it has one
+    (progressive resizing records it), else train.image_size; {} when neither says."""
+    recorded: dict[int, int] = {}
+    if "resolution" in epochs_csv and not epochs_csv.empty:
+        pairs = zip(epochs_csv["epoch"], pd.to_numeric(epochs_csv["resolution"], errors="coerce"), strict=True)
+        recorded = {int(e): int(r) for e, r in pairs if pd.notna(r)}
+    size = train_setting(run, "image_size")
+    found = {int(e): recorded.get(int(e), size) for e in epochs}
+    return {e: int(r) for e, r in found.items() if r is not None}
+
+
+@dataclass(frozen=True)
+class ResolutionRow:
+    """The epochs trained at one resolution: measured rate and time, and the full-ImageNet epoch at that rate."""
+
+    resolution: int
+    epochs: int
+    train_img_s: float  # measured: steady, all ranks, each epoch's first step left out
+    epoch_s: float | None  # measured: mean training wall per epoch there (epochs.csv wall_s)
+    imagenet_epoch_s: float | None  # projected: full ImageNet's train images at train_img_s; None if not ImageNet-like
+
+
+def per_resolution(
+    steps: pd.DataFrame, epochs_csv: pd.DataFrame, run: Mapping, *, like_imagenet: bool = True
+) -> list[ResolutionRow]:
+    """One ResolutionRow per training resolution the run used, smallest first; [] without steps."""
+    if steps.empty:
+        return []
+    res_of = epoch_resolutions(epochs_csv, run, sorted(steps["epoch"].unique()))
+    rows = []
+    for res in sorted(set(res_of.values())):
+        epochs = [e for e, r in res_of.items() if r == res]
+        rates = steady_rates(steps[steps["epoch"].isin(epochs)])
+        if not rates:
+            continue
+        rate = sum(rates.values())
+        wall = None
+        if "wall_s" in epochs_csv and not epochs_csv.empty:
+            wall = epochs_csv.loc[epochs_csv["epoch"].isin(epochs), "wall_s"].mean()
+        full = IMAGENET_TRAIN / rate if like_imagenet else None
+        rows.append(ResolutionRow(res, len(epochs), rate, None if pd.isna(wall) else float(wall), full))
+    return rows
+
+
+@dataclass(frozen=True)
+class TimeToAccuracy:
+    """A preset's published top-1 (config's recipe block) beside this hardware's projected time for full
+    ImageNet on this run's schedule of resolutions."""
+
+    recipe: Mapping  # name, published_top1, epochs, source, reference_hardware, reference_minutes
+    run_epochs: int
+    schedule: tuple[tuple[int, int], ...]  # (resolution, epochs at it), in order of first use
+    train_s: float | None  # projected: full ImageNet training, each epoch at its resolution's measured rate
+    val_s: float | None  # projected: validating 50,000 images once per epoch at the evaluate stage's rate
+    note: str | None  # why there is no projection
+
+    @property
+    def total_s(self) -> float | None:
+        return None if self.train_s is None else self.train_s + (self.val_s or 0.0)
+
+    @property
+    def published_pct(self) -> float | None:
+        top1 = self.recipe.get("published_top1")
+        return None if top1 is None else 100 * top1
+
+    @property
+    def shortened(self) -> bool:
+        """This run trained another epoch count than the one the top-1 was published for."""
+        return bool(self.recipe.get("epochs")) and self.recipe["epochs"] != self.run_epochs
+
+
+def schedule_of(res_of: Mapping[int, int]) -> tuple[tuple[int, int], ...]:
+    counts: dict[int, int] = {}
+    for epoch in sorted(res_of):
+        counts[res_of[epoch]] = counts.get(res_of[epoch], 0) + 1
+    return tuple(counts.items())
+
+
+def time_to_accuracy(
+    recipe: Mapping,
+    rows: list[ResolutionRow],
+    epochs_csv: pd.DataFrame,
+    run: Mapping,
+    metrics: Mapping,
+    *,
+    like_imagenet: bool,
+) -> TimeToAccuracy | None:
+    """None for a run without a preset (recipe.name null); else the panel, its projection only for an
+    ImageNet-like dataset with a steady rate measured at every resolution of the schedule."""
+    if not recipe or not recipe.get("name"):
+        return None
+    epochs = int(train_setting(run, "epochs") or len(epochs_csv))
+    res_of = epoch_resolutions(epochs_csv, run, range(epochs))
+    rate = {r.resolution: r.train_img_s for r in rows}
+    missing = sorted({r for r in res_of.values() if r not in rate})
+    note = None
+    if not like_imagenet:
+        note = (
+            "this dataset is not ImageNet-like (its classes are not WordNet ids): ImageNet's time says nothing about it"
+        )
+    elif not res_of or missing:
+        note = f"no steady training rate measured at {', '.join(f'{r} px' for r in missing) or 'any resolution'}"
+    train_s = val_s = None
+    if note is None:
+        train_s = sum(IMAGENET_TRAIN / rate[r] for r in res_of.values())
+        val_rate = metrics.get("images_per_s")
+        val_s = epochs * IMAGENET_VAL / val_rate if val_rate else None
+    return TimeToAccuracy(dict(recipe), epochs, schedule_of(res_of), train_s, val_s, note)
