@@ -46,10 +46,19 @@ RN50 = {
     "val_resolution": 256,
     "lr_tta": True,
     "arch": "resnet50",
+    "max_side": 500,
     "jpeg_quality": 90,  # the README's `./write_imagenet.sh 500 0.50 90` (max side, compress share, quality)
 }
 # jpeg_quality: the README states the write command for ResNet-50's data only; its quality is assumed here.
-RN18 = {**RN50, "lr": 0.5, "batch_size": 1024, "world_size": 1, "weight_decay": 5e-5, "arch": "resnet18"}
+RN18 = {
+    **RN50,
+    "lr": 0.5,
+    "batch_size": 1024,
+    "world_size": 1,
+    "weight_decay": 5e-5,
+    "arch": "resnet18",
+    "max_side": 400,
+}
 FFCV = {
     "rn50-16ep": {**RN50, "epochs": 16, "start_ramp": 11, "end_ramp": 13},
     "rn50-24ep": {**RN50, "epochs": 24, "start_ramp": 17, "end_ramp": 20},
@@ -162,7 +171,10 @@ def test_ffcv_preset_sets_ffcvs_optimizer_model_and_test_values(name):
     assert train["decay_norm_and_bias"] is False, "FFCV: bn_wd 0"
     assert (ev["resolutions"][0], ev["flip_tta"], train["val_resolution"]) == (v["val_resolution"], v["lr_tta"], 256)
     assert train["image_size"] == v["max_res"]
-    assert cfg["pack"]["resize"] >= round(v["val_resolution"] / 0.875), "the test crop's shorter side is never upscaled"
+    # FFCV's written longest side (write_imagenet.sh); a 4:3 image's shorter side then stays above the
+    # shorter side the test crop resizes to
+    assert (cfg["pack"]["resize"], cfg["pack"]["max_side"]) == (0, v["max_side"])
+    assert v["max_side"] * 3 / 4 >= round(v["val_resolution"] / 0.875), "the test crop's shorter side is never upscaled"
     assert cfg["pack"]["quality"] == v["jpeg_quality"]
 
 
