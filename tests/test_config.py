@@ -158,6 +158,23 @@ def test_evaluate_crop_above_evaluate_resize_is_refused():
     assert "centre crop 64 (from train.image_size" in message, message
 
 
+@pytest.mark.parametrize(
+    "ramp, key, fix",
+    [
+        (dict(min_res=192, max_res=160, start_ramp=0, end_ramp=2), "progressive.min_res", "min_res <= max_res"),
+        (dict(min_res=160, max_res=192, start_ramp=5, end_ramp=2), "progressive.start_ramp", "start_ramp <= end_ramp"),
+    ],
+)
+def test_a_reversed_progressive_ramp_is_refused_naming_the_key_and_the_fix(ramp, key, fix):
+    message = refusal({"train": {"progressive": ramp}})
+    assert f"config key 'train.{key}'" in message and fix in message, message
+
+
+def test_a_progressive_ramp_in_order_passes_the_checks():
+    ramp = dict(min_res=32, max_res=64, start_ramp=0, end_ramp=2)
+    assert check_config(merged({"train": {"progressive": ramp}}), SCHEMA, workdir=REPO)["train"]["progressive"] == ramp
+
+
 def test_unknown_torchvision_model_is_refused_with_similar_names():
     message = refusal({"train": {"model": "resnet1000"}})
     assert "config key 'train.model' = 'resnet1000' is not a torchvision model" in message
@@ -209,6 +226,15 @@ def test_lists_and_nested_values_from_the_command_line_are_read_as_the_schema_ty
     assert (cfg["train"]["devices"], cfg["train"]["dali_preallocate"], cfg["train"]["epochs"]) == ([0, 1], [64, 48], 2)
     assert cfg["index"]["absent_splits"] == ["val"]
     assert check_config(merged(command_line("train={devices: cpu}")), SCHEMA, workdir=REPO)["train"]["devices"] == "cpu"
+
+
+def test_a_progressive_ramp_from_the_command_line_is_read_as_numbers():
+    given = command_line("train={progressive: {min_res: 32, max_res: 64, start_ramp: 0, end_ramp: 1}}")
+    assert given["train"]["progressive"]["min_res"] == "32", "Snakemake hands nested values over as strings"
+    cfg = check_config(merged(given), SCHEMA, workdir=REPO)
+    assert cfg["train"]["progressive"] == {"min_res": 32, "max_res": 64, "start_ramp": 0, "end_ramp": 1}
+    unset = check_config(merged(command_line("train={progressive: null}")), SCHEMA, workdir=REPO)
+    assert unset["train"]["progressive"] is None
 
 
 def test_a_list_item_out_of_range_from_the_command_line_is_refused_for_its_value_not_its_type():

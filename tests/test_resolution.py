@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from rectrain.train.resolution import largest, resolution_at, resolutions
 
 

@@ -98,7 +98,7 @@ def _coerced(value, schema: dict):
     """`value` as the schema types it: a string read as YAML (number, boolean, null, list, ...), a list
     item by item, a block key by key; unchanged when it is valid, holds no string or cannot be read."""
     if isinstance(value, dict):
-        coerce_strings(value, schema)
+        coerce_strings(value, _object_schema(schema))
         return value
     if not _holds_string(value) or jsonschema.Draft202012Validator(schema).is_valid(value):
         return value
@@ -111,6 +111,14 @@ def _coerced(value, schema: dict):
     except yaml.YAMLError:
         return value
     return value if isinstance(parsed, str) else _coerced(parsed, schema)
+
+
+def _object_schema(schema: dict) -> dict:
+    """The schema a block is read by: itself, or for a key that is null or a block (oneOf, as
+    train.progressive) the alternative with properties."""
+    if "properties" in schema:
+        return schema
+    return next((alt for alt in schema.get("oneOf", schema.get("anyOf", [])) if "properties" in alt), schema)
 
 
 def _coerced_items(items: list, schema: dict) -> list:

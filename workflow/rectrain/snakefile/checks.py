@@ -110,12 +110,34 @@ def cross_check(config: dict) -> list[str]:
             f"config key 'evaluate.crop': the centre crop {crop} (from {source}) is larger than the image after "
             f"'evaluate.resize' = {ev['resize']}; set evaluate.resize >= {crop}, or null for {crop} / 0.875"
         )
+    problems += progressive_problems(train["progressive"])
     models = known_models()
     if models is not None and train["model"] not in models:
         near = sorted(m for m in models if m.startswith(train["model"].rstrip("0123456789")))[:8]
         problems.append(
             f"config key 'train.model' = {train['model']!r} is not a torchvision model"
             + (f" (similar: {', '.join(near)})" if near else " (torchvision.models.list_models() lists them)")
+        )
+    return problems
+
+
+def progressive_problems(ramp: dict | None) -> list[str]:
+    """train.progressive's bounds in order: the ramp runs from min_res at start_ramp up to max_res at
+    end_ramp (rectrain.train.resolution), so neither pair may be reversed."""
+    if not ramp:
+        return []
+    problems = []
+    if ramp["min_res"] > ramp["max_res"]:
+        problems.append(
+            f"config key 'train.progressive.min_res' = {ramp['min_res']} is larger than 'train.progressive.max_res' = "
+            f"{ramp['max_res']}: the ramp grows from min_res to max_res; set min_res <= max_res "
+            "(equal values train every epoch at that resolution)"
+        )
+    if ramp["start_ramp"] > ramp["end_ramp"]:
+        problems.append(
+            f"config key 'train.progressive.start_ramp' = {ramp['start_ramp']} is after 'train.progressive.end_ramp' = "
+            f"{ramp['end_ramp']}: the ramp starts at epoch start_ramp and reaches max_res at epoch end_ramp; set "
+            "start_ramp <= end_ramp"
         )
     return problems
 
