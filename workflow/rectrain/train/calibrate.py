@@ -255,10 +255,11 @@ def total_rate(calibration: dict | None) -> float | None:
     return sum(rates.values()) if rates else None
 
 
-def rate_at(calibration: dict | None, resolution: int) -> float | None:
-    """total_rate at one training resolution: its own calibration under train.progressive, else the run's."""
+def rate_at(calibration: dict | None, size: int) -> float | None:
+    """total_rate at the training resolution `size` (px): its own calibration under train.progressive,
+    else the run's."""
     by = (calibration or {}).get("by_resolution")
-    return total_rate(by.get(str(resolution)) if by else calibration)
+    return total_rate(by.get(str(size)) if by else calibration)
 
 
 def calibrate_run(run: Run) -> dict:
