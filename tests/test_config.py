@@ -187,6 +187,17 @@ def test_pack_resize_below_train_image_size_warns(caplog):
     assert any("'pack.resize' = 32" in r.message and "'train.image_size' = 64" in r.message for r in caplog.records)
 
 
+def test_a_ramp_the_epochs_end_before_and_a_pack_smaller_than_its_largest_crop_warn(caplog):
+    ramp = dict(min_res=64, max_res=128, start_ramp=1, end_ramp=5)
+    update = {"pack": {"resize": 80}, "train": {"image_size": 64, "epochs": 4, "progressive": ramp}}
+    with caplog.at_level("WARNING", logger="rectrain.snakefile.checks"):
+        check_config(merged(update), SCHEMA, workdir=REPO)
+    messages = [r.message for r in caplog.records]
+    # epochs 0-3 of a ramp 64 -> 128 over epochs 1-5: 64, 64, 80 rounded to 64 (half to even), 96
+    assert any("'train.progressive.max_res' = 128 is never reached" in m and "96 px" in m for m in messages)
+    assert any("'pack.resize' = 80" in m and "largest training crop 96 px" in m for m in messages), messages
+
+
 def test_global_batch_without_auto_batch_warns(caplog):
     with caplog.at_level("WARNING", logger="rectrain.snakefile.checks"):
         check_config(merged({"train": {"global_batch": 512, "batch_size": 32}}), SCHEMA, workdir=REPO)

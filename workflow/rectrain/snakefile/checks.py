@@ -24,6 +24,7 @@ from rectrain.config import (
     shown_path,
 )
 from rectrain.snakefile.byo import byo_problems
+from rectrain.train.resolution import largest
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,27 @@ def progressive_problems(ramp: dict | None) -> list[str]:
     return problems
 
 
+def progressive_warnings(pack: dict, train: dict) -> list[str]:
+    """A train.progressive ramp that runs but not as written: max_res never reached within train.epochs,
+    or packed images smaller than the largest crop."""
+    ramp = train["progressive"]
+    if not ramp or progressive_problems(ramp):
+        return []
+    lines, top = [], largest(train)
+    if top < ramp["max_res"]:
+        lines.append(
+            f"'train.progressive.max_res' = {ramp['max_res']} is never reached: train.epochs = {train['epochs']} ends "
+            f"before 'train.progressive.end_ramp' = {ramp['end_ramp']}, so the largest crop is {top} px; set end_ramp "
+            f"<= {train['epochs'] - 1} to reach it"
+        )
+    if pack["resize"] and pack["resize"] < top:
+        lines.append(
+            f"'pack.resize' = {pack['resize']} stores images smaller than the largest training crop {top} px "
+            "(train.progressive): those epochs train on upscaled crops; set pack.resize >= it (or 0)"
+        )
+    return lines
+
+
 def cross_warnings(config: dict) -> list[str]:
     """Combinations that run but waste work or are ignored."""
     lines = []
@@ -151,6 +173,7 @@ def cross_warnings(config: dict) -> list[str]:
             f"'pack.resize' = {pack['resize']} stores images smaller than 'train.image_size' = {train['image_size']}: "
             "every training crop is upscaled; set pack.resize >= train.image_size (or 0 to keep the originals)"
         )
+    lines += progressive_warnings(pack, train)
     if train["global_batch"] is not None and train["batch_size"] != "auto":
         lines.append(
             f"'train.global_batch' = {train['global_batch']} is used only with batch_size: auto and is ignored "
