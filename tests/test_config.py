@@ -158,6 +158,23 @@ def test_evaluate_crop_above_evaluate_resize_is_refused():
     assert "centre crop 64 (from train.image_size" in message, message
 
 
+@pytest.mark.parametrize(
+    "ramp, key, fix",
+    [
+        (dict(min_res=192, max_res=160, start_ramp=0, end_ramp=2), "progressive.min_res", "min_res <= max_res"),
+        (dict(min_res=160, max_res=192, start_ramp=5, end_ramp=2), "progressive.start_ramp", "start_ramp <= end_ramp"),
+    ],
+)
+def test_a_reversed_progressive_ramp_is_refused_naming_the_key_and_the_fix(ramp, key, fix):
+    message = refusal({"train": {"progressive": ramp}})
+    assert f"config key 'train.{key}'" in message and fix in message, message
+
+
+def test_a_progressive_ramp_in_order_passes_the_checks():
+    ramp = dict(min_res=32, max_res=64, start_ramp=0, end_ramp=2)
+    assert check_config(merged({"train": {"progressive": ramp}}), SCHEMA, workdir=REPO)["train"]["progressive"] == ramp
+
+
 def test_unknown_torchvision_model_is_refused_with_similar_names():
     message = refusal({"train": {"model": "resnet1000"}})
     assert "config key 'train.model' = 'resnet1000' is not a torchvision model" in message
@@ -184,6 +201,17 @@ def test_pack_max_side_whose_4_3_shorter_side_is_below_train_image_size_warns(ca
     warned = [r.message for r in caplog.records[:quiet] if "'pack.max_side' = 80" in r.message]
     assert warned and "80x60" in warned[0] and "pack.max_side >= 86" in warned[0], warned
     assert not any("pack.max_side" in r.message for r in caplog.records[quiet:]), "86x64 holds a 64 px crop"
+
+
+def test_a_ramp_the_epochs_end_before_and_a_pack_smaller_than_its_largest_crop_warn(caplog):
+    ramp = dict(min_res=64, max_res=128, start_ramp=1, end_ramp=5)
+    update = {"pack": {"resize": 80}, "train": {"image_size": 64, "epochs": 4, "progressive": ramp}}
+    with caplog.at_level("WARNING", logger="rectrain.snakefile.checks"):
+        check_config(merged(update), SCHEMA, workdir=REPO)
+    messages = [r.message for r in caplog.records]
+    # epochs 0-3 of a ramp 64 -> 128 over epochs 1-5: 64, 64, 80 rounded to 64 (half to even), 96
+    assert any("'train.progressive.max_res' = 128 is never reached" in m and "96 px" in m for m in messages)
+    assert any("'pack.resize' = 80" in m and "largest training crop 96 px" in m for m in messages), messages
 
 
 def test_global_batch_without_auto_batch_warns(caplog):

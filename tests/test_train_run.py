@@ -62,6 +62,7 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
 
     epochs = rows(out / "epochs.csv")
     assert list(epochs[0]) == EPOCH_COLUMNS and [e["epoch"] for e in epochs] == ["0", "1"]
+    assert [e["resolution"] for e in epochs] == ["32", "32"], "no train.progressive: image_size every epoch"
     for e in epochs:
         steps_wall = sum(float(r["wall_s"]) for r in per_rank_epoch["0", e["epoch"]])
         assert steps_wall == pytest.approx(float(e["wall_s"]), rel=0.05), "step times must account for the epoch"

@@ -3,7 +3,8 @@
 Both yield (images, labels): images float32 NCHW normalised with the ImageNet mean/std on the loader's
 device, labels int64 taken from each record's IRHeader (so they agree with the index by construction).
 Same augmentation semantics in both: train = random-resized-crop (scale 0.08-1, ratio 3/4-4/3) to
-image_size + horizontal flip; eval = resize the shorter side to `resize` (default image_size/0.875) +
+the epoch's crop (`LoaderSpec.crop_at`: image_size, or train.progressive's resolution of the epoch) +
+horizontal flip; eval = resize the shorter side to `resize` (default image_size/0.875) +
 centre crop to image_size (rectrain.evaluate tests several such resolutions in one run).
 
 Sharding and the last batch (the part that makes or breaks DDP):
@@ -85,10 +86,24 @@ class LoaderSpec:
     seed: int = 0
     dali: DaliOptions = field(default_factory=DaliOptions.defaults)
     resize: int | None = None  # eval: the shorter side before the centre crop; None = image_size / 0.875
+    # train: each epoch's crop (train.progressive, rectrain.train.resolution); () = image_size every epoch
+    crops: tuple[int, ...] = ()
 
     @property
     def on_gpu(self) -> bool:
         return self.device.startswith("cuda")
+
+    def crop_at(self, epoch: int) -> int:
+        """The side of the crops `epoch` yields: its entry of `crops` when training with a schedule (an
+        epoch past the schedule keeps its last), else image_size."""
+        if not (self.train and self.crops):
+            return self.image_size
+        return self.crops[min(max(epoch, 0), len(self.crops) - 1)]
+
+    @property
+    def largest_crop(self) -> int:
+        """The largest crop any epoch yields: what device memory must hold."""
+        return max(self.crops) if self.train and self.crops else self.image_size
 
     @property
     def eval_resize(self) -> int:

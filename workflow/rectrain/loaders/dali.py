@@ -2,9 +2,10 @@
 is one and on the CPU otherwise, random-resized-crop (ROI decode + resize) + flip + normalise in the
 pipeline (crop_mirror_normalize, HWC out so torch sees channels_last without a copy).
 
-Train pipelines are rebuilt each epoch with shard (rank + epoch) % world and a seed from
-(seed, epoch, rank): every record once per epoch across ranks, shards rotate like DALI's default,
-and a resumed run replays exactly the epochs it missed.  Within an epoch they are built with DALI's
+Train pipelines are rebuilt each epoch with shard (rank + epoch) % world, a seed from
+(seed, epoch, rank) and the epoch's crop size (LoaderSpec.crop_at, train.progressive): every record
+once per epoch across ranks, shards rotate like DALI's default, and a resumed run replays exactly the
+epochs it missed, at their resolutions.  Within an epoch they are built with DALI's
 checkpointing on: `state()` is the pipeline's own checkpoint after the batches this loader has yielded
 (DALI counts the batches its consumer took, not those waiting in the prefetch queue), and
 `epoch(e, start, state)` rebuilds the epoch's pipeline from it - reader position and shuffle buffer,
@@ -177,7 +178,7 @@ class DaliLoader:
             shard_id=(s.rank + epoch) % s.world_size if s.train else s.rank,
             num_shards=s.world_size,
             train=s.train,
-            image_size=s.image_size,
+            image_size=s.crop_at(epoch),
             eval_resize=s.eval_resize,
             decode_device=decode_device,
             decoder_kwargs=decoder_args(decode_device, s.dali),

@@ -11,7 +11,9 @@ on every rank; rank r takes every world-th record starting at r, like Distribute
 Training samples are augmented under their own seed, drawn from (seed, epoch, rank, position in the
 epoch) (SeededPositions): a crop does not depend on which worker decodes it, so an epoch resumed at
 batch k (`epoch(e, start=k)`, the sampler started at position k x batch) sees exactly the samples,
-crops and flips of the uninterrupted epoch's batches k and later.
+crops and flips of the uninterrupted epoch's batches k and later.  Each training epoch crops to its
+own size (LoaderSpec.crop_at, train.progressive): the transform is set before the epoch's DataLoader
+starts its workers, which take their copy of the dataset then.
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ def _label(header) -> int:
     return int(label[0] if isinstance(label, tuple) else label)
 
 
-def augment(spec: LoaderSpec):
+def augment(spec: LoaderSpec, epoch: int = 0):
     """The uint8 CHW tensor (rectrain.loaders.jpeg; PILToTensor passes tensors through) -> uint8 CHW
-    transform matching the DALI pipeline's semantics."""
+    transform matching the DALI pipeline's semantics, cropping to `epoch`'s size when training."""
     if spec.train:
         return v2.Compose(
             [
                 v2.PILToTensor(),
-                v2.RandomResizedCrop(spec.image_size, scale=CROP_SCALE, ratio=CROP_RATIO, antialias=True),
+                v2.RandomResizedCrop(spec.crop_at(epoch), scale=CROP_SCALE, ratio=CROP_RATIO, antialias=True),
                 v2.RandomHorizontalFlip(),
             ]
         )
@@ -179,6 +181,7 @@ class TorchLoader:
         self.sampler.set_epoch(epoch)
         sampler = self.sampler
         if s.train:
+            self._set_transform(augment(s, epoch))
             sampler = SeededPositions(self.sampler, epoch_seed(s.seed, epoch, s.rank), start * s.batch_size)
         loader = DataLoader(
             self.dataset,
@@ -192,6 +195,12 @@ class TorchLoader:
             generator=torch.Generator().manual_seed(epoch_seed(s.seed, epoch, s.rank)),
         )
         return iter(loader)
+
+    def _set_transform(self, transform) -> None:
+        """The augmentation the next DataLoader's workers (or the batch decode) apply."""
+        self.transform = transform
+        if not self.decode_on_device:
+            self.dataset.transform = transform
 
     def _decode_batch(self, data: list[torch.Tensor], ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         try:

@@ -11,7 +11,7 @@ import pandas as pd
 import yaml
 
 from rectrain.log import duration
-from rectrain.report import efficiency, learning, plots, projection, provenance
+from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions
 from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
 from rectrain.report.stats import (
@@ -335,6 +335,7 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
         "rates": rates,
         "eff": efficiency_headline(eff, data.steps),
         "util": utilization(data.system),
+        "resolutions": resolutions.resolution_rows(data.epochs, data.steps, data.run),
         "epochs": all_epochs,
         "epoch_summary": shown_epochs,
         "epochs_collapsed": len(shown_epochs) < len(all_epochs),

@@ -15,6 +15,7 @@ from typing import Mapping
 import pandas as pd
 
 from rectrain.data.fit import Fit
+from rectrain.report.resolutions import synthetic_at
 from rectrain.report.stats import overall_data_wait_share, steady_steps, train_setting
 
 # GPUs with a hardware JPEG decoder (nvJPEG's hardware back end, which DALI's mixed decoder uses
@@ -110,14 +111,26 @@ def steady_rates(steps: pd.DataFrame) -> dict[int, float]:
 
 def epoch_spread(steps: pd.DataFrame, eff: Efficiency) -> tuple[float, float] | None:
     """(lowest, highest) input efficiency of a single epoch: each epoch's steady img/s of all ranks over
-    the calibration's; the spread that says how much one measurement of it varies on this machine."""
+    the calibration's at its resolution (epoch_ceiling); the spread that says how much one measurement
+    of it varies on this machine."""
     if not eff.measured or not eff.synthetic_total or steps.empty:
         return None
     s = steady_steps(steps)
     per = s.groupby(["epoch", "rank"])[["images", "wall_s"]].sum()
     per = per[per["wall_s"] > 0]
-    rates = (per["images"] / per["wall_s"]).groupby(level="epoch").sum() / eff.synthetic_total
+    rates = (per["images"] / per["wall_s"]).groupby(level="epoch").sum()
+    rates = rates / pd.Series({e: epoch_ceiling(eff, int(e)) for e in rates.index}, dtype=float)
     return (float(rates.min()), float(rates.max())) if not rates.empty else None
+
+
+def epoch_ceiling(eff: Efficiency, epoch: int) -> float | None:
+    """All ranks' synthetic img/s for `epoch`: under train.progressive its training resolution's own
+    calibration (the calibration's `resolutions` and `by_resolution`), else the run's."""
+    cal = eff.calibration or {}
+    per_epoch = cal.get("resolutions") or []
+    if cal.get("by_resolution") and 0 <= epoch < len(per_epoch):
+        return synthetic_at(cal, per_epoch[epoch])
+    return eff.synthetic_total
 
 
 def _not_measured(run: Mapping) -> str | None:

@@ -26,6 +26,7 @@ from rectrain.config import (
 )
 from rectrain.data.fit import TYPICAL_ASPECT, Fit, pack_fit
 from rectrain.snakefile.byo import byo_problems
+from rectrain.train.resolution import largest
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ def cross_check(config: dict) -> list[str]:
             f"config key 'evaluate.crop': the centre crop {crop} (from {source}) is larger than the image after "
             f"'evaluate.resize' = {ev['resize']}; set evaluate.resize >= {crop}, or null for {crop} / 0.875"
         )
+    problems += progressive_problems(train["progressive"])
     models = known_models()
     if models is not None and train["model"] not in models:
         near = sorted(m for m in models if m.startswith(train["model"].rstrip("0123456789")))[:8]
@@ -126,10 +128,53 @@ def cross_check(config: dict) -> list[str]:
     return problems
 
 
+def progressive_problems(ramp: dict | None) -> list[str]:
+    """train.progressive's bounds in order: the ramp runs from min_res at start_ramp up to max_res at
+    end_ramp (rectrain.train.resolution), so neither pair may be reversed."""
+    if not ramp:
+        return []
+    problems = []
+    if ramp["min_res"] > ramp["max_res"]:
+        problems.append(
+            f"config key 'train.progressive.min_res' = {ramp['min_res']} is larger than 'train.progressive.max_res' = "
+            f"{ramp['max_res']}: the ramp grows from min_res to max_res; set min_res <= max_res "
+            "(equal values train every epoch at that resolution)"
+        )
+    if ramp["start_ramp"] > ramp["end_ramp"]:
+        problems.append(
+            f"config key 'train.progressive.start_ramp' = {ramp['start_ramp']} is after 'train.progressive.end_ramp' = "
+            f"{ramp['end_ramp']}: the ramp starts at epoch start_ramp and reaches max_res at epoch end_ramp; set "
+            "start_ramp <= end_ramp"
+        )
+    return problems
+
+
+def progressive_warnings(pack: dict, train: dict) -> list[str]:
+    """A train.progressive ramp that runs but not as written: max_res never reached within train.epochs,
+    or packed images smaller than the largest crop."""
+    ramp = train["progressive"]
+    if not ramp or progressive_problems(ramp):
+        return []
+    lines, top = [], largest(train)
+    if top < ramp["max_res"]:
+        lines.append(
+            f"'train.progressive.max_res' = {ramp['max_res']} is never reached: train.epochs = {train['epochs']} ends "
+            f"before 'train.progressive.end_ramp' = {ramp['end_ramp']}, so the largest crop is {top} px; set end_ramp "
+            f"<= {train['epochs'] - 1} to reach it"
+        )
+    if pack["resize"] and train["image_size"] <= pack["resize"] < top:  # below image_size: warned already
+        lines.append(
+            f"'pack.resize' = {pack['resize']} stores images smaller than the largest training crop {top} px "
+            "(train.progressive): those epochs train on upscaled crops; set pack.resize >= it (or 0)"
+        )
+    return lines
+
+
 def cross_warnings(config: dict) -> list[str]:
     """Combinations that run but waste work or are ignored."""
     pack, train = config["pack"], config["train"]
     lines = stored_size_warnings(pack, train["image_size"])
+    lines += progressive_warnings(pack, train)
     if train["global_batch"] is not None and train["batch_size"] != "auto":
         lines.append(
             f"'train.global_batch' = {train['global_batch']} is used only with batch_size: auto and is ignored "

@@ -35,6 +35,7 @@ from rectrain.recordio import idx_arrays
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import memory
 from rectrain.train.optim import make_optimizer
+from rectrain.train.resolution import largest, resolutions
 
 log = logging.getLogger(__name__)
 
@@ -165,17 +166,20 @@ def loader_spec(cfg: dict, d: Dist, rec: str, idx: str, workers: int) -> LoaderS
         gpu_decode=cfg["gpu_decode"],
         seed=cfg["seed"],
         dali=DaliOptions.from_config(cfg),
+        crops=tuple(resolutions(cfg)) if cfg.get("progressive") else (),
     )
 
 
 def val_loader_spec(cfg: dict, spec: LoaderSpec, rec: str, idx: str) -> LoaderSpec:
     """The per-epoch validation loader's, from the train loader's `spec`: every record once, a centre
     crop of train.val_resolution (null = image_size) from a shorter side of it / 0.875."""
-    return dataclasses.replace(spec, rec=rec, idx=idx, train=False, image_size=cfg["val_resolution"] or spec.image_size)
+    size = cfg["val_resolution"] or spec.image_size
+    return dataclasses.replace(spec, rec=rec, idx=idx, train=False, image_size=size, crops=())
 
 
 def preflight_inputs(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None):
-    """(the trial step, what will be held beside it) for choose_batch."""
+    """(the trial step, what will be held beside it) for choose_batch, at the run's largest training
+    crop (train.progressive): a batch that fits there fits every epoch."""
     spec = spec or loader_spec(cfg, d, "", "", resolve_workers(cfg["workers"], d.local_world_size))
     choice = resolve_loader(cfg["loader"], spec)
     held = (
@@ -187,7 +191,7 @@ def preflight_inputs(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec:
     trial = memory.Trial(
         model,
         loss_fn,
-        cfg["image_size"],
+        largest(cfg),
         num_classes,
         d.device,
         cfg["precision"],

@@ -23,6 +23,11 @@ along): its steps (warm-up included) are at most CALIBRATION_SHARE of the steps 
 once train.calibration_max_s have passed, and rank 0 logs a progress line every train.progress_s.
 The measured steps run in chunks of whole optimizer steps; after each chunk the ranks gather their
 elapsed time, so every rank takes the same decision to go on and runs the same number of steps.
+
+Under train.progressive the run trains at several resolutions, and a step's img/s depends on its
+crop: each distinct resolution is calibrated on its own (bounded by the steps the run trains at it,
+train.calibration_max_s shared equally), each epoch's input efficiency is held against its own
+resolution's rate, and the run's against the epochs' combined ceiling (combine_resolutions).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from rectrain import watchdog
 from rectrain.distributed import Dist, all_gather
 from rectrain.progress import Progress
 from rectrain.train import checkpoint as ckpt
+from rectrain.train import resolution
 from rectrain.train.step import Step, run_steps
 
 if TYPE_CHECKING:
@@ -249,14 +255,35 @@ def total_rate(calibration: dict | None) -> float | None:
     return sum(rates.values()) if rates else None
 
 
+def rate_at(calibration: dict | None, size: int) -> float | None:
+    """total_rate at the training resolution `size` (px): its own calibration under train.progressive,
+    else the run's."""
+    by = (calibration or {}).get("by_resolution")
+    return total_rate(by.get(str(size)) if by else calibration)
+
+
 def calibrate_run(run: Run) -> dict:
     """run.json's `calibration` for a training run, logged on rank 0: every rank's img/s on synthetic
-    data with the run's own step and planned batch."""
+    data with the run's own step and planned batch - under train.progressive at each resolution the
+    run trains (combine_resolutions), train.calibration_max_s shared equally among them."""
     cfg = run.cfg
-    shape = Shape(run.plan.batch, cfg["image_size"], len(run.classes))
+    per_epoch = resolution.resolutions(cfg)
+    if not cfg.get("progressive"):
+        return _calibrate_at(run, per_epoch[0], cfg["epochs"], cfg["calibration_max_s"])
+    sizes = sorted(set(per_epoch))
+    share = cfg["calibration_max_s"] / len(sizes)
+    by = {str(r): _calibrate_at(run, r, per_epoch.count(r), share, f" at {r} px") for r in sizes}
+    return combine_resolutions(by, per_epoch)
+
+
+def _calibrate_at(run: Run, size: int, epochs: int, max_s: float, where: str = "") -> dict:
+    """One calibration at crops of `size` px, bounded by the `epochs` of the run trained at that size
+    (CALIBRATION_SHARE of their steps) and `max_s`; logged on rank 0 (`where`: the resolution, in words)."""
+    cfg = run.cfg
+    shape = Shape(run.plan.batch, size, len(run.classes))
     bounds = Bounds(
-        run_steps=cfg["epochs"] * run.train_loader.batches_per_epoch,
-        max_s=cfg["calibration_max_s"],
+        run_steps=epochs * run.train_loader.batches_per_epoch,
+        max_s=max_s,
         progress_s=cfg["progress_s"],
         accum=run.plan.grad_accum,
     )
@@ -264,17 +291,48 @@ def calibrate_run(run: Run) -> dict:
         run.step, run.model, shape, cfg["calibration_steps"], cfg["calibration_warmup_steps"], bounds=bounds
     )
     if run.d.master:
-        if cal["skipped"]:
-            log.info("calibration skipped: %s (no input efficiency for this run)", cal["skipped"])
-        else:
-            log.info(
-                "calibration: %.1f img/s on synthetic data on the device (%s), %d steps after %d warm-up, %.1f s",
-                total_rate(cal),
-                ", ".join(f"rank {r}: {v:.1f}" for r, v in cal["images_per_s"].items()),
-                cal["steps"],
-                cal["warmup_steps"],
-                cal["seconds"],
-            )
-        if cal.get("shortened"):
-            log.info("calibration shortened: %s", cal["shortened"])
+        _log_calibration(cal, where)
     return cal
+
+
+def _log_calibration(cal: dict, where: str) -> None:
+    if cal["skipped"]:
+        log.info("calibration%s skipped: %s (no input efficiency for this run)", where, cal["skipped"])
+    else:
+        log.info(
+            "calibration%s: %.1f img/s on synthetic data on the device (%s), %d steps after %d warm-up, %.1f s",
+            where,
+            total_rate(cal),
+            ", ".join(f"rank {r}: {v:.1f}" for r, v in cal["images_per_s"].items()),
+            cal["steps"],
+            cal["warmup_steps"],
+            cal["seconds"],
+        )
+    if cal.get("shortened"):
+        log.info("calibration%s shortened: %s", where, cal["shortened"])
+
+
+def combine_resolutions(by: dict[str, dict], per_epoch: list[int]) -> dict:
+    """The calibration of a run with several training resolutions (`by`: one calibration per
+    resolution, keyed by its px as a string; `per_epoch`: each epoch's resolution).  Its images_per_s is
+    each rank's ceiling for the whole run: every epoch trains the same number of images, so the run's
+    synthetic time is the sum of the epochs' and its rate the epochs' harmonic mean - what the report
+    compares the run's real img/s with.  The epoch log lines use their resolution's own (rate_at)."""
+    parts = list(by.values())
+    skipped = next((f"at {r} px: {c['skipped']}" for r, c in by.items() if c["skipped"]), None)
+    rates = {}
+    if not skipped:
+        for rank in parts[0]["images_per_s"]:
+            rates[rank] = len(per_epoch) / sum(1 / by[str(r)]["images_per_s"][rank] for r in per_epoch)
+    shortened = "; ".join(f"at {r} px: {c['shortened']}" for r, c in by.items() if c.get("shortened"))
+    return {
+        "images_per_s": rates,
+        "steps": sum(c["steps"] for c in parts),
+        "warmup_steps": sum(c["warmup_steps"] for c in parts),
+        "seconds": round(sum(c["seconds"] for c in parts), 3),
+        "batch_size": parts[0]["batch_size"],
+        "skipped": skipped,
+        "shortened": shortened or None,
+        "resolutions": per_epoch,  # each epoch's, so a reader finds the epoch's own rate in by_resolution
+        "by_resolution": by,
+    }

@@ -88,6 +88,7 @@ def train_one_epoch(
     clock = StepClock(torch.device("cpu"))
     start = clock.mark()
     batches = faults.record_labels(loader.epoch(epoch, first, saved.get("loader")), step.dist.rank, epoch, first)
+    batches = faults.record_shapes(batches, step.dist.rank, epoch, first)
     batches = watchdog.watched(faults.stall_loader(batches, step.dist.rank), f"epoch {epoch}")
     t = run_steps(
         step,
@@ -150,6 +151,7 @@ def validate(
 
 def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: Books) -> None:
     """Rank 0 after an epoch: its epochs.csv row, the checkpoint (with every rank's RNG state), the epoch line."""
+    crop = run.train_loader.spec.crop_at(epoch)
     books.epochs.write(
         epoch=epoch,
         train_loss=stats["train_loss"],
@@ -159,18 +161,20 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         val_top5=val["val_top5"],
         images_per_s=stats["images"] / stats["wall_s"],
         wall_s=stats["wall_s"],
+        resolution=crop,
     )
     watchdog.beat(f"epoch {epoch}: writing the checkpoint")
     saved = checkpoint_note(run, epoch, save_checkpoint(run, epoch, rngs))
     log.info(
-        "epoch %d: train loss %.3f acc %.3f, %s, %.0f img/s, %.1f s%s; %s",
+        "epoch %d%s: train loss %.3f acc %.3f, %s, %.0f img/s, %.1f s%s; %s",
         epoch,
+        f" ({crop} px)" if run.cfg.get("progressive") else "",
         stats["train_loss"],
         stats["train_acc"],
         val_text(val),
         stats["images"] / stats["wall_s"],
         stats["wall_s"],
-        efficiency_note(stats, books.calibration),
+        efficiency_note(stats, books.calibration, crop),
         saved,
     )
 
@@ -181,9 +185,10 @@ def val_text(val: dict) -> str:
     return f"val loss {val['val_loss']:.3f} top-1 {val['val_top1']:.3f} top-5 {val['val_top5']:.3f}"
 
 
-def efficiency_note(stats: dict, calibration: dict | None) -> str:
-    """The epoch log line's input efficiency: the epoch's steady img/s against the calibration's."""
-    ceiling = calibrate.total_rate(calibration)
+def efficiency_note(stats: dict, calibration: dict | None, resolution: int) -> str:
+    """The epoch log line's input efficiency: the epoch's steady img/s against the calibration's at the
+    epoch's training resolution."""
+    ceiling = calibrate.rate_at(calibration, resolution)
     if not ceiling or not stats["steady"]:
         return ""
     return (

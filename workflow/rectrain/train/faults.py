@@ -51,6 +51,9 @@ SIGNAL_AT_ENV = "RECTRAIN_SIGNAL_AT"
 # Why: a resumed epoch must feed each rank exactly the samples of the uninterrupted epoch; the tests
 # read them from this folder (labels_rank<r>.csv: epoch, step, the batch's labels space-separated).
 RECORD_LABELS_ENV = "RECTRAIN_RECORD_LABELS"
+# Why: every rank must train each epoch at train.progressive's resolution, a resumed epoch too; the
+# tests read it from this folder (shapes_rank<r>.csv: epoch, step, the batch's height and width).
+RECORD_SHAPES_ENV = "RECTRAIN_RECORD_SHAPES"
 
 
 def signal_at(rank: int, epoch: int, step: int) -> None:
@@ -72,4 +75,17 @@ def record_labels(batches, rank: int, epoch: int, first: int):
     with open(os.path.join(folder, f"labels_rank{rank}.csv"), "a", buffering=1) as f:
         for step, (x, y) in enumerate(batches, start=first):
             f.write(f"{epoch},{step},{' '.join(str(int(v)) for v in y.tolist())}\n")
+            yield x, y
+
+
+def record_shapes(batches, rank: int, epoch: int, first: int):
+    """The batches; with RECTRAIN_RECORD_SHAPES=<dir> each batch's image height and width are appended
+    to <dir>/shapes_rank<rank>.csv."""
+    folder = os.environ.get(RECORD_SHAPES_ENV)
+    if not folder:
+        yield from batches
+        return
+    with open(os.path.join(folder, f"shapes_rank{rank}.csv"), "a", buffering=1) as f:
+        for step, (x, y) in enumerate(batches, start=first):
+            f.write(f"{epoch},{step},{x.shape[-2]},{x.shape[-1]}\n")
             yield x, y

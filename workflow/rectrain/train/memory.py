@@ -112,7 +112,7 @@ def fix_hint(batch: int, fits: int, world_size: int, accum: int = 1, auto: bool 
     global batch (`auto`: the run had batch_size auto, so the fix pins what auto could not foresee)."""
     if fits <= 0:
         return (
-            "not even batch 1 fits: use a smaller train.model or train.image_size, "
+            "not even batch 1 fits: use a smaller train.model or train.image_size (train.progressive's max_res), "
             "or train.precision: bf16/fp16 to halve activation memory"
         )
     global_batch = batch * accum * world_size
@@ -235,7 +235,7 @@ def loader_reservation(choice: LoaderChoice, spec: LoaderSpec, role: str = "trai
     a batch decoding ahead of the one in the step."""
     if not spec.on_gpu:
         return None
-    sample = 3 * spec.image_size**2 * 4  # a normalised float32 image
+    sample = 3 * spec.largest_crop**2 * 4  # a normalised float32 image, at the run's largest crop
     if choice.kind == "dali" and choice.decode.startswith("gpu"):
         threads, depth, pad = max(1, spec.workers), spec.dali.prefetch_queue_depth, spec.dali.device_memory_padding
         width, height = spec.dali.preallocate

@@ -12,6 +12,7 @@ from rectrain import distributed
 from rectrain.distributed import Dist
 from rectrain.storage import device_info
 from rectrain.train import telemetry
+from rectrain.train.resolution import resolutions
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ def run_info(
         "global_batch": plan.global_batch,
         "epochs": cfg["epochs"],
         "image_size": cfg["image_size"],
+        # the training crop of every epoch (px) and the schedule that made it (null: image_size throughout)
+        "progressive": cfg["progressive"],
+        "resolutions": resolutions(cfg),
         "rec_device": device_info(run.args.rec),
         "gpus": telemetry.gpu_inventory(),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
@@ -82,13 +86,13 @@ def local_devices(d: Dist) -> list[str]:
 def log_start(run: Run) -> None:
     d, cfg, plan = run.d, run.cfg, run.plan
     log.info(
-        "%d process(es), %s, %s loader, %s @%dpx, batch %d x accum %d x %d = %d, %d train images "
+        "%d process(es), %s, %s loader, %s @%s, batch %d x accum %d x %d = %d, %d train images "
         "(%d padded per epoch), preflight: %s",
         d.world_size,
         d.backend,
         run.train_loader.kind,
         cfg["model"],
-        cfg["image_size"],
+        resolution_words(cfg),
         plan.batch,
         plan.grad_accum,
         d.world_size,
@@ -97,3 +101,11 @@ def log_start(run: Run) -> None:
         run.train_loader.padding_per_epoch,
         plan.preflight,
     )
+
+
+def resolution_words(cfg: dict) -> str:
+    """The training resolution for the start line: '64px', or under train.progressive '32->64px (ramp epochs 0-2)'."""
+    ramp = cfg["progressive"]
+    if not ramp:
+        return f"{cfg['image_size']}px"
+    return f"{ramp['min_res']}->{ramp['max_res']}px (ramp epochs {ramp['start_ramp']}-{ramp['end_ramp']})"

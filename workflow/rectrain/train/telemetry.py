@@ -26,7 +26,18 @@ import psutil
 log = logging.getLogger(__name__)
 
 STEP_COLUMNS = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
-EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_top1", "val_top5", "images_per_s", "wall_s"]
+# resolution: the epoch's training crop in px (train.progressive; image_size without a schedule)
+EPOCH_COLUMNS = [
+    "epoch",
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_top1",
+    "val_top5",
+    "images_per_s",
+    "wall_s",
+    "resolution",
+]
 SYSTEM_BASE_COLUMNS = ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb"]
 
 
