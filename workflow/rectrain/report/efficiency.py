@@ -15,7 +15,6 @@ from typing import Mapping
 import pandas as pd
 
 from rectrain.data.fit import Fit
-from rectrain.report.resolutions import synthetic_at
 from rectrain.report.stats import overall_data_wait_share, steady_steps, train_setting
 
 # GPUs with a hardware JPEG decoder (nvJPEG's hardware back end, which DALI's mixed decoder uses
@@ -97,6 +96,17 @@ class Efficiency:
             f"input efficiency {value}: {self.real_total:.1f} img/s on real data against "
             f"{self.synthetic_total:.1f} img/s on synthetic data on the device"
         )
+
+
+def synthetic_at(calibration: Mapping | None, resolution: int) -> float | None:
+    """All ranks' synthetic img/s at `resolution` (None when not measured)."""
+    cal = calibration or {}
+    if cal.get("by_resolution"):
+        cal = cal["by_resolution"].get(str(resolution)) or {}
+    if cal.get("skipped"):
+        return None
+    rates = [float(v) for v in (cal.get("images_per_s") or {}).values()]
+    return sum(rates) if rates else None
 
 
 def steady_rates(steps: pd.DataFrame) -> dict[int, float]:
