@@ -413,3 +413,13 @@ def test_no_imagenet_projection_for_a_run_of_imagenet_size(tmp_path):
     full = data.steps.assign(images=32_100)  # 2 ranks x 20 steps x 32,100 = 1,284,000 images per epoch
     p = project(full, data.epochs, data.run, data.metrics)
     assert p.run.train_images == 1_284_000 and p.imagenet is None
+
+
+def test_the_summary_names_a_compiled_run_and_its_decode_path(tmp_path):
+    """run.json's `compiled` and `decode_path` (train.compile, train.decode as it ran) reach the summary;
+    an eager run with the torch loader (decode_path null) names neither."""
+    html = render(tmp_path / "compiled", run_overrides={"compiled": True, "decode_path": "full"})
+    assert "compiled (torch.compile: epochs and calibration)" in html
+    assert "(train.decode: full)" in html
+    html = render(tmp_path / "eager", run_overrides={"compiled": False, "decode_path": None})
+    assert "compiled (torch.compile" not in html and "(train.decode:" not in html
