@@ -255,6 +255,7 @@ class Loader(Protocol):
     batches_per_epoch: int  # on this rank; equal on every rank when training
     padding_per_epoch: int  # records repeated per epoch across all ranks so every batch is full
     choice: LoaderChoice  # what was asked for, what runs and why (build_loader sets it)
+    image_dtype: torch.dtype  # the images' dtype: spec.dtype, or float32 where the loader lacks it
 
     def epoch(self, epoch: int, start: int = 0, state=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(images, labels) batches of one epoch, in this rank's order for that epoch; a training
