@@ -14,7 +14,7 @@ from helpers.train_data import config_json, packed_dataset, tiny_train_config, w
 
 from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec, build_loader, image_dtype
-from rectrain.train.calibrate import Shape, StepRows, calibrate, compiled_note
+from rectrain.train.calibrate import Bounds, Shape, StepRows, calibrate, compiled_note
 from rectrain.train.optim import make_optimizer
 from rectrain.train.run import wrap
 from rectrain.train.step import Step, compiled_graphs, run_steps
@@ -70,6 +70,20 @@ def test_compiled_calibration_compiles_in_its_warm_up_and_the_real_batches_reuse
     x = torch.randn(8, 3, 32, 32, dtype=torch.float16)
     run_steps(step, 0, [(x, torch.zeros(8, dtype=torch.int64))], StepRows(), n_batches=1)
     assert compiled_graphs() > graphs
+
+
+def test_compiling_does_not_count_against_the_calibration_time_cap(monkeypatch):
+    """calibration_max_s 1 s, and the first (compiling) step alone takes longer: the cap counts from its
+    end, so all 6 steps of a few ms each are measured (before, the cap cut it to one).  Inductor's caches
+    are off, so the graph compiled by the test before is compiled again, not loaded in half a second."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    torch._dynamo.reset()
+    cfg = tiny_train_config(compile=True, precision="fp32", batch_size=8, image_size=32)
+    step, model = compiled_step(cfg)
+    cal = calibrate(step, model, Shape(8, 32, 5, channels_last=True), steps=6, warmup=1, bounds=Bounds(max_s=1.0))
+    assert cal["seconds"] > 1.0, "the precondition: compiling took longer than the cap"
+    assert cal["steps"] == 6 and cal["warmup_steps"] == 1 and cal["shortened"] is None, cal
 
 
 def test_compiled_measured_steps_are_named_in_the_calibration_log_line():

@@ -23,6 +23,7 @@ memory format (rectrain.loaders.image_dtype, channels_last), so the graph compil
 the epochs' real batches run (a dtype or stride the graph was not traced for would compile another).
 Compilation happens in the first step: a compiled run warms up for at least one step, and the
 graphs compiled during the measured steps are counted (`compiles`): none, or the ceiling is low.
+The time cap (train.calibration_max_s) counts from the end of that compiling step.
 
 Bounded (a calibration once took 135 s, longer than the 1-step-per-epoch run it measured, silent all
 along): its steps (warm-up included) are at most CALIBRATION_SHARE of the steps the whole run trains
@@ -185,14 +186,17 @@ class Chunks:
     rows: list = field(default_factory=list)
     stopped: str = ""
     compiles: int = 0  # torch.compile graphs compiled during the measured steps (0 when not compiled)
+    compiled: bool = False  # the network is torch.compile's: its first chunk compiles
 
 
 def bounded_steps(step: Step, batches, steps: int, bounds: Bounds, progress: Progress | None, chunks: Chunks) -> None:
     """`chunks.warmup` warm-up steps then up to `steps` measured ones, in chunks of whole optimizer steps
     about one progress interval long (a progress line after each when due), until
     train.calibration_max_s have passed: the warm-up is cut short then, and at least one step is
-    measured.  Elapsed time is gathered from every rank, so all take the same decisions."""
-    d, t0 = step.dist, time.perf_counter()
+    measured.  Elapsed time is gathered from every rank, so all take the same decisions.  A compiled
+    network's first chunk compiles it: the time cap and the step-time estimate count from its end, so
+    a minute of compiling neither uses up the cap nor passes for the step time."""
+    d, t0, base = step.dist, time.perf_counter(), 0
     total, chunk = chunks.warmup + steps, bounds.accum
     while chunks.done < total:
         limit = chunks.warmup if chunks.done < chunks.warmup else total  # the warm-up ends on a chunk's end
@@ -203,10 +207,13 @@ def bounded_steps(step: Step, batches, steps: int, bounds: Bounds, progress: Pro
             chunks.rows += part.rows
             chunks.compiles += compiled_graphs() - graphs
         chunks.done += n
-        elapsed = max(all_gather(time.perf_counter() - t0, d))
-        per_step = elapsed / chunks.done
         if progress is not None:
             progress.count(chunks.done * (part.rows[-1]["images"] if part.rows else 0) * d.world_size)
+        if chunks.compiled and not base:
+            t0, base = time.perf_counter(), chunks.done  # every rank, after the same chunk
+            continue
+        elapsed = max(all_gather(time.perf_counter() - t0, d))
+        per_step = elapsed / (chunks.done - base)
         if chunks.done < total and elapsed + per_step > bounds.max_s:
             if chunks.rows:
                 chunks.stopped = (
@@ -241,7 +248,7 @@ def calibrate(
     progress = Progress(bounds.progress_s, d.world_size) if d.master else None
     if progress is not None:
         progress.begin("calibration", (warmup + steps) * shape.batch * d.world_size, unit="images")
-    chunks, graphs = Chunks(warmup), compiled_graphs()
+    chunks, graphs = Chunks(warmup, compiled=compiled), compiled_graphs()
     with restored(step, model):
         batches = watchdog.watched(synthetic_batches(shape, d.device, warmup + steps), "calibration")
         bounded_steps(step, batches, steps, bounds, progress, chunks)
