@@ -19,7 +19,10 @@
 # parts, default .whl; unpacked only when snakemake or DALI is missing); GPU_CHECK_SNAKEMAKE_ARGS (extra
 # arguments, e.g. --config overrides for a small CPU rehearsal); GPU_CHECK_EFFICIENCY_ARGS (extra
 # arguments for bench/gpu_efficiency.py, e.g. --runs resnet50:224 --hw-decoder-load 0.9); GPU_CHECK_DEADLINE_S (end every part
-# by this many seconds after the start, default BUDGET_S - LIMIT_SUMMARY_S: a rehearsal can shorten it).
+# by this many seconds after the start, default BUDGET_S - LIMIT_SUMMARY_S: a rehearsal can shorten it);
+# GPU_CHECK_FOCUS=efficiency (issue 25's device run, bench/GPU_RUNBOOK.md "The decode and compile run"):
+# the pipeline only packs the demo set, the 11 GB check is skipped, and the efficiency bench gets their
+# time for EFFICIENCY_FOCUS_ARGS (eager and compiled, DALI roi and full, two repeats).
 set -uo pipefail
 
 # --- time limits, in seconds: the one place they are set ----------------------------------------
@@ -33,6 +36,20 @@ LIMIT_EFFICIENCY_S=120 # 4 model/size runs x (synthetic + DALI + torch)
 LIMIT_OOM_CAP_S=50     # preflight at batch 256 and batch_size auto under an 11 GB cap
 LIMIT_SUMMARY_S=30     # summary.txt and the archive, from the exit trap
 ARCHIVE_CAP_MB=12      # the archive stays well under the 16 MiB a returned file may have
+FOCUS=${GPU_CHECK_FOCUS:-}
+# The decode and compile run (issue 25, point 6): ResNet-50 at 224 (as packed) and 176 (from a .rec
+# copy at shorter side 201 = 176 / 0.875), ResNet-18 at 160 (side 182) and 224; each eager and compiled,
+# DALI's roi and full decode paths against the synthetic ceiling of the same compile mode, two
+# repeats; ResNet-50 at 224 first (the acceptance number), so a cut run still has it.
+EFFICIENCY_FOCUS_ARGS="--runs resnet50:224,resnet18:224,resnet50:176@201,resnet18:160@182 --compile eager,default --decodes roi,full --loaders dali --repeats 2"
+if [ "$FOCUS" = efficiency ]; then
+    # The parts it skips give it their time (run_part still ends it by the deadline).
+    LIMIT_EFFICIENCY_S=$((LIMIT_EFFICIENCY_S + LIMIT_PIPELINE_S + LIMIT_OOM_CAP_S - 60))
+    LIMIT_PIPELINE_S=60  # demo set, index and pack only: 36 s on the H200 (2026-11-30)
+elif [ -n "$FOCUS" ]; then
+    echo "gpu_check: GPU_CHECK_FOCUS=$FOCUS: the only focus is 'efficiency'" >&2
+    exit 2
+fi
 
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -108,6 +125,7 @@ finish() {
              echo "gpu_summary.py failed: see gpu_check.log" > "$OUTDIR/summary.txt"; }
     {
         echo "gpu_check: $((SECONDS - T0)) s in all (limits: budget $BUDGET_S s, parts by $DEADLINE_S s)"
+        [ -n "$FOCUS" ] && echo "focus: $FOCUS (the pipeline only packed, no training or report; oom_cap skipped)"
         if [ ${#FAILED[@]} -eq 0 ]; then echo "all parts passed"; else printf 'FAILED: %s\n' "${FAILED[@]}"; fi
     } >> "$OUTDIR/summary.txt"
     cat "$OUTDIR/summary.txt"
@@ -174,8 +192,10 @@ export PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"
 
 # --- 2. the pipeline -----------------------------------------------------------------------------
 # shellcheck disable=SC2086 # GPU_CHECK_SNAKEMAKE_ARGS is a list of words
+TARGET=results/report.html
+[ "$FOCUS" = efficiency ] && TARGET=results/fast_storage/gpudemo/train.rec
 run_part pipeline "$LIMIT_PIPELINE_S" "$PY" -m snakemake --snakefile "$REPO/Snakefile" --directory "$WORK" \
-    --cores all --configfile "$REPO/config/gpu.yaml" --rerun-incomplete results/report.html \
+    --cores all --configfile "$REPO/config/gpu.yaml" --rerun-incomplete "$TARGET" \
     ${GPU_CHECK_SNAKEMAKE_ARGS:-}
 
 # --- 3. efficiency: loaders vs synthetic -------------------------------------------------------------
@@ -184,13 +204,14 @@ if [ -f "$REC" ]; then
     # shellcheck disable=SC2086 # GPU_CHECK_EFFICIENCY_ARGS is a list of words
     run_part efficiency "$LIMIT_EFFICIENCY_S" "$PY" bench/gpu_efficiency.py --rec "$REC" --idx "${REC%.rec}.idx" \
         --out "$SCRATCH/tables" --scratch "$SCRATCH/efficiency" --steps 25 --warmup 6 --batch 256 \
-        ${GPU_CHECK_EFFICIENCY_ARGS:-}
+        $([ "$FOCUS" = efficiency ] && echo "$EFFICIENCY_FOCUS_ARGS") ${GPU_CHECK_EFFICIENCY_ARGS:-}
     cp -f "$SCRATCH/tables/gpu_efficiency.md" "$OUTDIR/" 2>/dev/null
 else
     FAILED+=("efficiency (skipped: no $REC, the pipeline did not pack)")
 fi
 
 # --- 4. the 11 GB card -----------------------------------------------------------------------------
+[ "$FOCUS" = efficiency ] && { step "oom_cap: skipped (GPU_CHECK_FOCUS=efficiency)"; exit 0; }
 run_part oom_cap "$LIMIT_OOM_CAP_S" "$PY" bench/oom_cap.py --cap-gb 11 --model resnet50 --size 224 --batch 256 \
     --out "$SCRATCH/tables"
 cp -f "$SCRATCH/tables/oom_cap.txt" "$OUTDIR/" 2>/dev/null

@@ -16,12 +16,15 @@ from rectrain.recordio import IndexedRecordReader, unpack_record
 from rectrain.train.stepclock import StepClock
 
 
-def test_gpu_bench_runs_every_loader_and_synthetic_on_cpu(tmp_path):
+def test_gpu_bench_dry_run_measures_every_loader_decode_path_and_repeat_against_synthetic_on_cpu(tmp_path):
+    """--dry: the device run's code paths on the CPU at tiny sizes (two runs, one re-encoded), each DALI
+    decode path a row, two interleaved repeats of every source and of the synthetic ceiling."""
     rec, idx = write_rec(tmp_path, [i % 5 for i in range(13)])
     out = tmp_path / "out"
     cmd = [
         sys.executable,
         str(REPO / "bench" / "gpu_efficiency.py"),
+        "--dry",
         "--rec",
         str(rec),
         "--idx",
@@ -30,18 +33,10 @@ def test_gpu_bench_runs_every_loader_and_synthetic_on_cpu(tmp_path):
         str(out),
         "--scratch",
         str(tmp_path / "scratch"),
-        "--device",
-        "cpu",
-        "--runs",
-        "resnet18:32,resnet18:24@28",
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-        "--batch",
-        "4",
-        "--workers",
-        "1",
+        "--decodes",
+        "roi,full",
+        "--repeats",
+        "2",
         "--num-classes",
         "5",
         "--precision",
@@ -51,19 +46,27 @@ def test_gpu_bench_runs_every_loader_and_synthetic_on_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "gpu_efficiency.json").read_text())
     rows = result["rows"]
-    assert [(r["loader"], r["image_size"], r["rec_side"]) for r in rows] == [
-        ("dali", 32, 0),
-        ("torch", 32, 0),
-        ("dali", 24, 28),
-        ("torch", 24, 28),
+    assert [(r["loader"], r["image_size"], r["rec_side"], r["compile"]) for r in rows] == [
+        ("dali roi", 32, 0, "eager"),
+        ("dali full", 32, 0, "eager"),
+        ("torch", 32, 0, "eager"),
+        ("dali roi", 24, 28, "eager"),
+        ("dali full", 24, 28, "eager"),
+        ("torch", 24, 28, "eager"),
     ]
+    assert result["meta"]["repeats"] == 2 and result["meta"]["steps"] == 3
     for r in rows:
         assert r["real_img_s"] > 0 and r["synthetic_img_s"] > 0 and r["steps"] == 3
+        assert len(r["repeats_real"]) == len(r["repeats_synthetic"]) == 2
+        assert abs(r["real_img_s"] - sum(r["repeats_real"]) / 2) < 1e-9
         assert abs(r["ratio"] - r["real_img_s"] / r["synthetic_img_s"]) < 1e-9
         assert 0 <= r["data_wait_share"] < 1
-        assert r["decode"].startswith("cpu")
+        assert r["decode"].startswith("cpu") and r["gpu_util"] is None  # no NVML on the CPU
+        assert r["compiles"] == 0
+    assert [r["decode_path"] for r in rows[:3]] == ["roi", "full", None]
     table = (out / "gpu_efficiency.md").read_text()
-    assert "| img/s real | img/s synthetic | ratio | data-wait share |" in table and table.count("\n| cpu") == 4
+    assert "| img/s real | img/s synthetic | ratio | data-wait share | GPU util % |" in table
+    assert table.count("\n| cpu") == 6
     # The bench's .rec copies: enough records for warm-up + steps + prefetch in one epoch, labels kept,
     # and the @28 copy re-encoded to shorter side 28.
     # The copies are scratch data: they go to --scratch, and only the two tables to --out (what comes back

@@ -543,3 +543,13 @@ def test_a_recipe_block_with_only_a_name_renders_with_the_missing_values_marked(
     panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
     assert "published top-1<b>- %</b>" in panel and "(source: not given)" in panel
     assert 'id="tta-shortened"' not in panel, "no published epoch count to differ from"
+
+
+def test_the_summary_names_a_compiled_run_and_its_decode_path(tmp_path):
+    """run.json's `compiled` and `decode_path` (train.compile, train.decode as it ran) reach the summary;
+    an eager run with the torch loader (decode_path null) names neither."""
+    html = render(tmp_path / "compiled", run_overrides={"compiled": True, "decode_path": "full"})
+    assert "compiled (torch.compile: epochs and calibration)" in html
+    assert "(train.decode: full)" in html
+    html = render(tmp_path / "eager", run_overrides={"compiled": False, "decode_path": None})
+    assert "compiled (torch.compile" not in html and "(train.decode:" not in html

@@ -100,6 +100,7 @@ def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist, re
         workers=resolve_workers(cfg["workers"], d.local_world_size),
         device=str(d.device),
         gpu_decode=bool(train_cfg.get("gpu_decode", True)),
+        decode=train_cfg.get("decode", "auto"),  # 'cpu' keeps the decode off the GPU here too
         resize=res.resize,
     )
 

@@ -1,7 +1,9 @@
 """Data loaders that read the packed .rec/.idx: DALI (default) and pure PyTorch (fallback, baseline).
 
-Both yield (images, labels): images float32 NCHW normalised with the ImageNet mean/std on the loader's
-device, labels int64 taken from each record's IRHeader (so they agree with the index by construction).
+Both yield (images, labels): images NCHW normalised with the ImageNet mean/std on the loader's device,
+in the training's input dtype (`image_dtype`: float16 under fp16, bfloat16 under bf16 where the loader
+has it, else float32) and, with channels_last, in NHWC memory (an NCHW view, nothing for the step to
+copy); labels int64 taken from each record's IRHeader (so they agree with the index by construction).
 Same augmentation semantics in both: train = random-resized-crop (scale 0.08-1, ratio 3/4-4/3) to
 the epoch's crop (`LoaderSpec.crop_at`: image_size, or train.progressive's resolution of the epoch) +
 horizontal flip; eval = resize the shorter side to `resize` (default image_size/0.875) +
@@ -40,6 +42,34 @@ CROP_RATIO = (3 / 4, 4 / 3)
 EVAL_CROP_FRACTION = 0.875
 # The torch loader's GPU decode (rectrain.loaders.jpeg.decode_batch) needs TorchCodec's image decoders.
 TORCHCODEC_FIX = "install torchcodec==0.17.0 (envs/requirements-common.txt)"
+# train.decode: how the DALI loader decodes a training image (dali.py).  roi = the crop window is drawn
+# first and only it is decoded (fn.decoders.image_random_crop); full = the whole image is decoded, with
+# the hardware JPEG engines taking up to all of them, then fn.random_resized_crop (MLPerf's path);
+# cpu = decode, crop and resize on the CPU even with a GPU (the GPU only trains).
+DECODE_PATHS = ("roi", "full", "cpu")
+# auto = roi until a GPU measurement says otherwise: the one H200 run so far (bench/RESULTS.md) measured
+# roi only, so there is nothing yet to choose another path by (bench/gpu_efficiency.py --decodes measures
+# roi against full; issue 25).
+AUTO_DECODE = "roi"
+# The full path's share of images for the hardware JPEG engines, whatever dali_hw_decoder_load says:
+# MLPerf's setting (NVIDIA's ResNet-50 submissions: hw_decoder_load 0.99 with a full decode).  GPUs
+# without the engines ignore it.
+FULL_DECODE_HW_LOAD = 0.99
+# The images' dtype for each train.precision: what autocast would cast the first layer's input to.
+IMAGE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def decode_path(setting: str) -> str:
+    """train.decode as the path that runs: auto = AUTO_DECODE."""
+    path = AUTO_DECODE if setting == "auto" else setting
+    if path not in DECODE_PATHS:
+        raise ValueError(f"unknown decode path {setting!r}: set train.decode to auto, {', '.join(DECODE_PATHS)}")
+    return path
+
+
+def image_dtype(precision: str) -> str:
+    """The dtype a loader's images should have for train.precision (a torch dtype's name)."""
+    return IMAGE_DTYPES[precision]
 
 
 @dataclass(frozen=True)
@@ -89,6 +119,10 @@ class LoaderSpec:
     # train: each epoch's crop (train.progressive, rectrain.train.resolution); () = image_size every epoch
     crops: tuple[int, ...] = ()
 
+    decode: str = "auto"  # train.decode (DECODE_PATHS, or auto)
+    dtype: str = "float32"  # the images' dtype (image_dtype): float32, float16 or bfloat16
+    channels_last: bool = True  # images in NHWC memory (viewed as NCHW), as channels_last training wants
+
     @property
     def on_gpu(self) -> bool:
         return self.device.startswith("cuda")
@@ -104,6 +138,11 @@ class LoaderSpec:
     def largest_crop(self) -> int:
         """The largest crop any epoch yields: what device memory must hold."""
         return max(self.crops) if self.train and self.crops else self.image_size
+
+    @property
+    def gpu_decodes(self) -> bool:
+        """JPEGs are to be decoded on the GPU: there is one, train.gpu_decode, and decode is not 'cpu'."""
+        return self.on_gpu and self.gpu_decode and decode_path(self.decode) != "cpu"
 
     @property
     def eval_resize(self) -> int:
@@ -155,6 +194,7 @@ class LoaderChoice:
     kind: str  # the loader that will run: 'dali' or 'torch'
     decode: str  # where and how JPEGs are decoded, in words (run.json, the log)
     note: str | None = None  # why the choice differs from the request; None when it does not
+    decode_path: str | None = None  # the DALI loader's train.decode path (DECODE_PATHS); None for torch
 
 
 def choose_loader(
@@ -164,16 +204,21 @@ def choose_loader(
     gpu_decode: bool = True,
     dali_error: str | None = None,
     torchcodec_error: str | None = None,
+    *,
+    decode: str = AUTO_DECODE,
 ) -> LoaderChoice:
     """The loader and decoder for train.loader=`requested` on this machine (a pure decision).
 
     DALI requested but not importable: the torch loader reads the same .rec, decoding on the GPU with
     TorchCodec's decode_jpeg when there is one - slower than DALI's hardware decoder, never a crash.
     The torch loader's GPU decode needs TorchCodec (`torchcodec_error`: why it cannot be imported);
-    without it the workers decode on the CPU, saying why."""
+    without it the workers decode on the CPU, saying why.  `decode`: train.decode (the DALI loader's
+    path; 'cpu' keeps both loaders' decode off the GPU)."""
     if requested not in ("dali", "torch"):
         raise ValueError(f"unknown loader {requested!r}: set train.loader to 'dali' or 'torch'")
     kind = "torch" if requested == "dali" and not has_dali else requested
+    path = decode_path(decode)
+    gpu_decode = gpu_decode and path != "cpu"
     gpu = has_cuda and gpu_decode and (kind == "dali" or torchcodec_error is None)
     notes = []
     if kind != requested:
@@ -191,11 +236,7 @@ def choose_loader(
             "to silence this, set train.gpu_decode: false"
         )
     if kind == "dali":
-        decode = (
-            "gpu: DALI mixed decoder (nvJPEG; hardware JPEG engines take dali_hw_decoder_load of the images)"
-            if gpu
-            else "cpu: DALI (libjpeg-turbo) in train.workers threads"
-        )
+        return LoaderChoice(kind, dali_decode(path, gpu), "; ".join(notes) or None, path)
     else:
         decode = (
             "gpu: TorchCodec decode_jpeg (nvJPEG), one batched call per step"
@@ -203,6 +244,22 @@ def choose_loader(
             else "cpu: simplejpeg (libjpeg-turbo, JPEG only) in train.workers worker processes"
         )
     return LoaderChoice(kind, decode, "; ".join(notes) or None)
+
+
+def dali_decode(path: str, gpu: bool) -> str:
+    """The DALI loader's decode in words, "gpu: ..." or "cpu: ..." (run.json's `decode`)."""
+    if not gpu:
+        crop = "full-image decode, then random_resized_crop" if path == "full" else "ROI decode of the crop window"
+        return f"cpu: DALI (libjpeg-turbo) in train.workers threads, {crop} (train.decode: {path})"
+    if path == "full":
+        return (
+            "gpu: DALI mixed decoder, full-image decode (nvJPEG; hardware JPEG engines take "
+            f"{FULL_DECODE_HW_LOAD} of the images), then random_resized_crop on the GPU (train.decode: full)"
+        )
+    return (
+        "gpu: DALI mixed decoder, ROI decode of the crop window (nvJPEG; hardware JPEG engines take "
+        "dali_hw_decoder_load of the images) (train.decode: roi)"
+    )
 
 
 class Loader(Protocol):
@@ -214,6 +271,7 @@ class Loader(Protocol):
     batches_per_epoch: int  # on this rank; equal on every rank when training
     padding_per_epoch: int  # records repeated per epoch across all ranks so every batch is full
     choice: LoaderChoice  # what was asked for, what runs and why (build_loader sets it)
+    image_dtype: torch.dtype  # the images' dtype: spec.dtype, or float32 where the loader lacks it
 
     def epoch(self, epoch: int, start: int = 0, state=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(images, labels) batches of one epoch, in this rank's order for that epoch; a training
@@ -232,8 +290,8 @@ def resolve_loader(requested: str, spec: LoaderSpec) -> LoaderChoice:
     from rectrain.loaders import jpeg
 
     error = dali_import_error() if requested == "dali" else None
-    codec_error = jpeg.torchcodec_error() if spec.on_gpu and spec.gpu_decode else None
-    return choose_loader(requested, spec.on_gpu, error is None, spec.gpu_decode, error, codec_error)
+    codec_error = jpeg.torchcodec_error() if spec.gpu_decodes else None
+    return choose_loader(requested, spec.on_gpu, error is None, spec.gpu_decode, error, codec_error, decode=spec.decode)
 
 
 def build_loader(kind: str, spec: LoaderSpec) -> Loader:

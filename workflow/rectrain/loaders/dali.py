@@ -1,6 +1,9 @@
 """DALI loader from the .rec: fn.readers.mxnet sharded by rank, decode on the GPU ("mixed") when there
-is one and on the CPU otherwise, random-resized-crop (ROI decode + resize) + flip + normalise in the
-pipeline (crop_mirror_normalize, HWC out so torch sees channels_last without a copy).
+is one and on the CPU otherwise, random-resized-crop + flip + normalise in the pipeline.  The crop
+follows train.decode (rectrain.loaders.DECODE_PATHS): roi = ROI decode + resize, full = full-image
+decode + fn.random_resized_crop, cpu = roi on the CPU even with a GPU.  crop_mirror_normalize writes
+the images in the training's dtype (float16 under fp16; bfloat16 where this DALI has the type, else
+float32) and, with channels_last, HWC, so torch sees channels_last without a copy.
 
 Train pipelines are rebuilt each epoch with shard (rank + epoch) % world, a seed from
 (seed, epoch, rank) and the epoch's crop size (LoaderSpec.crop_at, train.progressive): every record
@@ -28,10 +31,12 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy, fee
 from rectrain.loaders import (
     CROP_RATIO,
     CROP_SCALE,
+    FULL_DECODE_HW_LOAD,
     IMAGENET_MEAN,
     IMAGENET_STD,
     DaliOptions,
     LoaderSpec,
+    decode_path,
     epoch_seed,
     train_batches_per_epoch,
     train_padding,
@@ -52,6 +57,38 @@ def decoder_args(decode_device: str, opts: DaliOptions) -> dict:
         "preallocate_width_hint": width,
         "preallocate_height_hint": height,
     }
+
+
+def output_type(dtype: str) -> tuple:
+    """(DALI type, torch dtype) crop_mirror_normalize writes for the spec's dtype: float32 where this
+    DALI has no such type (1.34 has no bfloat16; autocast then casts in the first layer, as before)."""
+    dali_type = {"float16": types.FLOAT16, "bfloat16": getattr(types, "BFLOAT16", None)}.get(dtype, types.FLOAT)
+    if dali_type is None or dali_type not in to_torch_type:
+        dali_type = types.FLOAT
+    return dali_type, to_torch_type[dali_type]
+
+
+def train_crop(jpegs, crop: str, decode_device: str, decoder_kwargs: dict, image_size: int):
+    """The random-resized-crop (scale CROP_SCALE, ratio CROP_RATIO) of train.decode's path, resized to
+    image_size: roi chooses the window first and decodes only that region (libjpeg-turbo / nvJPEG ROI
+    decode), as DALI's ImageNet examples do; full decodes the whole image (the hardware engines take
+    FULL_DECODE_HW_LOAD of them: they decode whole images only) and crops after.  Same distribution
+    of windows (tests/test_decode_paths.py)."""
+    if crop == "full":
+        kwargs = dict(decoder_kwargs, hw_decoder_load=FULL_DECODE_HW_LOAD) if decoder_kwargs else {}
+        images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **kwargs)
+        return fn.random_resized_crop(
+            images, size=[image_size, image_size], random_area=list(CROP_SCALE), random_aspect_ratio=list(CROP_RATIO)
+        )
+    images = fn.decoders.image_random_crop(
+        jpegs,
+        device=decode_device,
+        output_type=types.RGB,
+        random_area=list(CROP_SCALE),
+        random_aspect_ratio=list(CROP_RATIO),
+        **decoder_kwargs,
+    )
+    return fn.resize(images, size=[image_size, image_size])
 
 
 # Records in the mxnet reader's shuffle buffer (its initial_fill; DALI's default 1024).  The reader
@@ -78,8 +115,12 @@ def _pipeline(
     decode_device: str,
     decoder_kwargs: dict,
     on_gpu: bool,
+    crop: str = "roi",
+    dtype=types.FLOAT,
+    layout: str = "HWC",
 ):
-    """Normalised float32 HWC images + float labels, one rank's shard; both on the GPU when on_gpu."""
+    """Normalised images (DALI type `dtype`, `layout` HWC or CHW) + float labels, one rank's shard;
+    both on the GPU when on_gpu.  `crop`: the train crop's path (train_crop)."""
     jpegs, labels = fn.readers.mxnet(
         path=rec,
         index_path=idx,
@@ -92,18 +133,7 @@ def _pipeline(
         name="Reader",
     )
     if train:
-        # Random-resized-crop as DALI's ImageNet examples do it: choose the window first and decode only
-        # that region (libjpeg-turbo / nvJPEG ROI decode), then resize.  Same distribution as
-        # fn.random_resized_crop after a full decode, and faster (bench/RESULTS.md).
-        images = fn.decoders.image_random_crop(
-            jpegs,
-            device=decode_device,
-            output_type=types.RGB,
-            random_area=list(CROP_SCALE),
-            random_aspect_ratio=list(CROP_RATIO),
-            **decoder_kwargs,
-        )
-        images = fn.resize(images, size=[image_size, image_size])
+        images = train_crop(jpegs, crop, decode_device, decoder_kwargs, image_size)
         mirror = fn.random.coin_flip(probability=0.5)
     else:
         images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **decoder_kwargs)
@@ -115,11 +145,11 @@ def _pipeline(
         # refills it for the next batch (gpu_decode: false).  uint8 before normalising: 4x less to copy.
         images = images.gpu() if decode_device == "cpu" else images
         labels = labels.gpu()
-    # Normalised float in HWC: viewed as NCHW in torch it is channels_last with no copy.
+    # Normalised, in the dtype the first layer computes in; HWC viewed as NCHW in torch is channels_last.
     images = fn.crop_mirror_normalize(
         images,
-        dtype=types.FLOAT,
-        output_layout="HWC",
+        dtype=dtype,
+        output_layout=layout,
         crop=[image_size, image_size],
         mean=list(IMAGENET_MEAN),
         std=list(IMAGENET_STD),
@@ -166,12 +196,13 @@ class DaliLoader:
         self._eval_iter = None
         self._train_iter = None  # the epoch's, for state(); None on the CPU, which runs _train_pipe itself
         self._train_pipe = None
+        self._dali_dtype, self.image_dtype = output_type(spec.dtype)
 
     def _build(self, epoch: int, checkpoint: bytes | None = None):
         s = self.spec
         gpu = s.on_gpu
         device_id = (torch.device(s.device).index or 0) if gpu else None
-        decode_device = "mixed" if gpu and s.gpu_decode else "cpu"
+        decode_device = "mixed" if s.gpu_decodes else "cpu"
         pipe = _pipeline(
             rec=s.rec,
             idx=s.idx,
@@ -183,6 +214,9 @@ class DaliLoader:
             decode_device=decode_device,
             decoder_kwargs=decoder_args(decode_device, s.dali),
             on_gpu=gpu,
+            crop="full" if decode_path(s.decode) == "full" else "roi",
+            dtype=self._dali_dtype,
+            layout="HWC" if s.channels_last else "CHW",
             batch_size=s.batch_size,
             num_threads=max(1, s.workers),
             device_id=device_id,
@@ -248,6 +282,7 @@ class DaliLoader:
             images, labels = batch[0]["images"], batch[0]["labels"]
             if images.shape[0] == 0:
                 continue  # eval only: a rank whose shard ended on a batch boundary
-            # NHWC viewed as NCHW: the layout channels_last wants, so the training loop copies nothing.
-            images = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
+            images = images.to(device, non_blocking=True)
+            if self.spec.channels_last:
+                images = images.permute(0, 3, 1, 2)  # NHWC viewed as NCHW: channels_last, nothing copied
             yield images, labels.view(-1).to(device, torch.int64, non_blocking=True)

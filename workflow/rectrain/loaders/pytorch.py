@@ -157,13 +157,14 @@ class TorchLoader:
         # Batch decode on the device (GPU by default when there is one; forcing it on CPU is for tests).
         # On a GPU that needs TorchCodec (choose_loader says so in the run's log when it is missing).
         if decode_on_device is None:
-            decode_on_device = spec.on_gpu and spec.gpu_decode and jpeg.torchcodec_error() is None
+            decode_on_device = spec.gpu_decodes and jpeg.torchcodec_error() is None
         self.decode_on_device = decode_on_device
         self.transform = augment(spec)
         self.dataset = RecordDataset(
             spec.rec, spec.idx, None if self.decode_on_device else self.transform, decode=not self.decode_on_device
         )
         self.size = len(self.dataset)
+        self.image_dtype = getattr(torch, spec.dtype)
         w, b = spec.world_size, spec.batch_size
         self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
@@ -231,6 +232,9 @@ class TorchLoader:
                 if self.decode_on_device:
                     images = self._decode_batch(images, ids, device)
                 images = images.to(device, non_blocking=True).float().sub_(self._mean).div_(self._std)
+                # The DALI loader's dtype and layout (rectrain.loaders): what the first layer computes in.
+                layout = torch.channels_last if self.spec.channels_last else torch.contiguous_format
+                images = images.to(self.image_dtype, memory_format=layout)
             if side:
                 main = torch.cuda.current_stream(device)
                 main.wait_stream(side)

@@ -255,6 +255,8 @@ def summary(data: RunData, config: dict, rates: dict) -> dict:
         "world_size": run.get("world_size"),
         "nodes": run.get("nodes"),
         "loader": run.get("loader"),
+        "decode_path": run.get("decode_path"),
+        "compiled": run.get("compiled"),
         "precision": run.get("precision"),
         "batch_size": run.get("batch_size"),
         "grad_accum": run.get("grad_accum"),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rectrain.distributed import Dist, all_gather
-from rectrain.loaders import DaliOptions, LoaderSpec, resolve_loader, resolve_workers
+from rectrain.loaders import DaliOptions, LoaderSpec, image_dtype, resolve_loader, resolve_workers
 from rectrain.recordio import idx_arrays
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import memory
@@ -167,6 +167,9 @@ def loader_spec(cfg: dict, d: Dist, rec: str, idx: str, workers: int) -> LoaderS
         seed=cfg["seed"],
         dali=DaliOptions.from_config(cfg),
         crops=tuple(resolutions(cfg)) if cfg.get("progressive") else (),
+        decode=cfg["decode"],
+        dtype=image_dtype(cfg["precision"]),
+        channels_last=cfg["channels_last"],
     )
 
 

@@ -17,6 +17,14 @@ all-reduce synthetic gradients among the ranks, which all run the same number of
 optimizer step ends with zero_grad(set_to_none), and the restore drops the gradients, so nothing of
 them reaches a real step.
 
+Compiled (train.compile): the calibration runs the network the epochs run, so it is compiled once, with
+the same mode, and the ceiling is the compiled step's.  The synthetic batch has the loader's dtype and
+memory format (rectrain.loaders.image_dtype, channels_last), so the graph compiled here is the one
+the epochs' real batches run (a dtype or stride the graph was not traced for would compile another).
+Compilation happens in the first step: a compiled run warms up for at least one step, and the
+graphs compiled during the measured steps are counted (`compiles`): none, or the ceiling is low.
+The time cap (train.calibration_max_s) counts from the end of that compiling step.
+
 Bounded (a calibration once took 135 s, longer than the 1-step-per-epoch run it measured, silent all
 along): its steps (warm-up included) are at most CALIBRATION_SHARE of the steps the whole run trains
 (shortened, or skipped when not even one measured step after a warm-up one fits), it stops measuring
@@ -45,7 +53,7 @@ from rectrain.distributed import Dist, all_gather
 from rectrain.progress import Progress
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import resolution
-from rectrain.train.step import Step, run_steps
+from rectrain.train.step import Step, compiled_graphs, is_compiled, run_steps
 
 if TYPE_CHECKING:
     from rectrain.train.run import Run
@@ -98,30 +106,37 @@ class StepRows:
 
 
 def steady(rows: list[dict], warmup: int) -> dict:
-    """img/s, data-wait share and step count over the steps after `warmup` (all when fewer ran)."""
+    """img/s, data-wait share, step count and the (start, end) unix times over the steps after `warmup`
+    (all when fewer ran)."""
     kept = [r for r in rows if r["step"] >= warmup] or rows
     wall = sum(r["wall_s"] for r in kept)
     return {
         "img_s": sum(r["images"] for r in kept) / wall,
         "data_wait_share": sum(r["data_wait_s"] for r in kept) / wall,
         "steps": len(kept),
+        "window": (kept[0]["time"] - kept[0]["wall_s"], kept[-1]["time"]),  # unix times of the kept steps
     }
 
 
 @dataclass(frozen=True)
 class Shape:
-    """What a synthetic batch looks like: per-device batch, square image side, classes."""
+    """What a synthetic batch looks like: per-device batch, square image side, classes, and the real
+    batches' dtype and memory format (the loader's image_dtype; NHWC when channels_last)."""
 
     batch: int
     image_size: int
     num_classes: int
+    dtype: torch.dtype = torch.float32
+    channels_last: bool = False
 
 
 def synthetic_batches(shape: Shape, device: torch.device, n: int, seed: int = 0):
     """One random batch, made once (own generator: the global RNGs are not drawn) and moved to the
     device, yielded n times: the input pipeline's cost is zero, the ceiling no loader can beat."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(shape.batch, 3, shape.image_size, shape.image_size, generator=g).to(device)
+    x = torch.randn(shape.batch, 3, shape.image_size, shape.image_size, generator=g)
+    layout = torch.channels_last if shape.channels_last else torch.contiguous_format
+    x = x.to(device, shape.dtype, memory_format=layout)
     y = torch.randint(0, shape.num_classes, (shape.batch,), generator=g).to(device)
     return ((x, y) for _ in range(n))
 
@@ -176,27 +191,35 @@ class Chunks:
     done: int = 0
     rows: list = field(default_factory=list)
     stopped: str = ""
+    compiles: int = 0  # torch.compile graphs compiled during the measured steps (0 when not compiled)
+    compiled: bool = False  # the network is torch.compile's: its first chunk compiles
 
 
 def bounded_steps(step: Step, batches, steps: int, bounds: Bounds, progress: Progress | None, chunks: Chunks) -> None:
     """`chunks.warmup` warm-up steps then up to `steps` measured ones, in chunks of whole optimizer steps
     about one progress interval long (a progress line after each when due), until
     train.calibration_max_s have passed: the warm-up is cut short then, and at least one step is
-    measured.  Elapsed time is gathered from every rank, so all take the same decisions."""
-    d, t0 = step.dist, time.perf_counter()
+    measured.  Elapsed time is gathered from every rank, so all take the same decisions.  A compiled
+    network's first chunk compiles it: the time cap and the step-time estimate count from its end, so
+    a minute of compiling neither uses up the cap nor passes for the step time."""
+    d, t0, base = step.dist, time.perf_counter(), 0
     total, chunk = chunks.warmup + steps, bounds.accum
     while chunks.done < total:
         limit = chunks.warmup if chunks.done < chunks.warmup else total  # the warm-up ends on a chunk's end
         n = min(chunk, limit - chunks.done)
-        part = StepRows()
+        part, graphs = StepRows(), compiled_graphs()
         run_steps(step, CALIBRATION_EPOCH, batches, part, n_batches=n, max_steps=n)
         if chunks.done >= chunks.warmup:
             chunks.rows += part.rows
+            chunks.compiles += compiled_graphs() - graphs
         chunks.done += n
-        elapsed = max(all_gather(time.perf_counter() - t0, d))
-        per_step = elapsed / chunks.done
         if progress is not None:
             progress.count(chunks.done * (part.rows[-1]["images"] if part.rows else 0) * d.world_size)
+        if chunks.compiled and not base:
+            t0, base = time.perf_counter(), chunks.done  # every rank, after the same chunk
+            continue
+        elapsed = max(all_gather(time.perf_counter() - t0, d))
+        per_step = elapsed / (chunks.done - base)
         if chunks.done < total and elapsed + per_step > bounds.max_s:
             if chunks.rows:
                 chunks.stopped = (
@@ -222,6 +245,8 @@ def calibrate(
     d: Dist = step.dist
     if steps <= 0:
         return skipped("train.calibration_steps is 0", shape)
+    compiled = is_compiled(step.net)
+    warmup = max(warmup, 1) if compiled else warmup  # the first step compiles: never measured
     steps, warmup, cut = bounds.fit(steps, warmup)
     if steps <= 0:
         return skipped(cut, shape)
@@ -229,7 +254,7 @@ def calibrate(
     progress = Progress(bounds.progress_s, d.world_size) if d.master else None
     if progress is not None:
         progress.begin("calibration", (warmup + steps) * shape.batch * d.world_size, unit="images")
-    chunks = Chunks(warmup)
+    chunks, graphs = Chunks(warmup, compiled=compiled), compiled_graphs()
     with restored(step, model):
         batches = watchdog.watched(synthetic_batches(shape, d.device, warmup + steps), "calibration")
         bounded_steps(step, batches, steps, bounds, progress, chunks)
@@ -245,6 +270,9 @@ def calibrate(
         "batch_size": shape.batch,
         "skipped": None,
         "shortened": "; ".join(w for w in (cut, chunks.stopped) if w) or None,
+        "compiled": compiled,
+        # graphs torch.compile made in the warm-up and (should be none) in the measured steps
+        "compiles": {"warmup": compiled_graphs() - graphs - chunks.compiles, "measured": chunks.compiles},
     }
 
 
@@ -260,6 +288,21 @@ def rate_at(calibration: dict | None, size: int) -> float | None:
     else the run's."""
     by = (calibration or {}).get("by_resolution")
     return total_rate(by.get(str(size)) if by else calibration)
+
+
+def compiled_note(cal: dict) -> str:
+    """The calibration log line's tail for a compiled run: what the warm-up compiled, and a warning
+    when compilation fell into the measured steps (their img/s then includes it)."""
+    if not cal.get("compiled"):
+        return ""
+    graphs = cal["compiles"]
+    note = f", compiled (torch.compile: {graphs['warmup']} graph(s) in the warm-up)"
+    if graphs["measured"]:
+        note += (
+            f"; {graphs['measured']} graph(s) compiled during the measured steps, so the ceiling is too low: "
+            "raise train.calibration_warmup_steps"
+        )
+    return note
 
 
 def calibrate_run(run: Run) -> dict:
@@ -280,7 +323,7 @@ def _calibrate_at(run: Run, size: int, epochs: int, max_s: float, where: str = "
     """One calibration at crops of `size` px, bounded by the `epochs` of the run trained at that size
     (CALIBRATION_SHARE of their steps) and `max_s`; logged on rank 0 (`where`: the resolution, in words)."""
     cfg = run.cfg
-    shape = Shape(run.plan.batch, size, len(run.classes))
+    shape = Shape(run.plan.batch, size, len(run.classes), run.train_loader.image_dtype, cfg["channels_last"])
     bounds = Bounds(
         run_steps=epochs * run.train_loader.batches_per_epoch,
         max_s=max_s,
@@ -300,13 +343,14 @@ def _log_calibration(cal: dict, where: str) -> None:
         log.info("calibration%s skipped: %s (no input efficiency for this run)", where, cal["skipped"])
     else:
         log.info(
-            "calibration%s: %.1f img/s on synthetic data on the device (%s), %d steps after %d warm-up, %.1f s",
+            "calibration%s: %.1f img/s on synthetic data on the device (%s), %d steps after %d warm-up, %.1f s%s",
             where,
             total_rate(cal),
             ", ".join(f"rank {r}: {v:.1f}" for r, v in cal["images_per_s"].items()),
             cal["steps"],
             cal["warmup_steps"],
             cal["seconds"],
+            compiled_note(cal),
         )
     if cal.get("shortened"):
         log.info("calibration%s shortened: %s", where, cal["shortened"])
@@ -333,6 +377,8 @@ def combine_resolutions(by: dict[str, dict], per_epoch: list[int]) -> dict:
         "batch_size": parts[0]["batch_size"],
         "skipped": skipped,
         "shortened": shortened or None,
+        "compiled": any(c.get("compiled") for c in parts),
+        "compiles": {k: sum(c["compiles"][k] for c in parts if c.get("compiles")) for k in ("warmup", "measured")},
         "resolutions": per_epoch,  # each epoch's, so a reader finds the epoch's own rate in by_resolution
         "by_resolution": by,
     }

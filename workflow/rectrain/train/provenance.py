@@ -68,6 +68,8 @@ def run_info(
         # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
         "loader_requested": cfg["loader"],
         "decode": loader.choice.decode,
+        "decode_path": loader.choice.decode_path,  # train.decode as it ran (DALI only; None for torch)
+        "compiled": bool(cfg["compile"]),  # torch.compile: the epochs and the calibration alike
         "loader_note": loader.choice.note,
         "workers": run.workers,  # the count 'auto' became, which the diagnosis quotes
         "cores": run.cores,

@@ -147,9 +147,12 @@ def make_loaders(args: argparse.Namespace, cfg: dict, spec: LoaderSpec, batch: i
 
 
 def wrap(model: torch.nn.Module, d: Dist, cfg: dict, grad_accum: int = 1) -> torch.nn.Module:
-    """DDP across ranks, then torch.compile when asked: the network the steps run."""
+    """DDP across ranks, then torch.compile when asked (train.compile_mode): the network the steps run,
+    the calibration included."""
     net = ddp(model, d, cfg, grad_accum) if d.world_size > 1 else model
-    return torch.compile(net) if cfg["compile"] else net
+    if not cfg["compile"]:
+        return net
+    return torch.compile(net, mode=None if cfg["compile_mode"] == "default" else cfg["compile_mode"])
 
 
 # DDP's compression hooks by train.ddp_comm_hook: gradients travel as fp16/bf16 (half the bytes of

@@ -30,6 +30,20 @@ class Step:
     dist: Dist
 
 
+def is_compiled(net: torch.nn.Module) -> bool:
+    """The network is torch.compile's wrapper (train.compile)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(net, OptimizedModule)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's own count, recompiles included)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def run_steps(
     step: Step,
     epoch: int,
