@@ -211,7 +211,7 @@ def test_without_a_val_pair_the_dry_run_leaves_evaluate_out(work):
     config = yaml.safe_load((work / "byo.yaml").read_text())
     del config["recordio"]["val"]
     (work / "trainonly.yaml").write_text(yaml.safe_dump(config))
-    proc = smk(work, "-n", "results/report.html", config="trainonly.yaml")
+    proc = smk(work, "-n", "-p", "results/report.html", config="trainonly.yaml")  # -p: the commands, for val.rec
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert scheduled_rules(proc.stdout) == {"check_recordio": 1, "train": 1, "report": 1, "current_report": 1}
     assert "val.rec" not in proc.stdout

@@ -55,3 +55,23 @@ def test_an_unlisted_error_propagates_with_its_traceback():
 
     with pytest.raises(KeyError):  # a bug is not an exit code
         cli.main("pack", None, _no_options, run, [], errors={Base: 2})
+
+
+def test_ctrl_c_is_one_line_in_the_log_and_on_the_terminal_and_exit_130(tmp_path, monkeypatch, capsys):
+    def run(args, cfg):
+        raise KeyboardInterrupt
+
+    terminal = tmp_path / "tty"
+    monkeypatch.setenv("RECTRAIN_TTY", str(terminal))  # the terminal the job was started from
+    monkeypatch.delenv("RECTRAIN_CONSOLE", raising=False)
+    assert cli.main("index", "index", _no_options, run, ["--config-json", "{}"]) == cli.EXIT_INTERRUPTED == 130
+    line = f"[index] index interrupted: {cli.NOTHING_PUBLISHED}\n"
+    assert capsys.readouterr().err == line and terminal.read_text() == line
+
+
+def test_a_stage_that_handles_ctrl_c_itself_gets_the_interrupt():
+    def run(args, cfg):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cli.main("train", "train", _no_options, run, ["--config-json", "{}"], interrupted=None)

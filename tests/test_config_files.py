@@ -62,6 +62,17 @@ def test_a_config_with_only_raw_and_dataset_gets_the_schema_defaults_not_the_dem
     assert "demo" not in cfg["report"]["title"]
 
 
+def test_a_config_with_its_own_raw_trains_at_imagenet_size_unless_it_says_otherwise(probe, tmp_path):
+    """The schema's train defaults are a real run's (224 px, 90 epochs), the demo's 64 px and 4 epochs
+    are config/config.yaml's; a key the config sets still wins."""
+    (tmp_path / "mydata" / "train" / "cat").mkdir(parents=True)
+    own = tmp_path / "mine.yaml"
+    own.write_text(yaml.safe_dump({"dataset": "mydata", "raw": str(tmp_path / "mydata"), "train": {"epochs": 3}}))
+    train = parsed_config(probe, "--configfile", str(own))["train"]
+    assert (train["image_size"], train["epochs"]) == (224, 3)
+    assert (DEMO["train"]["image_size"], DEMO["train"]["epochs"]) == (64, 4), "the demo keeps its own sizes"
+
+
 def test_without_a_config_file_the_run_is_the_demo_with_its_settings(probe):
     cfg = parsed_config(probe)
     assert cfg["dataset"] == "demo" and cfg["raw"] is None

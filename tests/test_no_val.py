@@ -45,7 +45,7 @@ def smk(work, *args, timeout=600):
 
 
 def test_dry_run_packs_train_only_and_leaves_evaluate_out(work):
-    proc = smk(work, "-n", "results/report.html")
+    proc = smk(work, "-n", "-p", "results/report.html")  # -p: the commands, for val.rec
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = {"index_raw": 1, "pack": 1, "train": 1, "report": 1, "current_report": 1}  # + the copy of the report
     assert scheduled_rules(proc.stdout) == expected

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import VENV_BIN, copy_workflow, scheduled_rules, snakemake
+from helpers import VENV_BIN, copy_workflow, job_reasons, scheduled_rules, snakemake
 from helpers.config_edits import another_value, block_keys, filled
 
 from rectrain.sources import STAGE_ENTRIES, stage_sources
@@ -85,15 +85,6 @@ def dryrun_with(run, tmp_path, **blocks):
     proc = run.smk("-n", REPORT, "--configfile", str(cfgfile))
     assert proc.returncode == 0, proc.stderr
     return set(scheduled_rules(proc.stdout))
-
-
-def job_reasons(dryrun_stdout: str) -> dict[str, list[str]]:
-    """Rule -> the 'reason:' line of each of its jobs in a dry-run's output."""
-    reasons: dict[str, list[str]] = {}
-    for m in re.finditer(r"^(?:local)?rule (\w+):\n((?:[ \t]+.*\n?)*)", dryrun_stdout, re.M):
-        reason = re.search(r"^\s+reason: (.*)$", m.group(2), re.M)
-        reasons.setdefault(m.group(1), []).append(reason.group(1) if reason else "")
-    return reasons
 
 
 def updated_inputs(reason: str) -> set[str]:
@@ -263,7 +254,7 @@ def test_every_module_a_stage_imports_makes_that_stage_rerun(pipeline):
             # --allowed-rules keeps the earlier stages out of the DAG (their outputs count as source
             # files); otherwise Snakemake stops at "input files updated by another job" and never
             # says which of this job's own inputs changed.
-            proc = pipeline.smk("-n", STAGE_TARGET[stage], "--allowed-rules", stage)
+            proc = pipeline.smk("-n", STAGE_TARGET[stage], "--allowed-rules", stage, "--quiet", "host")
             assert proc.returncode == 0, proc.stderr
             reasons = job_reasons(proc.stdout).get(stage, [])
             assert len(reasons) == 1, f"{stage}: expected one scheduled job, got {reasons}\n{proc.stdout[-3000:]}"
@@ -287,7 +278,7 @@ def test_editing_a_module_schedules_its_first_stage_and_later_ones_never_earlier
     for stage, modules in first_user.items():
         started = time.monotonic()
         with edited(modules):
-            proc = pipeline.smk("-n", REPORT)
+            proc = pipeline.smk("-n", REPORT, "--quiet", "host")  # each job's Reason line
         print(
             f"dry-run after editing {len(modules)} module(s) first used by {stage}: {time.monotonic() - started:.1f} s"
         )

@@ -282,3 +282,23 @@ def test_a_real_full_disk_during_a_mid_epoch_checkpoint_keeps_the_previous_one(t
     assert "the previous checkpoint there is intact" in caplog.text and "free on that disk" in caplog.text
     assert (run.ck_dir / "last.pt").read_bytes() == before and [p.name for p in run.ck_dir.iterdir()] == ["last.pt"]
     assert ckpt.load(run.ck_dir / "last.pt")["step"] == 2
+
+
+def test_ctrl_c_while_a_rank_still_imports_torch_is_one_line_and_status_130(tmp_path):
+    """The first seconds of every rank are imports: Ctrl-C then ends it with one line, not a traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "rectrain.train", "--help"]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    maps, deadline = f"/proc/{proc.pid}/maps", time.monotonic() + 60
+    while "libtorch" not in open(maps).read():  # mid `import torch`: its library is mapped, the rest loads for seconds
+        assert proc.poll() is None and time.monotonic() < deadline, "the rank never imported torch"
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert (
+        stderr
+        == "[train] interrupted while starting: nothing new saved (checkpoints/ as it was); rerun to start or resume\n"
+    )

@@ -42,6 +42,24 @@ def snakemake(*args, cwd=REPO, timeout=300, check=False, snakefile=None):
     return proc
 
 
+# A job's header on the console: the rule's message (workflow/rules/*.smk), which names the rule first.
+JOB_HEADER = re.compile(r"^[ \t]*Job \d+: (\w+) (.*)$", re.M)
+
+
+def job_headers(stdout: str) -> list[tuple[str, str]]:
+    """(rule, the rest of its header line) for every job Snakemake announced, in order."""
+    return JOB_HEADER.findall(stdout)
+
+
+def job_reasons(dryrun_stdout: str) -> dict[str, list[str]]:
+    """Rule -> the Reason line of each of its jobs; the default profile hides them, so the dry-run
+    must be given `--quiet host` (after its targets)."""
+    reasons: dict[str, list[str]] = {}
+    for m in re.finditer(r"^[ \t]*Job \d+: (\w+) .*\n(?:[ \t]*Reason: (.*))?", dryrun_stdout, re.M):
+        reasons.setdefault(m.group(1), []).append(m.group(2) or "")
+    return reasons
+
+
 def scheduled_rules(dryrun_stdout: str) -> dict:
     """Rule -> job count from the dry-run's job-stats table."""
     table = dryrun_stdout.split("Job stats:", 1)[1] if "Job stats:" in dryrun_stdout else ""

@@ -32,6 +32,10 @@ from rectrain import log as stage_log
 from rectrain.config import ConfigError, complete_config, stage_block
 
 WHOLE = "*"  # `block`: the whole config (the report prints every block), completed with complete_config
+# What a stage stopped by Ctrl-C leaves: its outputs appear only once it finished (written under temporary
+# names, renamed last; the pack's *.partial are deleted by the next run), so there is nothing to keep.
+NOTHING_PUBLISHED = "nothing published (outputs appear only when a stage finishes); rerun to start it over"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ def main(
     passthrough: bool = False,
     config_required: bool = True,
     doc: str | None = None,
+    interrupted: str | None = NOTHING_PUBLISHED,
 ) -> int:
     """Run one stage's CLI; returns its exit code (0 when `run` returns None).
 
@@ -65,7 +70,9 @@ def main(
     passthrough: the arguments this stage does not know are the next program's (the launcher hands
       them to rectrain.train): parse_known_args and no -h of its own.
     config_required: without it --config-json defaults to '{}' (all defaults).
-    doc: the --help description; default the docstring of run's module."""
+    doc: the --help description; default the docstring of run's module.
+    interrupted: what a Ctrl-C (KeyboardInterrupt) leaves, said in one line on the log and the terminal
+      instead of a traceback (exit status 130); None lets it propagate (training stops on SIGINT itself)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(block, arguments, run, doc, passthrough, config_required)
     args = parser.parse_known_args(argv)[0] if passthrough else parser.parse_args(argv)
@@ -78,6 +85,12 @@ def main(
     except tuple(codes) as err:
         log.error("%s%s", f"[{tag}] " if bare else "", err)
         return next(codes[k] for k in type(err).__mro__ if k in codes)
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        # the progress logger: the one line a terminal shows besides the log (rectrain.log)
+        logging.getLogger(stage_log.PROGRESS_LOGGER).error("%s interrupted: %s", tag, interrupted)
+        return EXIT_INTERRUPTED
     return 0 if rc is None else rc
 
 

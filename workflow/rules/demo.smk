@@ -19,6 +19,8 @@ rule demo_data:
     params:
         cfg=cfg_json("demo"),
         out=lambda wildcards, output: os.path.dirname(output[0]),
+    message:
+        f"demo_data {DS}: generating the demo images in {{params.out}} (log: {{log}})"
     shell:
         "python -m rectrain.data.demo --config-json {params.cfg:q} --out {params.out:q}"
         " --threads {threads} > {log:q} 2>&1"

@@ -27,6 +27,8 @@ rule evaluate:
     params:
         cfg=cfg_json("evaluate"),
         out=lambda wildcards, output: os.path.dirname(output.metrics),
+    message:
+        f"evaluate {DS} val: {{input.checkpoint}} -> {{params.out}} (log: {{log}})"
     shell:
         "python -m rectrain.evaluate --config-json {params.cfg:q} --checkpoint {input.checkpoint:q}"
         " --rec {input.rec:q} --idx {input.idx:q} --classes {input.classes:q} --out {params.out:q}"

@@ -24,6 +24,8 @@ rule index_raw:
         # The demo root comes from the input marker; a real raw root is the configured path.
         raw=lambda wildcards, input: os.path.dirname(input.marker[0]) if input.marker else RAW_ROOT,
         out=lambda wildcards, output: os.path.dirname(output[0]),
+    message:
+        f"index_raw {DS}: indexing {{params.raw}} (log: {{log}})"
     shell:
         "python -m rectrain.driver_check > {log:q} 2>&1 && "
         "python -m rectrain.data.index --config-json {params.cfg:q} --raw {params.raw:q} --out {params.out:q}"

@@ -34,6 +34,8 @@ rule pack:
         cfg=cfg_json("pack"),
         index=lambda wildcards, input: os.path.dirname(input.tsv),
         raw=RAW_ROOT,
+    message:
+        f"pack {DS} {{wildcards.split}}: {{input.tsv}} -> {{output.rec}} (log: {{log}})"
     shell:
         "python -m rectrain.data.pack --config-json {params.cfg:q} --index {params.index:q} --raw {params.raw:q}"
         " --split {wildcards.split} --rec {output.rec:q} --idx {output.idx:q}"

@@ -14,6 +14,7 @@ def byo_inputs(wildcards):
 
 
 rule check_recordio:
+    """Check a .rec/.idx pair of your own record by record (instead of index_raw and pack)."""
     input:
         unpack(byo_inputs),
         code=code("check_recordio"),
@@ -32,6 +33,8 @@ rule check_recordio:
         cfg=cfg_json("recordio"),
         pack=lambda wildcards, output: os.path.dirname(output.manifests[0]),
         index=lambda wildcards, output: os.path.dirname(output.classes),
+    message:
+        f"check_recordio {DS}: reading every record of the configured .rec/.idx (log: {{log}})"
     shell:
         "python -m rectrain.data.byo_recordio --config-json {params.cfg:q} --fast {FAST:q}"
         " --pack-dir {params.pack:q} --index-dir {params.index:q} --threads {threads} > {log:q} 2>&1"

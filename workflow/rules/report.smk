@@ -44,6 +44,8 @@ rule report:
         eval=lambda wildcards, input: f" --eval-dir {shlex.quote(os.path.dirname(input.eval[0]))}" if input.eval else "",
         pack=lambda wildcards, input: os.path.dirname(input.manifests[0]),
         index=lambda wildcards, input: os.path.dirname(input.classes),
+    message:
+        f"report {DS}: -> {{output}} (log: {{log}})"
     shell:
         "python -m rectrain.report --config-json {params.cfg:q} --train-dir {params.train:q}{params.eval}"
         " --pack-dir {params.pack:q} --index-dir {params.index:q}"
@@ -56,6 +58,7 @@ rule report:
 # nothing to do; asking for results/report.html with A's config copies A's report back (a copy, not a
 # link: it opens offline and survives moving the folder).
 rule current_report:
+    """Copy the configured dataset's report to results/report.html (the mission's path)."""
     input:
         rules.report.output,
     output:
@@ -65,5 +68,7 @@ rule current_report:
     localrule: True
     conda:
         ENV
+    message:
+        f"current_report {DS}: {{input}} copied to {{output}}"
     shell:
         "cp {input:q} {output:q} > {log:q} 2>&1"

@@ -41,6 +41,8 @@ rule train:
         val=lambda wildcards, input: (
             f" --val-rec {shlex.quote(input.val_rec)} --val-idx {shlex.quote(input.val_idx)}" if HAS_VAL else ""
         ),
+    message:
+        f"train {DS}: -> {{params.out}} (log: {{log}})"
     shell:
         "python -m rectrain.train.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}{params.val}"
         " --classes {input.classes:q}"

@@ -4,8 +4,9 @@ starts that job - and two things are known that were not while the Snakefile was
 executor (Snakemake's API parses the workflow before execute_workflow hands it the executor plugin,
 so `workflow.local_exec` is always true during the parse) and why the train job runs.
 
-- train.devices is checked against this machine's GPUs, and train.nodes > 1 against what can start
-  it here (a SLURM allocation, or a rendezvous endpoint), when the jobs run here (a local executor);
+- train.devices is checked against this machine's GPUs (and train.precision fp16 refused where
+  training would run on CPU processes), and train.nodes > 1 against what can start it here (a SLURM
+  allocation, or a rendezvous endpoint), when the jobs run here (a local executor);
   under a cluster executor (--executor slurm, --workflow-profile profiles/slurm) the jobs run on
   other nodes and this login node's GPUs say nothing, so the job checks them where it runs.
 - A pack job's pair in fast storage that another working directory's run published
@@ -25,7 +26,7 @@ from snakemake.exceptions import WorkflowError
 
 from rectrain.config import format_problems
 from rectrain.data import pairowner
-from rectrain.snakefile.checks import device_problems, node_problems
+from rectrain.snakefile.checks import device_problems, node_problems, precision_problems
 from rectrain.train.finished import FORCED_ENV
 
 TRAIN_RULE = "train"
@@ -41,7 +42,9 @@ def before_jobs(workflow, config: dict) -> None:
     settings = workflow.executor_plugin.common_settings
     problems = [] if settings.dryrun_exec or settings.touch_exec else pair_problems(needed)
     if jobs and checks_gpus_here(settings):
-        problems += device_problems(config["train"]["devices"]) + node_problems(config["train"]["nodes"])
+        train = config["train"]
+        problems += device_problems(train["devices"]) + node_problems(train["nodes"])
+        problems += precision_problems(train["devices"], train["precision"])
     if problems:
         raise WorkflowError(format_problems(problems))
 

@@ -1,8 +1,23 @@
 """`python -m rectrain.train`: the training module (rectrain.train.trainer), launcher-proof."""
 
+import os
+import signal
 import sys
 
-from rectrain.train.trainer import main
+
+def _interrupted_while_importing(signum, frame) -> None:
+    # Importing torch and the training code takes seconds (tens on a busy machine): a Ctrl-C then would
+    # print an import traceback from every rank. Nothing of this launch exists yet, so one line instead.
+    sys.stderr.write(
+        "[train] interrupted while starting: nothing new saved (checkpoints/ as it was); rerun to start or resume\n"
+    )
+    os._exit(128 + signum)
+
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
+    from rectrain.train.trainer import main
+
+    # from here a KeyboardInterrupt is the trainer's, and training's stop handling replaces it (train.stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())

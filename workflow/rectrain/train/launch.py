@@ -88,7 +88,10 @@ def staging_dir() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """The train block comes as --config-json; every argument the launcher does not know is training's."""
-    return cli.main("launch", "train", _arguments, _run, argv, errors={cluster.ClusterError: 1}, passthrough=True)
+    # a stop signal during training is handled (rectrain.train.supervise); no "nothing published" line
+    return cli.main(
+        "launch", "train", _arguments, _run, argv, errors={cluster.ClusterError: 1}, passthrough=True, interrupted=None
+    )
 
 
 def _out_dir(argv: list[str]) -> Path:

@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from rectrain import atomic
+from rectrain.log import PROGRESS_LOGGER
 from rectrain.train.provenance import now
 from rectrain.train.stop import EXIT_STOPPED, signal_numbers
 
@@ -102,7 +103,8 @@ def run_torchrun(cmd: list[str], env: dict, ck_dir: Path, stop_signals: list[str
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     info = stopped_in(ck_dir, launch_id) if rc else None
     if info:
-        log.info(
+        # the progress logger: this line also reaches the terminal the job was started from (rectrain.log)
+        logging.getLogger(PROGRESS_LOGGER).info(
             "the ranks stopped on %s after %s with their checkpoint written: exit status %d (run the same "
             "command again to continue)",
             info["signal"],

@@ -172,7 +172,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> int | None:
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    return cli.main("train", "train", _arguments, _run, argv, elapsed=True)
+    return cli.main("train", "train", _arguments, _run, argv, elapsed=True, interrupted=None)  # stop.py handles SIGINT
 
 
 if __name__ == "__main__":
