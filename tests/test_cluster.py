@@ -137,7 +137,7 @@ def test_launch_in_multi_node_batch_script_execs_srun_per_node(monkeypatch, caps
     )
     line = next(x for x in err.splitlines() if "one launcher per node" in x)
     assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in line and "-m rectrain.train.launch" in line
-    assert "torch.distributed.run" not in err
+    assert "rectrain.torchrun" not in err
 
 
 def test_launch_in_per_node_task_uses_head_node_rendezvous(monkeypatch, capsys):

@@ -124,7 +124,7 @@ def test_launcher_stops_with_torchs_own_reason_when_cuda_is_unavailable(monkeypa
     assert msg.startswith("[launch] error: 2 GPU(s) seen through NVML with NVIDIA driver 575.51.03")
     assert "torch 2.14.1+cu128 is built for CUDA 12.8" in msg
     assert TOO_OLD_WARNING in msg
-    assert "torch.distributed.run" not in capsys.readouterr().err  # stopped before planning any process
+    assert "rectrain.torchrun" not in capsys.readouterr().err  # stopped before planning any process
 
 
 def test_launcher_on_a_machine_without_gpus_plans_cpu_processes(monkeypatch, capsys):

@@ -129,10 +129,19 @@ def test_dali_decoder_knobs_reach_only_the_mixed_decoder():
     from rectrain.loaders.dali import decoder_args
 
     opts = dataclasses.replace(DaliOptions.defaults(), hw_decoder_load=0.9, preallocate=(640, 480))
-    args = decoder_args("mixed", opts)
+    args = decoder_args("mixed", opts, jpeg_engine=True)
     assert args["hw_decoder_load"] == 0.9 and args["preallocate_width_hint"] == 640
     assert args["preallocate_height_hint"] == 480 and args["device_memory_padding"] == opts.device_memory_padding
-    assert decoder_args("cpu", opts) == {}
+    assert decoder_args("cpu", opts, jpeg_engine=True) == {}
+
+
+def test_the_preallocation_hints_reach_the_decoder_only_on_a_gpu_with_jpeg_engines():
+    from rectrain.loaders.dali import decoder_args
+
+    opts = dataclasses.replace(DaliOptions.defaults(), preallocate=(6430, 5980))
+    args = decoder_args("mixed", opts, jpeg_engine=False)
+    assert (args["preallocate_width_hint"], args["preallocate_height_hint"]) == (0, 0), "a 2080 Ti: nothing to hint"
+    assert args["device_memory_padding"] == opts.device_memory_padding
 
 
 @pytest.fixture(scope="module")

@@ -296,13 +296,17 @@ def test_a_pack_killed_between_the_two_renames_leaves_no_pair_and_the_rerun_comp
     out = tmp_path / "out"
     real = pack.publish
 
+    class Killed(BaseException):
+        """Stands in for a kill: no handler of the pack's catches it, nothing after the raise runs
+        (KeyboardInterrupt would be Ctrl-C, which the stage's CLI ends in one line)."""
+
     def dies_before_the_idx(tmp, final):
         if final.name.endswith(".idx"):
-            raise KeyboardInterrupt  # stands in for a kill: nothing after this line runs
+            raise Killed
         real(tmp, final)
 
     monkeypatch.setattr(pack, "publish", dies_before_the_idx)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Killed):
         _pack_in_process(raw, index, out)
     assert (out / "fast/train.rec").exists() and not (out / "fast/train.idx").exists()
     with pytest.raises(FileNotFoundError):  # a reader fails loudly; it never pairs files of two runs

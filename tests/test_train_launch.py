@@ -22,7 +22,7 @@ def command(cfg, gpus, **kw):
 
 def test_auto_uses_every_visible_gpu():
     argv, env, plan = command({"devices": "auto"}, gpus=2)
-    assert argv[:5] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert argv[:5] == ["python", "-m", "rectrain.torchrun", "--standalone", "--nproc_per_node=2"]
     assert argv[-len(ARGS) - 2 :] == ["-m", "rectrain.train", *ARGS]
     assert "CUDA_VISIBLE_DEVICES" not in env and plan.kind == "gpu"
 
@@ -91,7 +91,7 @@ def test_cli_prints_the_command_it_would_exec():
     )
     assert proc.returncode == 0, proc.stderr
     assert "CPU processes" in proc.stderr
-    assert "torch.distributed.run --standalone --nproc_per_node=2" in proc.stderr
+    assert "rectrain.torchrun --standalone --nproc_per_node=2" in proc.stderr
     assert "-m rectrain.train --config-json" in proc.stderr and "--print-only" not in proc.stderr.split("[launch]")[-1]
 
 

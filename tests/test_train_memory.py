@@ -1,6 +1,8 @@
 """OOM preflight: the batch search and the message, driven by a fake allocator that fails above a size,
 and the budget beside the step (loader, DDP) driven by a fake free-memory query."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -138,6 +140,12 @@ CARD = 11 * GB  # the reference 2080 Ti
 FREE = int(10.5 * GB)  # after the CUDA context
 
 
+@pytest.fixture(autouse=True)
+def reference_gpu(monkeypatch):
+    """The GPU these plans are for, as torch.cuda would name it: the reference box's 11 GB card."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 2080 Ti")
+
+
 def fake_mem_get_info(device):
     return FREE, CARD
 
@@ -184,6 +192,19 @@ def test_fixed_batch_that_fits_only_without_the_decoder_stops_naming_its_share()
     msg = str(err.value)
     assert "batch 256 per device does not fit on GPU 0" in msg and "largest batch that fits is 192" in msg
     assert "DALI mixed decoder (dali_device_memory_padding 201 MB per decode thread x 8 threads" in msg
+
+
+def test_the_preallocation_is_counted_only_on_a_gpu_with_hardware_jpeg_decoders(monkeypatch):
+    """dali_preallocate's ImageNet hint (6430x5980) reserves ~115 MB per sample, but only where the
+    hardware decoder it sizes exists: an 11 GB RTX 2080 Ti's plan must not lose that memory."""
+    opts = dataclasses.replace(DaliOptions.defaults(), preallocate=(6430, 5980))
+    spec = LoaderSpec("t.rec", "t.idx", 0, 224, device="cuda:0", workers=4, dali=opts)
+    choice = choose_loader("dali", has_cuda=True, has_dali=True, gpu_decode=True)
+    per_sample = {}
+    for name in ("NVIDIA GeForce RTX 2080 Ti", "NVIDIA H200"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        per_sample[name] = memory.loader_reservation(choice, spec).per_sample_bytes
+    assert per_sample["NVIDIA H200"] - per_sample["NVIDIA GeForce RTX 2080 Ti"] == 3 * 6430 * 5980
 
 
 def test_decoder_padding_is_counted_per_decode_thread():

@@ -33,6 +33,9 @@ class ProcessPlan:
     reason: str  # said in the log so the user sees why this many
 
 
+TORCHRUN = "rectrain.torchrun"  # torch.distributed.run without its traceback on a stop signal
+
+
 def visible_gpu_count() -> int:
     """GPUs this process may use (honours CUDA_VISIBLE_DEVICES); 0 without CUDA."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -100,8 +103,9 @@ def torchrun_command(
     python: str = sys.executable,
     base_env: dict | None = None,
 ) -> tuple[list[str], dict]:
-    """(argv, env) that run `python -m <module> <module_argv>` under torchrun.  Pure: starts nothing."""
-    argv = [python, "-m", "torch.distributed.run", *torchrun_args(plan, nodes, rdzv_endpoint, run_id)]
+    """(argv, env) that run `python -m <module> <module_argv>` under torchrun (as rectrain.torchrun,
+    which ends it in one line on a stop signal).  Pure: starts nothing."""
+    argv = [python, "-m", TORCHRUN, *torchrun_args(plan, nodes, rdzv_endpoint, run_id)]
     env = dict(os.environ if base_env is None else base_env)
     if plan.cuda_visible_devices is not None:  # "" for devices: cpu hides the GPUs from NVML too
         env["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices

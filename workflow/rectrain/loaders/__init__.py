@@ -140,6 +140,19 @@ class LoaderSpec:
         return max(self.crops) if self.train and self.crops else self.image_size
 
     @property
+    def jpeg_engine(self) -> bool:
+        """The batches' GPU has hardware JPEG decoders (rectrain.jpeg_engines): DALI's preallocation
+        hints reserve memory only there (DALI: "applicable only to the mixed backend in NVIDIA Ampere
+        GPU architecture"), so they are passed and counted only there."""
+        if not self.on_gpu:
+            return False
+        import torch
+
+        from rectrain.jpeg_engines import has_hw_jpeg
+
+        return has_hw_jpeg(torch.cuda.get_device_name(self.device))
+
+    @property
     def gpu_decodes(self) -> bool:
         """JPEGs are to be decoded on the GPU: there is one, train.gpu_decode, and decode is not 'cpu'."""
         return self.on_gpu and self.gpu_decode and decode_path(self.decode) != "cpu"

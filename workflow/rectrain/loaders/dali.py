@@ -44,12 +44,13 @@ from rectrain.loaders import (
 from rectrain.recordio import idx_arrays
 
 
-def decoder_args(decode_device: str, opts: DaliOptions) -> dict:
+def decoder_args(decode_device: str, opts: DaliOptions, jpeg_engine: bool) -> dict:
     """Keyword arguments for DALI's image decoders: the mixed (GPU) decoder's memory and hardware-decoder
-    knobs; the CPU decoder takes none of them."""
+    knobs, the preallocation hints only on a GPU with hardware JPEG decoders (`jpeg_engine`, the only
+    place they act); the CPU decoder takes none of them."""
     if decode_device != "mixed":
         return {}
-    width, height = opts.preallocate
+    width, height = opts.preallocate if jpeg_engine else (0, 0)
     return {
         "hw_decoder_load": opts.hw_decoder_load,
         "device_memory_padding": opts.device_memory_padding,
@@ -212,7 +213,7 @@ class DaliLoader:
             image_size=s.crop_at(epoch),
             eval_resize=s.eval_resize,
             decode_device=decode_device,
-            decoder_kwargs=decoder_args(decode_device, s.dali),
+            decoder_kwargs=decoder_args(decode_device, s.dali, decode_device == "mixed" and s.jpeg_engine),
             on_gpu=gpu,
             crop="full" if decode_path(s.decode) == "full" else "roi",
             dtype=self._dali_dtype,

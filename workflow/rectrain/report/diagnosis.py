@@ -12,6 +12,7 @@ from typing import Iterable, Mapping
 
 import pandas as pd
 
+from rectrain.jpeg_engines import has_hw_jpeg
 from rectrain.report import efficiency
 from rectrain.report.efficiency import Evidence
 from rectrain.report.stats import (
@@ -250,7 +251,7 @@ def _gpu_tip(run: Mapping, idle: float | None) -> str | None:
     if not names:
         return None
     decode = str(run.get("decode") or "")
-    engine = [n for n in names if efficiency.has_hw_jpeg(n)]
+    engine = [n for n in names if has_hw_jpeg(n)]
     load = train_setting(run, "dali_hw_decoder_load")
     now = f" (now {load})" if load is not None else ""
     if engine and decode.startswith("gpu: DALI"):

@@ -8,7 +8,6 @@ Pure functions over parsed telemetry, like diagnosis.py: nothing here reads file
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -16,11 +15,6 @@ import pandas as pd
 
 from rectrain.data.fit import Fit
 from rectrain.report.stats import overall_data_wait_share, steady_steps, train_setting
-
-# GPUs with a hardware JPEG decoder (nvJPEG's hardware back end, which DALI's mixed decoder uses
-# for dali_hw_decoder_load of the images): data-centre Ampere, Hopper and Blackwell parts. Others
-# (e.g. the RTX 2080 Ti) decode on the SMs the model needs.
-HW_JPEG_GPU = r"\b(A100|A800|A30|H100|H800|H200|H20|GH200|B100|B200|GB200)\b"
 
 # Standard ImageNet practice stores and resizes to 256 for a 224 crop: 8/7 of the crop size, which
 # keeps RandomResizedCrop's scale range meaningful while dropping the pixels the crop never uses.
@@ -324,7 +318,3 @@ def gather(
         decode=decode_cost(eff, busy, cores, on_gpu(run)),
         resize=resize_gain(run, manifests, sizes),
     )
-
-
-def has_hw_jpeg(gpu_name: str) -> bool:
-    return re.search(HW_JPEG_GPU, gpu_name) is not None

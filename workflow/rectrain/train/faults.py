@@ -66,26 +66,26 @@ def signal_at(rank: int, epoch: int, step: int) -> None:
     os.kill(os.getpid(), sig)
 
 
-def record_labels(batches, rank: int, epoch: int, first: int):
-    """The batches; with RECTRAIN_RECORD_LABELS=<dir> each batch's labels are appended to <dir>/labels_rank<rank>.csv."""
-    folder = os.environ.get(RECORD_LABELS_ENV)
+def _recorded(batches, first: int, folder: str | None, path: str, row):
+    """The batches (the first is step `first`); with `folder` set, each batch's `row(step, images,
+    labels)` is appended to folder/path."""
     if not folder:
         yield from batches
         return
-    with open(os.path.join(folder, f"labels_rank{rank}.csv"), "a", buffering=1) as f:
+    with open(os.path.join(folder, path), "a", buffering=1) as f:
         for step, (x, y) in enumerate(batches, start=first):
-            f.write(f"{epoch},{step},{' '.join(str(int(v)) for v in y.tolist())}\n")
+            f.write(row(step, x, y) + "\n")
             yield x, y
+
+
+def record_labels(batches, rank: int, epoch: int, first: int):
+    """The batches; with RECTRAIN_RECORD_LABELS=<dir> each batch's labels are appended to <dir>/labels_rank<rank>.csv."""
+    row = lambda step, x, y: f"{epoch},{step},{' '.join(str(int(v)) for v in y.tolist())}"  # noqa: E731
+    return _recorded(batches, first, os.environ.get(RECORD_LABELS_ENV), f"labels_rank{rank}.csv", row)
 
 
 def record_shapes(batches, rank: int, epoch: int, first: int):
     """The batches; with RECTRAIN_RECORD_SHAPES=<dir> each batch's image height and width are appended
     to <dir>/shapes_rank<rank>.csv."""
-    folder = os.environ.get(RECORD_SHAPES_ENV)
-    if not folder:
-        yield from batches
-        return
-    with open(os.path.join(folder, f"shapes_rank{rank}.csv"), "a", buffering=1) as f:
-        for step, (x, y) in enumerate(batches, start=first):
-            f.write(f"{epoch},{step},{x.shape[-2]},{x.shape[-1]}\n")
-            yield x, y
+    row = lambda step, x, y: f"{epoch},{step},{x.shape[-2]},{x.shape[-1]}"  # noqa: E731
+    return _recorded(batches, first, os.environ.get(RECORD_SHAPES_ENV), f"shapes_rank{rank}.csv", row)

@@ -231,14 +231,15 @@ def loader_reservation(choice: LoaderChoice, spec: LoaderSpec, role: str = "trai
 
     DALI's mixed decoder reserves dali_device_memory_padding for nvJPEG in EACH of its decode threads
     (train.workers), keeps dali_prefetch_queue_depth decoded batches ahead plus the one the step holds,
-    and with dali_preallocate a full-size image buffer per sample.  The torch loader's GPU decode keeps
+    and with dali_preallocate (on a GPU with hardware JPEG decoders, the only place it acts) a
+    full-size image buffer per sample.  The torch loader's GPU decode keeps
     a batch decoding ahead of the one in the step."""
     if not spec.on_gpu:
         return None
     sample = 3 * spec.largest_crop**2 * 4  # a normalised float32 image, at the run's largest crop
     if choice.kind == "dali" and choice.decode.startswith("gpu"):
         threads, depth, pad = max(1, spec.workers), spec.dali.prefetch_queue_depth, spec.dali.device_memory_padding
-        width, height = spec.dali.preallocate
+        width, height = spec.dali.preallocate if spec.jpeg_engine else (0, 0)  # the hints act only there
         what = (
             f"held by the {role} loader's DALI mixed decoder (dali_device_memory_padding {_mb(pad)} per decode thread x {threads} "
             f"threads = {_mb(pad * threads)}, plus {depth} prefetched batches and the one in the step: "

@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from rectrain import atomic
+from rectrain.distributed import TORCHRUN
 from rectrain.log import PROGRESS_LOGGER
 from rectrain.train.provenance import now
 from rectrain.train.stop import EXIT_STOPPED, signal_numbers
@@ -66,8 +67,8 @@ def torchrun_stop_options(stop_signals: list[str]) -> list[str]:
 
 
 def with_stop_options(cmd: list[str], stop_signals: list[str]) -> list[str]:
-    """The torchrun command (`python -m torch.distributed.run ...`) with torchrun_stop_options."""
-    at = cmd.index("torch.distributed.run") + 1
+    """The torchrun command (`python -m rectrain.torchrun ...`) with torchrun_stop_options."""
+    at = cmd.index(TORCHRUN) + 1
     return [*cmd[:at], *torchrun_stop_options(stop_signals), *cmd[at:]]
 
 
