@@ -1,7 +1,6 @@
 """The packer: shuffled ids/labels, pass-through bytes, repairs and skips, resize, verification,
 atomic publishing under SIGKILL, storage warnings and the space preflight."""
 
-import contextlib
 import io
 import json
 import os
@@ -331,14 +330,12 @@ def test_space_preflight_fails_before_writing_anything(tmp_path, monkeypatch, ca
     assert [p.name for p in (out / "fast").iterdir()] == [".train.rec.lock"] and not (out / "pack").exists()
 
 
-def partial_written(fast: Path) -> bool:
-    """The pack has written into its .partial, or in storage read order (a rotational disk, which
-    `auto` picks) into the bucket files it reads into first: the pack is mid-way, not finishing."""
-    for p in fast.glob("train.rec.partial*"):
-        with contextlib.suppress(FileNotFoundError):  # a bucket file deleted as the pack moves on
-            if p.stat().st_size > 0:
-                return True
-    return False
+def pack_writing(fast: Path) -> bool:
+    """The pack has opened its .partial or, in storage read order (a rotational disk, which `auto`
+    picks), the bucket files it reads into first: it is under way, not finishing.  Their sizes say
+    nothing - a bucket's buffer (readorder.BUCKET_BUFFER) holds a small set's every byte until the
+    reading ends, so waiting for bytes raced the pack to its end."""
+    return any(fast.glob("train.rec.partial*"))
 
 
 def test_sigkill_mid_pack_leaves_no_trusted_pair_and_rerun_verifies(tmp_path):
@@ -354,9 +351,9 @@ def test_sigkill_mid_pack_leaves_no_trusted_pair_and_rerun_verifies(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(pack.__file__).rsplit("/rectrain/", 1)[0])
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
-    while time.time() < deadline and not partial_written(out / "fast"):
+    while time.time() < deadline and not pack_writing(out / "fast"):
         time.sleep(0.01)
-    assert partial_written(out / "fast"), "pack never started writing"
+    assert pack_writing(out / "fast"), "pack never started writing"
     workers = psutil.Process(proc.pid).children()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -386,13 +383,38 @@ def test_ctrl_c_mid_pack_ends_with_one_line_saying_nothing_was_published(tmp_pat
     env = dict(os.environ, PYTHONPATH=str(pack.__file__).rsplit("/rectrain/", 1)[0])
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 60
-    while time.time() < deadline and not partial_written(out / "fast"):
+    while time.time() < deadline and not pack_writing(out / "fast"):
         time.sleep(0.01)
-    assert partial_written(out / "fast"), "pack never started writing"
+    assert pack_writing(out / "fast"), "pack never started writing"
     os.killpg(proc.pid, signal.SIGINT)
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     ended = [line for line in err.splitlines() if "interrupted" in line]
     assert ended == ["pack interrupted: " + cli.NOTHING_PUBLISHED], err[-3000:]  # bare: the pack log has no tags
+    assert not (out / "fast/train.rec").exists() and not (out / "pack/train.manifest.json").exists()
+
+
+def test_a_keyboard_interrupt_mid_pack_ends_the_cli_in_one_line_with_130_and_publishes_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    """The same ending as Ctrl-C, without racing a subprocess: the interrupt arrives while the 30th
+    image is prepared (what SIGINT raises in the main thread, here from the pack's own work)."""
+    raw, index = write_dataset(tmp_path, [(f"a/x{i}.JPEG", 0, jpeg(photo(40, 30, i))) for i in range(60)], classes=1)
+    out = tmp_path / "out"
+    real, calls = pack.prepare, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 30:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pack, "prepare", interrupted)
+    args = ["--config-json", "{}", *pack_args(raw, index, out)[2:]]
+    assert pack.main(args) == cli.EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and [line for line in err.splitlines() if "interrupted" in line] == [
+        "pack interrupted: " + cli.NOTHING_PUBLISHED
+    ], err[-3000:]
     assert not (out / "fast/train.rec").exists() and not (out / "pack/train.manifest.json").exists()

@@ -140,12 +140,6 @@ CARD = 11 * GB  # the reference 2080 Ti
 FREE = int(10.5 * GB)  # after the CUDA context
 
 
-@pytest.fixture(autouse=True)
-def reference_gpu(monkeypatch):
-    """The GPU these plans are for, as torch.cuda would name it: the reference box's 11 GB card."""
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 2080 Ti")
-
-
 def fake_mem_get_info(device):
     return FREE, CARD
 
@@ -201,6 +195,7 @@ def test_the_preallocation_is_counted_only_on_a_gpu_with_hardware_jpeg_decoders(
     spec = LoaderSpec("t.rec", "t.idx", 0, 224, device="cuda:0", workers=4, dali=opts)
     choice = choose_loader("dali", has_cuda=True, has_dali=True, gpu_decode=True)
     per_sample = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("NVIDIA GeForce RTX 2080 Ti", "NVIDIA H200"):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         per_sample[name] = memory.loader_reservation(choice, spec).per_sample_bytes
