@@ -97,9 +97,13 @@ def train_crop(jpegs, crop: str, decode_device: str, decoder_kwargs: dict, image
 # epoch with 2 ranks) have correlated orders: on a 40k-record .rec (20k a shard) the position
 # correlation is 0.971 at 1024, 0.679 at 4096, 0.282 at 8192, 0.010 at 16384 (bench/shuffle_bench.py).
 # The cost is host memory per rank: 16384 x the mean record (~1.7 GiB at ImageNet's ~110 KB JPEGs,
-# ~0.4 GiB at pack.resize 256).  It decorrelates only shards up to ~20k records: the correlation
-# follows buffer / shard size (0.679 at 16384 on an 80k shard), so a 640k-record ImageNet shard stays
-# close to the order of the .rec (see bench/RESULTS.md).
+# ~0.4 GiB at pack.resize 256), mapped pages of the .rec while only one pipeline holds them
+# (DaliLoader._release_train_pipeline).  It decorrelates only shards up to ~20k records: the
+# correlation follows buffer / shard size (0.679 at 16384 on an 80k shard), so a 640k-record ImageNet
+# shard stays close to the order of the .rec.  No reader setting can do better from one .rec: DALI's
+# RecordIO loader sorts the index's offsets and reads them in file order (dali/operators/reader/loader/
+# recordio_loader.h), and `shuffle_after_epoch` (DALI 2.x only) reorders whole files; DALI's own
+# ImageNet examples shuffle through the default 1024-sample buffer (see bench/RESULTS.md).
 SHUFFLE_BUFFER = 16384
 
 
@@ -245,6 +249,14 @@ class DaliLoader:
             return self._train_pipe.checkpoint()  # counts the batches taken with outputs()
         return self._train_iter.checkpoints()[0]
 
+    def _release_train_pipeline(self) -> None:
+        """Drop the last epoch's train pipeline before the next one is built.  Alive beside the new one,
+        its reader still holds DALI's share of mapped .rec memory (one `initial_fill` of samples), so the
+        new reader falls back to copying every sample it reads: ~1.7 GB more host memory per rank with
+        the 16384-sample buffer and 1.5-3 CPU-s before the epoch's first batch, every other epoch
+        (bench/RESULTS.md, "DALI loader: the epoch boundary")."""
+        self._train_iter = self._train_pipe = None
+
     def _host_batches(self, epoch: int, start: int, state: bytes | None):
         """The CPU train pipeline's batches, run without DALIGenericIterator: it copies each batch into
         a fresh torch.empty, and on the CPU that allocation costs 4x the copy (see _HostBuffers); and
@@ -252,6 +264,7 @@ class DaliLoader:
         are decoded and thrown away with the pipeline.  Here nothing past the epoch is scheduled.  The
         reader pads the shard's last batch itself (pad_last_batch), as the iterator's FILL does."""
         remaining = self.batches_per_epoch - start
+        self._release_train_pipeline()
         pipe = self._train_pipe = self._build(epoch, state if start else None)
         if remaining <= 0:
             return
@@ -273,6 +286,7 @@ class DaliLoader:
             self._train_iter = None
             it = ([batch] for batch in self._host_batches(epoch, start, state))  # the iterator's shape
         elif self.spec.train:
+            self._release_train_pipeline()
             it = self._train_iter = self._iterator(epoch, state if start else None)
             it = itertools.islice(it, self.batches_per_epoch - start)
         else:
