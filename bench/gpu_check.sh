@@ -5,10 +5,11 @@
 #   2. runs the real pipeline with config/gpu.yaml (ImageNet-sized demo set -> .rec -> DDP training on
 #      every GPU -> evaluation -> results/report.html) in the work folder;
 #   3. runs bench/gpu_efficiency.py (each loader from the .rec vs synthetic data, ResNet-50/18 at 224 and 160 px);
-#   4. runs bench/oom_cap.py (11 GB cap: the preflight message at batch 256 and batch_size auto);
+#   4. runs bench/oom_cap.py (11 GB cap: the preflight message at batch 256 and batch_size auto) and
+#      bench/decoder_memory.py (what DALI's decoder holds per pack variant, padding and thread);
 #   5. on exit, however it ends (done, a part cut at its limit, a signal): summary.txt and one archive.
 # OUTDIR (first argument, else $OUT, else bench/out/gpu) receives only what a lent GPU machine can send
-# back (at most 8 files of 16 MiB): summary.txt, gpu_efficiency.md, oom_cap.txt, gpu_check.log and
+# back (at most 8 files of 16 MiB): summary.txt, gpu_efficiency.md, oom_cap.txt, decoder_memory.md, gpu_check.log and
 # gpu_check.tar.gz (the logs, report, telemetry and JSON tables, capped at ARCHIVE_CAP_MB). Scratch data
 # (the bench's re-packed .rec copies, the unpacked wheels' venv) stays outside it.
 # Without DALI the pipeline still runs (torch loader, GPU decode) and the bench marks DALI as skipped.
@@ -31,9 +32,10 @@ set -uo pipefail
 # bench/GPU_RUNBOOK.md quotes these numbers.
 BUDGET_S=500
 LIMIT_SETUP_S=60       # join + unpack the wheel parts, install snakemake and DALI offline
-LIMIT_PIPELINE_S=240   # demo data, pack, 3 epochs ResNet-50, evaluation, report
+LIMIT_PIPELINE_S=200   # demo data, pack, 3 epochs ResNet-50, evaluation, report (~150 s on the H200)
 LIMIT_EFFICIENCY_S=120 # 4 model/size runs x (synthetic + DALI + torch)
 LIMIT_OOM_CAP_S=50     # preflight at batch 256 and batch_size auto under an 11 GB cap
+LIMIT_DECODER_MEMORY_S=40 # DALI's decoder memory by pack variant, padding and threads (issue 23 point 8)
 LIMIT_SUMMARY_S=30     # summary.txt and the archive, from the exit trap
 ARCHIVE_CAP_MB=12      # the archive stays well under the 16 MiB a returned file may have
 FOCUS=${GPU_CHECK_FOCUS:-}
@@ -44,7 +46,7 @@ FOCUS=${GPU_CHECK_FOCUS:-}
 EFFICIENCY_FOCUS_ARGS="--runs resnet50:224,resnet18:224,resnet50:176@201,resnet18:160@182 --compile eager,default --decodes roi,full --loaders dali --repeats 2"
 if [ "$FOCUS" = efficiency ]; then
     # The parts it skips give it their time (run_part still ends it by the deadline).
-    LIMIT_EFFICIENCY_S=$((LIMIT_EFFICIENCY_S + LIMIT_PIPELINE_S + LIMIT_OOM_CAP_S - 60))
+    LIMIT_EFFICIENCY_S=$((LIMIT_EFFICIENCY_S + LIMIT_PIPELINE_S + LIMIT_OOM_CAP_S + LIMIT_DECODER_MEMORY_S - 60))
     LIMIT_PIPELINE_S=60  # demo set, index and pack only: 36 s on the H200 (2026-11-30)
 elif [ -n "$FOCUS" ]; then
     echo "gpu_check: GPU_CHECK_FOCUS=$FOCUS: the only focus is 'efficiency'" >&2
@@ -125,7 +127,7 @@ finish() {
              echo "gpu_summary.py failed: see gpu_check.log" > "$OUTDIR/summary.txt"; }
     {
         echo "gpu_check: $((SECONDS - T0)) s in all (limits: budget $BUDGET_S s, parts by $DEADLINE_S s)"
-        [ -n "$FOCUS" ] && echo "focus: $FOCUS (the pipeline only packed, no training or report; oom_cap skipped)"
+        [ -n "$FOCUS" ] && echo "focus: $FOCUS (the pipeline only packed, no training or report; oom_cap and decoder_memory skipped)"
         if [ ${#FAILED[@]} -eq 0 ]; then echo "all parts passed"; else printf 'FAILED: %s\n' "${FAILED[@]}"; fi
     } >> "$OUTDIR/summary.txt"
     cat "$OUTDIR/summary.txt"
@@ -215,4 +217,9 @@ fi
 run_part oom_cap "$LIMIT_OOM_CAP_S" "$PY" bench/oom_cap.py --cap-gb 11 --model resnet50 --size 224 --batch 256 \
     --out "$SCRATCH/tables"
 cp -f "$SCRATCH/tables/oom_cap.txt" "$OUTDIR/" 2>/dev/null
+
+# --- 5. what DALI's decoder needs (the padding default for 11 GB cards) -------------------------------
+run_part decoder_memory "$LIMIT_DECODER_MEMORY_S" "$PY" bench/decoder_memory.py --out "$SCRATCH/tables" \
+    --scratch "$SCRATCH"
+cp -f "$SCRATCH/tables/decoder_memory.md" "$OUTDIR/" 2>/dev/null
 exit 0  # the exit trap writes the summary and the archive

@@ -81,6 +81,8 @@ def summary(results: Path, tables: Path) -> str:
     lines.append(_read(tables / "gpu_efficiency.md") or "  missing (see gpu_check.log)")
     lines.append("11 GB cap (bench/oom_cap.py):")
     lines.append(_read(tables / "oom_cap.txt") or "  missing (see gpu_check.log)")
+    lines.append("decoder memory (bench/decoder_memory.py):")
+    lines.append(_read(tables / "decoder_memory.md") or "  missing (see gpu_check.log)")
     return "\n".join(lines) + "\n"
 
 

@@ -34,6 +34,7 @@ def test_part_limits_add_up_to_the_budget_inside_one_device_command():
         "LIMIT_PIPELINE_S",
         "LIMIT_EFFICIENCY_S",
         "LIMIT_OOM_CAP_S",
+        "LIMIT_DECODER_MEMORY_S",
         "LIMIT_SUMMARY_S",
     }
     assert sum(limits.values()) <= budget <= 510
