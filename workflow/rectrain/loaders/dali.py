@@ -251,7 +251,7 @@ class DaliLoader:
 
     def _release_train_pipeline(self) -> None:
         """Drop the last epoch's train pipeline before the next one is built.  Alive beside the new one,
-        its reader still holds DALI's share of mapped .rec memory (one `initial_fill` of samples), so the
+        its reader still holds its reservation of shared .rec mappings (`initial_fill` of them), so the
         new reader falls back to copying every sample it reads: ~1.7 GB more host memory per rank with
         the 16384-sample buffer and 1.5-3 CPU-s before the epoch's first batch, every other epoch
         (bench/RESULTS.md, "DALI loader: the epoch boundary")."""
