@@ -7,7 +7,8 @@ so a record's position in an epoch stays near its position in the file: two epoc
 (with 2 ranks a rank reads the same shard every other epoch) are nearly the same order.  Writes a
 .rec of tiny JPEGs whose label is the record id, reads shard 0 of 2 with two epoch seeds per buffer
 size (labels only, no decode) and prints the Pearson correlation of each record's position in the
-two epochs, and the buffer's host memory (initial_fill x the mean record size; ImageNet's full-size
+two epochs, the share of record pairs that shared a batch in the first epoch and share one again in the
+second (against two independent random orders: what a full permutation gives), and the buffer's host memory (initial_fill x the mean record size; ImageNet's full-size
 JPEGs average ~110 KB, ~25 KB at pack.resize 256).  A benchmark, not a test.
 """
 
@@ -69,19 +70,41 @@ def position_correlation(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(x, y)[0, 1])
 
 
+def batch_cooccurrence(a: np.ndarray, b: np.ndarray, batch: int) -> tuple[float, float]:
+    """(share of the record pairs that shared a batch of `batch` in order a and share one again in order b,
+    the share two independent random orders give): how much of epoch a's batch makeup epoch b repeats."""
+    batch_in_b = {rid: i // batch for i, rid in enumerate(b)}
+    pairs = again = 0
+    for start in range(0, len(a) - batch + 1, batch):
+        counts = np.unique(
+            [batch_in_b[rid] for rid in a[start : start + batch] if rid in batch_in_b], return_counts=True
+        )[1]
+        pairs += batch * (batch - 1) // 2
+        again += int((counts * (counts - 1) // 2).sum())
+    return again / pairs, (batch - 1) / (len(a) - 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, default=40000)
     ap.add_argument("--fills", type=int, nargs="+", default=[1024, 4096, 16384, 20000])
+    ap.add_argument("--batch", type=int, default=64, help="the batch of the co-occurrence figure")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rec, idx = write_id_rec(Path(tmp), args.records)
         rec_bytes = Path(rec).stat().st_size / args.records
         print(f"{args.records} records, shard 0 of 2; mean record {rec_bytes:.0f} B here")
-        print("initial_fill  correlation  buffer at 110 KB/record  at 25 KB/record")
+        print(
+            f"initial_fill  correlation  pairs sharing a batch of {args.batch} again (random orders)  "
+            "buffer at 110 KB/record  at 25 KB/record"
+        )
         for fill in args.fills:
-            r = position_correlation(reader_order(rec, idx, 11, fill), reader_order(rec, idx, 10018, fill))
-            print(f"{fill:>12}  {r:>11.3f}  {fill * 110e3 / 2**30:>19.2f} GiB  {fill * 25e3 / 2**30:>11.2f} GiB")
+            a, b = reader_order(rec, idx, 11, fill), reader_order(rec, idx, 10018, fill)
+            again, random = batch_cooccurrence(a, b, args.batch)
+            print(
+                f"{fill:>12}  {position_correlation(a, b):>11.3f}  {100 * again:>10.3f} % ({100 * random:.3f} %)"
+                f"{fill * 110e3 / 2**30:>30.2f} GiB  {fill * 25e3 / 2**30:>11.2f} GiB"
+            )
 
 
 if __name__ == "__main__":
