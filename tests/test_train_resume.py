@@ -88,6 +88,35 @@ def test_moving_aside_twice_in_one_second_keeps_both_runs(tmp_path):
     assert [len(list(d.iterdir())) for d in replaced(tmp_path)] == [1, 1]
 
 
+def test_last_pt_is_the_epoch_checkpoint_under_a_second_name_and_a_later_save_replaces_last_pt_alone(tmp_path):
+    import os
+
+    epoch_file, last = tmp_path / "epoch_3.pt", tmp_path / "last.pt"
+    ckpt.save_atomic({"epoch": 2}, last)  # the mid-epoch checkpoint the epoch's end replaces
+    ckpt.save_atomic({"epoch": 3}, epoch_file)
+    assert ckpt.save_linked({"epoch": 3}, epoch_file, last) is True
+    assert os.path.samefile(epoch_file, last) and epoch_file.stat().st_nlink == 2, "one file on disk, two names"
+    assert ckpt.load(last) == {"epoch": 3}
+    ckpt.save_atomic({"epoch": 4, "step": 10}, last)  # the next epoch's mid-epoch checkpoint
+    assert ckpt.load(epoch_file) == {"epoch": 3}, "the epoch checkpoint changed with last.pt"
+    assert not os.path.samefile(epoch_file, last) and epoch_file.stat().st_nlink == 1
+
+
+def test_last_pt_is_written_out_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    import os
+
+    epoch_file, last = tmp_path / "epoch_0.pt", tmp_path / "last.pt"
+    ckpt.save_atomic({"epoch": 0}, epoch_file)
+
+    def no_links(*_):
+        raise PermissionError(1, "Operation not permitted")  # what FAT, some FUSE and network mounts say
+
+    monkeypatch.setattr(os, "link", no_links)
+    assert ckpt.save_linked({"epoch": 0}, epoch_file, last) is False
+    assert ckpt.load(last) == {"epoch": 0} and last.stat().st_nlink == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0.pt", "last.pt"], "no temporary file left"
+
+
 def test_prune_keeps_the_newest_epoch_checkpoints_and_last_pt(tmp_path):
     for k in range(12):
         (tmp_path / f"epoch_{k}.pt").write_text("x")

@@ -198,7 +198,10 @@ def test_killed_run_restarted_with_another_lr_under_resume_always_continues_and_
     kept = ["epoch_1.pt", "finished", "finished.json", "last.pt"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
     line = re.search(r"epoch 1: train loss .*", proc.stderr).group(0)
-    assert re.search(rf"checkpoint [\d.]+ [KM]iB \(epoch_1.pt and last.pt\) in {out / 'checkpoints'} on disk ", line)
+    assert re.search(
+        rf"checkpoint [\d.]+ [KM]iB \(epoch_1.pt, last.pt a hard link to it\) in {out / 'checkpoints'} on disk ", line
+    )
+    assert os.path.samefile(out / "checkpoints" / "epoch_1.pt", out / "checkpoints" / "last.pt"), "written twice"
     assert "keeping the last 1 epoch checkpoint(s), deleted epoch_0.pt" in line
 
 

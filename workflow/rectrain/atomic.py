@@ -61,6 +61,20 @@ def write_with(path: str | os.PathLike, write: Callable[[Path], object]) -> Path
     return Path(path)
 
 
+def link_or_write(source: str | os.PathLike, path: str | os.PathLike, write: Callable[[Path], object]) -> bool:
+    """Atomically make `path` a second name of the finished file `source` (a hard link: the same bytes,
+    not written again), or, where the file system has no hard links, write it with `write(tmp_path)`.
+    True when linked.  A later write to either name replaces that name only (write_with renames a new
+    file over it), so the two never change together."""
+    with replacing(path) as tmp:
+        try:
+            os.link(source, tmp)
+            return True
+        except OSError:
+            write(tmp)
+            return False
+
+
 def write_text(path: str | os.PathLike, text: str) -> Path:
     return write_with(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 

@@ -106,6 +106,12 @@ def save_atomic(obj: dict, path: str | os.PathLike) -> None:
     atomic.write_with(path, lambda tmp: torch.save(obj, tmp))
 
 
+def save_linked(obj: dict, source: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """`path` holding `obj`, which the finished checkpoint `source` already holds: a hard link to it
+    where the file system has them (True), else saved (rectrain.atomic.link_or_write)."""
+    return atomic.link_or_write(source, path, lambda tmp: torch.save(obj, tmp))
+
+
 def load(path: str | os.PathLike) -> dict:
     """Load a checkpoint without executing pickled code."""
     return torch.load(path, map_location="cpu", weights_only=True)

@@ -5,8 +5,10 @@ line; the ranks meet at a barrier after each epoch, so none runs ahead of the ch
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -199,13 +201,21 @@ def efficiency_note(stats: dict, calibration: dict | None, resolution: int) -> s
 
 def save_checkpoint(run: Run, epoch: int, rngs: list) -> list[str]:
     """epoch_<k>.pt and last.pt (replacing a mid-epoch one): everything a resume needs
-    (midepoch.run_state), and what makes it the same run; then the epoch checkpoints beyond
-    train.keep_checkpoints are deleted (after the new one is in place, so a kill in between keeps
-    them).  Returns the names deleted."""
+    (midepoch.run_state), and what makes it the same run.  last.pt is a hard link to epoch_<k>.pt where
+    the file system allows (one write and one copy on disk instead of two; a mid-epoch checkpoint later
+    replaces last.pt alone).  Then the epoch checkpoints beyond train.keep_checkpoints are deleted
+    (after the new one is in place, so a kill in between keeps them).  Returns the names deleted."""
     state = run_state(run, epoch, rngs)
-    ckpt.save_atomic(state, run.ck_dir / f"epoch_{epoch}.pt")
-    ckpt.save_atomic(state, run.ck_dir / "last.pt")
+    epoch_file = run.ck_dir / f"epoch_{epoch}.pt"
+    ckpt.save_atomic(state, epoch_file)
+    ckpt.save_linked(state, epoch_file, run.ck_dir / "last.pt")
     return ckpt.prune(run.ck_dir, run.cfg["keep_checkpoints"])
+
+
+def names_of_one_file(ck_dir: Path, epoch: int) -> str:
+    """How last.pt stands to epoch_<k>.pt on disk, for the epoch line."""
+    same = os.path.samefile(ck_dir / f"epoch_{epoch}.pt", ck_dir / "last.pt")
+    return ", last.pt a hard link to it" if same else " and last.pt"
 
 
 def checkpoint_note(run: Run, epoch: int, pruned: list[str]) -> str:
@@ -215,7 +225,7 @@ def checkpoint_note(run: Run, epoch: int, pruned: list[str]) -> str:
     where = device_info(run.ck_dir)
     kept = run.cfg["keep_checkpoints"]
     note = (
-        f"checkpoint {human_bytes(size)} (epoch_{epoch}.pt and last.pt) in {where['path']} on disk "
+        f"checkpoint {human_bytes(size)} (epoch_{epoch}.pt{names_of_one_file(run.ck_dir, epoch)}) in {where['path']} on disk "
         f"{where['device'] or 'unknown'}, keeping the last {kept} epoch checkpoint(s)"
     )
     return note + (f", deleted {', '.join(pruned)}" if pruned else "")
