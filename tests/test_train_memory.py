@@ -202,6 +202,23 @@ def test_the_preallocation_is_counted_only_on_a_gpu_with_hardware_jpeg_decoders(
     assert per_sample["NVIDIA H200"] - per_sample["NVIDIA GeForce RTX 2080 Ti"] == 3 * 6430 * 5980
 
 
+def test_the_loaders_batches_are_counted_in_the_dtype_they_reach_the_device_in():
+    """fp16 images take half the float32 bytes; DALI without a bfloat16 type (1.34) yields float32 under bf16."""
+    from nvidia.dali import types
+
+    per_sample = {}
+    for kind in ("dali", "torch"):
+        choice = choose_loader(kind, has_cuda=True, has_dali=True, gpu_decode=True)
+        for dtype in ("float32", "float16", "bfloat16"):
+            spec = LoaderSpec("t.rec", "t.idx", 0, 224, device="cuda:0", workers=4, dtype=dtype)
+            per_sample[kind, dtype] = memory.loader_reservation(choice, spec).per_sample_bytes
+    for kind in ("dali", "torch"):
+        assert per_sample[kind, "float16"] * 2 == per_sample[kind, "float32"], kind
+    assert per_sample["torch", "bfloat16"] == per_sample["torch", "float16"]
+    dali_bf16 = "float16" if hasattr(types, "BFLOAT16") else "float32"  # float16: the same size as bfloat16
+    assert per_sample["dali", "bfloat16"] == per_sample["dali", dali_bf16]
+
+
 def test_decoder_padding_is_counted_per_decode_thread():
     one, four = dali_held(workers=1)[0], dali_held(workers=4)[0]
     assert four.fixed_bytes == 4 * one.fixed_bytes == 4 * DaliOptions.defaults().device_memory_padding

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from rectrain import model as models
-from rectrain.loaders import LoaderChoice, LoaderSpec
+from rectrain.loaders import LoaderChoice, LoaderSpec, image_itemsize
 
 if TYPE_CHECKING:
     from rectrain.train.batchplan import BatchPlan
@@ -236,7 +236,7 @@ def loader_reservation(choice: LoaderChoice, spec: LoaderSpec, role: str = "trai
     a batch decoding ahead of the one in the step."""
     if not spec.on_gpu:
         return None
-    sample = 3 * spec.largest_crop**2 * 4  # a normalised float32 image, at the run's largest crop
+    sample = 3 * spec.largest_crop**2 * image_itemsize(choice.kind, spec.dtype)  # at the run's largest crop
     if choice.kind == "dali" and choice.decode.startswith("gpu"):
         threads, depth, pad = max(1, spec.workers), spec.dali.prefetch_queue_depth, spec.dali.device_memory_padding
         width, height = spec.dali.preallocate if spec.jpeg_engine else (0, 0)  # the hints act only there
