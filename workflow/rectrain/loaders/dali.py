@@ -198,7 +198,6 @@ class DaliLoader:
         w, b = spec.world_size, spec.batch_size
         self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
-        self._eval_iter = None
         self._train_iter = None  # the epoch's, for state(); None on the CPU, which runs _train_pipe itself
         self._train_pipe = None
         self._dali_dtype, self.image_dtype = output_type(spec.dtype)
@@ -240,7 +239,7 @@ class DaliLoader:
             ["images", "labels"],
             reader_name="Reader",
             last_batch_policy=LastBatchPolicy.FILL if s.train else LastBatchPolicy.PARTIAL,
-            auto_reset=not s.train,
+            auto_reset=False,  # one pass per iterator: each epoch builds its own (epoch)
         )
 
     def state(self) -> bytes:
@@ -290,10 +289,20 @@ class DaliLoader:
             it = self._train_iter = self._iterator(epoch, state if start else None)
             it = itertools.islice(it, self.batches_per_epoch - start)
         else:
-            self._eval_iter = self._eval_iter or self._iterator(0)
-            it = self._eval_iter
+            it = self._iterator(0)
+        try:
+            yield from self._to_device(it)
+        finally:
+            # The pass is over, or its consumer dropped it: its pipeline goes now, not when this loader
+            # builds the next one.  Alive, it would hold its share of mapped .rec memory while the other
+            # loader (train or validation) builds its next pipeline, which would then copy every sample
+            # (_release_train_pipeline).  Mid-epoch checkpoints call state() while the pass is suspended.
+            del it
+            self._release_train_pipeline()
+
+    def _to_device(self, batches):
         device = torch.device(self.spec.device)
-        for batch in it:
+        for batch in batches:
             images, labels = batch[0]["images"], batch[0]["labels"]
             if images.shape[0] == 0:
                 continue  # eval only: a rank whose shard ended on a batch boundary
