@@ -487,8 +487,9 @@ def _pack_storage(
             if framed is not None:
                 buckets.put(item[0], framed)
 
-        items = readorder.read_in_order(readorder.storage_order(table, packer.reader), packer.reader)
-        _pump(items, packer, pool, target.threads, sink, spooled)
+        items = readorder.storage_order(table, packer.reader)
+        with readorder.ReadAhead(items, packer.reader, BATCH_BYTES) as ahead:
+            _pump(ahead, packer, pool, target.threads, sink, spooled)
         t1 = time.time()
         with RecordWriter(*target.partial, new=True) as writer:
             assembled = _progress(f"pack {target.split}: assemble", n, target.progress_s)
