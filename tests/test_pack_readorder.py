@@ -196,7 +196,10 @@ def test_the_scan_check_runs_on_every_pack_thread_at_once_and_still_skips_corrup
     assert len(checkers) == threads and all(name.startswith("pack_") for name in checkers), sorted(checkers)
     manifest = json.loads((out / "pack/train.manifest.json").read_text())
     assert [(s["source"], s["reason"]) for s in manifest["skipped_files"]] == [
-        ("a/bad.JPEG", "corrupt JPEG scan data: libjpeg-turbo reports 'Corrupt JPEG data: premature end of data segment'")
+        (
+            "a/bad.JPEG",
+            "corrupt JPEG scan data: libjpeg-turbo reports 'Corrupt JPEG data: premature end of data segment'",
+        )
     ]
     assert manifest["packed"] == 47 and manifest["read_order"]["used"] == order
 
