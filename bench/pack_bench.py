@@ -1,6 +1,6 @@
 """Pack vs im2rec: the same images, the same cores, measured side by side in one run.
 
-    .venv/bin/python bench/pack_bench.py [--images 400] [--threads N] [--repeats 3]
+    .venv/bin/python bench/pack_bench.py [--images 10000] [--threads N] [--repeats 3]
 
 Generates ImageNet-like JPEGs (~500x375, q90, class folders), then packs them with
 ``python -m rectrain.data.pack`` and with mxnet 1.9.1's ``python -m mxnet.tools.im2rec`` (from
@@ -13,7 +13,9 @@ whole-process wall and CPU seconds with their spread over the repeats. The headl
 ratio is the whole job, fixed costs included; a second table splits each tool's time into a fixed
 cost per run (from a 10-image run) and the per-image rate beyond it. Last, the cost of checking a
 pass-through JPEG's scan data (rectrain.data.images.check_scan: a strict 1/8-scale grayscale decode)
-per image, one thread, against the header parse alone and a full RGB decode. A benchmark, not a test.
+per image, one thread, against the header parse alone and a full RGB decode (on the first
+CHECK_SAMPLE images: a cost per image). The load average is printed before and after the runs: on a
+shared box the wall columns move with it, the CPU columns much less. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 MXPY = REPO / ".venv-mxnet" / "bin" / "python"
 SMALL = 10  # images in the run that measures each tool's fixed cost
+CHECK_SAMPLE = 2000  # images the one-thread scan-check cost is measured on
 # (mode, pack.resize, pack.check_scan_data, pack.read_order): the default pass-through decodes each
 # JPEG's scan data (1/8 scale) to check it; im2rec never decodes, so the check's cost is shown by a run
 # without it. read_order auto picks storage order on a disk that reports itself rotational (virtual
@@ -241,7 +244,7 @@ def scan_check_cost(raw: Path, passes: int = 5) -> dict:
     over the generated JPEGs (read into memory first)."""
     import simplejpeg
 
-    datas = [p.read_bytes() for p in sorted((raw / "train").rglob("*.JPEG"))]
+    datas = [p.read_bytes() for p in sorted((raw / "train").rglob("*.JPEG"))[:CHECK_SAMPLE]]
     infos = [images.read_jpeg_header(d) for d in datas]
     steps = {
         "header only": lambda d, i: images.read_jpeg_header(d),
@@ -288,17 +291,20 @@ def _cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=400)
+    parser.add_argument("--images", type=int, default=10000)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "pack"))
     args = parser.parse_args()
     if not MXPY.exists():
         raise SystemExit(".venv-mxnet is missing: run `make mxnet-env` (mxnet 1.9.1 is the im2rec baseline)")
+    load_before = os.getloadavg()
     r = run(args)
+    r["load_average"] = {"before": load_before, "after": os.getloadavg()}
     print(
         f"{r['images']} images ({r['source_mb']:.1f} MB), {r['threads']} worker threads pinned to cores "
-        f"{r['cores']} ({r['cpu']}), median of {r['repeats']} alternating runs"
+        f"{r['cores']} ({r['cpu']}), median of {r['repeats']} alternating runs; load average (1, 5, 15 min) "
+        + " -> ".join("/".join(f"{x:.2f}" for x in r["load_average"][k]) for k in ("before", "after"))
     )
     print(
         f"{'mode':<28}{'rectrain img/s':>16}{'im2rec img/s':>14}{'ratio':>8}{'target':>8}"

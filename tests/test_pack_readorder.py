@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 import pytest
-from helpers.packdata import REPO, fake_sysfs, jpeg, pack_args, photo, run_pack, write_dataset
+from helpers.packdata import REPO, corrupt_scan, fake_sysfs, jpeg, pack_args, photo, run_pack, write_dataset
 
 from rectrain import storage
 from rectrain.config import stage_block
-from rectrain.data import pack
+from rectrain.data import images, pack, readorder
 from rectrain.data.archives import SourceReader
 from rectrain.recordio import read_idx
 
@@ -148,8 +148,9 @@ def test_archive_members_are_read_in_offset_order_and_folder_files_by_inode_by_o
     monkeypatch.setattr(pack, "BATCH", 4)  # 8 batches for 3 worker threads
     args = pack_args(raw, index, tmp_path / "out", json.dumps({"read_order": "storage"}), threads=3)
     assert pack.main(args) == 0
-    # one stream of reads: worker threads reading their own batches would interleave on the disk
-    assert readers == {threading.main_thread().name}, f"raw reads came from {sorted(readers)}"
+    # one stream of reads: worker threads reading their own batches would interleave on the disk; and
+    # not the main thread, which hands batches to the workers and spools their records meanwhile
+    assert readers == {readorder.READER_THREAD}, f"raw reads came from {sorted(readers)}"
     offsets = [start for kind, rel, start in reads if kind == "archive"]
     inodes = [ino for kind, _, ino in reads if kind == "file"]
     assert len(offsets) == 24 and len(inodes) == 8 and {r[1] for r in reads if r[0] == "archive"} == {"train.tar"}
@@ -163,6 +164,86 @@ def test_archive_members_are_read_in_offset_order_and_folder_files_by_inode_by_o
     shuffled = run_pack(raw, index, tmp_path / "direct", cfg={"read_order": "shuffled"})
     assert shuffled.returncode == 0, shuffled.stderr
     assert (tmp_path / "out/fast/train.rec").read_bytes() == (tmp_path / "direct/fast/train.rec").read_bytes()
+
+
+@pytest.mark.parametrize("order", ["storage", "shuffled"])
+def test_the_scan_check_runs_on_every_pack_thread_at_once_and_still_skips_corrupt_scan_data(
+    tmp_path, monkeypatch, order
+):
+    """pack.threads workers check scan data side by side, never the reader or the main thread: a
+    barrier of `threads` parties inside the check passes only when that many checks run at once
+    (serialised checks would break it, and every image would become a skip). A JPEG whose scan
+    data is corrupt is still skipped by the check, with its reason, in either read order."""
+    threads = 3
+    files = [(f"a/x{i:03d}.JPEG", 0, jpeg(photo(24 + i % 7, 16 + i % 5, i))) for i in range(47)]
+    files.append(("a/bad.JPEG", 0, corrupt_scan(jpeg(photo(300, 200, 8)))))
+    raw, index = write_dataset(tmp_path, files, classes=1)
+    together = threading.Barrier(threads, timeout=20)
+    checkers, real_check = set(), images.check_scan
+
+    def check_scan(data, info):
+        name = threading.current_thread().name
+        if name not in checkers:
+            checkers.add(name)
+            together.wait()  # each worker's first check waits until all of them are inside one
+        return real_check(data, info)
+
+    monkeypatch.setattr(images, "check_scan", check_scan)
+    monkeypatch.setattr(pack, "BATCH", 4)  # 12 batches for 3 worker threads
+    out = tmp_path / "out"
+    args = pack_args(raw, index, out, json.dumps({"read_order": order, "max_skipped_share": 0.5}), threads=threads)
+    assert pack.main(args) == 0
+    assert len(checkers) == threads and all(name.startswith("pack_") for name in checkers), sorted(checkers)
+    manifest = json.loads((out / "pack/train.manifest.json").read_text())
+    assert [(s["source"], s["reason"]) for s in manifest["skipped_files"]] == [
+        (
+            "a/bad.JPEG",
+            "corrupt JPEG scan data: libjpeg-turbo reports 'Corrupt JPEG data: premature end of data segment'",
+        )
+    ]
+    assert manifest["packed"] == 47 and manifest["read_order"]["used"] == order
+
+
+class _Slow:
+    """A SourceReader stand-in: `size` bytes per source, counting what was read."""
+
+    def __init__(self, size: int):
+        self.size, self.reads = size, 0
+
+    def read(self, source):
+        self.reads += 1
+        return bytes(self.size)
+
+
+def _rows(n: int, fail_at: int | None = None):
+    for i in range(n):
+        if i == fail_at:
+            raise RuntimeError("a bug in the storage order")
+        yield i, i, f"a/{i}.JPEG", 0, None
+
+
+def test_read_ahead_keeps_the_read_order_and_stays_within_its_byte_budget():
+    reader = _Slow(1000)
+    with readorder.ReadAhead(_rows(200), reader, max_bytes=10_000) as ahead:
+        got = []
+        for item in ahead:
+            time.sleep(0.001)  # a slow consumer: the reader waits at the budget
+            got.append(item[0])
+            # what the reader holds for the consumer, plus the item just taken
+            assert reader.reads - len(got) <= 10 + 1, (reader.reads, len(got))
+            assert item[4] == bytes(1000)
+    assert got == list(range(200))
+
+
+def test_read_ahead_raises_the_readers_own_error_in_the_consumer_and_stops_when_left_early():
+    with pytest.raises(RuntimeError, match="a bug in the storage order"):
+        with readorder.ReadAhead(_rows(50, fail_at=20), _Slow(10), max_bytes=1 << 20) as ahead:
+            assert [item[0] for item in ahead] == list(range(20))
+    reader = _Slow(10)
+    ahead = readorder.ReadAhead(_rows(10_000), reader, max_bytes=100)
+    with ahead:
+        next(iter(ahead))
+    assert not ahead._thread.is_alive() and reader.reads < 10_000
 
 
 # ---- choice, manifest, progress -----------------------------------------------------------------

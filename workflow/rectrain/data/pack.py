@@ -12,8 +12,9 @@ order. At most a fixed number of batches are in flight and the index is held as 
 (rectrain.data.indextable), so memory grows by ~50-60 bytes per image (bench/RESULTS.md), not with the data.
 
 pack.read_order picks how the raw images are read (rectrain.data.readorder): straight in the
-output order, or in storage order - archive members by offset, folders by path and inode, for a raw
-root on an HDD or a network share - shuffled through bucket files beside the .rec. The .rec is
+output order (by the workers), or in storage order - archive members by offset, folders by path and
+inode, for a raw root on an HDD or a network share - by one reader thread of its own, shuffled
+through bucket files beside the .rec. The .rec is
 the same either way; the manifest says which ran and why. Every pack.progress_s seconds the log
 says images done of total, img/s and the ETA of each step (read, assemble, verify).
 
@@ -487,8 +488,9 @@ def _pack_storage(
             if framed is not None:
                 buckets.put(item[0], framed)
 
-        items = readorder.read_in_order(readorder.storage_order(table, packer.reader), packer.reader)
-        _pump(items, packer, pool, target.threads, sink, spooled)
+        items = readorder.storage_order(table, packer.reader)
+        with readorder.ReadAhead(items, packer.reader, BATCH_BYTES) as ahead:
+            _pump(ahead, packer, pool, target.threads, sink, spooled)
         t1 = time.time()
         with RecordWriter(*target.partial, new=True) as writer:
             assembled = _progress(f"pack {target.split}: assemble", n, target.progress_s)

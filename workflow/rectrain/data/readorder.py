@@ -25,6 +25,8 @@ import array
 import contextlib
 import os
 import posixpath
+import threading
+from collections import deque
 from pathlib import Path
 from typing import Iterator
 
@@ -40,6 +42,8 @@ MAX_BUCKETS = 256  # open files while reading; beyond it buckets grow instead
 BUCKET_BUFFER = 64 << 10
 BUCKET_INFIX = ".bucket"
 ASSEMBLE_CHUNK = 8192
+READER_THREAD = "pack-reader"
+READ_AHEAD_ITEMS = 1024  # besides the byte budget: a folder of tiny files is not read ahead without end
 
 
 def choose(requested: str, raw_root: Path, sysfs_root=None) -> dict:
@@ -165,6 +169,75 @@ def read_in_order(items: Iterator[tuple], reader: SourceReader) -> Iterator[tupl
             except MemoryError:
                 where = MemoryError("out of memory while reading it")
         yield row, rid, source, label, where
+
+
+class ReadAhead:
+    """read_in_order on a thread of its own (READER_THREAD), up to `max_bytes` of sources ahead of
+    the consumer: still one stream of reads in storage order, but the pack's main thread, which also
+    hands batches to the workers, takes their records and spools them, no longer stalls the reads,
+    nor do they stall it (from the page cache a read is a few syscalls; on a disk it is the wait).
+
+        with ReadAhead(items, reader, max_bytes) as ahead:
+            for row, rid, source, label, data in ahead: ...
+
+    An item larger than the budget is still read, once nothing else is waiting. Leaving the block
+    (an error, Ctrl-C) stops the thread after its current read; an error of the reader's own (not a
+    read error, which becomes the item's value) is raised in the consumer."""
+
+    def __init__(self, items, reader: SourceReader, max_bytes: int):
+        self._items, self._reader, self._max = items, reader, max_bytes
+        self._ready: deque = deque()  # (item, its bytes) in read order; item None: the end
+        self._held, self._stop, self._error = 0, False, None
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._read, name=READER_THREAD, daemon=True)
+
+    def _room(self, size: int) -> bool:
+        if not self._ready:
+            return True
+        return self._held + size <= self._max and len(self._ready) < READ_AHEAD_ITEMS
+
+    def _read(self) -> None:
+        try:
+            for item in read_in_order(self._items, self._reader):
+                size = len(item[4]) if isinstance(item[4], bytes) else 0
+                with self._cv:
+                    while not (self._stop or self._room(size)):
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    self._ready.append((item, size))
+                    self._held += size
+                    self._cv.notify_all()
+        except BaseException as err:  # handed to the consumer, whose thread can report it
+            self._error = err
+        with self._cv:
+            self._ready.append((None, 0))
+            self._cv.notify_all()
+
+    def __iter__(self) -> Iterator[tuple]:
+        while True:
+            with self._cv:
+                while not self._ready:
+                    self._cv.wait()
+                item, size = self._ready.popleft()
+                self._held -= size
+                self._cv.notify_all()
+            if item is None:
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def __enter__(self) -> "ReadAhead":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cv:
+            self._stop = True
+            self._ready.clear()  # the bytes read ahead are not wanted any more
+            self._cv.notify_all()
+        self._thread.join()
 
 
 # ---- the external shuffle ----------------------------------------------------------------------
