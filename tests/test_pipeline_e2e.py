@@ -19,6 +19,7 @@ import signal
 import subprocess
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -77,14 +78,34 @@ def pipeline(tmp_path_factory):
 
 
 def dryrun_with(run, tmp_path, **blocks):
+    return dryrun_edited(run, tmp_path / "edited.yaml", blocks)
+
+
+def dryrun_edited(run, cfgfile: Path, blocks: dict) -> set[str]:
+    """The stages a dry-run schedules with the finished run's config edited by `blocks` ({block: {key: value}})."""
     edited = json.loads(json.dumps(run.config))
     for block, changes in blocks.items():
         edited.setdefault(block, {}).update(changes)  # config.yaml has no recipe block
-    cfgfile = tmp_path / "edited.yaml"
     cfgfile.write_text(yaml.safe_dump(edited))
     proc = run.smk("-n", REPORT, "--configfile", str(cfgfile))
     assert proc.returncode == 0, proc.stderr
     return set(scheduled_rules(proc.stdout))
+
+
+# A dry-run only reads the finished run (Snakemake takes no lock for one: persistence warn_only), so the
+# one-key edits run side by side, one Snakemake per core: most of a dry-run is Snakemake's own start-up.
+DRYRUN_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+def dryruns_each_alone(run, tmp_path, edits: list[tuple[str, str, object]]) -> list[set[str]]:
+    """For each (block, key, value), on its own: the stages a dry-run schedules after that one edit."""
+
+    def one(i):
+        block, key, value = edits[i]
+        return dryrun_edited(run, tmp_path / f"edited-{i}.yaml", {block: {key: value}})
+
+    with ThreadPoolExecutor(DRYRUN_WORKERS) as pool:
+        return list(pool.map(one, range(len(edits))))
 
 
 def updated_inputs(reason: str) -> set[str]:
@@ -151,8 +172,7 @@ def test_each_operational_key_edit_schedules_nothing(pipeline, tmp_path):
     edits = list(key_edits(pipeline, operational=True))
     assert len(edits) >= 20, edits
     wrong = {}
-    for block, key, value in edits:
-        scheduled = dryrun_with(pipeline, tmp_path, **{block: {key: value}})
+    for (block, key, value), scheduled in zip(edits, dryruns_each_alone(pipeline, tmp_path, edits), strict=True):
         if scheduled:
             wrong[f"{block}.{key} = {value!r}"] = sorted(scheduled)
     assert not wrong, f"operational edits that schedule stages: {wrong}"
@@ -161,9 +181,8 @@ def test_each_operational_key_edit_schedules_nothing(pipeline, tmp_path):
 def test_each_output_key_edit_reruns_its_stage_and_the_later_ones(pipeline, tmp_path):
     edits = list(key_edits(pipeline, operational=False))
     wrong = {}
-    for block, key, value in edits:
+    for (block, key, value), scheduled in zip(edits, dryruns_each_alone(pipeline, tmp_path, edits), strict=True):
         expected = SPECIAL.get((block, key), set(CHAIN[CHAIN.index(FIRST_STAGE[block]) :]))
-        scheduled = dryrun_with(pipeline, tmp_path, **{block: {key: value}})
         if scheduled != expected:
             wrong[f"{block}.{key} = {value!r}"] = (sorted(scheduled), sorted(expected))
     assert not wrong, f"edits that schedule other stages than their own and the later ones (got, expected): {wrong}"
@@ -249,12 +268,14 @@ def test_every_module_a_stage_imports_makes_that_stage_rerun(pipeline):
     for train), nothing another stage imports."""
     by_stage = closures(pipeline.package)
     modules = set().union(*by_stage.values())
-    with edited(sorted(modules)):
-        for stage in CHAIN:
-            # --allowed-rules keeps the earlier stages out of the DAG (their outputs count as source
-            # files); otherwise Snakemake stops at "input files updated by another job" and never
-            # says which of this job's own inputs changed.
-            proc = pipeline.smk("-n", STAGE_TARGET[stage], "--allowed-rules", stage, "--quiet", "host")
+    with edited(sorted(modules)), ThreadPoolExecutor(DRYRUN_WORKERS) as pool:
+        # --allowed-rules keeps the earlier stages out of the DAG (their outputs count as source
+        # files); otherwise Snakemake stops at "input files updated by another job" and never
+        # says which of this job's own inputs changed.
+        procs = pool.map(
+            lambda stage: pipeline.smk("-n", STAGE_TARGET[stage], "--allowed-rules", stage, "--quiet", "host"), CHAIN
+        )
+        for stage, proc in zip(CHAIN, list(procs), strict=True):
             assert proc.returncode == 0, proc.stderr
             reasons = job_reasons(proc.stdout).get(stage, [])
             assert len(reasons) == 1, f"{stage}: expected one scheduled job, got {reasons}\n{proc.stdout[-3000:]}"

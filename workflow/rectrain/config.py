@@ -78,9 +78,19 @@ def _matching_branch_errors(context: list) -> list:
 
 
 def load_schema(schema_path) -> dict:
-    # libyaml's safe loader when built in: the schema is read on every Snakefile parse (the dry-run).
-    with open(schema_path) as fh:
-        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    """The schema as a dict of the caller's own. A Snakefile parse (every dry-run) asks for it about ten
+    times (config checks, defaults, each block's operational keys): the file is read once while it is
+    unchanged, and each caller gets a copy, so none can alter what the next one reads."""
+    st = os.stat(schema_path)
+    return json.loads(_parsed_schema(str(Path(schema_path).resolve()), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_schema(path: str, mtime_ns: int, size: int) -> str:
+    """The schema as JSON text (a fresh dict per json.loads, much faster than a deep copy); libyaml's
+    safe loader when built in; mtime and size in the key: an edited schema is read again."""
+    with open(path) as fh:
+        return json.dumps(yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
 
 
 def coerce_strings(config: dict, schema: dict) -> None:
