@@ -290,15 +290,13 @@ class DaliLoader:
             it = itertools.islice(it, self.batches_per_epoch - start)
         else:
             it = self._iterator(0)
-        try:
-            yield from self._to_device(it)
-        finally:
-            # The pass is over, or its consumer dropped it: its pipeline goes now, not when this loader
-            # builds the next one.  Alive, it would hold its share of mapped .rec memory while the other
-            # loader (train or validation) builds its next pipeline, which would then copy every sample
-            # (_release_train_pipeline).  Mid-epoch checkpoints call state() while the pass is suspended.
-            del it
-            self._release_train_pipeline()
+        yield from self._to_device(it)
+        # The pass is over: its pipeline goes now, not when this loader builds the next one.  Alive, it
+        # would hold its share of mapped .rec memory while the other loader (train or validation) builds
+        # its next pipeline, which would then copy every sample (_release_train_pipeline).  A consumer
+        # that stops early keeps it until this loader's next build: state() is asked for after that.
+        del it
+        self._release_train_pipeline()
 
     def _to_device(self, batches):
         device = torch.device(self.spec.device)
