@@ -23,6 +23,7 @@ through DALIGenericIterator: batches land in reused buffers and nothing past the
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
@@ -189,6 +190,10 @@ class _HostBuffers:
         return feed_ndarray(dali_tensor, buf)
 
 
+# Loaders whose last pass has ended: their pipelines are dropped before the next build of any loader.
+_FINISHED: "weakref.WeakSet[DaliLoader]" = weakref.WeakSet()
+
+
 class DaliLoader:
     kind = "dali"
 
@@ -200,6 +205,7 @@ class DaliLoader:
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
         self._train_iter = None  # the epoch's, for state(); None on the CPU, which runs _train_pipe itself
         self._train_pipe = None
+        self._eval_iter = None  # the last validation pass's, until the next build
         self._dali_dtype, self.image_dtype = output_type(spec.dtype)
 
     def _build(self, epoch: int, checkpoint: bytes | None = None):
@@ -249,12 +255,15 @@ class DaliLoader:
         return self._train_iter.checkpoints()[0]
 
     def _release_train_pipeline(self) -> None:
-        """Drop the last epoch's train pipeline before the next one is built.  Alive beside the new one,
-        its reader still holds its reservation of shared .rec mappings (`initial_fill` of them), so the
-        new reader falls back to copying every sample it reads: ~1.7 GB more host memory per rank with
-        the 16384-sample buffer and 1.5-3 CPU-s before the epoch's first batch, every other epoch
-        (bench/RESULTS.md, "DALI loader: the epoch boundary")."""
-        self._train_iter = self._train_pipe = None
+        """Before a pipeline is built: drop this loader's last one and every other loader's finished pass
+        (train or validation).  Alive beside the new one, an old reader still holds its reservation of
+        shared .rec mappings (`initial_fill` of them), so the new reader falls back to copying every
+        sample it reads: ~1.7 GB more host memory per rank with the 16384-sample buffer and 1.5-3 CPU-s
+        before the epoch's first batch (bench/RESULTS.md, "DALI loader: the epoch boundary").  Done
+        here, not when a pass ends, so the teardown stays out of the epoch's timed steps."""
+        for loader in [self, *_FINISHED]:
+            loader._train_iter = loader._train_pipe = loader._eval_iter = None
+        _FINISHED.clear()
 
     def _host_batches(self, epoch: int, start: int, state: bytes | None):
         """The CPU train pipeline's batches, run without DALIGenericIterator: it copies each batch into
@@ -289,14 +298,13 @@ class DaliLoader:
             it = self._train_iter = self._iterator(epoch, state if start else None)
             it = itertools.islice(it, self.batches_per_epoch - start)
         else:
-            it = self._iterator(0)
+            self._release_train_pipeline()
+            it = self._eval_iter = self._iterator(0)
         yield from self._to_device(it)
-        # The pass is over: its pipeline goes now, not when this loader builds the next one.  Alive, it
-        # would hold its share of mapped .rec memory while the other loader (train or validation) builds
-        # its next pipeline, which would then copy every sample (_release_train_pipeline).  A consumer
-        # that stops early keeps it until this loader's next build: state() is asked for after that.
+        # The pass is over: its pipeline goes at the next build of any loader (_release_train_pipeline).
+        # One its consumer left early stays for state() until this loader's next build.
         del it
-        self._release_train_pipeline()
+        _FINISHED.add(self)
 
     def _to_device(self, batches):
         device = torch.device(self.spec.device)
