@@ -99,7 +99,7 @@ def train_crop(jpegs, crop: str, decode_device: str, decoder_kwargs: dict, image
 # correlation is 0.971 at 1024, 0.679 at 4096, 0.282 at 8192, 0.010 at 16384 (bench/shuffle_bench.py).
 # The cost is host memory per rank: 16384 x the mean record (~1.7 GiB at ImageNet's ~110 KB JPEGs,
 # ~0.4 GiB at pack.resize 256), mapped pages of the .rec while only one pipeline holds them
-# (DaliLoader._release_train_pipeline).  It decorrelates only shards up to ~20k records: the
+# (DaliLoader._release_pipelines).  It decorrelates only shards up to ~20k records: the
 # correlation follows buffer / shard size (0.679 at 16384 on an 80k shard), so a 640k-record ImageNet
 # shard stays close to the order of the .rec.  No reader setting can do better from one .rec: DALI's
 # RecordIO loader sorts the index's offsets and reads them in file order (dali/operators/reader/loader/
@@ -254,7 +254,7 @@ class DaliLoader:
             return self._train_pipe.checkpoint()  # counts the batches taken with outputs()
         return self._train_iter.checkpoints()[0]
 
-    def _release_train_pipeline(self) -> None:
+    def _release_pipelines(self) -> None:
         """Before a pipeline is built: drop this loader's last one and every other loader's finished pass
         (train or validation).  Alive beside the new one, an old reader still holds its reservation of
         shared .rec mappings (`initial_fill` of them), so the new reader falls back to copying every
@@ -272,7 +272,7 @@ class DaliLoader:
         are decoded and thrown away with the pipeline.  Here nothing past the epoch is scheduled.  The
         reader pads the shard's last batch itself (pad_last_batch), as the iterator's FILL does."""
         remaining = self.batches_per_epoch - start
-        self._release_train_pipeline()
+        self._release_pipelines()
         pipe = self._train_pipe = self._build(epoch, state if start else None)
         if remaining <= 0:
             return
@@ -294,14 +294,14 @@ class DaliLoader:
             self._train_iter = None
             it = ([batch] for batch in self._host_batches(epoch, start, state))  # the iterator's shape
         elif self.spec.train:
-            self._release_train_pipeline()
+            self._release_pipelines()
             it = self._train_iter = self._iterator(epoch, state if start else None)
             it = itertools.islice(it, self.batches_per_epoch - start)
         else:
-            self._release_train_pipeline()
+            self._release_pipelines()
             it = self._eval_iter = self._iterator(0)
         yield from self._to_device(it)
-        # The pass is over: its pipeline goes at the next build of any loader (_release_train_pipeline).
+        # The pass is over: its pipeline goes at the next build of any loader (_release_pipelines).
         # One its consumer left early stays for state() until this loader's next build.
         del it
         _FINISHED.add(self)
