@@ -75,11 +75,13 @@ def image_dtype(precision: str) -> str:
 def image_itemsize(kind: str, dtype: str) -> int:
     """Bytes per value of the images loader `kind` yields when asked for `dtype`: what they take on the
     device.  DALI writes bfloat16 only where it has the type (1.34 does not: float32 then)."""
-    if dtype == "bfloat16" and kind == "dali":
-        from nvidia.dali import types
+    if kind == "dali":
+        from rectrain.loaders.dali import output_type
 
-        return 2 if hasattr(types, "BFLOAT16") else 4
-    return {"float16": 2, "bfloat16": 2}.get(dtype, 4)
+        return output_type(dtype)[1].itemsize
+    import torch
+
+    return getattr(torch, dtype).itemsize
 
 
 @dataclass(frozen=True)
