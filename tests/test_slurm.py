@@ -319,6 +319,9 @@ def wait_for(what: str, check, proc, timeout: float, out: Path):
     raise AssertionError(f"no {what} within {timeout:.0f} s: {out.read_text()[-4000:]}")
 
 
+REQUEUE_EPOCHS = 40
+
+
 # Two starts of the train job and SLURM's own pace (limits checked every ~30 s): minutes on a busy box.
 @pytest.mark.timeout(1500)
 def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_and_finishes(slurm_cluster, tmp_path):
@@ -328,9 +331,11 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     the same Snakemake keeps waiting for it, and the restarted job resumes and finishes.  (SLURM holds
     a requeued job before it may start again; the test releases it at once and restores the limit.)"""
     work = copy_repo(tmp_path / "rectrain")
-    # 8 epochs of 2 steps per rank (10-30 s an epoch here): still training when the warning comes
-    # (SLURM checks the limits every ~30 s).
-    (work / "test-cluster.yaml").write_text(TEST_CONFIG.replace("epochs: 1,", "epochs: 8, checkpoint_interval_min: 0,"))
+    # Still training when the warning comes (SLURM checks the limits every ~30 s): 8 epochs of 3 steps
+    # per rank took 1-4.5 s an epoch here (18 s after epoch 1: finished before the warning), 40 take minutes.
+    (work / "test-cluster.yaml").write_text(
+        TEST_CONFIG.replace("epochs: 1,", f"epochs: {REQUEUE_EPOCHS}, checkpoint_interval_min: 0,")
+    )
     env = cluster_env(tmp_path, RECTRAIN_SLURM_WARNING_S="600")
     out = tmp_path / "snakemake.out"
     argv = profile_run("results/demo/train/model.pt", "test-cluster.yaml")
@@ -386,5 +391,5 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     with open(work / "results" / "demo" / "train" / "steps.csv") as f:
         rows = [tuple(int(v) for v in line.split(",")[:3]) for line in f.read().splitlines()[1:]]
     steps = 1 + max(step for _, _, step in rows)
-    grid = {(rank, epoch, step) for rank in range(2) for epoch in range(8) for step in range(steps)}
+    grid = {(rank, epoch, step) for rank in range(2) for epoch in range(REQUEUE_EPOCHS) for step in range(steps)}
     assert len(rows) == len(set(rows)) and set(rows) == grid, "every (rank, epoch, step) once across the requeue"

@@ -307,3 +307,70 @@ def test_ctrl_c_while_a_rank_still_imports_torch_is_one_line_and_status_130(tmp_
         stderr
         == "[train] interrupted while starting: nothing new saved (checkpoints/ as it was); rerun to start or resume\n"
     )
+
+
+# A rank that has finished the run (finished.json written, as outputs.finish does) and is still exiting
+# when the stop signal comes; it keeps the signal pending as a rank's stop handler does.
+FINISHED_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+from rectrain.train import checkpoint as ckpt, supervise
+signal.signal(signal.SIGTERM, lambda *_: None)
+ck = Path(sys.argv[1])
+ckpt.mark_finished(ck, ck.parent / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))
+time.sleep(4)
+"""
+LAUNCHER = """
+import os, sys
+from pathlib import Path
+from rectrain.distributed import TORCHRUN
+from rectrain.train import supervise
+ck, rank = Path(sys.argv[1]), sys.argv[2]
+cmd = [sys.executable, "-m", TORCHRUN, "--standalone", "--nproc_per_node=1", rank, str(ck)]
+sys.exit(supervise.run_torchrun(cmd, dict(os.environ), ck, ["SIGTERM"]))
+"""
+
+
+def test_a_stop_signal_while_finished_ranks_exit_leaves_the_job_succeeded_not_failed(tmp_path):
+    """SLURM signals every process of the job step: a time-limit warning in a run's last seconds reaches
+    torchrun's agent while the finished ranks exit, and the agent then exits 1 whatever they did.  The
+    run is published (finished.json names this launch), so the launcher exits 0: Snakemake must not fail
+    the job and remove its outputs."""
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    (tmp_path / "rank.py").write_text(FINISHED_RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(ck), str(tmp_path / "rank.py")],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (ck / ckpt.FINISHED).exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: the launcher, torchrun's agent and the rank
+    _, stderr = proc.communicate(timeout=120)
+    assert "SIGTERM: the workers were shut down" in stderr, stderr[-3000:]  # torchrun did exit 1
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "after the ranks had finished and published the run" in stderr
+
+
+def test_a_finished_marker_of_an_earlier_launch_does_not_make_a_failed_one_succeed(tmp_path):
+    """finished.json left by the last launch (its run already done) says nothing about this one."""
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    ckpt.mark_finished(ck, tmp_path / "model.pt", "an-earlier-launch")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    (tmp_path / "rank.py").write_text("import sys; sys.exit(3)\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, str(ck), str(tmp_path / "rank.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]

@@ -224,9 +224,10 @@ def finished_marker(ck_dir: Path) -> Path:
     return Path(ck_dir) / FINISHED
 
 
-def mark_finished(ck_dir: Path, model: Path) -> None:
-    """After model.pt is published: a later start of this job is a new run (see the module doc)."""
-    atomic.write_json(finished_marker(ck_dir), {"model": str(model)})
+def mark_finished(ck_dir: Path, model: Path, launch_id: str | None = None) -> None:
+    """After model.pt is published: a later start of this job is a new run (see the module doc).  The
+    launch's id lets its launcher tell a finished run from a failed one whatever torchrun's status."""
+    atomic.write_json(finished_marker(ck_dir), {"model": str(model), "launch_id": launch_id})
 
 
 def _slug(reason: str) -> str:

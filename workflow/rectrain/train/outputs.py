@@ -11,7 +11,7 @@ import shutil
 from rectrain.atomic import write_json
 from rectrain.storage import block_device_for
 from rectrain.train import checkpoint as ckpt
-from rectrain.train import finished, telemetry
+from rectrain.train import finished, supervise, telemetry
 from rectrain.train.provenance import now
 from rectrain.train.run import Run
 
@@ -56,5 +56,5 @@ def finish(run: Run, info: dict) -> None:
     write_json(out / "run.json", {**info, "finished": now()})
     ckpt.save_atomic(ckpt.load(run.ck_dir / "last.pt"), out / "model.pt")
     finished.keep(out, run.ck_dir)
-    ckpt.mark_finished(run.ck_dir, out / "model.pt")
+    ckpt.mark_finished(run.ck_dir, out / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))
     log.info("done: %s", out / "model.pt")

@@ -14,7 +14,9 @@ timeout long enough for a checkpoint (STOP_GRACE_S); forwards a stop signal it g
 ranks directly (not to the agent: a signal sent to the whole process group reaches the agent too,
 and a second one while it shuts down would make it give up waiting); and returns EXIT_STOPPED when
 the ranks wrote their stop checkpoint during this launch (checkpoints/stopped.json, `mark_stopped`,
-naming this launch's id), torchrun's own status otherwise.
+naming this launch's id), 0 when they finished the run during this launch (checkpoints/finished.json
+naming it: a stop signal while finished ranks exit still makes torchrun exit 1), torchrun's own
+status otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import psutil
 from rectrain import atomic
 from rectrain.distributed import TORCHRUN
 from rectrain.log import PROGRESS_LOGGER
+from rectrain.train import checkpoint as ckpt
 from rectrain.train.provenance import now
 from rectrain.train.stop import EXIT_STOPPED, signal_numbers
 
@@ -52,13 +55,18 @@ def mark_stopped(ck_dir: Path, signal_name: str, where: str) -> None:
     atomic.write_json(Path(ck_dir) / STOPPED, info)
 
 
-def stopped_in(ck_dir: Path, launch_id: str) -> dict | None:
-    """stopped.json when the ranks of launch `launch_id` wrote it, else None."""
+def written_in(marker: Path, launch_id: str) -> dict | None:
+    """The JSON marker (stopped.json, finished.json) when the ranks of launch `launch_id` wrote it, else None."""
     with contextlib.suppress(OSError, ValueError):
-        info = json.loads((Path(ck_dir) / STOPPED).read_text())
-        if info.get("launch_id") == launch_id:
+        info = json.loads(Path(marker).read_text())
+        if isinstance(info, dict) and info.get("launch_id") == launch_id:
             return info
     return None
+
+
+def stopped_in(ck_dir: Path, launch_id: str) -> dict | None:
+    """stopped.json when the ranks of launch `launch_id` wrote it, else None."""
+    return written_in(Path(ck_dir) / STOPPED, launch_id)
 
 
 def torchrun_stop_options(stop_signals: list[str]) -> list[str]:
@@ -102,6 +110,15 @@ def run_torchrun(cmd: list[str], env: dict, ck_dir: Path, stop_signals: list[str
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if rc and written_in(ckpt.finished_marker(ck_dir), launch_id):
+        # torchrun exits 1 on any stop signal, also one that comes while finished ranks exit (SLURM's
+        # time-limit warning in a run's last seconds): the outputs are published, so the job succeeded.
+        log.warning(
+            "torchrun exited with status %d after the ranks had finished and published the run (a stop signal "
+            "while they exited): the run is complete, exit status 0",
+            rc,
+        )
+        return 0
     info = stopped_in(ck_dir, launch_id) if rc else None
     if info:
         # the progress logger: this line also reaches the terminal the job was started from (rectrain.log)
