@@ -4,6 +4,7 @@ of index_raw and pack; a class-ordered pair is refused naming the fix or copied 
 pair fails naming the record; the user's files are never written."""
 
 import hashlib
+import io
 import json
 import shutil
 import subprocess
@@ -12,11 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import REPO, scheduled_rules, snakemake
+from helpers.packdata import photo
 from helpers.train_data import TINY_TRAIN
 
 from rectrain.config import stage_block
 from rectrain.data import byo_recordio, demo
 from rectrain.data.byo_recordio import PairError, check_pairs
+from rectrain.loaders import LoaderSpec, build_loader
 from rectrain.recordio import IndexedRecordReader, RecordWriter, pack_record, unpack_record
 
 MXPY = REPO / ".venv-mxnet" / "bin" / "python"
@@ -166,6 +169,52 @@ def test_an_undecodable_record_fails_naming_the_record(pairs, tmp_path):
         PairError, match=rf"train record 9 \(.idx key {key}, byte offset \d+\): the image does not decode"
     ):
         check(tmp_path, train=edited)
+
+
+def _saved(fmt: str, seed: int) -> bytes:
+    buf = io.BytesIO()
+    photo(48, 36, seed).save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_a_gif_record_that_dali_cannot_decode_fails_naming_the_record_before_anything_is_published(pairs, tmp_path):
+    """The pack would re-encode a GIF; kept as it is, DALI (measured: 'GIF images are not supported.')
+    would stop training at it mid-epoch.  The check stops first, naming the record and the fix."""
+    edited = rewritten(pairs, tmp_path, lambda i, h, img: (h, _saved("GIF", i) if i == 4 else img))
+    key = IndexedRecordReader(edited["rec"], edited["idx"]).keys[4]
+    with pytest.raises(PairError) as caught:
+        check(tmp_path, train=edited)
+    message = str(caught.value)
+    assert message.startswith(f"train record 4 (.idx key {key}, byte offset ")
+    assert (
+        "DALI, the loader the pipeline trains with, cannot decode this GIF image (GIF images are not supported.)"
+        in message
+    )
+    assert "im2rec without --pass-through" in message and "recordio.train: null" in message
+    assert not (tmp_path / "out" / "fast" / "train.rec").exists() and not (tmp_path / "out" / "pack").exists()
+
+
+@pytest.mark.parametrize("kind", ["dali", "torch"])
+def test_a_png_record_of_an_im2rec_pass_through_pair_is_kept_and_both_loaders_read_every_record(pairs, tmp_path, kind):
+    """ImageNet's one PNG named .JPEG stays a PNG record in a --pass-through im2rec pair: the check keeps
+    it (DALI decodes PNG), the manifest counts the formats, and neither loader stops at it (the torch
+    loader refused it mid-epoch before)."""
+    edited = rewritten(pairs, tmp_path, lambda i, h, img: (h, _saved("PNG", i) if i == 3 else img))
+    manifests, out = check(tmp_path, train=edited)
+    existing = manifests["train"]["existing"]
+    assert existing["formats"] == {"JPEG": 35, "PNG": 1}
+    key = IndexedRecordReader(edited["rec"], edited["idx"]).keys[3]
+    assert [k["id"] for k in existing["kept_unusual"]] == [key] and "PNG" in existing["kept_unusual"][0]["reason"]
+    spec = LoaderSpec(
+        str(out / "fast" / "train.rec"),
+        str(out / "fast" / "train.idx"),
+        batch_size=8,
+        image_size=16,
+        train=False,
+        workers=0,
+    )
+    labels = [y for _, ys in build_loader(kind, spec).epoch(0) for y in ys.tolist()]
+    assert len(labels) == 36
 
 
 def test_an_unshuffled_val_pair_is_used_in_place(pairs, tmp_path):

@@ -1,19 +1,22 @@
-"""The torch loader decodes JPEG and nothing else (a .rec from elsewhere is untrusted: #26), with
-maintained decoders and no deprecation warning (#24), and gives the pixels Pillow gives."""
+"""The torch loader decodes JPEG and the other formats a pair of your own keeps (PNG, BMP, TIFF, WebP,
+GIF) and nothing else (a .rec from elsewhere is untrusted: #26), with maintained decoders and no
+deprecation warning (#24); it gives the pixels Pillow gives, converted to RGB as the pack converts."""
 
 import io
 import os
 import stat
 import subprocess
 import warnings
+import zlib
 
 import numpy as np
 import pytest
 import torch
-from helpers.packdata import photo, png_bytes, postscript
+from helpers.packdata import animated_gif, gray16_png, photo, png_bytes, postscript, transparent_png
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
+from rectrain.data import images
 from rectrain.loaders import LoaderSpec, jpeg
 from rectrain.loaders.pytorch import RecordDecodeError, TorchLoader
 from rectrain.recordio import IRHeader, RecordWriter, pack_record
@@ -64,15 +67,70 @@ def test_postscript_record_through_the_torch_loader_starts_no_program_and_names_
     assert not marker.exists(), f"a record started Ghostscript: {marker.read_text()}"
     message = str(caught.value)
     assert rec in message and "id 7" in message
-    assert "not a JPEG (starts with b'%!PS-Ado')" in message and "the pack stores only JPEG" in message
+    assert "not an image the loader decodes (starts with b'%!PS-Ado')" in message
+    assert "rebuild the pair with the pack" in message
+
+
+def _saved(im: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt,kw", [("PNG", {}), ("BMP", {}), ("TIFF", {}), ("WEBP", {"lossless": True})])
+def test_a_lossless_record_of_a_pair_of_your_own_decodes_to_its_exact_pixels(fmt, kw):
+    """An im2rec pass-through .rec keeps ImageNet's PNG named .JPEG as a PNG record: the torch loader
+    decodes it (it refused it mid-epoch before) to the pixels that were saved."""
+    im = photo(48, 36, 3)
+    decoded = jpeg.decode(_saved(im, fmt, **kw))
+    assert decoded.dtype == torch.uint8 and decoded.shape == (3, 36, 48)
+    assert torch.equal(decoded, F.pil_to_tensor(im))
+
+
+def test_a_kept_record_trains_on_the_pixels_the_pack_would_have_re_encoded():
+    """Transparency on mid-gray, 16-bit samples scaled, a GIF's first frame, a palette: what the pack stores for
+    these (rectrain.data.images.prepare, a JPEG) is what the loader decodes from the kept record, within
+    the JPEG's own error."""
+    for data in (
+        transparent_png(),
+        gray16_png(),
+        animated_gif(),
+        png_bytes(Image.new("RGB", (64, 48), (200, 40, 90)).quantize(4)),
+    ):
+        kept = jpeg.decode(data).int()
+        packed = jpeg.decode(images.prepare(data, 0, 95, True)[0]).int()
+        assert kept.shape == packed.shape
+        assert (kept - packed).abs().float().mean() < 2.0, (kept - packed).abs().float().mean()
+    right_half = jpeg.decode(transparent_png())[:, :, 32:]
+    assert (right_half == torch.tensor(images.NEUTRAL, dtype=torch.uint8).view(3, 1, 1)).all(), "not the hidden green"
 
 
 @pytest.mark.parametrize("decode_on_device", [False, True])
-def test_png_record_is_refused_by_the_torch_loader_naming_the_record(tmp_path, decode_on_device):
-    """PNG is safe to decode, but the pack never writes it: only what the pack writes is accepted."""
-    rec, idx = _rec(tmp_path, {0: _jpeg(photo(40, 30, 0)), 5: png_bytes(photo(40, 30, 1))})
-    with pytest.raises(RecordDecodeError, match=r"id 5.*not a JPEG \(starts with b'\\x89PNG"):
-        _read_all(rec, idx, 0, decode_on_device)
+def test_an_epoch_over_jpeg_png_and_gif_records_reads_every_record(tmp_path, decode_on_device):
+    """Both decode paths (per worker, and per batch as train.gpu_decode does) read the whole epoch."""
+    payloads = {
+        0: _jpeg(photo(40, 30, 0)),
+        5: png_bytes(photo(40, 30, 1)),
+        6: animated_gif(),
+        9: _jpeg(photo(30, 40, 2)),
+    }
+    rec, idx = _rec(tmp_path, payloads)
+    spec = LoaderSpec(rec, idx, batch_size=4, image_size=16, train=False, workers=0)
+    ids = []
+    for images_, _ in TorchLoader(spec, decode_on_device=decode_on_device).epoch(0):
+        assert images_.shape[1:] == (3, 16, 16) and torch.isfinite(images_).all()
+        ids.append(len(images_))
+    assert sum(ids) == len(payloads)
+
+
+def test_a_bomb_header_in_a_kept_record_is_refused_before_its_decode():
+    """The pack's size guard holds in the loader too: a PNG claiming 20000 x 20000 is never decoded."""
+    small = png_bytes(photo(8, 8, 0))
+    ihdr = small.index(b"IHDR") + 4
+    header = b"IHDR" + (20000).to_bytes(4, "big") * 2 + small[ihdr + 8 : ihdr + 13]
+    bomb = small[: ihdr - 4] + header + zlib.crc32(header).to_bytes(4, "big") + small[ihdr + 17 :]
+    with pytest.raises(ValueError, match="decompression bomb guard"):
+        jpeg.decode(bomb)
 
 
 def test_damaged_jpeg_record_names_the_record_and_the_decoder_error(tmp_path):

@@ -9,8 +9,10 @@ Every record is read once, in file order: framing (magic, lengths, continuation 
 .idx against the .rec (every line a record start, every record listed, lines in file order), the
 IRHeader (one label, a whole number >= 0; the .lst's label for that key when a .lst is given), the
 class count (a class list's length, else the .lst's folders, else the largest label + 1), and every
-image through the pack's own check (rectrain.data.images.prepare, strict scan-data decode). The first
-failure ends the check naming the record (its number, .idx key and byte offset).
+image through the pack's own check (rectrain.data.images.prepare, strict scan-data decode). An image the
+pack would have re-encoded (PNG, GIF, CMYK JPEG, ...) is kept as it is, once DALI's own decoder has read
+it: DALI would stop mid-epoch at a GIF. The first failure ends the check naming the record (its number,
+.idx key and byte offset).
 
 The user's files are never written: a pair that passes is symlinked into fast storage. DALI shards
 read contiguous slices of the file, so a class-ordered train file (im2rec without shuffling) would
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import logging
 import os
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +38,7 @@ import numpy as np
 
 from rectrain import cli, storage
 from rectrain.atomic import fsync_path, publish, replacing, temporary_name, write_json
+from rectrain.data.formats import HEAD_BYTES, sniff
 from rectrain.data.images import Skip, prepare
 from rectrain.progress import Progress
 from rectrain.recordio import IndexedRecordReader, RecordIOError, RecordWriter, idx_arrays, scan_records, unpack_record
@@ -61,6 +66,7 @@ class Walked:
     keys: list = field(default_factory=list)  # .idx keys in file order
     labels: list = field(default_factory=list)
     unusual: list = field(default_factory=list)  # {id, reason}: the pack would have re-encoded these
+    formats: Counter = field(default_factory=Counter)  # records per image format (rectrain.data.formats)
     bytes: int = 0
     check_s: float = 0.0
     decode_s: float = 0.0
@@ -194,10 +200,44 @@ def walk_split(split: str, pair: dict, threads: int, progress_s: float) -> Walke
 
 def _check_batch(batch: list, pool: ThreadPoolExecutor, out: Walked) -> float:
     start = time.monotonic()
-    for (key, _, _), reason in zip(batch, pool.map(_check_image, batch), strict=True):
+    kept = []
+    for (key, where, image), reason in zip(batch, pool.map(_check_image, batch), strict=True):
+        out.formats[sniff(image[:HEAD_BYTES])] += 1
         if reason is not None:
             out.unusual.append({"id": key, "reason": reason})
+            kept.append((where, image))
+    check_dali_decodes(kept)
     return time.monotonic() - start
+
+
+@functools.cache
+def _dali_decode_errors():
+    """rectrain.loaders.dali.decode_errors, or None (said once) where DALI does not import."""
+    try:
+        from rectrain.loaders.dali import decode_errors
+    except ImportError as err:
+        log.warning(
+            "DALI does not import here (%s): the records kept as they are (PNG, GIF, CMYK JPEG, ...) are not "
+            "tried with its decoder; the torch loader (train.loader: torch) decodes them all",
+            err,
+        )
+        return None
+    return decode_errors
+
+
+def check_dali_decodes(kept: list[tuple[str, bytes]]) -> None:
+    """PairError for the first record kept as it is that DALI's decoder cannot read: the pipeline
+    trains with DALI, which would stop there mid-epoch (GIF, extended WebP: rectrain.loaders.dali)."""
+    decode_errors = _dali_decode_errors() if kept else None
+    if decode_errors is None:
+        return
+    for (where, image), error in zip(kept, decode_errors([image for _, image in kept]), strict=True):
+        if error:
+            raise PairError(
+                f"{where}: DALI, the loader the pipeline trains with, cannot decode this {sniff(image[:HEAD_BYTES])} "
+                f"image ({error}); re-encode it as JPEG: rebuild the pair with im2rec without --pass-through (it "
+                "re-encodes every image), or let the pipeline pack the raw images (recordio.train: null)"
+            )
 
 
 def label_runs(labels) -> dict:
@@ -351,6 +391,7 @@ def split_manifest(cfg: dict, walked: Walked, published: dict, fast: Path, num_c
             "checked_records": n,
             "decode_ms_per_image": round(1000 * walked.decode_s / n, 3),
             "kept_unusual": walked.unusual,
+            "formats": dict(walked.formats),
             **published,
         },
     }

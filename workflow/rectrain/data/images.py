@@ -293,9 +293,15 @@ def _flatten_alpha(im: Image.Image, notes: list[str]) -> Image.Image:
     return flat
 
 
-def _to_rgb(im: Image.Image, source_format: str, deep: bool, notes: list[str]) -> Image.Image:
-    """An RGB (or YCbCr, from a JPEG draft) image of ``im``; each change that alters pixels beyond a
-    colour-space conversion is added to ``notes``."""
+def deep_samples(im: Image.Image) -> bool:
+    """True for a non-JPEG whose samples are 16-bit: read from its tiles, so before im.load()."""
+    return im.format != "JPEG" and any(";16" in str(tile.args) for tile in im.tile)
+
+
+def to_rgb(im: Image.Image, source_format: str, deep: bool, notes: list[str]) -> Image.Image:
+    """An RGB (or YCbCr, from a JPEG draft) image of the loaded ``im`` (``deep``: deep_samples before
+    the load); each change that alters pixels beyond a colour-space conversion is added to ``notes``.
+    The pack re-encodes what comes out; the torch loader trains on it (a kept record of a pair of your own)."""
     if im.mode in ("I", "F") or im.mode.startswith("I;16"):
         im = _high_depth_to_8bit(im, notes)
     elif deep:  # Pillow decodes 16-bit RGB(A)/LA PNG and TIFF samples to their high byte
@@ -321,7 +327,7 @@ def _encode(
         frames = getattr(im, "n_frames", 1)
         if frames > 1:  # Pillow opens at the first frame and decodes only that one
             notes.append(f"animated {source_format}: first of {frames} frames kept")
-        deep = source_format != "JPEG" and any(";16" in str(tile.args) for tile in im.tile)
+        deep = deep_samples(im)
         if jpeg is not None:
             target = fit.size(im.width, im.height)
             # A YCbCr JPEG stays YCbCr through the resize into the encoder (no colour conversions),
@@ -333,7 +339,7 @@ def _encode(
             if upright.size != im.size:
                 source_size = source_size[::-1]
             im = upright
-        im = _to_rgb(im, source_format, deep, notes)
+        im = to_rgb(im, source_format, deep, notes)
         size = fit.size(*source_size)
         if size != im.size:  # YCbCr pixels shrink like RGB ones: the filter is per channel
             im = Image.frombytes(im.mode, size, shrink(np.asarray(im), size).tobytes())

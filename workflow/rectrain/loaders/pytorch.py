@@ -1,11 +1,12 @@
 """Pure-PyTorch loader from the same .rec: the fallback when DALI is unavailable, and the baseline.
 
 A map-style Dataset over rectrain.recordio.IndexedRecordReader (its file descriptor opens lazily in
-each worker).  Workers decode JPEG and nothing else (rectrain.loaders.jpeg: simplejpeg) and crop/flip
+each worker).  Workers decode (rectrain.loaders.jpeg: simplejpeg for JPEG; Pillow, restricted to
+those formats, for the PNG, BMP, TIFF, WebP or GIF records a pair of your own keeps) and crop/flip
 with torchvision transforms v2, returning uint8 so little crosses the process boundary; the float
 conversion and normalisation happen once per batch on the target device.  On a GPU with gpu_decode
 (and TorchCodec installed), workers only read bytes and the batch is decoded by TorchCodec's
-decode_jpeg(device="cuda").  A record that is not a JPEG stops the epoch naming the record.
+decode_jpeg(device="cuda").  A record in none of those formats stops the epoch naming the record.
 Sharding (ShardSampler): one permutation of all records per epoch, seeded by (seed, epoch), the same
 on every rank; rank r takes every world-th record starting at r, like DistributedSampler.
 Training samples are augmented under their own seed, drawn from (seed, epoch, rank, position in the
