@@ -194,6 +194,23 @@ def test_a_gif_record_that_dali_cannot_decode_fails_naming_the_record_before_any
     assert not (tmp_path / "out" / "fast" / "train.rec").exists() and not (tmp_path / "out" / "pack").exists()
 
 
+def test_where_dali_cannot_decode_even_a_plain_jpeg_no_record_is_refused_for_its_sake(
+    pairs, tmp_path, monkeypatch, caplog
+):
+    """A DALI that fails on everything (a broken install) must not refuse good records in its name."""
+    from rectrain.loaders import dali
+
+    monkeypatch.setattr(dali, "decode_errors", lambda images: ["Unrecognized image format."] * len(images))
+    byo_recordio._dali_decode_errors.cache_clear()
+    try:
+        edited = rewritten(pairs, tmp_path, lambda i, h, img: (h, _saved("GIF", i) if i == 4 else img))
+        manifests, _ = check(tmp_path, train=edited)
+    finally:
+        byo_recordio._dali_decode_errors.cache_clear()
+    assert manifests["train"]["existing"]["formats"] == {"JPEG": 35, "GIF": 1}
+    assert "DALI cannot be used here (Unrecognized image format.)" in caplog.text
+
+
 @pytest.mark.parametrize("kind", ["dali", "torch"])
 def test_a_png_record_of_an_im2rec_pass_through_pair_is_kept_and_both_loaders_read_every_record(pairs, tmp_path, kind):
     """ImageNet's one PNG named .JPEG stays a PNG record in a --pass-through im2rec pair: the check keeps

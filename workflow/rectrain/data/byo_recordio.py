@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
+import io
 import logging
 import os
 import sys
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from rectrain import cli, storage
 from rectrain.atomic import fsync_path, publish, replacing, temporary_name, write_json
@@ -210,19 +212,31 @@ def _check_batch(batch: list, pool: ThreadPoolExecutor, out: Walked) -> float:
     return time.monotonic() - start
 
 
+def _plain_jpeg() -> bytes:
+    """An 8x8 baseline JPEG: what DALI must decode before its verdict on a record counts."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (128, 128, 128)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
 @functools.cache
 def _dali_decode_errors():
-    """rectrain.loaders.dali.decode_errors, or None (said once) where DALI does not import."""
+    """rectrain.loaders.dali.decode_errors, or None (said once) where DALI does not import or cannot
+    decode even a plain JPEG here: then no record is refused for DALI's sake."""
     try:
         from rectrain.loaders.dali import decode_errors
+
+        broken = decode_errors([_plain_jpeg()])[0]
     except ImportError as err:
-        log.warning(
-            "DALI does not import here (%s): the records kept as they are (PNG, GIF, CMYK JPEG, ...) are not "
-            "tried with its decoder; the torch loader (train.loader: torch) decodes them all",
-            err,
-        )
-        return None
-    return decode_errors
+        broken = f"it does not import: {err}"
+    if broken is None:
+        return decode_errors
+    log.warning(
+        "DALI cannot be used here (%s): the records kept as they are (PNG, GIF, CMYK JPEG, ...) are not tried "
+        "with its decoder; the torch loader (train.loader: torch) decodes them all",
+        broken,
+    )
+    return None
 
 
 def check_dali_decodes(kept: list[tuple[str, bytes]]) -> None:
