@@ -156,6 +156,32 @@ def test_data_section_says_how_each_split_was_stored(tmp_path):
     assert "<td>original size</td>" in data  # val: resize 0, no max_side
 
 
+def test_an_existing_pair_with_a_kept_png_says_so_and_counts_its_records_per_format(tmp_path):
+    paths = write_run(tmp_path, wait_share={0: 0.01})
+    train = paths["pack"] / "train.manifest.json"
+    existing = {
+        "rec": "/data/train.rec",
+        "idx": "/data/train.idx",
+        "lst": None,
+        "bytes": 1000,
+        "checked_records": 36,
+        "decode_ms_per_image": 0.5,
+        "label_runs": 30,
+        "expected_if_shuffled": 24.0,
+        "published": "symlinked",
+        "kept_unusual": [{"id": 17, "reason": "PNG content named as JPEG re-encoded as JPEG"}],
+        "formats": {"JPEG": 35, "PNG": 1},
+    }
+    train.write_text(json.dumps({**json.loads(train.read_text()), "existing": existing}))
+    html = build(
+        load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo"), config()
+    )
+    data = " ".join(html[html.index('id="existing-train"') :].split())
+    assert "1 image(s) the pack would have re-encoded are kept as they are (DALI's decoder read each of them)" in data
+    assert "e.g. record 17: PNG content named as JPEG re-encoded as JPEG." in data
+    assert "Records per format: JPEG 35, PNG 1." in data
+
+
 def test_a_resolution_sweep_shows_one_row_per_resolution_and_names_the_headline(tmp_path):
     paths = write_run(tmp_path)
     rows = [
