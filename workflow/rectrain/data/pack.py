@@ -20,7 +20,8 @@ says images done of total, img/s and the ETA of each step (read, assemble, verif
 
 One image never ends the pack: whatever fails on it (unreadable, corrupt, a decompression bomb,
 out of memory, a record too large, a bug) makes it a skip with the reason, listed in the manifest.
-Too many skips (pack.max_skipped_share) or none packed at all fail the pack, naming the top reasons.
+Too many skips (pack.max_skipped_share) or none packed at all fail the pack, naming the top reasons;
+too many stop it at the skip that makes them so (a wrong raw path fails in the first 1 %, not the last).
 
 Nothing is trusted half-written: the pair is written as ``*.partial``, read back completely by
 rectrain.data.verify, and only then renamed. A reader never sees a new .rec with an old .idx: the old
@@ -263,6 +264,22 @@ def _example(skip: dict) -> str:
     return f"{skip['source']}: {details}" if details else skip["source"]
 
 
+def _top_reasons(skipped: list[dict]) -> str:
+    kinds = Counter(Skip(s["reason"]).kind for s in skipped)
+    example = {}
+    for s in skipped:
+        example.setdefault(Skip(s["reason"]).kind, s)
+    return "; ".join(
+        f"{count} x {kind} (e.g. {_example(example[kind])})" for kind, count in kinds.most_common(TOP_REASONS)
+    )
+
+
+_TOO_MANY = (
+    "That many is a wrong `raw` path, an unmounted or failing disk or a dataset in another format, not a "
+    "few bad files: fix that, or raise pack.max_skipped_share if these files really are unusable."
+)
+
+
 def check_skips(split: str, n: int, skipped: list[dict], max_share: float) -> None:
     """PackFailed when nothing or too little of the split could be packed, naming the top reasons."""
     if n == 0:
@@ -270,19 +287,10 @@ def check_skips(split: str, n: int, skipped: list[dict], max_share: float) -> No
     share = len(skipped) / n
     if len(skipped) < n and share <= max_share:
         return
-    kinds = Counter(Skip(s["reason"]).kind for s in skipped)
-    example = {}
-    for s in skipped:
-        example.setdefault(Skip(s["reason"]).kind, s)
-    top = "; ".join(
-        f"{count} x {kind} (e.g. {_example(example[kind])})" for kind, count in kinds.most_common(TOP_REASONS)
-    )
     what = "all" if len(skipped) == n else f"{len(skipped)} ({100 * share:.1f} %) of the"
     raise PackFailed(
         f"{what} {n} images of split {split} were skipped, above pack.max_skipped_share = {max_share}; "
-        f"nothing was published. Top reasons: {top}. That many is a wrong `raw` path, an unmounted or "
-        "failing disk or a dataset in another format, not a few bad files: fix that, or raise "
-        "pack.max_skipped_share if these files really are unusable."
+        f"nothing was published. Top reasons: {_top_reasons(skipped)}. {_TOO_MANY}"
     )
 
 
@@ -318,16 +326,22 @@ class Written:
     bytes of the .rec."""
 
     packed: np.ndarray
+    split: str = ""
+    max_share: float = 1.0  # pack.max_skipped_share: more skips than this share of the split fail it
     skipped: list = field(default_factory=list)
     repaired: list = field(default_factory=list)
     bytes_written: int = 0
     record_bytes: int = 0  # of the records taken so far (the .rec's size once all are written)
+    taken: int = 0  # images done so far, packed or skipped
 
     def take(self, item: tuple, result) -> bytes | None:
-        """The framed record of a worker's result, or None for a skip (listed with its reason)."""
+        """The framed record of a worker's result, or None for a skip (listed with its reason).
+        PackFailed as soon as the skips exceed max_share of the whole split: the rest cannot save it."""
         row, rid, source, _, _ = item
+        self.taken += 1
         if isinstance(result, Skip):
             self.skipped.append({"id": rid, "source": source, "reason": str(result)})
+            self._stop_if_lost()
             return None
         framed, reason = result
         if reason is not None:
@@ -335,6 +349,17 @@ class Written:
         self.packed[row] = True
         self.record_bytes += len(framed)
         return framed
+
+    def _stop_if_lost(self) -> None:
+        n, k = len(self.packed), len(self.skipped)
+        if k / n <= self.max_share or self.taken == n:  # the last image: check_skips says it as ever
+            return
+        raise PackFailed(
+            f"{k} of the first {self.taken} images of split {self.split} were skipped: already {100 * k / n:.1f} % "
+            f"of its {n}, above pack.max_skipped_share = {self.max_share} whatever the other {n - self.taken} "
+            f"hold, so the pack stopped there and nothing was published. Top reasons: {_top_reasons(self.skipped)}. "
+            f"{_TOO_MANY}"
+        )
 
     def status(self, nbytes: int, elapsed: float) -> str:
         return (
@@ -440,9 +465,10 @@ def _shuffled_items(table: IndexTable, order: np.ndarray) -> Iterator[tuple]:
         yield from zip(rows, table.ids[rows].tolist(), table.sources(rows), labels, [None] * len(rows), strict=True)
 
 
-def _pack_shuffled(table: IndexTable, order: np.ndarray, packer: _Packer, pool: ThreadPoolExecutor, target: Target):
+def _pack_shuffled(
+    table: IndexTable, order: np.ndarray, packer: _Packer, pool: ThreadPoolExecutor, target: Target, written: Written
+):
     """Read the images in the output order and write each record as it comes (a random read each)."""
-    written = Written(np.zeros(len(table), dtype=bool))
     with _stops_when_full(target, written, 0), RecordWriter(*target.partial, new=True) as writer:
         t0 = time.time()
         progress = _progress(
@@ -464,12 +490,17 @@ def _pack_shuffled(table: IndexTable, order: np.ndarray, packer: _Packer, pool: 
 
 
 def _pack_storage(
-    table: IndexTable, order: np.ndarray, packer: _Packer, pool: ThreadPoolExecutor, target: Target, k: int
+    table: IndexTable,
+    order: np.ndarray,
+    packer: _Packer,
+    pool: ThreadPoolExecutor,
+    target: Target,
+    k: int,
+    written: Written,
 ):
     """Read the images in storage order into bucket files by output position, then assemble the .rec
     in output order (rectrain.data.readorder). Returns (Written, seconds reading, seconds assembling)."""
     n = len(table)
-    written = Written(np.zeros(n, dtype=bool))
     positions = np.empty(n, dtype=np.int64)
     positions[order] = np.arange(n, dtype=np.int64)
     buckets = readorder.Buckets(target.partial[0], positions, k)
@@ -548,11 +579,15 @@ def _records(table: IndexTable, raw_root: Path, cfg: dict, choice: dict, target:
     the read order's timings."""
     order = shuffled_order(len(table), cfg["shuffle_seed"])
     packer = _Packer(str(raw_root), cfg)
+    written = Written(np.zeros(len(table), dtype=bool), target.split, cfg["max_skipped_share"])
     try:
         if choice["used"] == "storage":
-            written, read_s, assemble_s = _pack_storage(table, order, packer, pool, target, choice["buckets"])
+            _, read_s, assemble_s = _pack_storage(table, order, packer, pool, target, choice["buckets"], written)
             return written, {"read_s": round(read_s, 3), "assemble_s": round(assemble_s, 3)}
-        return _pack_shuffled(table, order, packer, pool, target), {}
+        return _pack_shuffled(table, order, packer, pool, target, written), {}
+    except PackFailed:
+        _remove(*target.partial)  # stopped early (Written.take): nothing in them to inspect
+        raise
     finally:
         packer.reader.close()
 
