@@ -187,7 +187,7 @@ def preflight_inputs(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec:
     choice = resolve_loader(cfg["loader"], spec)
     held = (
         memory.loader_reservation(choice, spec, "training"),
-        # its pipeline stays built for the whole run
+        # dropped between passes (rectrain.loaders.dali), but DALI's memory pool keeps what it took
         memory.loader_reservation(choice, val_loader_spec(cfg, spec, spec.rec, spec.idx), "validation"),
         memory.ddp_reservation(model, d.world_size),
     )
