@@ -259,8 +259,11 @@ def test_large_valid_images_in_flight_stay_within_the_byte_budget(tmp_path, orde
     print(f"{order}: {len(big) / 1e6:.1f} MB images, peak {peaks[2]:.0f} MB with 2, {peaks[30]:.0f} MB with 30")
     # the budget, plus per thread the image being worked on, its record, its frame and freed buffers the
     # allocator keeps (pack._keep_freed_memory), plus the batch being cut: measured 41-51 MB (shuffled)
-    # and 41 MB (storage) more with 30 here; the code before took 248 MB more (shuffled)
-    assert peaks[30] - peaks[2] < (budget + 10 * len(big)) / (1 << 20), peaks
+    # and 41 MB (storage) more with 30 here; the code before took 248 MB more (shuffled). Storage order
+    # also reads ahead on a thread of its own (readorder.ReadAhead): up to pack.BATCH_BYTES waiting and
+    # the image in its hand - 74.6 MB more with 30 once in CI, over the bound that did not count it.
+    ahead = pack.BATCH_BYTES + len(big) if order == "storage" else 0
+    assert peaks[30] - peaks[2] < (budget + ahead + 10 * len(big)) / (1 << 20), peaks
 
 
 def test_a_skip_result_holds_its_message_not_the_image_bytes(tmp_path):
