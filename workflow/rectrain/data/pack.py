@@ -495,6 +495,7 @@ def _pack_storage(
     packer: _Packer,
     pool: ThreadPoolExecutor,
     target: Target,
+    *,
     k: int,
     written: Written,
 ):
@@ -582,7 +583,9 @@ def _records(table: IndexTable, raw_root: Path, cfg: dict, choice: dict, target:
     written = Written(np.zeros(len(table), dtype=bool), target.split, cfg["max_skipped_share"])
     try:
         if choice["used"] == "storage":
-            _, read_s, assemble_s = _pack_storage(table, order, packer, pool, target, choice["buckets"], written)
+            _, read_s, assemble_s = _pack_storage(
+                table, order, packer, pool, target, k=choice["buckets"], written=written
+            )
             return written, {"read_s": round(read_s, 3), "assemble_s": round(assemble_s, 3)}
         return _pack_shuffled(table, order, packer, pool, target, written), {}
     except PackFailed:
