@@ -500,7 +500,7 @@ def _pack_storage(
     written: Written,
 ):
     """Read the images in storage order into bucket files by output position, then assemble the .rec
-    in output order (rectrain.data.readorder). Returns (Written, seconds reading, seconds assembling)."""
+    in output order (rectrain.data.readorder), into `written`. Returns (seconds reading, seconds assembling)."""
     n = len(table)
     positions = np.empty(n, dtype=np.int64)
     positions[order] = np.arange(n, dtype=np.int64)
@@ -530,7 +530,7 @@ def _pack_storage(
             assembled.count(n, force=True)
             writer.close()
             written.bytes_written = writer.tell()
-    return written, t1 - t0, time.time() - t1
+    return t1 - t0, time.time() - t1
 
 
 @contextlib.contextmanager
@@ -583,9 +583,7 @@ def _records(table: IndexTable, raw_root: Path, cfg: dict, choice: dict, target:
     written = Written(np.zeros(len(table), dtype=bool), target.split, cfg["max_skipped_share"])
     try:
         if choice["used"] == "storage":
-            _, read_s, assemble_s = _pack_storage(
-                table, order, packer, pool, target, k=choice["buckets"], written=written
-            )
+            read_s, assemble_s = _pack_storage(table, order, packer, pool, target, k=choice["buckets"], written=written)
             return written, {"read_s": round(read_s, 3), "assemble_s": round(assemble_s, 3)}
         return _pack_shuffled(table, order, packer, pool, target, written), {}
     except PackFailed:
