@@ -70,8 +70,10 @@ def test_copy_that_does_not_match_source_is_rejected(pair, tmp_path, monkeypatch
 
     def flaky_disk(src, dst):
         digest = real(src, dst)
-        with open(dst, "r+b") as fh:  # the local disk "returns" different bytes
-            fh.write(b"\0")
+        with open(dst, "r+b") as fh:  # the local disk "returns" a different first byte
+            first = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([first[0] ^ 0xFF]))  # a fixed byte would match random data 1 time in 256
         return digest
 
     monkeypatch.setattr(stage, "_copy_hashing", flaky_disk)
