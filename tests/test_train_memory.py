@@ -5,9 +5,12 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.train_data import tiny_train_config
 
+from rectrain.distributed import Dist
 from rectrain.loaders import DaliOptions, LoaderSpec, choose_loader
 from rectrain.train import batchplan, memory
+from rectrain.train.run import make_model
 
 GPU = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
 PLAN_128_ON_2 = batchplan.BatchPlan(128, 1, 2, reason="train.batch_size: 128")
@@ -186,6 +189,42 @@ def test_fixed_batch_that_fits_only_without_the_decoder_stops_naming_its_share()
     msg = str(err.value)
     assert "batch 256 per device does not fit on GPU 0" in msg and "largest batch that fits is 192" in msg
     assert "DALI mixed decoder (dali_device_memory_padding 201 MB per decode thread x 8 threads" in msg
+
+
+def test_without_a_val_split_the_preflight_reserves_nothing_for_a_validation_loader():
+    """On a GPU rank (the device is only named: nothing is allocated) the validation loader's share is
+    held beside the step only when a val split will be validated: without one, its DALI decoder's
+    padding (GBs with 8 decode threads) would cut an auto batch for a loader never built."""
+    d = Dist(0, 2, 0, 2, torch.device("cuda:0"))
+    cfg = tiny_train_config(image_size=224)
+    model, loss = make_model(cfg, 5, torch.device("cpu"))
+
+    def held(validated):
+        return [r.what for r in batchplan.preflight_inputs(cfg, model, loss, d, 5, None, validated=validated)[1] if r]
+
+    assert any("validation loader" in what for what in held(True))
+    without = held(False)
+    assert without and not any("validation loader" in what for what in without)
+    assert any("training loader" in what for what in without) and any("DDP" in what for what in without)
+
+
+def test_choose_batch_hands_the_preflight_whether_a_val_split_is_validated(monkeypatch):
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def record(*args, validated=True):
+        seen.append(validated)
+        raise Seen
+
+    monkeypatch.setattr(batchplan, "preflight_inputs", record)
+    d = Dist(0, 1, 0, 1, torch.device("cuda:0"))
+    cfg = tiny_train_config()
+    for validated in (True, False):
+        with pytest.raises(Seen):
+            batchplan.choose_batch(cfg, None, None, d, 5, LoaderSpec("t.rec", "t.idx", 0, 32), validated=validated)
+    assert seen == [True, False]
 
 
 def test_the_preallocation_is_counted_only_on_a_gpu_with_hardware_jpeg_decoders(monkeypatch):

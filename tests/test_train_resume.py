@@ -313,7 +313,7 @@ def test_auto_batch_on_cpu_reuses_the_checkpoints_plan_as_is():
 def fake_gpu_preflight(monkeypatch):
     """choose_batch on a 'GPU' whose preflight measures that at most `fits[0]` samples fit per device."""
     fits = [128]
-    monkeypatch.setattr(batchplan, "preflight_inputs", lambda *a: (None, ()))
+    monkeypatch.setattr(batchplan, "preflight_inputs", lambda *a, **k: (None, ()))
     monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: memory.GpuInfo(0, "fake", 11264.0)))
     monkeypatch.setattr(
         memory, "device_budget", lambda device, held, headroom=1.0: SimpleNamespace(available_bytes=10 * 2**30, held=())

@@ -180,15 +180,19 @@ def val_loader_spec(cfg: dict, spec: LoaderSpec, rec: str, idx: str) -> LoaderSp
     return dataclasses.replace(spec, rec=rec, idx=idx, train=False, image_size=size, crops=())
 
 
-def preflight_inputs(cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None):
+def preflight_inputs(
+    cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None, *, validated: bool = True
+):
     """(the trial step, what will be held beside it) for choose_batch, at the run's largest training
-    crop (train.progressive): a batch that fits there fits every epoch."""
+    crop (train.progressive): a batch that fits there fits every epoch.  `validated`: False without a
+    val split, where no validation loader will hold anything (its DALI decoder alone is GBs)."""
     spec = spec or loader_spec(cfg, d, "", "", resolve_workers(cfg["workers"], d.local_world_size))
     choice = resolve_loader(cfg["loader"], spec)
+    val_spec = val_loader_spec(cfg, spec, spec.rec, spec.idx)
     held = (
         memory.loader_reservation(choice, spec, "training"),
         # dropped between passes (rectrain.loaders.dali), but DALI's memory pool keeps what it took
-        memory.loader_reservation(choice, val_loader_spec(cfg, spec, spec.rec, spec.idx), "validation"),
+        memory.loader_reservation(choice, val_spec, "validation") if validated else None,
         memory.ddp_reservation(model, d.world_size),
     )
     trial = memory.Trial(
@@ -213,11 +217,13 @@ def choose_batch(
     spec: LoaderSpec | None = None,
     *,
     previous: BatchPlan | None = None,
+    validated: bool = True,
 ) -> BatchPlan:
     """This rank's batch plan.  On a GPU, one training step (forward, backward, optimizer step) proves
     the batch fits beside what the loaders and DDP will hold - or the run stops here with what does fit
     (rectrain.train.memory).  `spec`: the train loader's (batch not yet chosen); by default the one this
-    config builds.  `previous`: the checkpoint's plan, preferred with batch_size auto (module doc)."""
+    config builds.  `previous`: the checkpoint's plan, preferred with batch_size auto (module doc).
+    `validated`: whether a validation loader will be built (False without a val split)."""
     images = train_images(spec) if cfg["batch_size"] == "auto" else None
     if d.device.type != "cuda":
         skipped = "no GPU: batch_size auto uses global_batch / world_size" if cfg["batch_size"] == "auto" else None
@@ -229,7 +235,7 @@ def choose_batch(
             train_images=images,
         )
     else:
-        trial, held = preflight_inputs(cfg, model, loss_fn, d, num_classes, spec)
+        trial, held = preflight_inputs(cfg, model, loss_fn, d, num_classes, spec, validated=validated)
         state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
         try:
             chosen = _measured_plan(cfg, trial, held, d, previous, images)

@@ -117,7 +117,14 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
             parts = prepare_rank(args, cfg, d)
             previous = previous_plan(Path(args.out) / "checkpoints", cfg)  # batch_size auto reuses it when it fits
             plan = batchplan.choose_batch(
-                cfg, parts.model, parts.loss_fn, d, len(parts.classes), parts.spec, previous=previous
+                cfg,
+                parts.model,
+                parts.loss_fn,
+                d,
+                len(parts.classes),
+                parts.spec,
+                previous=previous,
+                validated=bool(args.val_rec),
             )
             run = build_run(args, cfg, parts, plan)
             train_run(run, request)
