@@ -2,6 +2,8 @@
 
 import argparse
 import io
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from PIL import Image
 
 from rectrain.distributed import Dist
 from rectrain.loaders import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, build_loader, train_padding
+from rectrain.loaders.dali import DALI_TENSOR_INIT_BYTES, PAGE_BYTES, SHUFFLE_BUFFER, DaliLoader, record_buffer_bytes
 from rectrain.loaders.pytorch import TorchLoader
 from rectrain.recordio import IRHeader, RecordWriter, pack_record
 from rectrain.train.batchplan import loader_spec
@@ -233,3 +236,53 @@ def test_per_epoch_validation_runs_at_train_val_resolution(colour_rec, val_resol
     seen = [(images.shape[2:], y) for images, y in val_loader.epoch(0)]
     assert {shape for shape, _ in seen} == {(crop, crop)}
     assert sorted(torch.cat([y for _, y in seen]).tolist()) == sorted(labels)
+
+
+# Run in a fresh interpreter: the growth of its heap across one restore is the restore's alone.
+RESTORE_MEMORY = """
+import sys
+from rectrain.loaders import LoaderSpec
+from rectrain.loaders.dali import DaliLoader
+
+
+def heap_bytes():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmData")) * 1024
+
+
+rec, idx, state = sys.argv[1:4]
+spec = LoaderSpec(rec, idx, batch_size=4, image_size=32, rank=1, world_size=2, workers=1)
+before = heap_bytes()
+batches = sum(1 for _ in DaliLoader(spec).epoch(1, 2, open(state, "rb").read()))
+print(heap_bytes() - before, batches)
+"""
+
+
+def test_a_dali_epoch_resumed_mid_way_reserves_memory_for_its_records_not_a_megabyte_per_shuffle_slot(id_rec, tmp_path):
+    """A DALI pipeline restored from its checkpoint kept the reader's default 1 MiB per sample for each
+    of the 16384 slots of its shuffle buffer: 17-33 GB more heap per rank on every mid-epoch resume, and
+    the process's next fork failed with ENOMEM (CI).  Sized to the records, it is a fraction of 1 GiB."""
+    spec = LoaderSpec(*id_rec, batch_size=4, image_size=32, rank=1, world_size=2, workers=1)
+    first = DaliLoader(spec)
+    for taken, _ in enumerate(first.epoch(1), 1):
+        if taken == 2:
+            break
+    (tmp_path / "state").write_bytes(first.state())
+    proc = subprocess.run(
+        [sys.executable, "-c", RESTORE_MEMORY, *id_rec, str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown, batches = map(int, proc.stdout.split()[-2:])
+    assert batches == first.batches_per_epoch - 2, "the restored epoch yields only its remaining batches"
+    bound = SHUFFLE_BUFFER * DALI_TENSOR_INIT_BYTES // 16  # 1 GiB
+    assert grown < bound, f"the restore grew the heap by {grown / 2**30:.1f} GiB (bound {bound / 2**30:.1f} GiB)"
+
+
+def test_the_dali_readers_sample_allocation_is_the_mean_record_page_rounded_and_at_most_dalis_default(tmp_path):
+    rec = tmp_path / "x.rec"
+    rec.write_bytes(b"\0" * 10 * 110_000)
+    assert record_buffer_bytes(str(rec), 10) == 110_592  # 27 pages of 4 KiB
+    assert record_buffer_bytes(str(rec), 1) == DALI_TENSOR_INIT_BYTES, "a 1.1 MB mean is capped"
+    assert record_buffer_bytes(str(rec), 10_000) == PAGE_BYTES, "at least a page"

@@ -23,6 +23,8 @@ through DALIGenericIterator: batches land in reused buffers and nothing past the
 from __future__ import annotations
 
 import itertools
+import math
+import os
 import re
 import weakref
 
@@ -109,6 +111,23 @@ def train_crop(jpegs, crop: str, decode_device: str, decoder_kwargs: dict, image
 # ImageNet examples shuffle through the default 1024-sample buffer (see bench/RESULTS.md).
 SHUFFLE_BUFFER = 16384
 
+# What DALI's reader allocates for each sample before reading into it (its `tensor_init_bytes`, default
+# 1 MiB).  A pipeline restored from a checkpoint (a mid-epoch resume) keeps that allocation for every
+# slot of its shuffle buffer: 16384 x 1 MiB = 16-34 GB more heap per rank, mostly never touched, but
+# counted at a fork: with this machine's 24 GB the process's next fork failed with ENOMEM, and under
+# strict overcommit the resume itself would fail (bench/dali_resume_memory.py, bench/RESULTS.md).  The
+# .rec's mean record, page-rounded, is what a slot holds when the reader copies records instead of
+# sharing the mapped file.
+DALI_TENSOR_INIT_BYTES = 1 << 20
+PAGE_BYTES = 4096
+
+
+def record_buffer_bytes(rec: str, records: int) -> int:
+    """The reader's per-sample allocation for this .rec: its mean record rounded up to a page, at most
+    DALI's default (a larger record grows its buffer once, as it did before)."""
+    mean = os.path.getsize(rec) / max(1, records)
+    return min(DALI_TENSOR_INIT_BYTES, max(PAGE_BYTES, math.ceil(mean / PAGE_BYTES) * PAGE_BYTES))
+
 
 @pipeline_def
 def _pipeline(
@@ -123,12 +142,14 @@ def _pipeline(
     decode_device: str,
     decoder_kwargs: dict,
     on_gpu: bool,
+    sample_bytes: int = DALI_TENSOR_INIT_BYTES,
     crop: str = "roi",
     dtype=types.FLOAT,
     layout: str = "HWC",
 ):
     """Normalised images (DALI type `dtype`, `layout` HWC or CHW) + float labels, one rank's shard;
-    both on the GPU when on_gpu.  `crop`: the train crop's path (train_crop)."""
+    both on the GPU when on_gpu.  `sample_bytes`: the reader's allocation per sample
+    (record_buffer_bytes).  `crop`: the train crop's path (train_crop)."""
     jpegs, labels = fn.readers.mxnet(
         path=rec,
         index_path=idx,
@@ -136,6 +157,7 @@ def _pipeline(
         num_shards=num_shards,
         random_shuffle=train,
         initial_fill=SHUFFLE_BUFFER,
+        tensor_init_bytes=sample_bytes,
         pad_last_batch=True,
         stick_to_shard=True,
         name="Reader",
@@ -202,6 +224,7 @@ class DaliLoader:
     def __init__(self, spec: LoaderSpec):
         self.spec = spec
         self.size = len(idx_arrays(spec.idx)[0])
+        self.sample_bytes = record_buffer_bytes(spec.rec, self.size)
         w, b = spec.world_size, spec.batch_size
         self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
@@ -226,6 +249,7 @@ class DaliLoader:
             decode_device=decode_device,
             decoder_kwargs=decoder_args(decode_device, s.dali, decode_device == "mixed" and s.jpeg_engine),
             on_gpu=gpu,
+            sample_bytes=self.sample_bytes,
             crop="full" if decode_path(s.decode) == "full" else "roi",
             dtype=self._dali_dtype,
             layout="HWC" if s.channels_last else "CHW",
