@@ -113,11 +113,10 @@ SHUFFLE_BUFFER = 16384
 
 # What DALI's reader allocates for each sample before reading into it (its `tensor_init_bytes`, default
 # 1 MiB).  A pipeline restored from a checkpoint (a mid-epoch resume) keeps that allocation for every
-# slot of its shuffle buffer: 16384 x 1 MiB = 16-34 GB more heap per rank, mostly never touched, but
-# counted at a fork: with this machine's 24 GB the process's next fork failed with ENOMEM, and under
-# strict overcommit the resume itself would fail (bench/dali_resume_memory.py, bench/RESULTS.md).  The
-# .rec's mean record, page-rounded, is what a slot holds when the reader copies records instead of
-# sharing the mapped file.
+# slot of its shuffle buffer: 16384 slots, measured 16-34 GB more heap per rank, never touched but
+# counted at a fork (on the 24 GB test box the process's next fork failed with ENOMEM) and against a
+# strict overcommit limit (bench/dali_resume_memory.py, bench/RESULTS.md).  The .rec's mean record,
+# page-rounded, is what a slot holds when the reader copies records instead of sharing the mapped file.
 DALI_TENSOR_INIT_BYTES = 1 << 20
 PAGE_BYTES = 4096
 
