@@ -2,6 +2,7 @@
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 from helpers import REPO
@@ -20,3 +21,16 @@ def _fresh_stage_logging():
         logger.handlers.clear()
         logger.propagate = True
         logger.setLevel(logging.NOTSET)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The test process's own memory at the end of the run, in every CI log: memory that in-process
+    loaders keep shows here before a fork runs out of it (a DALI restore once left 17 GB of heap, and a
+    later DataLoader worker's fork failed with ENOMEM)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:  # not Linux
+        return
+    status = dict(line.split(":", 1) for line in lines if ":" in line)
+    shown = ", ".join(f"{key} {status[key].strip()}" for key in ("VmData", "VmPeak", "VmHWM") if key in status)
+    terminalreporter.write_line(f"test process memory at the end (heap, peak virtual, peak resident): {shown}")
