@@ -7,6 +7,9 @@ MXVENV ?= .venv-mxnet
 MXSTAMP := $(MXVENV)/.installed
 CORES ?= $(shell nproc)
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): one per core of the 2-core CI machine; tests/conftest.py keeps each module on one.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 # make run: your config file(s), the target, and extra Snakemake options (e.g. SNAKEMAKE_ARGS=-n).
 CONFIG ?=
 TARGET ?= results/report.html
@@ -14,7 +17,7 @@ SNAKEMAKE_ARGS ?=
 # Jobs started by Snakemake find this interpreter first.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test report run dryrun lint style format env mxnet-env clean gpu-check
+.PHONY: test check report run dryrun lint style format env mxnet-env clean gpu-check
 
 env: $(STAMP)
 
@@ -37,10 +40,16 @@ $(MXSTAMP): envs/mxnet-interop.txt
 test: $(STAMP) $(MXSTAMP) style
 	@# pytest exit code 5 means no test ran: that is a failure here, not a pass. --durations: the slowest
 	@# tests in every CI log, to keep the suite well under 20 minutes.
-	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest tests $(PYTEST_PARALLEL) --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 	$(VENV)/bin/snakemake -n results/report.html
 	$(VENV)/bin/snakemake --lint
+
+# The edit loop's fast tier: style, then every test not marked slow (none runs a pipeline or a training
+# job). make test stays the complete suite that CI runs.
+check: $(STAMP) $(MXSTAMP) style
+	$(PY) -m pytest tests $(PYTEST_PARALLEL) -m "not slow" -q $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 report: $(STAMP)
 	$(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) results/report.html

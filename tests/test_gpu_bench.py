@@ -16,6 +16,7 @@ from rectrain.recordio import IndexedRecordReader, unpack_record
 from rectrain.train.stepclock import StepClock
 
 
+@pytest.mark.slow
 def test_gpu_bench_dry_run_measures_every_loader_decode_path_and_repeat_against_synthetic_on_cpu(tmp_path):
     """--dry: the device run's code paths on the CPU at tiny sizes (two runs, one re-encoded), each DALI
     decode path a row, two interleaved repeats of every source and of the synthetic ceiling."""

@@ -84,6 +84,7 @@ def check_env(tmp_path, deadline_s):
     )
 
 
+@pytest.mark.slow
 def test_check_cut_at_its_deadline_still_reports_and_returns_only_what_can_come_back(tmp_path):
     out = tmp_path / "out"
     started = time.monotonic()

@@ -32,6 +32,7 @@ def data(tmp_path_factory):
     return packed_dataset(tmp_path_factory.mktemp("packed"))
 
 
+@pytest.mark.slow
 def test_calibration_leaves_two_rank_training_bit_identical(data, tmp_path):
     """Same seed, 2 gloo ranks under DDP: with 6 calibration steps (synthetic gradients all-reduced,
     BatchNorm statistics and momentum moved, dropout drawn, the LR schedule stepped) the weights, BN
@@ -130,6 +131,7 @@ def measured(tmp_path, name, size, input_bound: bool):
     return eff, findings, log, cfg, readings
 
 
+@pytest.mark.slow
 def test_report_tells_input_bound_from_compute_bound_by_the_calibration(tmp_path):
     """Two real runs through the training entry point, read back as the report reads them: large
     JPEGs are diagnosed input-bound (or contended) with an efficiency below report.input_efficiency,

@@ -331,6 +331,7 @@ sys.exit(supervise.run_torchrun(cmd, dict(os.environ), ck, ["SIGTERM"]))
 """
 
 
+@pytest.mark.slow
 def test_a_stop_signal_while_finished_ranks_exit_leaves_the_job_succeeded_not_failed(tmp_path):
     """SLURM signals every process of the job step: a time-limit warning in a run's last seconds reaches
     torchrun's agent while the finished ranks exit, and the agent then exits 1 whatever they did.  The

@@ -205,6 +205,7 @@ def test_killed_run_restarted_with_another_lr_under_resume_always_continues_and_
     assert "keeping the last 1 epoch checkpoint(s), deleted epoch_0.pt" in line
 
 
+@pytest.mark.slow
 def test_forced_rerun_retrains_but_a_job_killed_after_its_last_checkpoint_only_finishes(data, tmp_path):
     """The signal is checkpoints/finished.json, written after model.pt: Snakemake deletes the rule's
     outputs before a forced rerun but not last.pt, so 'outputs missing' alone cannot tell the two apart;
