@@ -1,6 +1,6 @@
 """How config files combine, as Snakemake parses the real Snakefile: the demo's settings
 (config/config.yaml) apply only to the generated demo (raw null); a config with a raw root of its own
-gets the schema's defaults. README, "Your own dataset": how config files combine."""
+gets the schema's defaults. docs/configuration.md, "How config files combine"."""
 
 from __future__ import annotations
 

@@ -365,7 +365,7 @@ def test_list_changes_params_runs_and_lists_only_pipeline_outputs(pipeline):
     strict=True,
     reason="Snakemake 9.27.1 lists one output of every job under --list-changes params even when no param "
     "changed (persistence.ParamsChange iterates its files whether or not it is a change); the dry-run's "
-    "reasons are right. Passing means the bug is fixed upstream: drop this mark and the README caveat.",
+    "reasons are right. Passing means the bug is fixed upstream: drop this mark and the docs' caveat (docs/rerun-semantics.md).",
 )
 def test_list_changes_params_is_empty_when_nothing_changed(pipeline):
     assert pipeline.smk("--list-changes", "params").stdout.split() == []
@@ -433,7 +433,7 @@ def wait_for_lock(proc: subprocess.Popen, work: Path, timeout=120):
 
 
 def test_unlock_after_a_killed_run_then_the_same_command_finishes(pipeline):
-    """The recovery the README gives: Snakemake killed (power loss, kill -9) leaves its lock; the next
+    """The recovery the docs give (docs/training.md): Snakemake killed (power loss, kill -9) leaves its lock; the next
     run refuses and names --unlock; --unlock needs no --cores; the same command then completes."""
     command = ["--cores", "1", "--forcerun", "report", "results/report.html"]
     args = [str(VENV_BIN / "snakemake"), "--snakefile", str(pipeline.snakefile), "--directory", str(pipeline.work)]

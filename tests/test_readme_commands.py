@@ -1,6 +1,6 @@
 """Every command the docs tell a user to type works as written, on a fresh copy of the repository.
 
-The commands are found by tests/helpers/doc_commands.py (```bash blocks of README.md and docs/*.md,
+The commands are found by tests/helpers/doc_commands.py (```bash blocks of README.md and docs/**/*.md,
 command lines in the headers of config/*.yaml and the Snakefile). Each runs in one scratch copy of the
 working tree (tracked and untracked files, no results/ or .snakemake/), with this checkout's .venv
 first on PATH, as written or with the substitution RUN_AS names - a dry-run where a real run is the
@@ -26,6 +26,8 @@ from helpers.packdata import jpeg, photo
 SKIPPED = {
     r"^make test\b": "style, the whole suite, a dry-run and --lint: the suite is the lead's to run; its dry-run "
     "is `snakemake -n` below and its lint tests/test_workflow.py::test_lint_is_clean",
+    r"^make check\b": "style and the tests that need no pipeline run: a tier of this suite, which is the lead's "
+    "to run (as `make test`)",
     r"^git clone ": "this test's fresh copy of the repository is that step",
     r"^apt-get install ": "installs system packages as root (tests/test_slurm.py's own set-up)",
     r"pytest tests/test_slurm\.py": "a test itself: a real single-host SLURM, as root (tests/test_slurm.py)",
@@ -37,7 +39,7 @@ MAKE = "make -o .venv/.installed -o .venv-mxnet/.installed"
 WRITTEN_BY_YOU = {
     "config/my-imagenet.yaml": "config/imagenet-2gpu.yaml",
     "config/cluster.yaml": "config/imagenet-2gpu.yaml",
-    "config/my-data.yaml": "README.md, 'Your own dataset'",
+    "config/my-data.yaml": "docs/your-data.md, 'Your own dataset'",
 }
 # The form the README had before (issue 27): Snakemake reads the target as a config file.
 OLD_FORM = "snakemake --cores 8 --configfile config/my-imagenet.yaml results/report.html"
@@ -61,7 +63,7 @@ def skip_reason(text: str) -> str | None:
 
 
 def tiny_tree(root: Path) -> Path:
-    """A custom dataset as the README's 'Your own dataset' describes: class folders of JPEGs."""
+    """A custom dataset as docs/your-data.md's 'Your own dataset' describes: class folders of JPEGs."""
     for split, count in (("train", 3), ("val", 1)):
         for label, cls in enumerate(["cat", "dog"]):
             (root / split / cls).mkdir(parents=True)
@@ -70,9 +72,15 @@ def tiny_tree(root: Path) -> Path:
     return root
 
 
+# Where the minimal config of your own is written out (moved there from the README).
+OWN_DATA_PAGE = "docs/your-data.md"
+# The pages the README's text moved to: each gives commands, so each must be scanned.
+MOVED_PAGES = {"docs/your-data.md", "docs/recipes.md", "docs/rerun-semantics.md", "docs/training.md"}
+
+
 def readme_minimal_config() -> dict:
-    """The first ```yaml block of the README's 'Your own dataset' section."""
-    section = REPO.joinpath("README.md").read_text().split("## Your own dataset", 1)[1].split("\n## ", 1)[0]
+    """The first ```yaml block of the 'Your own dataset' section of docs/your-data.md."""
+    section = REPO.joinpath(OWN_DATA_PAGE).read_text().split("## Your own dataset", 1)[1].split("\n## ", 1)[0]
     return yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
 
 
@@ -98,7 +106,7 @@ def substitute_configs(copy: Path, raw: Path) -> None:
     (copy / "config" / "imagenet-2gpu.yaml").write_text(yaml.safe_dump(ref))
     own = {**readme_minimal_config(), "raw": str(raw)}
     for name, origin in WRITTEN_BY_YOU.items():
-        (copy / name).write_text(yaml.safe_dump(own if origin.startswith("README") else ref))
+        (copy / name).write_text(yaml.safe_dump(own if origin.startswith(OWN_DATA_PAGE) else ref))
 
 
 def shell(copy: Path, line: str, timeout=300) -> subprocess.CompletedProcess:
@@ -111,9 +119,20 @@ def shell(copy: Path, line: str, timeout=300) -> subprocess.CompletedProcess:
 def test_the_docs_give_commands_in_every_place_the_rule_covers():
     where = {c.where.split(":")[0] for c in documented_commands(REPO)}
     assert {"README.md", "docs/cluster.md", "config/imagenet-2gpu.yaml", "config/gpu.yaml", "Snakefile"} <= where
+    assert MOVED_PAGES <= where, f"pages whose commands are not scanned: {MOVED_PAGES - where}"
     texts = [c.text for c in documented_commands(REPO)]
     assert "snakemake --cores 8 results/report.html --configfile config/my-imagenet.yaml" in texts
-    assert any(t.startswith("make run CONFIG=") for t in texts), "the README documents make run"
+    readme = [c.text for c in documented_commands(REPO) if c.where.startswith("README.md:")]
+    assert any(t.startswith("make run CONFIG=") for t in readme), "the README documents make run"
+    assert {"make report", "make test"} <= {re.sub(r"\s+#\s.*$", "", t) for t in readme}
+
+
+def test_every_page_under_docs_with_a_bash_block_is_scanned():
+    """A command moved out of the README into any page under docs/ (a sub-folder too) is still run."""
+    pages = [p for p in sorted((REPO / "docs").rglob("*.md")) if "```bash" in p.read_text()]
+    where = {c.where.split(":")[0] for c in documented_commands(REPO)}
+    missed = [str(p.relative_to(REPO)) for p in pages if str(p.relative_to(REPO)) not in where]
+    assert pages and not missed, f"pages under docs/ whose ```bash blocks are not scanned: {missed}"
 
 
 def test_a_backslash_continues_a_command_and_comments_and_other_blocks_are_not_commands(tmp_path):

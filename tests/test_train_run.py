@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+import torchvision
 from helpers.train_data import config_json, packed_dataset, rows
 
 from rectrain.train.checkpoint import load
@@ -78,6 +79,10 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
     assert info["config"]["workers"] == "auto" and info["workers"] == 2, "auto: 4 cores shared by 2 local ranks"
     model = load(out / "model.pt")
     assert model["epoch"] == 1 and model["num_classes"] == 5 and model["model_name"] == "resnet18"
+    # The README's way to get the weights out of a 2-rank run: a plain torchvision model takes them.
+    weights = torch.load(out / "model.pt", weights_only=True)["model"]
+    net = torchvision.models.get_model(model["model_name"], num_classes=model["num_classes"])
+    assert not net.load_state_dict(weights).missing_keys
 
 
 # rectrain.log.duration's forms: '45 s', '12 min 05 s', '3 h 07 min', '2 d 04 h'

@@ -48,7 +48,7 @@ def test_each_job_header_is_one_line_naming_its_rule_dataset_and_split(tmp_path)
 
 
 def test_the_reason_of_each_job_comes_back_with_quiet_host_after_the_target(tmp_path):
-    """The README's way to see why each job would run (any --quiet replaces the profile's list)."""
+    """The docs' way (docs/rerun-semantics.md) to see why each job would run (any --quiet replaces the profile's list)."""
     proc = snakemake("-n", "--directory", str(tmp_path), "results/report.html", "--quiet", "host", timeout=120)
     assert proc.returncode == 0, proc.stderr
     reasons = job_reasons(proc.stdout)

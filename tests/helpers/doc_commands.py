@@ -1,10 +1,10 @@
 """The shell commands the docs tell a user to type, found the way tests/test_readme_commands.py runs them.
 
-The rule the docs follow (README.md, "Commands in these docs"): a command to type is a line of a
-```bash block in README.md or docs/*.md (a trailing backslash continues it onto the next line), or a
-header comment line of config/*.yaml or the Snakefile whose text starts with `snakemake`, `make` or
-`python -m`, optionally after a label such as `Use with:`. Inline `code` in prose is a fragment (an
-option, a key), never a whole command.
+The rule the docs follow (docs/rerun-semantics.md, "Commands in these docs"): a command to type is a line
+of a ```bash block in README.md or any page under docs/ (docs/**/*.md; a trailing backslash continues it
+onto the next line), or a header comment line of config/*.yaml or the Snakefile whose text starts with
+`snakemake`, `make` or `python -m`, optionally after a label such as `Use with:`. Inline `code` in prose
+is a fragment (an option, a key), never a whole command.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def header_commands(path: Path, repo: Path) -> list[DocCommand]:
 
 
 def documented_commands(repo: Path) -> list[DocCommand]:
-    """README.md, docs/*.md, then the headers of config/*.yaml and the Snakefile, in that order."""
+    """README.md, every page under docs/ (sub-folders too), then the headers of config/*.yaml and the
+    Snakefile, in that order."""
     found = []
-    for md in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:
+    for md in [repo / "README.md", *sorted((repo / "docs").rglob("*.md"))]:
         found += markdown_commands(md, repo)
     for header in [*sorted((repo / "config").glob("*.yaml")), repo / "Snakefile"]:
         found += header_commands(header, repo)

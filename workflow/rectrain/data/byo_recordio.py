@@ -459,7 +459,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace, cfg: dict) -> None:
     if not cfg["train"]:
         raise PairError(
-            "recordio.train is not set: name the existing train .rec and .idx (README, 'Bring your own .rec')"
+            "recordio.train is not set: name the existing train .rec and .idx (docs/your-data.md, 'Bring your own .rec')"
         )
     args.pack_dir.mkdir(parents=True, exist_ok=True)
     check_pairs(cfg, args.fast, args.pack_dir, args.index_dir, args.threads or cfg["threads"])
