@@ -438,6 +438,8 @@ class Scope:
         return scope
 
     def resolve(self, expr) -> Ref | None:
+        if isinstance(expr, ast.Call):  # Builder()._use(cfg), cls().method(...)
+            return self.made_by(expr)
         if isinstance(expr, ast.Attribute):
             owner = self.resolve(expr.value)
             return _member(self.pkg, owner, expr.attr) if owner else None
