@@ -36,26 +36,12 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"test process memory at the end (heap, peak virtual, peak resident): {shown}")
 
 
-# `make test` runs the suite on pytest-xdist workers (-n, --dist loadgroup). Each module is one group, so
-# its module fixtures (a finished demo pipeline, a packed dataset) are built once, on one worker. The two
+# `make check` runs the fast tier on pytest-xdist workers (-n, --dist loadgroup). Each module is one group,
+# so its module fixtures (a packed dataset, a finished run's files) are built once, on one worker; the two
 # SLURM modules share one group: the test cluster is configured at the fixed path /etc/slurm/slurm.conf.
+# `make test` stays serial: two demo trainings side by side on 2 cores ran at 3.7 img/s instead of
+# tens (ranks' threads oversubscribed), far slower than one after the other.
 SHARED_GROUPS = {"test_slurm.py": "slurm", "test_slurm_requeue.py": "slurm"}
-# The groups that take longest (measured: the --durations table of a CI log) start first, so no worker
-# is left with a long module at the end while the other idles. The rest follow in collection order.
-LONGEST_FIRST = [
-    "slurm",
-    "test_pipeline_e2e.py",
-    "test_train_preempt.py",
-    "test_train_run.py",
-    "test_finished_run_survives.py",
-    "test_compiled_calibration.py",
-    "test_small_runs.py",
-    "test_train_calibration.py",
-    "test_datasets_side_by_side.py",
-    "test_recipes.py",
-    "test_byo_recordio.py",
-    "test_progressive.py",
-]
 
 
 def test_group(item) -> str:
@@ -63,8 +49,7 @@ def test_group(item) -> str:
     return SHARED_GROUPS.get(name, name)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the test ids
 def pytest_collection_modifyitems(config, items):
-    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(test_group(item)))
-    items.sort(key=lambda item: rank.get(test_group(item), len(rank)))  # stable: collection order within

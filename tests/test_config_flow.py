@@ -221,6 +221,10 @@ def test_the_tool_sees_the_package(measured):
     assert measured["stops"] >= 1 and measured["walk"].stops[0].function == "train"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 32 open: 96 functions take a whole config on main; the settings refactor (branch trial) lands it",
+)
 def test_at_most_ten_functions_take_a_whole_config(measured):
     functions = measured["functions"]
     listed = "; ".join(f"{f.module}:{f.line} {f.function}({f.param})" for f in functions)
@@ -230,6 +234,10 @@ def test_at_most_ten_functions_take_a_whole_config(measured):
     )
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 32 open: the train block reaches 15 modules on main; the settings refactor (branch trial) lands it",
+)
 def test_the_train_block_visits_at_most_ten_modules(measured):
     walk = measured["walk"]
     path = "; ".join(f"{s.module} {s.function}" for s in walk.stops)
@@ -239,6 +247,9 @@ def test_the_train_block_visits_at_most_ten_modules(measured):
     )
 
 
+@pytest.mark.xfail(
+    strict=True, reason="issue 32 open: 6 climbs back on main; the settings refactor (branch trial) lands it"
+)
 def test_the_train_block_climbs_back_at_most_five_times(measured):
     walk = measured["walk"]
     climbs = "; ".join(f"{s.module} {s.function} (called from {s.caller}:{s.line})" for s in walk.climbs)
@@ -249,6 +260,10 @@ def test_the_train_block_climbs_back_at_most_five_times(measured):
     )
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 32 open: train/batchplan.py <-> train/memory.py on main; the settings refactor (branch trial) lands it",
+)
 def test_no_import_circle(measured):
     """Module-level circles fail; one closed only by an import inside a function (loaders/__init__.py's
     lazy DALI and torch loaders) is named in the message but is not the issue's circle."""
