@@ -39,8 +39,8 @@ def pytest_terminal_summary(terminalreporter):
 # `make check` runs the fast tier on pytest-xdist workers (-n, --dist loadgroup). Each module is one group,
 # so its module fixtures (a packed dataset, a finished run's files) are built once, on one worker; the two
 # SLURM modules share one group: the test cluster is configured at the fixed path /etc/slurm/slurm.conf.
-# `make test` stays serial: two demo trainings side by side on 2 cores ran at 3.7 img/s instead of
-# tens (ranks' threads oversubscribed), far slower than one after the other.
+# `make test` stays serial: two demo trainings side by side on 2 cores ran at 3.7 img/s each, one alone
+# at 6.7 (bench/RESULTS.md, "The test suite's wall time"): the trainings are most of the suite, and CPU-bound.
 SHARED_GROUPS = {"test_slurm.py": "slurm", "test_slurm_requeue.py": "slurm"}
 
 
