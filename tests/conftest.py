@@ -44,7 +44,7 @@ def pytest_terminal_summary(terminalreporter):
 SHARED_GROUPS = {"test_slurm.py": "slurm", "test_slurm_requeue.py": "slurm"}
 
 
-def test_group(item) -> str:
+def module_group(item) -> str:
     name = item.path.name
     return SHARED_GROUPS.get(name, name)
 
@@ -52,4 +52,4 @@ def test_group(item) -> str:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(test_group(item)))
+        item.add_marker(pytest.mark.xdist_group(module_group(item)))
