@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
 from rectrain import log as rlog  # noqa: E402
+from rectrain import settings  # noqa: E402
 from rectrain.data.images import prepare  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, image_dtype  # noqa: E402
@@ -121,10 +122,13 @@ def bench_step(cfg: dict, d: Dist, num_classes: int) -> T.Step:
     torch.compile with train.compile_mode), with its optimizer: one per run and compile mode, shared by
     the synthetic ceiling and every loader, so it compiles once and all sources run the same graph."""
     torch._dynamo.reset()  # the ResNets share their forward's code: without a reset the cache limit is hit
-    model, loss_fn = make_model(cfg, num_classes, d.device)
-    optimizer, scheduler, scaler = make_optimizer(cfg, model, cfg["batch_size"], 10_000)
-    net = wrap(model, d, cfg)
-    return T.Step(net, loss_fn, optimizer, scheduler, scaler, 1, cfg["precision"], cfg["channels_last"], d)
+    s = settings.train(cfg)
+    model, loss_fn = make_model(s.model, num_classes, d.device)
+    optimizer, scheduler, scaler = make_optimizer(
+        s.optim, model, s.batch.batch_size, 10_000, family=s.model.model, precision=s.model.precision
+    )
+    net = wrap(model, d, s.launch, s.model)
+    return T.Step(net, loss_fn, optimizer, scheduler, scaler, 1, s.model.precision, s.model.channels_last, d)
 
 
 class UtilSampler(threading.Thread):
@@ -325,7 +329,7 @@ def run_rows(args, run: tuple[str, int, int], mode: str, rec_idx: tuple[str, str
     data, then --repeats rounds of synthetic + each source, interleaved; a row per source."""
     model, size, side = run
     cfg = train_config(args, model, size, mode)
-    set_backend_flags(cfg, d.device)
+    set_backend_flags(cfg["cudnn_benchmark"], d.device)
     step = bench_step(cfg, d, args.num_classes)
     specs = {src: loader_spec(src, rec_idx, cfg, d, args) for src in sources(args)}
     dtype = next((build_loader(k, s).image_dtype for (k, _), s in specs.items()), torch.float32)
@@ -372,7 +376,7 @@ def loader_spec(src: tuple[str, str | None], rec_idx: tuple[str, str], cfg: dict
         device=str(d.device),
         gpu_decode=True,
         seed=0,
-        dali=DaliOptions.from_config(cfg),
+        dali=DaliOptions.from_config(settings.train(cfg).loaders),
         decode=decode or "auto",
         dtype=image_dtype(cfg["precision"]),
         channels_last=cfg["channels_last"],

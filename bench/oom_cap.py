@@ -19,6 +19,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
+from rectrain import settings  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
 from rectrain.snakefile.checks import check_config  # noqa: E402
 from rectrain.train import memory  # noqa: E402
@@ -37,8 +38,9 @@ def cap_memory(device: torch.device, cap_gb: float) -> float:
 def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
     """choose_batch for this train block: {'batch', 'grad_accum', 'report'} or {'error': message}."""
     cfg = check_config({"dataset": "oomcap", "train": block}, REPO / "config" / "schema.yaml", workdir=REPO)["train"]
-    set_backend_flags(cfg, device)
-    model, loss_fn = make_model(cfg, num_classes, device)
+    cfg = settings.train(cfg)
+    set_backend_flags(cfg.model.cudnn_benchmark, device)
+    model, loss_fn = make_model(cfg.model, num_classes, device)
     d = Dist(0, 1, 0, 1, device)
     try:
         plan = choose_batch(cfg, model, loss_fn, d, num_classes)

@@ -15,7 +15,9 @@ import yaml
 from helpers import REPO, scheduled_rules, snakemake
 from helpers.packdata import photo
 from helpers.train_data import TINY_TRAIN
+from helpers.views import view
 
+from rectrain import settings
 from rectrain.config import stage_block
 from rectrain.data import byo_recordio, demo
 from rectrain.data.byo_recordio import PairError, check_pairs
@@ -44,7 +46,7 @@ def pairs(tmp_path_factory):
     """im2rec pairs of a 3-class demo set: train and val shuffled (im2rec's default), and train again
     in class order (--no-shuffle)."""
     base = tmp_path_factory.mktemp("byo")
-    demo.generate({**stage_block("demo", "{}"), **DEMO}, base / "raw")
+    demo.generate(view("demo", {**stage_block("demo", "{}"), **DEMO}), base / "raw")
     im2rec(base / "train", base / "raw" / "train")
     im2rec(base / "val", base / "raw" / "val")
     im2rec(base / "ordered", base / "raw" / "train", "--no-shuffle")
@@ -58,7 +60,7 @@ def pair(base: Path, prefix: str, lst: bool = True) -> dict:
 
 def check(tmp_path: Path, **block):
     out = tmp_path / "out"
-    cfg = stage_block("recordio", json.dumps(block))
+    cfg = settings.view("recordio", stage_block("recordio", json.dumps(block)))
     return check_pairs(cfg, out / "fast", out / "pack", out / "index", threads=2), out
 
 

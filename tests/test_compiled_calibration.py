@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers.train_data import config_json, packed_dataset, tiny_train_config, write_rec
+from helpers.train_data import config_json, packed_dataset, tiny_train_settings, write_rec
 
 from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec, build_loader, image_dtype
@@ -35,19 +35,22 @@ class TinyNet(torch.nn.Module):
         return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
 
 
-def compiled_step(cfg: dict):
+def compiled_step(cfg):
     torch.manual_seed(0)
     model = TinyNet().to(memory_format=torch.channels_last)
     d = Dist(0, 1, 0, 1, torch.device("cpu"))
-    optimizer, scheduler, scaler = make_optimizer(cfg, model, cfg["batch_size"], 100)
-    net = wrap(model, d, cfg)
-    step = Step(net, torch.nn.CrossEntropyLoss(), optimizer, scheduler, scaler, 1, cfg["precision"], True, d)
+    part = cfg.model
+    optimizer, scheduler, scaler = make_optimizer(
+        cfg.optim, model, cfg.batch.batch_size, 100, family=part.model, precision=part.precision
+    )
+    net = wrap(model, d, cfg.launch, part)
+    step = Step(net, torch.nn.CrossEntropyLoss(), optimizer, scheduler, scaler, 1, part.precision, True, d)
     return step, model
 
 
 def test_compiled_calibration_compiles_in_its_warm_up_and_the_real_batches_reuse_its_graph(tmp_path):
     torch._dynamo.reset()
-    cfg = tiny_train_config(compile=True, precision="bf16", batch_size=8, image_size=32)
+    cfg = tiny_train_settings(compile=True, precision="bf16", batch_size=8, image_size=32)
     step, model = compiled_step(cfg)
     rec, idx = write_rec(tmp_path, [i % 5 for i in range(40)])
     spec = LoaderSpec(rec, idx, batch_size=8, image_size=32, workers=1, dtype=image_dtype("bf16"), channels_last=True)
@@ -79,7 +82,7 @@ def test_compiling_does_not_count_against_the_calibration_time_cap(monkeypatch):
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
-    cfg = tiny_train_config(compile=True, precision="fp32", batch_size=8, image_size=32)
+    cfg = tiny_train_settings(compile=True, precision="fp32", batch_size=8, image_size=32)
     step, model = compiled_step(cfg)
     cal = calibrate(step, model, Shape(8, 32, 5, channels_last=True), steps=6, warmup=1, bounds=Bounds(max_s=1.0))
     assert cal["seconds"] > 1.0, "the precondition: compiling took longer than the cap"

@@ -223,7 +223,8 @@ def test_the_tool_sees_the_package(measured):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 32 open: 96 functions take a whole config on main; the settings refactor (branch trial) lands it",
+    reason="issue 32 is open: 64 functions still take a whole config (96 before the settings views): the "
+    "Snakefile-time checks, config.py's schema walkers, and the train functions handed the whole TrainSettings",
 )
 def test_at_most_ten_functions_take_a_whole_config(measured):
     functions = measured["functions"]
@@ -234,10 +235,6 @@ def test_at_most_ten_functions_take_a_whole_config(measured):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 32 open: the train block reaches 15 modules on main; the settings refactor (branch trial) lands it",
-)
 def test_the_train_block_visits_at_most_ten_modules(measured):
     walk = measured["walk"]
     path = "; ".join(f"{s.module} {s.function}" for s in walk.stops)
@@ -247,9 +244,6 @@ def test_the_train_block_visits_at_most_ten_modules(measured):
     )
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 32 open: 6 climbs back on main; the settings refactor (branch trial) lands it"
-)
 def test_the_train_block_climbs_back_at_most_five_times(measured):
     walk = measured["walk"]
     climbs = "; ".join(f"{s.module} {s.function} (called from {s.caller}:{s.line})" for s in walk.climbs)
@@ -260,10 +254,6 @@ def test_the_train_block_climbs_back_at_most_five_times(measured):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 32 open: train/batchplan.py <-> train/memory.py on main; the settings refactor (branch trial) lands it",
-)
 def test_no_import_circle(measured):
     """Module-level circles fail; one closed only by an import inside a function (loaders/__init__.py's
     lazy DALI and torch loaders) is named in the message but is not the issue's circle."""

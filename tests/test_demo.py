@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.views import view
 from PIL import Image
 
 from rectrain.data import demo
@@ -29,7 +30,7 @@ CFG = {
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "raw"
-    demo.generate(CFG, out)
+    demo.generate(view("demo", CFG), out)
     return out
 
 
@@ -44,7 +45,7 @@ def defects(raw: Path) -> dict[str, dict]:
 @pytest.mark.parametrize("processes", [1, 3], ids=["one process", "three drawing processes"])
 def test_same_seed_gives_identical_bytes_for_every_file_including_tars(raw, tmp_path, processes):
     again = tmp_path / "again"
-    demo.generate(CFG, again, processes=processes)
+    demo.generate(view("demo", CFG), again, processes=processes)
     first, second = tree(raw), tree(again)
     assert sorted(first) == sorted(second)
     assert "archives/ILSVRC2012_img_train.tar" in first and "archives/ILSVRC2012_devkit_t12.tar.gz" in first
@@ -53,15 +54,17 @@ def test_same_seed_gives_identical_bytes_for_every_file_including_tars(raw, tmp_
 
 def test_other_seed_gives_other_images(raw, tmp_path):
     other = tmp_path / "other"
-    demo.generate({**CFG, "seed": 1, "classes": 2, "bad_files": False}, other)
+    demo.generate(view("demo", {**CFG, "seed": 1, "classes": 2, "bad_files": False}), other)
     wnid = "n01440764"
     assert (other / f"train/{wnid}/{wnid}_1.JPEG").read_bytes() != (raw / f"train/{wnid}/{wnid}_1.JPEG").read_bytes()
 
 
 def test_regeneration_removes_stale_files(tmp_path):
     out = tmp_path / "raw"
-    demo.generate({**CFG, "classes": 3, "train_per_class": 2, "val_per_class": 1}, out)
-    demo.generate({**CFG, "classes": 2, "train_per_class": 2, "val_per_class": 1, "bad_files": False}, out)
+    demo.generate(view("demo", {**CFG, "classes": 3, "train_per_class": 2, "val_per_class": 1}), out)
+    demo.generate(
+        view("demo", {**CFG, "classes": 2, "train_per_class": 2, "val_per_class": 1, "bad_files": False}), out
+    )
     assert sorted(p.name for p in (out / "train").iterdir()) == ["n01440764", "n01443537"]
     assert not (out / "val_flat" / "ILSVRC2012_val_00000003.JPEG").exists()
     assert json.loads((out / ".done").read_text())["classes"] == 2
@@ -168,14 +171,16 @@ def test_progressive_defect_is_progressive(raw):
 
 
 def test_no_defects_without_bad_files(tmp_path):
-    demo.generate({**CFG, "classes": 2, "train_per_class": 2, "val_per_class": 1, "bad_files": False}, tmp_path)
+    demo.generate(
+        view("demo", {**CFG, "classes": 2, "train_per_class": 2, "val_per_class": 1, "bad_files": False}), tmp_path
+    )
     assert json.loads((tmp_path / "defects.json").read_text())["defects"] == []
     assert len(list((tmp_path / "train").rglob("*"))) == 2 + 4
 
 
 def test_min_size_above_max_size_is_refused_naming_both_keys(tmp_path):
     with pytest.raises(SystemExit, match="min_size.*max_size"):
-        demo.generate({**CFG, "min_size": 100, "max_size": 80}, tmp_path)
+        demo.generate(view("demo", {**CFG, "min_size": 100, "max_size": 80}), tmp_path)
 
 
 def features(path: Path) -> np.ndarray:

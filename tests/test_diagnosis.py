@@ -3,7 +3,7 @@ and stays silent on a healthy run."""
 
 import pandas as pd
 import pytest
-from helpers.synthetic_run import REPORT_CFG, make_calibration, make_manifest, make_run, make_steps, make_system
+from helpers.synthetic_run import REPORT, make_calibration, make_manifest, make_run, make_steps, make_system
 
 from rectrain.report.diagnosis import Finding, diagnose
 from rectrain.report.stats import data_wait_share_by_rank
@@ -32,7 +32,7 @@ def run_diag(
         system,
         run or make_run(gpus=len(gpus or {})),
         manifests if manifests is not None else {"train": make_manifest("train")},
-        REPORT_CFG,
+        REPORT,
         image_sizes=sizes,
     )
     ids = [f.id for f in found]
@@ -165,7 +165,7 @@ def test_every_problem_condition_at_once_is_sorted_most_urgent_first():
         make_system(iowait=45.0, gpus=gpus),
         make_run(rotational=True),
         {"train": make_manifest(rotational=True, skipped=skipped)},
-        REPORT_CFG,
+        REPORT,
     )
     ids = [f.id for f in found]
     assert {
@@ -183,9 +183,7 @@ def test_every_problem_condition_at_once_is_sorted_most_urgent_first():
 
 
 def test_empty_telemetry_does_not_crash():
-    found = diagnose(
-        pd.DataFrame(columns=STEP_COLUMNS), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {}, REPORT_CFG
-    )
+    found = diagnose(pd.DataFrame(columns=STEP_COLUMNS), pd.DataFrame(columns=["time", "cpu_percent"]), {}, {}, REPORT)
     assert [f.id for f in found] == ["no_problems"]
 
 
@@ -364,10 +362,10 @@ def test_gpu_busy_in_the_steps_but_idle_around_them_is_not_called_underused():
     in_steps = system["time"].between(steps["time"].min(), steps["time"].max())
     system.loc[in_steps, "gpu0_util"] = 95.0
     assert system["gpu0_util"].mean() < 30  # the whole-run mean that fooled the old diagnosis
-    found = {f.id for f in diagnose(steps, system, make_run(gpus=1), {"train": make_manifest("train")}, REPORT_CFG)}
+    found = {f.id for f in diagnose(steps, system, make_run(gpus=1), {"train": make_manifest("train")}, REPORT)}
     assert "low_gpu_util" not in found
     system.loc[in_steps, "gpu0_util"] = 40.0
-    found = {f.id: f for f in diagnose(steps, system, make_run(gpus=1), {}, REPORT_CFG)}
+    found = {f.id: f for f in diagnose(steps, system, make_run(gpus=1), {}, REPORT)}
     assert (
         "mean GPU util 40 %" in found["low_gpu_util"].measured
         and "during the training steps" in found["low_gpu_util"].measured

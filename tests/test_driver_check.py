@@ -93,7 +93,7 @@ def test_matching_versions_pass_the_first_stage_and_a_usable_gpu_passes_the_laun
 
 def test_no_gpu_runs_cpu_processes_as_today():
     assert check("auto", False, env={}, gpus=NO_GPU, build=CU130) is None
-    plan = distributed.plan_processes({"devices": "auto", "cpu_processes": 2}, 0)
+    plan = distributed.plan_processes("auto", 2, 0)
     assert (plan.kind, plan.nproc) == ("cpu", 2)
 
 

@@ -16,6 +16,7 @@ import torch
 import torchvision
 from PIL import Image
 
+from rectrain import settings
 from rectrain.config import stage_block
 from rectrain.evaluate import main as evaluate_main
 from rectrain.evaluate import per_class, relaunch_command, run
@@ -117,10 +118,11 @@ def val_set(tmp_path_factory):
 
 
 def cfg(loader, **kw):
-    """The evaluate block, completed from the schema as the rule's is."""
-    return stage_block(
+    """The evaluate block's view, completed from the schema as the rule's is."""
+    block = stage_block(
         "evaluate", json.dumps({"loader": loader, "batch_size": 8, "resize": RESIZE, "workers": 1, **kw})
     )
+    return settings.view("evaluate", block)
 
 
 def manual_logits(vs, resize=RESIZE, crop=CROP, mirror_too=False):
@@ -300,17 +302,19 @@ def test_evaluation_uses_one_process_per_training_gpu_and_one_process_on_cpu():
     args = ["--config-json", "{}", "--checkpoint", "m.pt"]
 
     def train_block(**kw):
-        return stage_block("train", json.dumps(kw))
+        """train.devices and train.cpu_processes of a completed train block, as a checkpoint saves them."""
+        block = stage_block("train", json.dumps(kw))
+        return block["devices"], block["cpu_processes"]
 
-    two_gpus = relaunch_command(train_block(devices="auto"), args, gpu_count=2)
+    two_gpus = relaunch_command(*train_block(devices="auto"), args, gpu_count=2)
     cmd, env = two_gpus
     assert cmd[1:4] == ["-m", "rectrain.torchrun", "--standalone"]
     assert "--nproc_per_node=2" in cmd and cmd[-6:] == ["-m", "rectrain.evaluate", *args]
-    picked = relaunch_command(train_block(devices=[1, 3]), args, gpu_count=4)
+    picked = relaunch_command(*train_block(devices=[1, 3]), args, gpu_count=4)
     assert "--nproc_per_node=2" in picked[0] and picked[1]["CUDA_VISIBLE_DEVICES"] == "1,3"
-    assert relaunch_command(train_block(devices="auto"), args, gpu_count=1) is None
-    assert relaunch_command(train_block(devices="auto", cpu_processes=2), args, gpu_count=0) is None
-    assert relaunch_command(train_block(devices="cpu"), args, gpu_count=2) is None
+    assert relaunch_command(*train_block(devices="auto"), args, gpu_count=1) is None
+    assert relaunch_command(*train_block(devices="auto", cpu_processes=2), args, gpu_count=0) is None
+    assert relaunch_command(*train_block(devices="cpu"), args, gpu_count=2) is None
 
 
 def test_class_count_mismatch_names_the_fix(val_set, tmp_path):
@@ -333,7 +337,7 @@ def test_two_ranks_under_torchrun_equal_one_pass(val_set, tmp_path):
     evaluate_main(
         [
             "--config-json",
-            json.dumps(cfg("torch")),
+            json.dumps(cfg("torch").as_dict()),
             "--checkpoint",
             val_set["ckpt"],
             "--rec",
@@ -358,7 +362,7 @@ def test_two_ranks_under_torchrun_equal_one_pass(val_set, tmp_path):
             "-m",
             "rectrain.evaluate",
             "--config-json",
-            json.dumps(cfg("torch", workers=0)),
+            json.dumps(cfg("torch", workers=0).as_dict()),
             "--checkpoint",
             val_set["ckpt"],
             "--rec",

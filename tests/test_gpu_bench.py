@@ -94,16 +94,18 @@ class FakeLog:
 
 
 def test_run_steps_rows_add_up_and_data_wait_is_the_loaders_time():
-    from helpers.train_data import tiny_train_config
+    from helpers.train_data import tiny_train_settings
 
     from rectrain.train import trainer as T
     from rectrain.train.optim import make_optimizer
     from rectrain.train.run import make_model
 
-    cfg = {**tiny_train_config(), "channels_last": False, "precision": "fp32", "image_size": 16}
+    cfg = tiny_train_settings().replaced(channels_last=False, precision="fp32", image_size=16)
     device = torch.device("cpu")
-    model, loss_fn = make_model({**cfg, "model": "resnet18"}, 3, device)
-    optimizer, scheduler, scaler = make_optimizer(cfg, model, 4, 5)
+    model, loss_fn = make_model(cfg.replaced(model="resnet18").model, 3, device)
+    optimizer, scheduler, scaler = make_optimizer(
+        cfg.optim, model, 4, 5, family=cfg.model.model, precision=cfg.model.precision
+    )
 
     def slow_batches():
         for _ in range(4):
@@ -118,8 +120,8 @@ def test_run_steps_rows_add_up_and_data_wait_is_the_loaders_time():
         scheduler,
         scaler,
         1,
-        cfg["precision"],
-        cfg["channels_last"],
+        cfg.model.precision,
+        cfg.model.channels_last,
         Dist(0, 1, 0, 1, device),
     )
     totals = T.run_steps(step, 0, slow_batches(), log, max_steps=3)

@@ -10,7 +10,7 @@ import yaml
 from helpers import REPO, job_headers
 from helpers.train_data import colour_class, write_rec
 
-from rectrain import loaders
+from rectrain import loaders, settings
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, choose_loader, resolve_workers
 from rectrain.loaders.pytorch import TorchLoader
 from rectrain.snakefile.checks import check_config
@@ -59,8 +59,8 @@ def test_gpu_knobs_have_defaults_and_descriptions():
     ):
         assert "default" in train[key] and train[key].get("description"), key
     filled = check_config({"dataset": "demo"}, SCHEMA, workdir=REPO)["train"]
-    assert DaliOptions.from_config(filled) == DaliOptions.defaults()
-    opts = DaliOptions.from_config(gpu_config()["train"])
+    assert DaliOptions.from_config(settings.train(filled).loaders) == DaliOptions.defaults()
+    opts = DaliOptions.from_config(settings.train(gpu_config()["train"]).loaders)
     # The GPU config preallocates the decoder's buffers (no re-allocation on the first large image).
     assert min(opts.preallocate) > 0 and 0 < opts.hw_decoder_load <= 1
 

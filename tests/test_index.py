@@ -13,6 +13,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 from helpers.packdata import TINY_DEMO
+from helpers.views import view
 
 from rectrain.data import demo, index
 from rectrain.data.archives import SourceReader, UnsafeArchiveMember
@@ -25,7 +26,7 @@ LAYOUTS = ["folders", "flat-kaggle", "flat-devkit", "archives"]
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
     out = tmp_path_factory.mktemp("index") / "raw"
-    demo.generate(CFG, out)
+    demo.generate(view("demo", CFG), out)
     return out
 
 

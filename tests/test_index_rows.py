@@ -5,6 +5,7 @@ import csv
 import tracemalloc
 
 import pytest
+from helpers.views import view
 
 from rectrain.data import demo
 from rectrain.data.index import Rows, discover, write_index
@@ -24,7 +25,7 @@ CFG = {
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
     out = tmp_path_factory.mktemp("rows") / "raw"
-    demo.generate(CFG, out)
+    demo.generate(view("demo", CFG), out)
     return out
 
 

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from helpers import scheduled_rules, snakemake
 from helpers.train_data import TINY_TRAIN
+from helpers.views import view
 
 from rectrain.data import demo
 
@@ -21,7 +22,7 @@ DEMO = {"classes": 3, "train_per_class": 12, "val_per_class": 2, "min_size": 40,
 def work(tmp_path_factory):
     """A scratch working folder whose raw root holds train/<wnid>/ only, and its config."""
     base = tmp_path_factory.mktemp("noval")
-    demo.generate({**demo_defaults(), **DEMO}, base / "demo")
+    demo.generate(view("demo", {**demo_defaults(), **DEMO}), base / "demo")
     raw = base / "raw"
     shutil.copytree(base / "demo" / "train", raw / "train")
     config = {

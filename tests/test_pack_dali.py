@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from helpers.packdata import run_pack
+from helpers.views import view
 
 from rectrain.data import demo, index
 from rectrain.recordio import read_idx
@@ -31,7 +32,7 @@ BATCH = 8
 @pytest.fixture(scope="module")
 def packed_demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
-    demo.generate(DEMO, root / "raw")
+    demo.generate(view("demo", DEMO), root / "raw")
     index.write_index(index.discover(root / "raw"), root / "index")
     proc = run_pack(root / "raw", root / "index", root / "out")
     assert proc.returncode == 0, proc.stderr

@@ -12,6 +12,7 @@ import zlib
 import numpy as np
 import pytest
 from helpers.packdata import REPO, jpeg, pack_args, photo, png_bytes, run_pack, write_dataset
+from helpers.views import view
 from PIL import Image
 
 from rectrain.data import images, pack, rawfiles
@@ -269,7 +270,7 @@ def test_large_valid_images_in_flight_stay_within_the_byte_budget(tmp_path, orde
 def test_a_skip_result_holds_its_message_not_the_image_bytes(tmp_path):
     raw, _ = _dataset(tmp_path, n=1)
     (raw / "a/x0.JPEG").write_bytes(b"\0" * 100_000)
-    packer = pack._Packer(str(raw), {"resize": 0, "quality": 90, "check_scan_data": True, "max_image_bytes": 1 << 20})
+    packer = pack._Packer(str(raw), view("pack", resize=0, quality=90, check_scan_data=True, max_image_bytes=1 << 20))
     (result,) = packer.batch([(0, 0, "a/x0.JPEG", 0, None)])
     assert isinstance(result, Skip) and str(result).startswith("not an image")
     assert result.__traceback__ is None and result.__context__ is None

@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 import torch
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
-from helpers.train_data import config_json, packed_dataset, rows, tiny_train_config, write_rec
+from helpers.train_data import config_json, packed_dataset, rows, tiny_train_settings, write_rec
+from helpers.views import whole
 
 from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec
@@ -41,7 +42,7 @@ FAST = {
     "calibration_steps": 2,
     "calibration_warmup_steps": 1,
 }
-SCHEDULE = resolutions({"epochs": 3, "image_size": 32, "progressive": RAMP})
+SCHEDULE = resolutions(32, RAMP, 3)
 
 
 def test_the_ramp_used_here_has_three_distinct_resolutions():
@@ -99,8 +100,8 @@ def test_the_preflight_sizes_the_step_and_the_loaders_for_the_largest_resolution
     d = Dist(0, 2, 0, 2, torch.device("cuda:0"))
 
     def inputs(**over):
-        cfg = tiny_train_config(**over)
-        model, loss = make_model(cfg, 5, torch.device("cpu"))
+        cfg = tiny_train_settings(**over)
+        model, loss = make_model(cfg.model, 5, torch.device("cpu"))
         trial, held = preflight_inputs(cfg, model, loss, d, 5, None)
         return trial.image_size, [r.bytes(8) for r in held if r]
 
@@ -111,10 +112,10 @@ def test_the_preflight_sizes_the_step_and_the_loaders_for_the_largest_resolution
 
 
 def test_the_train_loader_spec_carries_the_schedule_and_none_without_one():
-    cfg = tiny_train_config(image_size=32, epochs=3, progressive=RAMP)
+    cfg = tiny_train_settings(image_size=32, epochs=3, progressive=RAMP)
     train = loader_spec(cfg, Dist(1, 2, 1, 2, torch.device("cpu")), "t.rec", "t.idx", workers=1)
     assert [train.crop_at(e) for e in range(3)] == SCHEDULE and train.largest_crop == 96
-    assert loader_spec(tiny_train_config(), Dist(0, 1, 0, 1, torch.device("cpu")), "", "", 1).crops == ()
+    assert loader_spec(tiny_train_settings(), Dist(0, 1, 0, 1, torch.device("cpu")), "", "", 1).crops == ()
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,7 @@ def test_the_report_shows_time_per_epoch_and_img_s_at_each_resolution(tmp_path):
     run["calibration"] = {**make_calibration({0: 1.0, 1: 1.0}), "by_resolution": by}
     (train / "run.json").write_text(json.dumps(run))
     data = load(train, paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, {"dataset": "demo", "report": dict(REPORT_CFG), "train": {}}, repo=tmp_path)
+    html = build(data, whole({"dataset": "demo", "report": dict(REPORT_CFG), "train": {}}), repo=tmp_path)
     times = html[html.index('id="per-resolution"') :].split("</table>")[0]
     cells = [row.split("</td>") for row in times.split("<tr>")[2:]]
     assert [c[0].rsplit(">", 1)[1] for c in cells] == ["32 px", "64 px"]

@@ -21,6 +21,7 @@ import torch
 from helpers import REPO, copy_workflow, snakemake
 from helpers.config_edits import filled
 
+from rectrain import settings
 from rectrain.config import SCHEMA_PATH, load_schema
 from rectrain.report.projection import IMAGENET_TRAIN
 from rectrain.snakefile.checks import cross_check, whole_numbers
@@ -115,7 +116,10 @@ def our_step_lrs(train: dict, global_batch: int, steps_per_epoch: int) -> np.nda
     """The LR of every optimizer step as the trainer gets it: make_optimizer's scheduler, stepped. The
     optimizer steps once (no gradients: a no-op), so torch knows the order; the LR does not depend on it."""
     model = torch.nn.Linear(2, 2)
-    optimizer, scheduler, _ = make_optimizer(train, model, global_batch, steps_per_epoch)
+    s = settings.train(train)
+    optimizer, scheduler, _ = make_optimizer(
+        s.optim, model, global_batch, steps_per_epoch, family=s.model.model, precision=s.model.precision
+    )
     optimizer.step()
     lrs = np.empty(train["epochs"] * steps_per_epoch)
     for step in range(len(lrs)):
@@ -155,7 +159,8 @@ def test_ffcv_preset_lr_at_another_global_batch_is_ffcvs_scaled_linearly(name):
 @pytest.mark.parametrize("name", sorted(FFCV))
 def test_ffcv_preset_resolution_of_every_epoch_equals_ffcvs_schedule(name):
     v, cfg = FFCV[name], preset(name)
-    ours = [resolution_at(e, cfg["train"]) for e in range(cfg["train"]["epochs"])]
+    train = cfg["train"]
+    ours = [resolution_at(e, train["image_size"], train["progressive"]) for e in range(train["epochs"])]
     theirs = [ffcv_resolution(e, v) for e in range(v["epochs"])]
     assert ours == theirs
     assert ours[0] == 160 and ours[-1] == 192, "the ramp must reach FFCV's max_res"
@@ -250,5 +255,9 @@ def test_a_preset_shortened_on_the_command_line_runs_the_demo_and_reports_time_t
     epochs = pd.read_csv(work / "results" / "demo" / "train" / "epochs.csv")
     run = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
     assert len(epochs) == 3 and run["config"]["progressive"]["max_res"] == 64 and run["config"]["blurpool"]
-    assert epochs["resolution"].tolist() == [resolution_at(e, run["config"]) for e in range(3)] == [32, 64, 64]
+    assert (
+        epochs["resolution"].tolist()
+        == [resolution_at(e, run["config"]["image_size"], run["config"]["progressive"]) for e in range(3)]
+        == [32, 64, 64]
+    )
     assert "32 px" in panel and "64 px" in panel

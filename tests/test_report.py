@@ -9,6 +9,7 @@ from html.parser import HTMLParser
 import pandas as pd
 import pytest
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
+from helpers.views import view, whole
 from PIL import Image
 
 from rectrain.recordio import IRHeader, RecordWriter, pack_record
@@ -52,7 +53,7 @@ def config(ds="demo"):
 def render(tmp_path, **kw):
     paths = write_run(tmp_path, **kw)
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    return build(data, config(), repo=tmp_path)
+    return build(data, whole(config()), repo=tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,8 @@ def test_data_section_says_how_each_split_was_stored(tmp_path):
     train = paths["pack"] / "train.manifest.json"
     train.write_text(json.dumps({**json.loads(train.read_text()), "max_side": 500, "quality": 90}))
     html = build(
-        load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo"), config()
+        load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo"),
+        whole(config()),
     )
     data = html[html.index('<section id="data">') :]
     assert "<td>longest side 500 px (larger ones re-encoded at q90)</td>" in data
@@ -174,7 +176,8 @@ def test_an_existing_pair_with_a_kept_png_says_so_and_counts_its_records_per_for
     }
     train.write_text(json.dumps({**json.loads(train.read_text()), "existing": existing}))
     html = build(
-        load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo"), config()
+        load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo"),
+        whole(config()),
     )
     data = " ".join(html[html.index('id="existing-train"') :].split())
     assert "1 image(s) the pack would have re-encoded are kept as they are (DALI's decoder read each of them)" in data
@@ -198,7 +201,7 @@ def test_a_resolution_sweep_shows_one_row_per_resolution_and_names_the_headline(
     }
     (paths["eval"] / "metrics.json").write_text(json.dumps(metrics))
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, config(), repo=tmp_path)
+    html = build(data, whole(config()), repo=tmp_path)
     assert "top-1 61.25 %, top-5 95.00 % on 40 val images at 256 px (shorter side 293, centre crop, flip TTA)" in html
     table = _between(html, '<table id="eval-resolutions">', "</table>")
     cells = [re.sub(r"\s+", " ", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table)]
@@ -221,7 +224,7 @@ def test_one_resolution_is_named_in_the_summary_without_a_table(tmp_path):
     }
     (paths["eval"] / "metrics.json").write_text(json.dumps(metrics))
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, config(), repo=tmp_path)
+    html = build(data, whole(config()), repo=tmp_path)
     assert "on 40 val images at 64 px (shorter side 73, centre crop) (dali loader" in html
     assert 'id="eval-resolutions"' not in html
 
@@ -244,7 +247,7 @@ def test_benchmark_na_values_and_missing_system_rows_are_tolerated(tmp_path):
     (paths["train"] / "system.csv").write_text("time,cpu_percent,iowait_percent,disk_read_mb_s,rss_mb\n")
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     assert set(data.benchmarks["rule"]) == {"demo_data", "index_raw", "pack train", "pack val", "train", "evaluate"}
-    html = build(data, config(), repo=tmp_path)
+    html = build(data, whole(config()), repo=tmp_path)
     assert "demo_data 0.4 s" in html
 
 
@@ -309,7 +312,7 @@ def test_provenance_names_the_pipeline_code_commit_wherever_the_workdir_is(tmp_p
     paths = write_run(tmp_path)
     monkeypatch.chdir(tmp_path)  # like snakemake --directory elsewhere
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, config())
+    html = build(data, whole(config()))
     assert re.search(r"git commit</th><td>[0-9a-f]{40}", html)
 
 
@@ -445,7 +448,7 @@ def test_time_projection_from_a_run_of_known_throughput(tmp_path):
     assert p.imagenet.run_s == pytest.approx(2 * (1_281_167 / 128 + 125))  # 20,268.2 s
     assert p.measured_run_s == 20 * 60 and p.measured_train_s == 30.0
 
-    html = build(data, config(), repo=tmp_path)
+    html = build(data, whole(config()), repo=tmp_path)
     summary = html[html.index('<section id="summary">') : html.index('<section id="diagnosis">')]
     head = summary[summary.index('<div id="projection">') :]
     assert head.index("full ImageNet, 2 epochs<b>5 h 37 min</b><small>2 h 48 min per epoch") < head.index("<table>")
@@ -511,7 +514,7 @@ def test_without_a_resolution_column_every_epoch_counts_at_train_image_size(tmp_
     rows = per_resolution(data.steps, data.epochs, data.run)
     assert [(r.resolution, r.epochs, r.epoch_s) for r in rows] == [(64, 2, 30.0)]
     assert rows[0].train_img_s == pytest.approx(128.0)
-    html = build(data, config(), repo=tmp_path)
+    html = build(data, whole(config()), repo=tmp_path)
     panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
     assert 'id="tta-no-recipe"' in panel and "train.image_size (epochs.csv records no resolution)" in panel
 
@@ -523,12 +526,12 @@ def test_a_preset_run_shows_the_published_top1_beside_full_imagenets_projected_t
 
     data = progressive_run(tmp_path)
     rows = per_resolution(data.steps, data.epochs, data.run)
-    t = time_to_accuracy(RN50_40, rows, data.epochs, data.run, data.metrics, like_imagenet=True)
+    t = time_to_accuracy(view("recipe", RN50_40), rows, data.epochs, data.run, data.metrics, like_imagenet=True)
     assert t.schedule == ((160, 2), (192, 2)) and t.note is None and t.shortened
     assert t.train_s == pytest.approx(2 * 1_281_167 / 128 + 2 * 1_281_167 * 0.75 / 64)
     assert t.val_s == pytest.approx(500.0) and t.total_s == pytest.approx(t.train_s + 500.0)
 
-    html = build(data, {**config(), "recipe": RN50_40}, repo=tmp_path)
+    html = build(data, whole({**config(), "recipe": RN50_40}), repo=tmp_path)
     panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
     assert "published top-1, 40 epochs<b>77.2 %</b>" in panel
     assert "projected: full ImageNet on this hardware, 4 epochs<b>14 h 02 min</b>" in panel  # 50,546 s
@@ -545,7 +548,7 @@ def test_a_preset_on_a_dataset_not_like_imagenet_shows_the_published_top1_withou
 
     data = progressive_run(tmp_path)
     rows = per_resolution(data.steps, data.epochs, data.run, like_imagenet=False)
-    t = time_to_accuracy(RN50_40, rows, data.epochs, data.run, data.metrics, like_imagenet=False)
+    t = time_to_accuracy(view("recipe", RN50_40), rows, data.epochs, data.run, data.metrics, like_imagenet=False)
     assert t.total_s is None and "not ImageNet-like" in t.note
     assert all(r.imagenet_epoch_s is None for r in rows) and rows[0].train_img_s == pytest.approx(128.0)
 
@@ -558,14 +561,19 @@ def test_a_schedule_resolution_without_a_measured_rate_is_named_instead_of_proje
     data = progressive_run(tmp_path)
     run = {**data.run, "epochs": 5, "image_size": 224}
     t = time_to_accuracy(
-        RN50_40, per_resolution(data.steps, data.epochs, run), data.epochs, run, data.metrics, like_imagenet=True
+        view("recipe", RN50_40),
+        per_resolution(data.steps, data.epochs, run),
+        data.epochs,
+        run,
+        data.metrics,
+        like_imagenet=True,
     )
     assert t.train_s is None and t.note == "no steady training rate measured at 224 px"
 
 
 def test_a_recipe_block_with_only_a_name_renders_with_the_missing_values_marked(tmp_path):
     data = progressive_run(tmp_path)
-    html = build(data, {**config(), "recipe": {"name": "mine"}}, repo=tmp_path)
+    html = build(data, whole({**config(), "recipe": {"name": "mine"}}), repo=tmp_path)
     panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
     assert "published top-1<b>- %</b>" in panel and "(source: not given)" in panel
     assert 'id="tta-shortened"' not in panel, "no published epoch count to differ from"

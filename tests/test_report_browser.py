@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run, write_small_custom_run
+from helpers.views import whole
 from PIL import Image, ImageStat
 
 from rectrain.report import build, load
@@ -53,7 +54,7 @@ def report_file(tmp_path_factory):
         run_overrides={"calibration": make_calibration({0: 88.9, 1: 88.9})},
     )
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, {"dataset": "demo", "report": dict(REPORT_CFG)}, repo=tmp)
+    html = build(data, whole({"dataset": "demo", "report": dict(REPORT_CFG)}), repo=tmp)
     out = tmp / "report.html"
     out.write_text(html, encoding="utf-8")
     return out
@@ -113,7 +114,7 @@ def full_run_file(tmp_path_factory):
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     assert len(data.steps) == 900_900 and len(data.system) == 225_225
     out = tmp / "report.html"
-    out.write_text(build(data, {"dataset": "demo", "report": dict(REPORT_CFG)}, repo=tmp), encoding="utf-8")
+    out.write_text(build(data, whole({"dataset": "demo", "report": dict(REPORT_CFG)}), repo=tmp), encoding="utf-8")
     return out
 
 
@@ -135,7 +136,7 @@ def small_run_file(tmp_path_factory):
     paths = write_small_custom_run(tmp)
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     out = tmp / "report.html"
-    out.write_text(build(data, {"dataset": "mydata", "report": dict(REPORT_CFG)}, repo=tmp), encoding="utf-8")
+    out.write_text(build(data, whole({"dataset": "mydata", "report": dict(REPORT_CFG)}), repo=tmp), encoding="utf-8")
     return out
 
 

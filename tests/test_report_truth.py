@@ -7,7 +7,8 @@ import re
 
 import pandas as pd
 import pytest
-from helpers.synthetic_run import REPORT_CFG, write_run, write_small_custom_run
+from helpers.synthetic_run import REPORT, REPORT_CFG, write_run, write_small_custom_run
+from helpers.views import whole
 
 from rectrain.report import build, learning, load
 from rectrain.report.inputs import repair_reason
@@ -26,7 +27,7 @@ def loaded(paths):
 def small(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("small")
     data = loaded(write_small_custom_run(tmp))
-    return data, build(data, config(), repo=tmp)
+    return data, build(data, whole(config()), repo=tmp)
 
 
 def section(html: str, name: str) -> str:
@@ -36,7 +37,7 @@ def section(html: str, name: str) -> str:
 
 def test_a_run_that_learned_nothing_gets_the_three_learning_findings_with_numbers_and_fixes(small):
     data, html = small
-    found = {f.id: f for f in learning.findings(data, REPORT_CFG)}
+    found = {f.id: f for f in learning.findings(data, REPORT)}
     assert set(found) == {"few_steps", "chance_accuracy", "one_class_predicted"}
     steps = found["few_steps"]
     assert steps.severity == "critical" and "1 optimizer step(s) per epoch" in steps.measured
@@ -61,7 +62,7 @@ def test_a_run_that_learned_has_no_learning_findings(tmp_path):
     data = loaded(paths)
     pc = data.per_class
     data.per_class = pc.assign(predicted=pc["images"])  # evaluate's column: each class predicted as often as it is
-    assert learning.findings(data, REPORT_CFG) == []
+    assert learning.findings(data, REPORT) == []
 
 
 def test_no_full_imagenet_projection_for_a_five_class_custom_dataset_and_every_time_is_labelled_projected(small):
@@ -112,7 +113,7 @@ def test_class_columns_are_named_for_what_they_hold(small, tmp_path):
     classes = section(html, "classes")
     assert "<th>class (folder)</th>" in classes and "<th>wnid</th>" not in classes
     assert "<th>name</th>" not in classes, "every name is empty: no empty column"
-    imagenet = build(loaded(write_run(tmp_path)), config(), repo=tmp_path)
+    imagenet = build(loaded(write_run(tmp_path)), whole(config()), repo=tmp_path)
     assert "<th>wnid</th><th>name</th>" in section(imagenet, "classes")
 
 
@@ -137,7 +138,7 @@ def test_a_resumed_run_says_from_where(small, tmp_path):
         '<span id="resumed">(resumed: epochs 2 onwards trained by this job, continuing checkpoints/last.pt '
         "written after epoch 1)</span>" in section(html, "summary")
     )
-    fresh = build(loaded(write_run(tmp_path)), config(), repo=tmp_path)
+    fresh = build(loaded(write_run(tmp_path)), whole(config()), repo=tmp_path)
     assert 'id="resumed"' not in fresh
 
 
@@ -152,7 +153,7 @@ def test_stage_cpu_and_memory_come_from_the_stages_own_processes(tmp_path):
     own = {"cpu_s": 123.4, "max_rss_mb": 876.5, "processes": 1, "measured_by": usage.WHAT}
     for f in (paths["pack"] / "train.manifest.json", paths["train"] / "run.json", paths["eval"] / "metrics.json"):
         f.write_text(json.dumps({**json.loads(f.read_text()), "usage": own}))
-    html = build(loaded(paths), config(), repo=tmp_path)
+    html = build(loaded(paths), whole(config()), repo=tmp_path)
     rows = dict(re.findall(r"<tr><td>([a-z_ ]+)</td>(.*?)</tr>", section(html, "stages"), flags=re.S))
     for stage in ("pack train", "train", "evaluate"):
         assert '<td class="n">123.4</td>' in rows[stage] and "876.5" in rows[stage] and "getrusage" in rows[stage]

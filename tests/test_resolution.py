@@ -27,10 +27,11 @@ def ffcv_resolution(epoch, min_res, max_res, end_ramp, start_ramp):
 def test_the_resolution_of_every_epoch_equals_ffcvs_get_resolution(epochs, ramp):
     cfg = {"image_size": 224, "epochs": epochs, "progressive": ramp}
     expected = [ffcv_resolution(e, **ramp) for e in range(epochs)]
-    assert resolutions(cfg) == expected
-    assert largest(cfg) == max(expected)
+    assert resolutions(cfg["image_size"], cfg["progressive"], cfg["epochs"]) == expected
+    assert largest(cfg["image_size"], cfg["progressive"], cfg["epochs"]) == max(expected)
 
 
 def test_without_a_schedule_every_epoch_trains_at_image_size():
     cfg = {"image_size": 176, "epochs": 5, "progressive": None}
-    assert resolutions(cfg) == [176] * 5 and resolution_at(3, {"image_size": 64}) == 64
+    assert resolutions(cfg["image_size"], cfg["progressive"], cfg["epochs"]) == [176] * 5
+    assert resolution_at(3, 64) == 64

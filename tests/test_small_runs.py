@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers.train_data import config_json, packed_dataset, rows
+from helpers.train_data import config_json, packed_dataset, rows, train_settings
 
 from rectrain.train import batchplan
 from rectrain.train.calibrate import CALIBRATION_SHARE, Bounds
@@ -21,7 +21,7 @@ AUTO_256 = {"batch_size": "auto", "global_batch": 256, "grad_accum": 1}
 
 def test_auto_batch_is_capped_to_what_a_small_dataset_fills_and_the_reason_names_the_numbers():
     """150 images on 2 processes with a global batch of 256 was one optimizer step per epoch."""
-    plan = batchplan.plan(AUTO_256, 2, train_images=150)
+    plan = batchplan.plan(train_settings(AUTO_256).batch, 2, train_images=150)
     assert (plan.batch, plan.grad_accum, plan.global_batch) == (18, 1, 36)
     assert -(-75 // plan.batch) >= batchplan.MIN_STEPS_PER_EPOCH, "each rank's 75 images give the minimum steps"
     for words in ("capped to 18 per device", "global batch 36, not 256", "150 train images", "0.59 time(s)"):
@@ -29,18 +29,22 @@ def test_auto_batch_is_capped_to_what_a_small_dataset_fills_and_the_reason_names
 
 
 def test_auto_batch_on_a_dataset_large_enough_is_not_capped():
-    plan = batchplan.plan(AUTO_256, 2, train_images=1_281_167)
+    plan = batchplan.plan(train_settings(AUTO_256).batch, 2, train_images=1_281_167)
     assert (plan.batch, plan.global_batch, plan.capped) == (128, 256, "")
-    assert batchplan.plan(AUTO_256, 2).batch == 128, "no image count (a preflight without data): no cap"
+    assert batchplan.plan(train_settings(AUTO_256).batch, 2).batch == 128, (
+        "no image count (a preflight without data): no cap"
+    )
 
 
 def test_a_number_in_batch_size_is_used_as_given_even_on_a_small_dataset():
-    plan = batchplan.plan({"batch_size": 128, "global_batch": None, "grad_accum": 1}, 2, train_images=150)
+    plan = batchplan.plan(
+        train_settings({"batch_size": 128, "global_batch": None, "grad_accum": 1}).batch, 2, train_images=150
+    )
     assert (plan.batch, plan.capped) == (128, "")
 
 
 def test_a_capped_batch_that_does_not_fit_still_accumulates_to_the_capped_global_batch():
-    plan = batchplan.plan(AUTO_256, 2, fits=10, train_images=150)
+    plan = batchplan.plan(train_settings(AUTO_256).batch, 2, fits=10, train_images=150)
     assert (plan.batch, plan.grad_accum, plan.global_batch) == (9, 2, 36)
 
 

@@ -94,6 +94,7 @@ def small_run(data, out):
     of it: (input efficiency, findings, the training log, the report block)."""
     import pandas as pd
 
+    from rectrain import settings
     from rectrain.config import stage_block
     from rectrain.report import diagnosis, efficiency
 
@@ -106,7 +107,7 @@ def small_run(data, out):
     # tiny case 0.07 above it, and a loaded box measured it at 0.896.
     cfg = stage_block("report", json.dumps({"input_efficiency": 0.8}))
     eff = efficiency.input_efficiency(steps, run)
-    return eff, diagnosis.diagnose(steps, system, run, {}, cfg), proc.stderr, cfg
+    return eff, diagnosis.diagnose(steps, system, run, {}, settings.view("report", cfg)), proc.stderr, cfg
 
 
 # The calibration and the epoch are measured seconds apart, and on this shared box another tenant's

@@ -15,7 +15,7 @@ ARGS = ["--config-json", "{}", "--out", "o"]
 def command(cfg, gpus, **kw):
     """What the launcher runs for a (partial) train block on a machine with `gpus` GPUs."""
     cfg = stage_block("train", json.dumps(cfg))
-    plan = plan_processes(cfg, gpus)
+    plan = plan_processes(cfg["devices"], cfg["cpu_processes"], gpus)
     argv, env = torchrun_command(plan, "rectrain.train", ARGS, nodes=cfg["nodes"], python="python", base_env={}, **kw)
     return argv, env, plan
 
@@ -70,7 +70,7 @@ def test_multi_node_without_endpoint_names_the_fix():
 )
 def test_bad_devices_name_the_key(devices, gpus, match):
     with pytest.raises(ValueError, match=match):
-        plan_processes({"devices": devices, "cpu_processes": 2}, gpus)
+        plan_processes(devices, 2, gpus)
 
 
 def test_cli_prints_the_command_it_would_exec():

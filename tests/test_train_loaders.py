@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
-from helpers.train_data import colour_class, tiny_train_config, write_rec
+from helpers.train_data import colour_class, tiny_train_settings, write_rec
 from PIL import Image
 
 from rectrain.distributed import Dist
@@ -227,10 +227,10 @@ def test_per_epoch_validation_runs_at_train_val_resolution(colour_rec, val_resol
     """train.val_resolution: the crop (and shorter side = crop / 0.875) of each epoch's validation; null =
     image_size. Training itself stays at image_size."""
     (rec, idx), labels = colour_rec
-    cfg = tiny_train_config(image_size=16, val_resolution=val_resolution, loader="torch")
+    cfg = tiny_train_settings(image_size=16, val_resolution=val_resolution, loader="torch")
     spec = loader_spec(cfg, Dist(0, 1, 0, 1, torch.device("cpu")), rec, idx, workers=1)
     args = argparse.Namespace(val_rec=rec, val_idx=idx)
-    train_loader, val_loader = make_loaders(args, cfg, spec, batch=8)
+    train_loader, val_loader = make_loaders(args, cfg.loaders.loader, cfg.resolution.val_resolution, spec, batch=8)
     assert (val_loader.spec.image_size, val_loader.spec.eval_resize, val_loader.spec.train) == (crop, shorter, False)
     assert next(iter(train_loader.epoch(0)))[0].shape[2:] == (16, 16)
     seen = [(images.shape[2:], y) for images, y in val_loader.epoch(0)]

@@ -5,11 +5,11 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.train_data import tiny_train_config
+from helpers.train_data import tiny_train_settings, train_settings
 
 from rectrain.distributed import Dist
 from rectrain.loaders import DaliOptions, LoaderSpec, choose_loader
-from rectrain.train import batchplan, memory
+from rectrain.train import batchplan, failure, memory
 from rectrain.train.run import make_model
 
 GPU = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
@@ -88,9 +88,9 @@ def test_nothing_fits_says_so_with_other_fixes():
     ],
 )
 def test_auto_batch_keeps_the_global_batch(limit, global_batch, world, expect):
-    cfg = {"batch_size": "auto", "global_batch": global_batch, "grad_accum": 1}
-    fits, why = memory.auto_fit(FakeAllocator(limit), batchplan.wanted(cfg, world))
-    plan = batchplan.plan(cfg, world, fits)
+    batch_part = train_settings({"batch_size": "auto", "global_batch": global_batch, "grad_accum": 1}).batch
+    fits, why = memory.auto_fit(FakeAllocator(limit), batchplan.wanted(batch_part, world))
+    plan = batchplan.plan(batch_part, world, fits)
     batch, accum = plan.batch, plan.grad_accum
     assert (batch, accum) == expect and plan.global_batch == batch * accum * world
     assert (why is None) == (accum == 1), "a lower batch comes with the reason the wanted one was refused"
@@ -98,9 +98,11 @@ def test_auto_batch_keeps_the_global_batch(limit, global_batch, world, expect):
 
 
 def test_the_plan_is_one_frozen_value_whose_global_batch_counts_accumulation():
-    fixed = batchplan.plan({"batch_size": 64, "grad_accum": 2, "global_batch": None}, 4)
+    fixed = batchplan.plan(train_settings({"batch_size": 64, "grad_accum": 2, "global_batch": None}).batch, 4)
     assert (fixed.batch, fixed.grad_accum, fixed.global_batch, fixed.auto) == (64, 2, 512, False)
-    auto = batchplan.plan({"batch_size": "auto", "grad_accum": 1, "global_batch": None}, 2, fits=50)
+    auto = batchplan.plan(
+        train_settings({"batch_size": "auto", "grad_accum": 1, "global_batch": None}).batch, 2, fits=50
+    )
     assert (auto.batch, auto.grad_accum, auto.global_batch) == (43, 3, 258), "128 per device in 3 micro-batches"
     assert auto.auto and "128 per device did not fit, 50 did" in auto.reason
     with pytest.raises(AttributeError):
@@ -120,7 +122,7 @@ def test_headroom_exceeded_is_treated_as_oom():
 
 def test_cuda_error_hint_is_none_on_cpu():
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
-    assert memory.explain_cuda_error(err, torch.device("cpu"), PLAN_128_ON_2) is None
+    assert failure.explain_cuda_error(err, torch.device("cpu"), PLAN_128_ON_2) is None
 
 
 def test_illegal_memory_access_near_the_limit_gets_the_oom_hint(monkeypatch):
@@ -128,10 +130,10 @@ def test_illegal_memory_access_near_the_limit_gets_the_oom_hint(monkeypatch):
     monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 10900 * 2**20)
-    hint = memory.explain_cuda_error(err, torch.device("cuda", 0), PLAN_128_ON_2)
+    hint = failure.explain_cuda_error(err, torch.device("cuda", 0), PLAN_128_ON_2)
     assert hint and "most likely out of memory" in hint and "GPU 0" in hint and "train.grad_accum" in hint
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3000 * 2**20)
-    assert memory.explain_cuda_error(err, torch.device("cuda", 0), PLAN_128_ON_2) is None, (
+    assert failure.explain_cuda_error(err, torch.device("cuda", 0), PLAN_128_ON_2) is None, (
         "far from the limit: no guess"
     )
 
@@ -196,8 +198,8 @@ def test_without_a_val_split_the_preflight_reserves_nothing_for_a_validation_loa
     held beside the step only when a val split will be validated: without one, its DALI decoder's
     padding (GBs with 8 decode threads) would cut an auto batch for a loader never built."""
     d = Dist(0, 2, 0, 2, torch.device("cuda:0"))
-    cfg = tiny_train_config(image_size=224)
-    model, loss = make_model(cfg, 5, torch.device("cpu"))
+    cfg = tiny_train_settings(image_size=224)
+    model, loss = make_model(cfg.model, 5, torch.device("cpu"))
 
     def held(validated):
         return [r.what for r in batchplan.preflight_inputs(cfg, model, loss, d, 5, None, validated=validated)[1] if r]
@@ -220,7 +222,7 @@ def test_choose_batch_hands_the_preflight_whether_a_val_split_is_validated(monke
 
     monkeypatch.setattr(batchplan, "preflight_inputs", record)
     d = Dist(0, 1, 0, 1, torch.device("cuda:0"))
-    cfg = tiny_train_config()
+    cfg = tiny_train_settings()
     for validated in (True, False):
         with pytest.raises(Seen):
             batchplan.choose_batch(cfg, None, None, d, 5, LoaderSpec("t.rec", "t.idx", 0, 32), validated=validated)
@@ -292,17 +294,14 @@ def test_preflight_runs_the_search_with_cudnn_autotune_off_and_restores_it(monke
 def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypatch):
     """choose_batch's wiring: the train block's loader settings (DALI, 8 decode threads, 224 px) become
     the held memory, free memory comes from mem_get_info, and the report says why auto went lower."""
-    import json
-
-    from rectrain.config import stage_block
     from rectrain.distributed import Dist
     from rectrain.train.run import make_model
 
-    cfg = stage_block("train", json.dumps({"batch_size": "auto", "global_batch": 256, "workers": 8, "image_size": 224}))
+    cfg = train_settings({"batch_size": "auto", "global_batch": 256, "workers": 8, "image_size": 224})
     monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     monkeypatch.setattr(memory, "cuda_step_bytes", lambda trial: step_bytes)
     monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
-    model, loss_fn = make_model(cfg, 5, torch.device("cpu"))
+    model, loss_fn = make_model(cfg.model, 5, torch.device("cpu"))
     d = Dist(0, 1, 0, 1, torch.device("cuda", 0))
     plan = batchplan.choose_batch(cfg, model, loss_fn, d, 5)
     report = plan.preflight

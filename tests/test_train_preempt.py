@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.train_data import config_json, packed_dataset, rows, run_identity
+from helpers.train_data import config_json, packed_dataset, rows, run_identity, train_settings
 
 from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec
@@ -217,7 +217,7 @@ def fake_run(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     return SimpleNamespace(
         ck_dir=tmp_path / "checkpoints",
-        cfg={"model": "linear", "image_size": 8, "blurpool": False},
+        settings=train_settings({"model": "linear", "blurpool": False}).replaced(image_size=8),
         classes=[0] * 64,
         d=Dist(0, 1, 0, 1, torch.device("cpu")),
         identity=run_identity(world_size=1),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import REPO
-from helpers.train_data import packed_dataset, rows, tiny_train_config
+from helpers.train_data import packed_dataset, rows, tiny_train_settings, train_settings
 from test_train_preempt import run_train
 
 from rectrain import model as models
@@ -36,9 +36,9 @@ def test_the_no_decay_group_holds_exactly_the_norm_and_bias_parameters():
 
 
 def test_weight_decay_null_takes_the_model_familys_published_value():
-    assert optim.weight_decay({"model": "resnet50", "weight_decay": None}) == 1e-4
-    assert optim.weight_decay({"model": "resnet18", "weight_decay": None}) == 5e-5
-    assert optim.weight_decay({"model": "resnet18", "weight_decay": 0.0}) == 0.0
+    assert optim.weight_decay(train_settings({"weight_decay": None}).optim, "resnet50") == 1e-4
+    assert optim.weight_decay(train_settings({"weight_decay": None}).optim, "resnet18") == 5e-5
+    assert optim.weight_decay(train_settings({"weight_decay": 0.0}).optim, "resnet18") == 0.0
 
 
 @pytest.mark.parametrize("name, last_bn", [("resnet18", "bn2"), ("resnet50", "bn3")])
@@ -55,7 +55,7 @@ def test_zero_init_residual_zeroes_each_residual_branchs_last_batchnorm_weight(n
 def test_zero_init_residual_is_on_by_default_in_the_training_model():
     from rectrain.train.run import make_model
 
-    net, _ = make_model(tiny_train_config(), 5, torch.device("cpu"))
+    net, _ = make_model(tiny_train_settings().model, 5, torch.device("cpu"))
     assert all(torch.count_nonzero(b.bn2.weight) == 0 for b in net.layer1)
 
 
@@ -92,9 +92,11 @@ def test_the_cosine_schedule_warms_up_linearly_then_follows_the_cosine_to_zero()
 
 
 def test_the_optimizer_is_fused_sgd_with_the_schedule_and_the_family_decay():
-    cfg = tiny_train_config(lr_schedule="linear", epochs=4, lr_peak_epoch=1)
+    cfg = tiny_train_settings(lr_schedule="linear", epochs=4, lr_peak_epoch=1)
     net = models.build("resnet18", 5)
-    opt, sched, _ = optim.make_optimizer(cfg, net, global_batch=512, opt_steps_per_epoch=3)
+    opt, sched, _ = optim.make_optimizer(
+        cfg.optim, net, global_batch=512, opt_steps_per_epoch=3, family=cfg.model.model, precision=cfg.model.precision
+    )
     assert opt.defaults["fused"] is True, "CPU has torch's fused SGD kernel"
     assert [g["weight_decay"] for g in opt.param_groups] == [5e-5, 0.0]
     lrs = []
@@ -111,9 +113,9 @@ def data(tmp_path_factory):
 
 
 def formula_lrs(cfg_overrides, steps_per_epoch=12, batch=4):
-    cfg = tiny_train_config(**cfg_overrides)
+    cfg = tiny_train_settings(**cfg_overrides).optim
     sched = optim.schedule(cfg, steps_per_epoch)
-    return [cfg["lr"] * batch / 256 * sched.factor(s) for s in range(cfg["epochs"] * steps_per_epoch)]
+    return [cfg.lr * batch / 256 * sched.factor(s) for s in range(cfg.epochs * steps_per_epoch)]
 
 
 @pytest.mark.slow
@@ -165,8 +167,10 @@ def test_blurpool_wraps_the_strided_convolutions_except_the_rgb_stem():
 def test_a_blurpool_resnet_trains_a_step():
     torch.manual_seed(0)
     net = models.build("resnet18", 5, channels_last=True, blurpool=True, zero_init_residual=True)
-    cfg = tiny_train_config(blurpool=True)
-    opt, sched, scaler = optim.make_optimizer(cfg, net, 8, 4)
+    cfg = tiny_train_settings(blurpool=True)
+    opt, sched, scaler = optim.make_optimizer(
+        cfg.optim, net, 8, 4, family=cfg.model.model, precision=cfg.model.precision
+    )
     x, y = torch.randn(8, 3, 32, 32).contiguous(memory_format=torch.channels_last), torch.arange(8) % 5
     before = net.layer2[0].conv1.conv.weight.detach().clone()
     with models.autocast(torch.device("cpu"), "bf16"):
@@ -188,8 +192,8 @@ def _ddp_rank(rank, port, accum, hook, out):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = models.build("resnet18", 5, zero_init_residual=True)
-    cfg = tiny_train_config(ddp_comm_hook=hook)
-    net = ddp(model, Dist(rank, 2, rank, 2, torch.device("cpu")), cfg, accum)
+    cfg = tiny_train_settings(ddp_comm_hook=hook)
+    net = ddp(model, Dist(rank, 2, rank, 2, torch.device("cpu")), cfg.launch, accum)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     for _ in range(2):
         for micro in range(accum):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.train_data import run_identity
+from helpers.train_data import run_identity, train_settings
 
 from rectrain.distributed import Dist
 from rectrain.train import batchplan, finished, memory
@@ -29,12 +29,12 @@ def fake_run(tmp_path, mode="auto", identity=IDENT, batch_size=32):
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
         scaler=torch.amp.GradScaler("cpu", enabled=False),
     )
-    cfg = {**identity.config, "resume": mode, "batch_size": batch_size, "workers": 2}
+    cfg = train_settings({**identity.config, "resume": mode, "batch_size": batch_size, "workers": 2})
     (tmp_path / "checkpoints").mkdir(exist_ok=True)
     return SimpleNamespace(
         out=tmp_path,
         ck_dir=tmp_path / "checkpoints",
-        cfg=cfg,
+        settings=cfg,
         d=Dist(0, identity.world_size, 0, identity.world_size, torch.device("cpu")),
         identity=identity,
         model=model,
@@ -208,7 +208,7 @@ def test_a_finished_run_whose_outputs_are_kept_is_republished_not_trained(tmp_pa
     write_finished_run(run)
     caplog.set_level(logging.INFO)
     decided = resume(run)
-    assert decided.restored and decided.start_epoch == run.cfg["epochs"]
+    assert decided.restored and decided.start_epoch == run.settings.optim.epochs
     assert [(run.out / n).read_text() for n in finished.PUBLISHED] == [
         f"{n} of the finished run" for n in finished.PUBLISHED
     ]
@@ -244,17 +244,17 @@ def test_a_finished_run_of_another_config_is_not_republished_and_says_what_diffe
 # --- batch_size auto reuses the checkpoint's plan ----------------------------------------------------
 
 
-AUTO = {"batch_size": "auto", "global_batch": 256, "grad_accum": 1}
+AUTO = train_settings({"batch_size": "auto", "global_batch": 256, "grad_accum": 1})
 
 
 def test_the_checkpoints_plan_is_read_from_last_pt_for_batch_size_auto_only(tmp_path):
     ident = dataclasses.replace(IDENT, batch_size=43, grad_accum=3, world_size=2)
     run = fake_run(tmp_path, "auto", ident, batch_size="auto")
     write_checkpoints(run, identity=ident)
-    found = previous_plan(run.ck_dir, run.cfg)
+    found = previous_plan(run.ck_dir, run.settings.batch, run.settings.stops)
     assert (found.batch, found.grad_accum, found.world_size) == (43, 3, 2)
-    assert previous_plan(run.ck_dir, {**run.cfg, "batch_size": 32}) is None
-    assert previous_plan(run.ck_dir, {**run.cfg, "resume": "never"}) is None
+    assert previous_plan(run.ck_dir, run.settings.replaced(batch_size=32).batch, run.settings.stops) is None
+    assert previous_plan(run.ck_dir, run.settings.batch, run.settings.replaced(resume="never").stops) is None
 
 
 def finished_run_replaced_by_an_lr_edit(run):
@@ -294,9 +294,10 @@ def test_a_finished_runs_plan_is_reused_only_when_it_may_be_republished(tmp_path
     run = fake_run(tmp_path, "auto", ident, batch_size="auto")
     write_finished_run(run, identity=ident)
     monkeypatch.delenv(finished.FORCED_ENV, raising=False)
-    assert (previous_plan(run.ck_dir, run.cfg).batch, previous_plan(run.ck_dir, run.cfg).grad_accum) == (43, 3)
+    found = previous_plan(run.ck_dir, run.settings.batch, run.settings.stops)
+    assert (found.batch, found.grad_accum) == (43, 3)
     monkeypatch.setenv(finished.FORCED_ENV, "1")
-    assert previous_plan(run.ck_dir, run.cfg) is None, "a forced rerun plans afresh"
+    assert previous_plan(run.ck_dir, run.settings.batch, run.settings.stops) is None, "a forced rerun plans afresh"
 
 
 def test_auto_batch_on_cpu_reuses_the_checkpoints_plan_as_is():

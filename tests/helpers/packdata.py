@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from helpers.views import view
 from rectrain.data import demo
 from rectrain.data.images import read_jpeg_header
 
@@ -33,7 +34,7 @@ TINY_WNIDS = [wnid for wnid, _ in demo.class_list(TINY_DEMO["classes"])]
 def tiny_demo_raw(tmp_path_factory, name: str) -> Path:
     """TINY_DEMO generated under a fresh temporary folder `name`; its raw root."""
     out = tmp_path_factory.mktemp(name) / "raw"
-    demo.generate(TINY_DEMO, out)
+    demo.generate(view("demo", TINY_DEMO), out)
     return out
 
 

@@ -72,6 +72,21 @@ def tiny_train_config(**overrides):
     return stage_block("train", config_json(**overrides))
 
 
+def tiny_train_settings(**overrides):
+    """tiny_train_config's block as the typed view the train stage reads (rectrain.settings)."""
+    from rectrain import settings
+
+    return settings.train(tiny_train_config(**overrides))
+
+
+def train_settings(given: dict):
+    """The train block `given` (partial, as typed), completed from the schema, as its typed view."""
+    from rectrain import settings
+    from rectrain.config import stage_block
+
+    return settings.train(stage_block("train", json.dumps(given)))
+
+
 def config_json(**overrides):
     """The partial train block of a tiny CPU run, as the --config-json a user would type."""
     return json.dumps({**TINY_TRAIN, **overrides})

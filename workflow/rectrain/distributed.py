@@ -41,9 +41,9 @@ def visible_gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def plan_processes(train_cfg: dict, gpu_count: int) -> ProcessPlan:
-    """Ranks per node for a (schema-filled) train block: one per GPU, or cpu_processes without GPUs."""
-    devices, cpu_n = train_cfg["devices"], int(train_cfg["cpu_processes"])
+def plan_processes(devices, cpu_processes: int, gpu_count: int) -> ProcessPlan:
+    """Ranks per node for train.devices and train.cpu_processes: one per GPU, or cpu_processes without GPUs."""
+    cpu_n = int(cpu_processes)
     if devices == "cpu":
         return ProcessPlan(cpu_n, "cpu", "", f"train.devices is 'cpu': {cpu_n} CPU processes (train.cpu_processes)")
     if devices == "auto":

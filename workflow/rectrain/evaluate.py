@@ -34,12 +34,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rectrain import cli, distributed, usage, watchdog
+from rectrain import cli, distributed, settings, usage, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.loaders import LoaderSpec, build_loader, eval_resize_for, resolve_workers
 from rectrain.metrics import Tally, all_reduce, tally
 from rectrain.progress import Progress
+from rectrain.settings import EvaluateSettings
 from rectrain.tables import read_classes, spreadsheet_safe
 from rectrain.train.checkpoint import load as load_checkpoint
 
@@ -67,37 +68,39 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     return model.eval()
 
 
-def loader_kind(cfg: dict, ckpt: dict) -> str:
+def loader_kind(evaluate: EvaluateSettings, ckpt: dict) -> str:
     """evaluate.loader, else the loader training used (null in the schema means: as trained)."""
-    return cfg["loader"] or (ckpt.get("config") or {}).get("loader") or "dali"
+    return evaluate.loader or (ckpt.get("config") or {}).get("loader") or "dali"
 
 
-def resolutions(cfg: dict, ckpt: dict) -> list[Resolution]:
+def resolutions(evaluate: EvaluateSettings, ckpt: dict) -> list[Resolution]:
     """evaluate.resolutions in order (the first is the headline), each once: null = evaluate.resize /
     evaluate.crop, by default training's image_size / 0.875 and image_size; a number r = a centre crop of
     r px from a shorter side of r / 0.875 (so the model can be tested above the size it trained at, as
     FFCV tests at 256 px what it trained at 160-192)."""
-    crop = int(cfg["crop"] or ckpt["image_size"])
-    configured = Resolution(crop, int(cfg["resize"] or eval_resize_for(crop)))
+    crop = int(evaluate.crop or ckpt["image_size"])
+    configured = Resolution(crop, int(evaluate.resize or eval_resize_for(crop)))
     out: list[Resolution] = []
-    for r in cfg["resolutions"]:
+    for r in evaluate.resolutions:
         res = configured if r is None else Resolution(int(r), eval_resize_for(int(r)))
         if res not in out:
             out.append(res)
     return out
 
 
-def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist, res: Resolution) -> LoaderSpec:
+def eval_spec(
+    evaluate: EvaluateSettings, ckpt: dict, rec: str, idx: str, d: distributed.Dist, res: Resolution
+) -> LoaderSpec:
     train_cfg = ckpt.get("config") or {}
     return LoaderSpec(
         rec=rec,
         idx=idx,
-        batch_size=int(cfg["batch_size"]),
+        batch_size=int(evaluate.batch_size),
         image_size=res.crop,
         train=False,
         rank=d.rank,
         world_size=d.world_size,
-        workers=resolve_workers(cfg["workers"], d.local_world_size),
+        workers=resolve_workers(evaluate.workers, d.local_world_size),
         device=str(d.device),
         gpu_decode=bool(train_cfg.get("gpu_decode", True)),
         decode=train_cfg.get("decode", "auto"),  # 'cpu' keeps the decode off the GPU here too
@@ -113,7 +116,7 @@ def eval_spec(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist, re
 class Passes:
     """What every resolution's pass over the val .rec shares."""
 
-    cfg: dict
+    evaluate: EvaluateSettings
     ckpt: dict
     rec: str
     idx: str
@@ -129,7 +132,7 @@ class Passes:
 
 def tally_at(p: Passes, res: Resolution, label: str) -> Tally:
     """The val .rec at one resolution, every rank's tally summed."""
-    spec = eval_spec(p.cfg, p.ckpt, p.rec, p.idx, p.d, res)
+    spec = eval_spec(p.evaluate, p.ckpt, p.rec, p.idx, p.d, res)
     log.info(
         "rank %d/%d on %s: %s loader, resize %d + centre crop %d%s, batch %d",
         p.d.rank,
@@ -138,12 +141,12 @@ def tally_at(p: Passes, res: Resolution, label: str) -> Tally:
         p.kind,
         res.resize,
         res.crop,
-        " + flip TTA" if p.cfg["flip_tta"] else "",
+        " + flip TTA" if p.evaluate.flip_tta else "",
         spec.batch_size,
     )
     loader = build_loader(p.kind, spec)
     batches = watchdog.watched(loader.epoch(0), label)
-    progress = evaluation_progress(p.cfg, p.d, loader.batches_per_epoch, label)
+    progress = evaluation_progress(p.evaluate, p.d, loader.batches_per_epoch, label)
     precision = (p.ckpt.get("config") or {}).get("precision", "fp32")
     t = tally(
         p.model,
@@ -153,7 +156,7 @@ def tally_at(p: Passes, res: Resolution, label: str) -> Tally:
         precision,
         channels_last=p.channels_last,
         progress=progress,
-        flip_tta=bool(p.cfg["flip_tta"]),
+        flip_tta=bool(p.evaluate.flip_tta),
     )
     watchdog.beat("summing the ranks' tallies")
     return all_reduce(t, p.d.device)
@@ -238,24 +241,27 @@ def write_outputs(out: Path, m: dict, table: pd.DataFrame) -> None:
 # Processes
 
 
-def relaunch_command(train_cfg: dict, argv: list[str], gpu_count: int) -> tuple[list[str], dict] | None:
-    """(torchrun argv, env) that run this evaluation on every training GPU, or None to run in-process."""
-    plan = distributed.plan_processes(train_cfg, gpu_count)
+def relaunch_command(devices, cpu_processes: int, argv: list[str], gpu_count: int) -> tuple[list[str], dict] | None:
+    """(torchrun argv, env) that run this evaluation on every training GPU (devices, cpu_processes: as
+    train.devices and train.cpu_processes were when the checkpoint was written), or None to run in-process."""
+    plan = distributed.plan_processes(devices, cpu_processes, gpu_count)
     if plan.kind != "gpu" or plan.nproc < 2:
         return None
     return distributed.torchrun_command(plan, "rectrain.evaluate", argv)
 
 
-def evaluation_progress(cfg: dict, d: distributed.Dist, batches: int, label: str = "evaluation") -> Progress | None:
+def evaluation_progress(
+    evaluate: EvaluateSettings, d: distributed.Dist, batches: int, label: str = "evaluation"
+) -> Progress | None:
     """Rank 0's progress lines every evaluate.progress_s (the other ranks log none)."""
     if not d.master:
         return None
-    progress = Progress(cfg["progress_s"], d.world_size)
+    progress = Progress(evaluate.progress_s, d.world_size)
     progress.begin(f"{label} batch", batches)
     return progress
 
 
-def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: str) -> dict | None:
+def run(evaluate: EvaluateSettings, checkpoint: str, rec: str, idx: str, classes_path: str, out: str) -> dict | None:
     """Evaluate in this process (one rank of torchrun, or alone), once per evaluate.resolutions entry.
     Returns the metrics on rank 0."""
     ckpt = load_checkpoint(checkpoint)
@@ -264,8 +270,8 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
     d = distributed.setup(train_cfg.get("devices") != "cpu", train_cfg.get("collective_timeout_s", 600))
     try:
         classes = class_table(classes_path, int(ckpt["num_classes"]))
-        p = passes(cfg, ckpt, rec, idx, d)
-        todo = resolutions(cfg, ckpt)
+        p = passes(evaluate, ckpt, rec, idx, d)
+        todo = resolutions(evaluate, ckpt)
         # A rank stalled in reading leaves its peers in the all_reduce below, which the collective timeout
         # ends; but a single process, or every rank stalled at once (a hung filesystem), has no pending
         # collective: the watchdog ends those, with training's train.watchdog_s.
@@ -275,23 +281,23 @@ def run(cfg: dict, checkpoint: str, rec: str, idx: str, classes_path: str, out: 
         if not d.master:
             return None
         rows = [row(t, res) for t, res in zip(tallies, todo, strict=True)]
-        m = metrics(rows, p.kind, checkpoint, bool(cfg["flip_tta"]))
+        m = metrics(rows, p.kind, checkpoint, bool(evaluate.flip_tta))
         # num_classes: top-5 of 5 classes or fewer is 1.0 by construction; usage: this stage's own CPU and memory
         m.update(num_classes=int(tallies[0].confusion.shape[0]), usage=used)
         write_outputs(Path(out), m, per_class(tallies[0].confusion, classes))
-        log_rows(rows, bool(cfg["flip_tta"]))
+        log_rows(rows, bool(evaluate.flip_tta))
         return m
     finally:
         distributed.teardown()
 
 
-def passes(cfg: dict, ckpt: dict, rec: str, idx: str, d: distributed.Dist) -> Passes:
+def passes(evaluate: EvaluateSettings, ckpt: dict, rec: str, idx: str, d: distributed.Dist) -> Passes:
     """The model on this rank's device (channels_last on a GPU) and what each pass needs beside it."""
     model = model_from_checkpoint(ckpt).to(d.device)
     channels_last = d.device.type == "cuda"
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return Passes(cfg, ckpt, rec, idx, d, model, loader_kind(cfg, ckpt), channels_last)
+    return Passes(evaluate, ckpt, rec, idx, d, model, loader_kind(evaluate, ckpt), channels_last)
 
 
 def log_rows(rows: list[dict], flip_tta: bool) -> None:
@@ -322,13 +328,14 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace, cfg: dict) -> None:
     if not distributed.launched() and not args.single_process:
-        train_cfg = load_checkpoint(args.checkpoint).get("config") or {}
-        relaunch = relaunch_command(train_cfg, args.argv, distributed.visible_gpu_count())
+        train_cfg = load_checkpoint(args.checkpoint).get("config") or {}  # the checkpoint's: data, not this stage's
+        devices, cpu_processes = train_cfg["devices"], train_cfg["cpu_processes"]
+        relaunch = relaunch_command(devices, cpu_processes, args.argv, distributed.visible_gpu_count())
         if relaunch:
             cmd, env = relaunch
             log.info("one process per training GPU: %s", " ".join(cmd))
             os.execve(cmd[0], cmd, env)
-    run(cfg, args.checkpoint, args.rec, args.idx, args.classes, args.out)
+    run(settings.view("evaluate", cfg), args.checkpoint, args.rec, args.idx, args.classes, args.out)
 
 
 def main(argv=None) -> int:

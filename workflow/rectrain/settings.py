@@ -113,3 +113,57 @@ def train(values: dict) -> TrainSettings:
     return TrainSettings(
         **{part: cls(**{k: values[k] for k in keys_of[part] if k in values}) for part, cls in classes.items()}
     )
+
+
+# The flat blocks' view classes by name, for annotations (`pack: PackSettings`) and isinstance checks.
+DemoSettings = block_class("demo")
+IndexSettings = block_class("index")
+PackSettings = block_class("pack")
+RecordioSettings = block_class("recordio")
+EvaluateSettings = block_class("evaluate")
+RecipeSettings = block_class("recipe")
+ReportSettings = block_class("report")
+
+
+def _is_block(spec: dict) -> bool:
+    return spec.get("type") == "object" and "properties" in spec
+
+
+@functools.lru_cache(maxsize=None)
+def whole_class() -> type:
+    """The frozen view class of the whole config: one field per top-level schema key, a block's field
+    holding its view (TrainSettings for train), a scalar (dataset, raw, private) its value."""
+    top = load_schema(SCHEMA_PATH)["properties"]
+    fields: list = [(key, "TrainSettings" if key == "train" else _annotation(spec)) for key, spec in top.items()]
+    # The keys' order as completed: as_dict() gives the config back as it was (the report prints it)
+    fields.append(("key_order", tuple, dataclasses.field(default=(), repr=False, compare=False)))
+    return dataclasses.make_dataclass("WholeSettings", fields, frozen=True, namespace={"as_dict": _whole_dict})
+
+
+def whole(config: dict):
+    """The completed whole config (rectrain.config.complete_config) as its frozen view: `.dataset`,
+    `.report`, `.recipe`, `.train` (TrainSettings), ... - for the report, which reads several blocks
+    and shows them all."""
+    top = load_schema(SCHEMA_PATH)["properties"]
+    values = {
+        key: view(key, value) if isinstance(value, dict) and _is_block(top.get(key, {})) else value
+        for key, value in config.items()
+    }
+    order = tuple((key, tuple(value) if isinstance(value, dict) else None) for key, value in config.items())
+    return whole_class()(**values, key_order=order)
+
+
+def _whole_dict(self) -> dict:
+    """The whole config, nested, its keys in the order it was completed in (a copy of each block)."""
+    config: dict = {}
+    for key, block_keys in self.key_order:
+        value = getattr(self, key)
+        if block_keys is None:
+            config[key] = value
+        else:
+            flat = value.as_dict()
+            config[key] = {k: flat[k] for k in block_keys}
+    return config
+
+
+WholeSettings = whole_class()  # by name, for annotations (`config: WholeSettings`)

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from rectrain import cli, storage
+from rectrain import cli, settings, storage
 from rectrain.atomic import fsync_path, publish, replacing, temporary_name, write_json
 from rectrain.data.formats import HEAD_BYTES, sniff
 from rectrain.data.images import Skip, prepare
@@ -266,22 +266,23 @@ def label_runs(labels) -> dict:
     return {"label_runs": runs, "expected_if_shuffled": round(expected, 1), "class_ordered": ordered}
 
 
-def class_table(cfg: dict, train: Walked) -> tuple[list[tuple[str, str]], str]:
-    """(wnid, name) per label, and where the names came from: the class list, the .lst's folders, or numbers."""
-    if cfg["classes"]:
-        lines = [ln.rstrip("\r\n") for ln in open(cfg["classes"], encoding="utf-8") if ln.strip()]
-        return [tuple((ln.split("\t", 1) + [""])[:2]) for ln in lines], f"class list {cfg['classes']}"
+def class_table(classes: str | None, train_pair: dict, train: Walked) -> tuple[list[tuple[str, str]], str]:
+    """(wnid, name) per label, and where the names came from: the class list (recordio.classes), the
+    train pair's .lst's folders, or numbers."""
+    if classes:
+        lines = [ln.rstrip("\r\n") for ln in open(classes, encoding="utf-8") if ln.strip()]
+        return [tuple((ln.split("\t", 1) + [""])[:2]) for ln in lines], f"class list {classes}"
     count = max(train.labels) + 1
-    if cfg["train"].get("lst"):
+    if train_pair.get("lst"):
         folders: dict[int, str] = {}
-        for label, path in read_lst(cfg["train"]["lst"]).values():
+        for label, path in read_lst(train_pair["lst"]).values():
             folder = os.path.dirname(path) or f"class_{int(label)}"
             if folders.setdefault(int(label), folder) != folder:
                 raise PairError(
-                    f"{cfg['train']['lst']}: label {int(label)} is given to images in both {folders[int(label)]!r} and "
+                    f"{train_pair['lst']}: label {int(label)} is given to images in both {folders[int(label)]!r} and "
                     f"{folder!r}: one folder per class expected; pass a class list (recordio.classes)"
                 )
-        return [(folders.get(k, f"class_{k}"), "") for k in range(count)], f"folders of {cfg['train']['lst']}"
+        return [(folders.get(k, f"class_{k}"), "") for k in range(count)], f"folders of {train_pair['lst']}"
     return [(f"class_{k}", "") for k in range(count)], "numbered (no .lst or class list given)"
 
 
@@ -332,19 +333,20 @@ def rewrite_shuffled(pair: dict, rec: Path, idx: Path, seed: int = SHUFFLE_SEED)
     return size
 
 
-def order_plan(cfg: dict, walked: Walked, fast: Path) -> dict:
-    """The record order's verdict, and whether the pair is copied shuffled; raises under order: refuse.
-    Only train is judged: evaluation counts every val record whatever their order."""
+def order_plan(pair: dict, order_rule: str, walked: Walked, fast: Path) -> dict:
+    """The record order's verdict, and whether the split's pair is copied shuffled; raises when
+    order_rule (recordio.order) is refuse.  Only train is judged: evaluation counts every val record
+    whatever their order."""
     order = label_runs(walked.labels)
     order["rewrite"] = bool(order["class_ordered"] and walked.split == "train")
     if not order["rewrite"]:
         return order
     said = (
-        f"{cfg['train']['rec']} is in class order ({order['label_runs']} runs of equal labels where a shuffled file "
+        f"{pair['rec']} is in class order ({order['label_runs']} runs of equal labels where a shuffled file "
         f"would have about {order['expected_if_shuffled']:.0f}): DALI gives each rank a contiguous slice, so "
         "each would train on a few classes"
     )
-    if cfg["order"] == "refuse":
+    if order_rule == "refuse":
         raise PairError(
             f"{said}. Set recordio.order: shuffle to have the records copied in a shuffled order to "
             f"{fast} (no re-encoding, needs {storage.human_bytes(walked.bytes)} there), or rebuild the pair "
@@ -354,9 +356,8 @@ def order_plan(cfg: dict, walked: Walked, fast: Path) -> dict:
     return order
 
 
-def _publish_split(cfg: dict, walked: Walked, order: dict, fast: Path) -> dict:
+def _publish_split(pair: dict, walked: Walked, order: dict, fast: Path) -> dict:
     """The split's pair in fast storage: linked, or (order["rewrite"]) copied shuffled and read back."""
-    pair = cfg[walked.split]
     rec, idx = fast / f"{walked.split}.rec", fast / f"{walked.split}.idx"
     verdict = {k: v for k, v in order.items() if k != "rewrite"}
     if not order["rewrite"]:
@@ -371,9 +372,9 @@ def _publish_split(cfg: dict, walked: Walked, order: dict, fast: Path) -> dict:
     return {**verdict, "published": "rewritten shuffled", "shuffle_seed": SHUFFLE_SEED, "bytes_written": written}
 
 
-def split_manifest(cfg: dict, walked: Walked, published: dict, fast: Path, num_classes: int) -> dict:
+def split_manifest(pair: dict, walked: Walked, published: dict, fast: Path, num_classes: int) -> dict:
     """The pack manifest's keys (docs/architecture.md), plus `existing`: what was checked and how."""
-    n, pair = len(walked.keys), cfg[walked.split]
+    n = len(walked.keys)
     if walked.unusual:
         log.warning(
             "%s: %d image(s) the pack would have re-encoded are kept as they are, e.g. %s",
@@ -419,19 +420,21 @@ def write_classes(path: Path, table: list[tuple[str, str]]) -> None:
         writer.writerows((k, wnid, name) for k, (wnid, name) in enumerate(table))
 
 
-def check_pairs(cfg: dict, fast: Path, pack_dir: Path, index_dir: Path, threads: int) -> dict:
-    """Check every configured split, then publish classes.tsv, the pairs and (last) the manifests."""
-    splits = [s for s in ("train", "val") if cfg[s]]
-    walked = {s: walk_split(s, cfg[s], threads, cfg["progress_s"]) for s in splits}
-    table, names_from = class_table(cfg, walked["train"])
+def check_pairs(recordio, fast: Path, pack_dir: Path, index_dir: Path, threads: int) -> dict:
+    """Check every configured split (recordio: the block's view), then publish classes.tsv, the pairs
+    and (last) the manifests."""
+    pairs = {s: pair for s, pair in (("train", recordio.train), ("val", recordio.val)) if pair}
+    splits = list(pairs)
+    walked = {s: walk_split(s, pairs[s], threads, recordio.progress_s) for s in splits}
+    table, names_from = class_table(recordio.classes, pairs["train"], walked["train"])
     for split in splits:
         check_labels(walked[split], len(table), names_from)
-    orders = {split: order_plan(cfg, walked[split], fast) for split in splits}
+    orders = {split: order_plan(pairs[split], recordio.order, walked[split], fast) for split in splits}
     write_classes(index_dir / "classes.tsv", table)
     manifests = {}
     for split in splits:
-        published = _publish_split(cfg, walked[split], orders[split], fast)
-        manifests[split] = split_manifest(cfg, walked[split], published, fast, len(table))
+        published = _publish_split(pairs[split], walked[split], orders[split], fast)
+        manifests[split] = split_manifest(pairs[split], walked[split], published, fast, len(table))
     for split in splits:
         write_json(pack_dir / f"{split}.manifest.json", manifests[split])
         log.info(
@@ -457,12 +460,13 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, cfg: dict) -> None:
-    if not cfg["train"]:
+    recordio = settings.view("recordio", cfg)
+    if not recordio.train:
         raise PairError(
             "recordio.train is not set: name the existing train .rec and .idx (docs/your-data.md, 'Bring your own .rec')"
         )
     args.pack_dir.mkdir(parents=True, exist_ok=True)
-    check_pairs(cfg, args.fast, args.pack_dir, args.index_dir, args.threads or cfg["threads"])
+    check_pairs(recordio, args.fast, args.pack_dir, args.index_dir, args.threads or recordio.threads)
 
 
 def main(argv=None) -> int:

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from rectrain import cli
+from rectrain import cli, settings
 from rectrain.data.archives import (
     DEVKIT_DIR,
     DEVKIT_TGZ,
@@ -248,14 +248,12 @@ def write(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
-def check_config(cfg: dict) -> None:
-    for key in ("classes", "train_per_class", "val_per_class", "min_size", "max_size", "quality", "seed", "bad_files"):
-        if key not in cfg:
-            raise SystemExit(f"demo config: missing key demo.{key} (config/schema.yaml gives its default)")
-    if cfg["min_size"] > cfg["max_size"]:
+def check_config(demo) -> None:
+    """demo.min_size <= demo.max_size; SystemExit naming both keys otherwise."""
+    if demo.min_size > demo.max_size:
         raise SystemExit(
-            f"demo config: demo.min_size ({cfg['min_size']}) is larger than demo.max_size "
-            f"({cfg['max_size']}); make min_size <= max_size"
+            f"demo config: demo.min_size ({demo.min_size}) is larger than demo.max_size "
+            f"({demo.max_size}); make min_size <= max_size"
         )
 
 
@@ -279,26 +277,48 @@ class _InProcess(Executor):
 
 @dataclass
 class _Painter:
-    """Draws image n of class k in a split, deterministically from the seed."""
+    """Draws image n of class k in a split, deterministically from the seed.  It holds the demo block's
+    values, not its view: the drawing processes receive it pickled, and the view's class is built at
+    run time (rectrain.settings), so pickle cannot find it by name."""
 
-    cfg: dict
+    classes_n: int
+    train_per_class: int
+    val_per_class: int
+    min_size: int
+    max_size: int
+    quality: int
+    seed: int
+    bad_files: bool
+
+    @classmethod
+    def of(cls, demo) -> _Painter:
+        return cls(
+            demo.classes,
+            demo.train_per_class,
+            demo.val_per_class,
+            demo.min_size,
+            demo.max_size,
+            demo.quality,
+            demo.seed,
+            demo.bad_files,
+        )
 
     def __post_init__(self):
-        self.classes = class_list(self.cfg["classes"])
-        self.styles = [class_style(self.cfg["seed"], k, self.cfg["classes"]) for k in range(self.cfg["classes"])]
+        self.classes = class_list(self.classes_n)
+        self.styles = [class_style(self.seed, k, self.classes_n) for k in range(self.classes_n)]
 
     def draw(self, split: int, k: int, n: int) -> tuple[Image.Image, tuple]:
-        rng = np.random.default_rng([self.cfg["seed"], split, k, n])
-        return draw(self.styles[k], rng, image_size(rng, self.cfg["min_size"], self.cfg["max_size"]))
+        rng = np.random.default_rng([self.seed, split, k, n])
+        return draw(self.styles[k], rng, image_size(rng, self.min_size, self.max_size))
 
     def jpeg(self, split: int, k: int, n: int) -> bytes:
-        return jpeg_bytes(self.draw(split, k, n)[0], self.cfg["quality"])
+        return jpeg_bytes(self.draw(split, k, n)[0], self.quality)
 
 
-def _defects_by_class(cfg: dict) -> dict[int, list[int]]:
+def _defects_by_class(n_classes: int, bad_files: bool) -> dict[int, list[int]]:
     """Defects go to distinct classes spread over the class list (round-robin when there are fewer)."""
-    n_classes, by_class = cfg["classes"], {}
-    if cfg["bad_files"]:
+    by_class: dict[int, list[int]] = {}
+    if bad_files:
         for i in range(len(DEFECTS)):
             k = i * n_classes // len(DEFECTS) if n_classes >= len(DEFECTS) else i % n_classes
             by_class.setdefault(k, []).append(i)
@@ -319,15 +339,15 @@ def _defect_entry(kind: str, action: str, why: str, wnid: str, name: str) -> dic
 def _class_files(painter: _Painter, k: int, defects: list[int]) -> tuple[list[tuple[str, bytes]], list[dict]]:
     """(name, bytes) of one train class - its images, its planted defects, and (class 0) the stray file -
     and the defects' manifest entries."""
-    cfg, wnid, manifest = painter.cfg, painter.classes[k][0], []
-    files = [(f"{wnid}_{n}.JPEG", painter.jpeg(SPLIT_TRAIN, k, n)) for n in range(1, cfg["train_per_class"] + 1)]
+    wnid, manifest = painter.classes[k][0], []
+    files = [(f"{wnid}_{n}.JPEG", painter.jpeg(SPLIT_TRAIN, k, n)) for n in range(1, painter.train_per_class + 1)]
     for j, i in enumerate(defects):
         kind, action, why = DEFECTS[i]
-        n = cfg["train_per_class"] + 1 + j
+        n = painter.train_per_class + 1 + j
         name = f"{wnid}_{n}.JPEG"
-        files.append((name, defect_bytes(kind, painter.draw(SPLIT_TRAIN, k, n)[0], cfg["quality"])))
+        files.append((name, defect_bytes(kind, painter.draw(SPLIT_TRAIN, k, n)[0], painter.quality)))
         manifest.append(_defect_entry(kind, action, why, wnid, name))
-    if cfg["bad_files"] and k == 0:
+    if painter.bad_files and k == 0:
         files.append((STRAY_NAME, b"\x00" * 64))
         why = "not an image extension: the indexer lists it in unclassified.tsv"
         manifest.append(_defect_entry("stray", "unclassified", why, wnid, STRAY_NAME))
@@ -336,13 +356,14 @@ def _class_files(painter: _Painter, k: int, defects: list[int]) -> tuple[list[tu
 
 def _val_image(painter: _Painter, i: int, k: int) -> tuple[bytes, tuple]:
     img, box = painter.draw(SPLIT_VAL, k, i)
-    return jpeg_bytes(img, painter.cfg["quality"]), box
+    return jpeg_bytes(img, painter.quality), box
 
 
 def _write_train(painter: _Painter, out: Path, manifest: list, pool: Executor) -> int:
     """train/<wnid>/ folders and the official-style tar of per-class tars; returns the file count.
     Classes are drawn in parallel (each image has its own RNG) and written in class order."""
-    defects, n_train, n_classes = _defects_by_class(painter.cfg), 0, painter.cfg["classes"]
+    n_train, n_classes = 0, painter.classes_n
+    defects = _defects_by_class(n_classes, painter.bad_files)
     jobs = pool.map(_class_files, repeat(painter), range(n_classes), (defects.get(k, []) for k in range(n_classes)))
     with tarfile.open(out / "archives" / TRAIN_TAR, mode="w", format=tarfile.USTAR_FORMAT) as train_tar:
         for k, ((wnid, _), (files, planted)) in enumerate(zip(painter.classes, jobs, strict=True)):
@@ -357,9 +378,9 @@ def _write_train(painter: _Painter, out: Path, manifest: list, pool: Executor) -
 
 def _write_val(painter: _Painter, out: Path, pool: Executor) -> tuple[np.ndarray, list, list, np.ndarray]:
     """val/<wnid>/, val_flat/ and the val tar; returns (labels, Kaggle rows, devkit truth, ILSVRC ids)."""
-    seed, n_classes = painter.cfg["seed"], painter.cfg["classes"]
+    seed, n_classes = painter.seed, painter.classes_n
     # Val: classes interleaved in a fixed random order, numbered 1..N like ILSVRC2012_val_XXXXXXXX.
-    val_labels = np.repeat(np.arange(n_classes), painter.cfg["val_per_class"])
+    val_labels = np.repeat(np.arange(n_classes), painter.val_per_class)
     np.random.default_rng([seed, 3]).shuffle(val_labels)
     # ILSVRC2012_IDs are a permutation of 1..C that differs from wnid order, as in the real devkit.
     ilsvrc_id = np.random.default_rng([seed, 4]).permutation(n_classes) + 1
@@ -405,21 +426,22 @@ def _write_label_files(out: Path, classes: list, val: tuple) -> None:
         gz.write(devkit)
 
 
-def generate(cfg: dict, out: Path, processes: int = 1) -> dict:
-    """Write the whole demo tree under out with `processes` drawing processes; returns a summary.
-    .done is written last.  The files are the same whatever the number of processes."""
-    check_config(cfg)
+def generate(demo, out: Path, processes: int = 1) -> dict:
+    """Write the whole demo tree under out (demo: the demo block's view, rectrain.settings) with
+    `processes` drawing processes; returns a summary.  .done is written last.  The files are the same
+    whatever the number of processes."""
+    check_config(demo)
     _clear_owned(out)
     (out / "archives").mkdir()
-    painter, manifest = _Painter(cfg), []
+    painter, manifest = _Painter.of(demo), []
     with ProcessPoolExecutor(processes) if processes > 1 else _InProcess() as pool:
         n_train = _write_train(painter, out, manifest, pool)
         val = _write_val(painter, out, pool)
     _write_label_files(out, painter.classes, val)
-    defects = {"seed": cfg["seed"], "defects": manifest}
+    defects = {"seed": demo.seed, "defects": manifest}
     write(out / "defects.json", (json.dumps(defects, indent=2) + "\n").encode())
     summary = {
-        "classes": cfg["classes"],
+        "classes": demo.classes,
         "train_files": n_train,
         "val_images": int(len(val[0])),
         "defects": len(manifest),
@@ -435,7 +457,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, cfg: dict) -> None:
-    generate(cfg, args.out, processes=args.threads)
+    generate(settings.view("demo", cfg), args.out, processes=args.threads)
 
 
 def main(argv: list[str] | None = None) -> int:

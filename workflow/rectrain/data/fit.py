@@ -72,9 +72,10 @@ def both_set_message(resize: int, max_side: int) -> str:
     )
 
 
-def pack_fit(pack: dict) -> Fit:
-    """The pack block's size rule; ConfigError naming both keys when resize and max_side are both set."""
-    resize, max_side = int(pack.get("resize") or 0), int(pack.get("max_side") or 0)
+def pack_fit(resize: int | None, max_side: int | None) -> Fit:
+    """The pack block's size rule (pack.resize, pack.max_side; 0 or None: unset); ConfigError naming
+    both keys when both are set."""
+    resize, max_side = int(resize or 0), int(max_side or 0)
     if resize and max_side:
         raise ConfigError(both_set_message(resize, max_side))
     return Fit(resize, max_side)

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
-from rectrain import cli
+from rectrain import cli, settings
 from rectrain.atomic import replacing
 from rectrain.config import expand_path
 from rectrain.data.archives import (
@@ -1008,8 +1008,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, cfg: dict) -> None:
-    allow = [expand_path(p, "index.allow_outside_root") for p in cfg["allow_outside_root"]]
-    found = discover(args.raw, args.layout, cfg["absent_splits"], allow)
+    index = settings.view("index", cfg)
+    allow = [expand_path(p, "index.allow_outside_root") for p in index.allow_outside_root]
+    found = discover(args.raw, args.layout, index.absent_splits, allow)
     for split, how in found.layout.items():
         log.info("%s: %s", split, how)
     for note in found.notes:

@@ -64,7 +64,7 @@ from typing import Iterator
 
 import numpy as np
 
-from rectrain import cli, safefs, storage, usage
+from rectrain import cli, safefs, settings, storage, usage
 from rectrain.atomic import fsync_path, publish, temporary_name, write_json
 from rectrain.config import ConfigError
 from rectrain.data import indextable, pairowner, readorder, space
@@ -76,6 +76,7 @@ from rectrain.data.rawfiles import RawFiles, Refused
 from rectrain.data.verify import Expected, VerifyError, verify_pair
 from rectrain.progress import Progress
 from rectrain.recordio import RecordIOError, RecordWriter, frame_payload, pack_record
+from rectrain.settings import PackSettings
 
 BATCH = 32  # images per task: amortises scheduling, small enough to keep every thread busy
 IN_FLIGHT_PER_WORKER = 4
@@ -138,10 +139,14 @@ class _Packer:
     resize -8 %). Threads also die with the pack, so a SIGKILL leaves nothing running.
     """
 
-    def __init__(self, raw_root: str, cfg: dict):
+    def __init__(self, raw_root: str, pack: PackSettings):
         root = Path(raw_root).resolve()
-        self.reader = SourceReader(root, RawFiles(root, cfg["max_image_bytes"]))
-        self.fit, self.quality, self.check_scan_data = pack_fit(cfg), cfg["quality"], cfg["check_scan_data"]
+        self.reader = SourceReader(root, RawFiles(root, pack.max_image_bytes))
+        self.fit, self.quality, self.check_scan_data = (
+            pack_fit(pack.resize, pack.max_side),
+            pack.quality,
+            pack.check_scan_data,
+        )
 
     def one(self, rid: int, source: str, label: int, data=None) -> tuple[bytes, str | None]:
         """(framed record, repair reason or None); Skip when the image cannot be packed. `data` is the
@@ -375,7 +380,7 @@ def shuffled_order(n: int, seed: int) -> np.ndarray:
     return np.frombuffer(order, dtype=np.int64) if n else np.zeros(0, np.int64)
 
 
-def _prepare(target: Target, raw_root: Path, table: IndexTable, cfg: dict, choice: dict) -> tuple[dict, int]:
+def _prepare(target: Target, raw_root: Path, table: IndexTable, pack: PackSettings, choice: dict) -> tuple[dict, int]:
     """Clear the old pair and check the disk; returns the storage preflight result and the number
     of bucket files the storage order spools through (0 when reading in shuffled order)."""
     # An older pair must not survive a failed run looking valid, and no reader may pair the new
@@ -383,11 +388,11 @@ def _prepare(target: Target, raw_root: Path, table: IndexTable, cfg: dict, choic
     _remove(target.idx, target.rec, *target.partial)
     fsync_path(target.idx.parent)
     n = len(table)
-    files = RawFiles(raw_root, cfg["max_image_bytes"])
-    fit = pack_fit(cfg)
-    extra = space.reencoded_extra(files, table.iter_sources(), fit, cfg["quality"])
+    files = RawFiles(raw_root, pack.max_image_bytes)
+    fit = pack_fit(pack.resize, pack.max_side)
+    extra = space.reencoded_extra(files, table.iter_sources(), fit, pack.quality)
     needed = storage.estimate_needed_bytes(
-        space.source_bytes(raw_root, table.iter_sources()), n, fit.shorter, cfg["quality"], extra, max_side=fit.longer
+        space.source_bytes(raw_root, table.iter_sources()), n, fit.shorter, pack.quality, extra, max_side=fit.longer
     )
     buckets = readorder.bucket_count(needed) if choice["used"] == "storage" else 0
     if buckets:
@@ -561,7 +566,7 @@ def _disk_full(target: Target, written: Written, spool_share: float, err: OSErro
     )
 
 
-def _log_and_check_skips(target: Target, n: int, written: Written, cfg: dict) -> None:
+def _log_and_check_skips(target: Target, n: int, written: Written, pack: PackSettings) -> None:
     written.skipped.sort(key=lambda r: r["id"])
     written.repaired.sort(key=lambda r: r["id"])
     for item in written.skipped:
@@ -569,18 +574,20 @@ def _log_and_check_skips(target: Target, n: int, written: Written, cfg: dict) ->
     for item in written.repaired:
         log.info("repaired id %s %s: %s", item["id"], item["source"], item["reason"])
     try:
-        check_skips(target.split, n, written.skipped, cfg["max_skipped_share"])
+        check_skips(target.split, n, written.skipped, pack.max_skipped_share)
     except PackFailed:
         _remove(*target.partial)  # nothing in them to inspect: every skip is in the log
         raise
 
 
-def _records(table: IndexTable, raw_root: Path, cfg: dict, choice: dict, target: Target, pool) -> tuple[Written, dict]:
+def _records(
+    table: IndexTable, raw_root: Path, pack: PackSettings, choice: dict, target: Target, pool
+) -> tuple[Written, dict]:
     """Pack every row into the partial pair in the seeded output order; returns what was written and
     the read order's timings."""
-    order = shuffled_order(len(table), cfg["shuffle_seed"])
-    packer = _Packer(str(raw_root), cfg)
-    written = Written(np.zeros(len(table), dtype=bool), target.split, cfg["max_skipped_share"])
+    order = shuffled_order(len(table), pack.shuffle_seed)
+    packer = _Packer(str(raw_root), pack)
+    written = Written(np.zeros(len(table), dtype=bool), target.split, pack.max_skipped_share)
     try:
         if choice["used"] == "storage":
             read_s, assemble_s = _pack_storage(table, order, packer, pool, target, k=choice["buckets"], written=written)
@@ -607,21 +614,21 @@ def _verify(table: IndexTable, num_classes: int, written: Written, target: Targe
     return check
 
 
-def pack_split(cfg: dict, index_dir: Path, raw_root: Path, target: Target) -> dict:
+def pack_split(pack: PackSettings, index_dir: Path, raw_root: Path, target: Target) -> dict:
     """Pack, verify and publish one split; returns the manifest dict."""
     t0 = time.time()
     table, num_classes = indextable.load(index_dir, target.split)
     n = len(table)
     choice = readorder.choose(target.read_order, raw_root, target.sysfs_root)
-    storage_result, choice["buckets"] = _prepare(target, raw_root, table, cfg, choice)
+    storage_result, choice["buckets"] = _prepare(target, raw_root, table, pack, choice)
     target = replace(target, threads=max(1, int(target.threads)))
     pool = ThreadPoolExecutor(target.threads, thread_name_prefix="pack")
     try:
-        written, read_timing = _records(table, raw_root, cfg, choice, target, pool)
+        written, read_timing = _records(table, raw_root, pack, choice, target, pool)
         pack_s = time.time() - t0
-        _log_and_check_skips(target, n, written, cfg)
+        _log_and_check_skips(target, n, written, pack)
         with _stops_when_full(target, written, 0):  # fsync can be the first to learn the disk is full
-            check = _verify(table, num_classes, written, target, pool, pack_fit(cfg))
+            check = _verify(table, num_classes, written, target, pool, pack_fit(pack.resize, pack.max_side))
     finally:
         pool.shutdown(cancel_futures=True)  # on an error or Ctrl-C, do not finish queued batches
         table.close()
@@ -632,10 +639,10 @@ def pack_split(cfg: dict, index_dir: Path, raw_root: Path, target: Target) -> di
     timing = {"wall_s": round(wall, 3), "pack_s": round(pack_s, 3), "verify_s": check["verify_s"]}
     facts = {"check": check, "num_classes": num_classes, "n": n, "storage": storage_result}
     facts["read_order"] = {**choice, **read_timing}
-    return _manifest(cfg, target, written, timing, facts)
+    return _manifest(pack, target, written, timing, facts)
 
 
-def _manifest(cfg: dict, target: Target, written: Written, timing: dict, facts: dict) -> dict:
+def _manifest(pack: PackSettings, target: Target, written: Written, timing: dict, facts: dict) -> dict:
     """The pack manifest (docs/architecture.md): counts add up, discovered = packed + skipped."""
     wall, n = timing["wall_s"], facts["n"]
     return {
@@ -652,13 +659,13 @@ def _manifest(cfg: dict, target: Target, written: Written, timing: dict, facts: 
         "verified_decoded": facts["check"]["decoded"],
         "images_per_s": round(n / wall, 1) if wall else None,
         "mb_per_s": round(written.bytes_written / 1e6 / wall, 2) if wall else None,
-        "resize": cfg["resize"],
-        "max_side": cfg["max_side"],
-        "quality": cfg["quality"],
-        "shuffle_seed": cfg["shuffle_seed"],
-        "max_skipped_share": cfg["max_skipped_share"],
-        "check_scan_data": cfg["check_scan_data"],
-        "max_image_bytes": cfg["max_image_bytes"],
+        "resize": pack.resize,
+        "max_side": pack.max_side,
+        "quality": pack.quality,
+        "shuffle_seed": pack.shuffle_seed,
+        "max_skipped_share": pack.max_skipped_share,
+        "check_scan_data": pack.check_scan_data,
+        "max_image_bytes": pack.max_image_bytes,
         "threads": target.threads,
         "num_classes": facts["num_classes"],
         "storage": facts["storage"],
@@ -678,7 +685,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, cfg: dict) -> None:
-    pack_fit(cfg)  # resize and max_side both set: refused before the old pair is touched
+    pack = settings.view("pack", cfg)
+    pack_fit(pack.resize, pack.max_side)  # resize and max_side both set: refused before the old pair is touched
     _keep_freed_memory()
     with exclusive(args.rec, args.split):
         pairowner.check(args.rec)  # before anything of the old pair is deleted
@@ -688,12 +696,12 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
             args.split,
             args.rec,
             args.idx,
-            args.threads or cfg["threads"],
-            read_order=cfg["read_order"],
-            progress_s=cfg["progress_s"],
+            args.threads or pack.threads,
+            read_order=pack.read_order,
+            progress_s=pack.progress_s,
         )
         try:
-            manifest = pack_split(cfg, args.index, args.raw, target)
+            manifest = pack_split(pack, args.index, args.raw, target)
         except (VerifyError, RecordIOError) as err:
             raise NotVerified(
                 f"the written {args.split} pair failed verification and was not published "

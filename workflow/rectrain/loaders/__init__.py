@@ -95,22 +95,23 @@ class DaliOptions:
     preallocate: tuple[int, int]  # (width, height) of the largest image; 0 = grow on demand
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "DaliOptions":
-        """From a schema-filled train block."""
+    def from_config(cls, loaders) -> "DaliOptions":
+        """From the train block's `loaders` part (rectrain.settings)."""
         return cls(
-            hw_decoder_load=float(cfg["dali_hw_decoder_load"]),
-            prefetch_queue_depth=int(cfg["dali_prefetch_queue_depth"]),
-            device_memory_padding=int(cfg["dali_device_memory_padding"]),
-            host_memory_padding=int(cfg["dali_host_memory_padding"]),
-            preallocate=tuple(cfg["dali_preallocate"]),
+            hw_decoder_load=float(loaders.dali_hw_decoder_load),
+            prefetch_queue_depth=int(loaders.dali_prefetch_queue_depth),
+            device_memory_padding=int(loaders.dali_device_memory_padding),
+            host_memory_padding=int(loaders.dali_host_memory_padding),
+            preallocate=tuple(loaders.dali_preallocate),
         )
 
     @classmethod
     def defaults(cls) -> "DaliOptions":
         """The schema's defaults (config/schema.yaml is their only home)."""
+        from rectrain import settings
         from rectrain.config import stage_block
 
-        return cls.from_config(stage_block("train", "{}"))
+        return cls.from_config(settings.train(stage_block("train", "{}")).loaders)
 
 
 @dataclass(frozen=True)

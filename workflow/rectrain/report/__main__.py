@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-from rectrain import atomic, cli
+from rectrain import atomic, cli, settings
 from rectrain.config import ConfigError
 from rectrain.report import build, load
 
@@ -33,9 +33,10 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", required=True)
 
 
-def _run(args: argparse.Namespace, config: dict) -> None:
+def _run(args: argparse.Namespace, cfg: dict) -> None:
     t = time.perf_counter()
-    data = load(args.train_dir, args.eval_dir, args.pack_dir, args.index_dir, args.benchmarks, config["dataset"])
+    config = settings.whole(cfg)
+    data = load(args.train_dir, args.eval_dir, args.pack_dir, args.index_dir, args.benchmarks, config.dataset)
     html = build(data, config)
     out = atomic.write_text(args.out, html)  # never a half-written report that looks complete
     logger.info("%s (%.2f MB, %.1f s)", out, len(html) / 1e6, time.perf_counter() - t)

@@ -21,6 +21,7 @@ from rectrain.report.stats import (
     overall_data_wait_share,
     steady_steps,
 )
+from rectrain.settings import RecipeSettings, WholeSettings
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The pipeline's own checkout (workflow/rectrain/report/ -> repo root): its commit is the code that
@@ -244,12 +245,12 @@ def stage_rows(data: RunData) -> list[dict]:
     return rows
 
 
-def summary(data: RunData, config: dict, rates: dict) -> dict:
+def summary(data: RunData, dataset: str, rates: dict) -> dict:
     run, metrics, bench = data.run, data.metrics, data.benchmarks
     n_classes = int(metrics.get("num_classes") or len(data.per_class) or len(data.classes))
     devices = run.get("devices") or []
     return {
-        "dataset": config["dataset"],
+        "dataset": dataset,
         "model": run.get("model"),
         "devices": ", ".join(map(str, devices)) or "-",
         "world_size": run.get("world_size"),
@@ -293,11 +294,11 @@ def image_mpx(sizes: pd.DataFrame | None) -> float | None:
     return float((sizes["width"] * sizes["height"]).mean() / 1e6)
 
 
-def time_to_accuracy(data: RunData, config: dict, like_imagenet: bool) -> dict:
+def time_to_accuracy(data: RunData, recipe: RecipeSettings, like_imagenet: bool) -> dict:
     """The Time-to-accuracy section: measured rate and epoch time per training resolution, and for a
-    run of a preset its published top-1 beside full ImageNet's projected time on this hardware."""
+    run of a preset (recipe: the recipe block's view) its published top-1 beside full ImageNet's
+    projected time on this hardware."""
     rows = projection.per_resolution(data.steps, data.epochs, data.run, like_imagenet=like_imagenet)
-    recipe = config.get("recipe") or {}
     tta = projection.time_to_accuracy(recipe, rows, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet)
     recorded = "resolution" in data.epochs
     return {
@@ -308,30 +309,31 @@ def time_to_accuracy(data: RunData, config: dict, like_imagenet: bool) -> dict:
     }
 
 
-def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
-    """The report as one self-contained HTML string."""
-    report_cfg = config["report"]
+def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO) -> str:
+    """The report as one self-contained HTML string (config: the whole config's view, rectrain.settings.whole:
+    the report reads the report, recipe and dataset keys, and shows every block)."""
+    report = config.report
     findings = diagnose(
         data.steps,
         data.system,
         data.run,
         data.manifests,
-        report_cfg,
+        report,
         image_sizes=data.image_sizes,
-        learned=learning.findings(data, report_cfg),
+        learned=learning.findings(data, report),
     )
     axis = plots.time_axis(data.steps, data.system)
     eff = efficiency.input_efficiency(data.steps, data.run)
     rates = training_rates(data.steps, eff)
-    views = class_views(class_table(data.per_class, data.classes), int(report_cfg["classes_shown"]))
+    views = class_views(class_table(data.per_class, data.classes), int(report.classes_shown))
     all_epochs, shown_epochs = epoch_rows(data.epochs)
     like_imagenet = projection.imagenet_like(data.classes)
     context = {
-        "title": report_cfg["title"],
+        "title": report.title,
         "like_imagenet": like_imagenet,
-        "summary": summary(data, config, rates),
+        "summary": summary(data, config.dataset, rates),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
-        **time_to_accuracy(data, config, like_imagenet),
+        **time_to_accuracy(data, config.recipe, like_imagenet),
         "class_columns": class_columns(data.classes),
         "findings": findings,
         "rates": rates,
@@ -359,7 +361,7 @@ def build(data: RunData, config: dict, repo: Path | str = CODE_REPO) -> str:
             "classes": plots.classes_plot(views["worst"], views["best"]),
             "stages": plots.stages_plot(data.benchmarks),
         },
-        "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=False),
+        "config_yaml": yaml.safe_dump(config.as_dict(), sort_keys=False, default_flow_style=False),
         "prov": provenance.collect(data.run, repo),
         "run": data.run,
         "paths": data.paths,

@@ -23,6 +23,7 @@ from rectrain.report.stats import (
     overall_data_wait_share,
     train_setting,
 )
+from rectrain.settings import ReportSettings
 
 # Severity order, most urgent first; "ok" is only used by the single no-problems statement.
 SEVERITIES = ("critical", "warning", "info", "ok")
@@ -96,12 +97,12 @@ def input_fix(run: Mapping | None) -> str:
 
 
 def input_bound(
-    steps: pd.DataFrame, cfg: Mapping, run: Mapping | None = None, ev: Evidence | None = None
+    steps: pd.DataFrame, report: ReportSettings, run: Mapping | None = None, ev: Evidence | None = None
 ) -> Finding | None:
     """Data wait above the threshold; with a calibration, also the throughput it costs and the fix
     that fits the CPU, disk and image-size evidence (without one, the advice for the decoder used)."""
     shares = data_wait_share_by_rank(steps)
-    limit = float(cfg["data_wait_share"])
+    limit = float(report.data_wait_share)
     if shares.empty or shares.max() <= limit:
         return None
     overall = overall_data_wait_share(steps)
@@ -111,11 +112,11 @@ def input_bound(
     threshold = f"report.data_wait_share = {_pct(limit)} of step time"
     title, fix = "Training is input-bound: the model waits for data", input_fix(run)
     if ev is not None and ev.eff.measured:
-        if _low_efficiency(ev, cfg):
+        if _low_efficiency(ev, report):
             title = "Training is input-bound: the loader cannot keep up"
         measured += f"; {_efficiency_txt(ev)}"
-        threshold += f"; report.input_efficiency = {float(cfg['input_efficiency']):.2f}"
-        fix = evidence_fix(run or {}, ev, cfg)
+        threshold += f"; report.input_efficiency = {float(report.input_efficiency):.2f}"
+        fix = evidence_fix(run or {}, ev, report)
     return Finding(
         id="input_bound",
         severity="critical" if shares.max() > 2 * limit else "warning",
@@ -131,35 +132,35 @@ def _efficiency_txt(ev: Evidence) -> str:
     return f"{ev.eff.headline()} ({ranks})"
 
 
-def _low_efficiency(ev: Evidence, cfg: Mapping) -> bool:
-    return ev.eff.measured and ev.eff.ratio is not None and ev.eff.ratio < float(cfg["input_efficiency"])
+def _low_efficiency(ev: Evidence, report: ReportSettings) -> bool:
+    return ev.eff.measured and ev.eff.ratio is not None and ev.eff.ratio < float(report.input_efficiency)
 
 
-def _efficiency_severity(ev: Evidence, cfg: Mapping) -> str:
+def _efficiency_severity(ev: Evidence, report: ReportSettings) -> str:
     # as for data wait: critical when twice the tolerated share of throughput is lost
-    return "critical" if 1 - ev.eff.ratio > 2 * (1 - float(cfg["input_efficiency"])) else "warning"
+    return "critical" if 1 - ev.eff.ratio > 2 * (1 - float(report.input_efficiency)) else "warning"
 
 
-def contention(run: Mapping, ev: Evidence, cfg: Mapping) -> Finding | None:
+def contention(run: Mapping, ev: Evidence, report: ReportSettings) -> Finding | None:
     """Low efficiency without waiting: decoding slows the steps themselves (shared cores or SMs)."""
-    limit = float(cfg["data_wait_share"])
-    if not _low_efficiency(ev, cfg) or ev.wait is None or ev.wait > limit:
+    limit = float(report.data_wait_share)
+    if not _low_efficiency(ev, report) or ev.wait is None or ev.wait > limit:
         return None
     gpu_decode = efficiency.on_gpu(run) and str(run.get("decode") or "").startswith("gpu")
     where = "the GPU's SMs" if gpu_decode else "the CPU cores"
     return Finding(
         id="contention",
-        severity=_efficiency_severity(ev, cfg),
+        severity=_efficiency_severity(ev, report),
         title=f"Decoding competes with the model for {where}",
         measured=(
             f"{_efficiency_txt(ev)}, yet data wait is only {_pct(ev.wait)} of step time: the input pipeline's "
             "cost shows up as slower compute, not as waiting"
         ),
         threshold=(
-            f"report.input_efficiency = {float(cfg['input_efficiency']):.2f} with data wait at most "
+            f"report.input_efficiency = {float(report.input_efficiency):.2f} with data wait at most "
             f"report.data_wait_share = {_pct(limit)}"
         ),
-        fix=evidence_fix(run, ev, cfg),
+        fix=evidence_fix(run, ev, report),
     )
 
 
@@ -180,10 +181,10 @@ def _decode_cost_txt(ev: Evidence, run: Mapping) -> str:
     )
 
 
-def cpu_bound(run: Mapping, ev: Evidence, cfg: Mapping) -> Finding | None:
+def cpu_bound(run: Mapping, ev: Evidence, report: ReportSettings) -> Finding | None:
     """CPU busy near 100 % while efficiency is low: the cores, not the disk or the loader's settings."""
-    limit = float(cfg["cpu_busy_percent"])
-    if not _low_efficiency(ev, cfg) or ev.cpu_busy is None or ev.cpu_busy < limit:
+    limit = float(report.cpu_busy_percent)
+    if not _low_efficiency(ev, report) or ev.cpu_busy is None or ev.cpu_busy < limit:
         return None
     cores = f"{ev.cores}" if ev.cores else "its"
     if ev.decode is not None:
@@ -196,7 +197,7 @@ def cpu_bound(run: Mapping, ev: Evidence, cfg: Mapping) -> Finding | None:
         need = f"The job's {cores} cores are all busy. "
     return Finding(
         id="cpu_bound",
-        severity=_efficiency_severity(ev, cfg),
+        severity=_efficiency_severity(ev, report),
         title="The CPU is the bottleneck",
         measured=(
             f"CPU busy {ev.cpu_busy:.0f} % (median while training) of the job's {cores} cores while "
@@ -204,12 +205,12 @@ def cpu_bound(run: Mapping, ev: Evidence, cfg: Mapping) -> Finding | None:
         ),
         threshold=(
             f"report.cpu_busy_percent = {limit:g} % with input efficiency below "
-            f"report.input_efficiency = {float(cfg['input_efficiency']):.2f}"
+            f"report.input_efficiency = {float(report.input_efficiency):.2f}"
         ),
         fix=(
             need + "More decode workers would only split the same busy cores: run the job with more CPU cores "
             "(snakemake --cores, or more CPUs per GPU on a cluster), or decode less: "
-            + ("; ".join(fix_tips(run, ev, cfg)) or "fewer pixels per image (pack.resize)")
+            + ("; ".join(fix_tips(run, ev, report)) or "fewer pixels per image (pack.resize)")
             + "."
         ),
     )
@@ -274,24 +275,24 @@ def _gpu_tip(run: Mapping, idle: float | None) -> str | None:
     return None
 
 
-def _idle_cores(ev: Evidence, cfg: Mapping) -> float | None:
+def _idle_cores(ev: Evidence, report: ReportSettings) -> float | None:
     """Idle cores, when the CPU is below the saturation threshold; None when saturated or unknown."""
-    if ev.cpu_busy is None or not ev.cores or ev.cpu_busy >= float(cfg["cpu_busy_percent"]):
+    if ev.cpu_busy is None or not ev.cores or ev.cpu_busy >= float(report.cpu_busy_percent):
         return None
     return ev.cores * (1 - ev.cpu_busy / 100)
 
 
-def fix_tips(run: Mapping, ev: Evidence, cfg: Mapping) -> list[str]:
+def fix_tips(run: Mapping, ev: Evidence, report: ReportSettings) -> list[str]:
     """The fixes the measurements support, most direct first."""
     tips = []
     if run.get("loader_note") and efficiency.on_gpu(run):
         tips.append("install DALI (nvidia-dali-cuda<CUDA major>0): it was requested but not importable")
-    if ev.iowait is not None and max(ev.iowait) > float(cfg["iowait_percent"]):
+    if ev.iowait is not None and max(ev.iowait) > float(report.iowait_percent):
         tips.append(
             f"stage the .rec to faster storage (pack.stage_to_local: true, or pack.fast_storage on an SSD): "
             f"iowait averaged {ev.iowait[0]:.1f} %, p90 {ev.iowait[1]:.1f} %"
         )
-    idle = _idle_cores(ev, cfg)
+    idle = _idle_cores(ev, report)
     decode_on_cpu = not efficiency.on_gpu(run) or str(run.get("decode") or "cpu").startswith("cpu")
     if idle is not None and idle >= 1 and decode_on_cpu:
         workers = train_setting(run, "workers")
@@ -303,17 +304,17 @@ def fix_tips(run: Mapping, ev: Evidence, cfg: Mapping) -> list[str]:
     return tips + [t for t in (_resize_tip(ev), _gpu_tip(run, idle)) if t]
 
 
-def evidence_fix(run: Mapping, ev: Evidence, cfg: Mapping) -> str:
+def evidence_fix(run: Mapping, ev: Evidence, report: ReportSettings) -> str:
     """fix_tips as a sentence; the advice for the decoder used when the evidence points at none."""
-    text = "; ".join(fix_tips(run, ev, cfg))
+    text = "; ".join(fix_tips(run, ev, report))
     return text[0].upper() + text[1:] + "." if text else input_fix(run)
 
 
-def rank_imbalance(steps: pd.DataFrame, system: pd.DataFrame, cfg: Mapping) -> Finding | None:
+def rank_imbalance(steps: pd.DataFrame, system: pd.DataFrame, report: ReportSettings) -> Finding | None:
     shares = data_wait_share_by_rank(steps)
     if len(shares) < 2:
         return None
-    ratio_limit = float(cfg["imbalance_ratio"])
+    ratio_limit = float(report.imbalance_ratio)
     hi_rank, lo_rank = int(shares.idxmax()), int(shares.idxmin())
     hi, lo = float(shares[hi_rank]), float(shares[lo_rank])
     ratio = hi / lo if lo > 0 else float("inf")
@@ -381,12 +382,12 @@ def rec_on_rotational(run: Mapping, manifests: Mapping[str, Mapping]) -> Finding
     )
 
 
-def high_iowait(system: pd.DataFrame, cfg: Mapping) -> Finding | None:
+def high_iowait(system: pd.DataFrame, report: ReportSettings) -> Finding | None:
     if "iowait_percent" not in system or system["iowait_percent"].dropna().empty:
         return None
     io = system["iowait_percent"].dropna()
     mean, p90 = float(io.mean()), float(io.quantile(0.9))
-    limit = float(cfg["iowait_percent"])
+    limit = float(report.iowait_percent)
     if max(mean, p90) <= limit:
         return None
     read_txt = ""
@@ -414,11 +415,11 @@ def _batch_txt(run: Mapping) -> tuple[int | None, int, int | None]:
     return batch, accum, int(gb) if isinstance(gb, (int, float)) else None
 
 
-def gpu_memory(system: pd.DataFrame, run: Mapping, cfg: Mapping) -> list[Finding]:
+def gpu_memory(system: pd.DataFrame, run: Mapping, report: ReportSettings) -> list[Finding]:
     peaks = gpu_memory_peak(system)
     if not peaks:
         return []
-    high, low = float(cfg["gpu_mem_high"]), float(cfg["gpu_mem_low"])
+    high, low = float(report.gpu_mem_high), float(report.gpu_mem_low)
     batch, accum, gb = _batch_txt(run or {})
     shares = {i: used / total for i, (used, total) in peaks.items() if total > 0}
     detail = ", ".join(
@@ -469,14 +470,14 @@ def gpu_memory(system: pd.DataFrame, run: Mapping, cfg: Mapping) -> list[Finding
     return out
 
 
-def low_gpu_util(steps: pd.DataFrame, system: pd.DataFrame, run: Mapping, cfg: Mapping) -> Finding | None:
+def low_gpu_util(steps: pd.DataFrame, system: pd.DataFrame, run: Mapping, report: ReportSettings) -> Finding | None:
     # While the steps ran: the first GPU run's whole-run mean (44 %) hid 84-100 % inside its short epochs.
     util = gpu_util_mean(during_steps(system, steps))
     if not util:
         return None
     mean_util = sum(util.values()) / len(util)
     wait = overall_data_wait_share(steps)
-    util_limit, wait_limit = float(cfg["gpu_util_low"]), float(cfg["data_wait_share"])
+    util_limit, wait_limit = float(report.gpu_util_low), float(report.data_wait_share)
     if mean_util >= util_limit or wait is None or wait > wait_limit:
         return None
     tips = []
@@ -583,7 +584,7 @@ def diagnose(
     system: pd.DataFrame,
     run: Mapping | None,
     manifests: Mapping[str, Mapping] | None,
-    cfg: Mapping,
+    report: ReportSettings,
     image_sizes: pd.DataFrame | None = None,
     *,
     learned: Iterable[Finding] = (),
@@ -596,17 +597,17 @@ def diagnose(
     ev = efficiency.gather(steps, system, run, manifests, image_sizes)
     found: list[Finding] = []
     for f in (
-        input_bound(steps, cfg, run, ev),
-        contention(run, ev, cfg),
-        cpu_bound(run, ev, cfg),
-        rank_imbalance(steps, system, cfg),
+        input_bound(steps, report, run, ev),
+        contention(run, ev, report),
+        cpu_bound(run, ev, report),
+        rank_imbalance(steps, system, report),
         rec_on_rotational(run, manifests),
-        high_iowait(system, cfg),
-        low_gpu_util(steps, system, run, cfg),
+        high_iowait(system, report),
+        low_gpu_util(steps, system, run, report),
     ):
         if f is not None:
             found.append(f)
-    found += gpu_memory(system, run, cfg)
+    found += gpu_memory(system, run, report)
     found += pack_quality(manifests)
     found += list(learned)
     if not any(f.severity in ("critical", "warning") for f in found):

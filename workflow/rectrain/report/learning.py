@@ -15,6 +15,7 @@ import pandas as pd
 
 from rectrain.report.diagnosis import Finding
 from rectrain.report.inputs import RunData
+from rectrain.settings import ReportSettings
 
 
 def optimizer_steps_per_epoch(steps: pd.DataFrame, run: Mapping) -> int | None:
@@ -37,10 +38,10 @@ def suggested_batch(images: int | None, world_size: int, min_steps: int) -> int 
     return max(1, images // (world_size * min_steps)) if images else None
 
 
-def few_steps(data: RunData, cfg: Mapping) -> Finding | None:
+def few_steps(data: RunData, report: ReportSettings) -> Finding | None:
     run = data.run
     n = optimizer_steps_per_epoch(data.steps, run)
-    limit = int(cfg["min_steps_per_epoch"])
+    limit = int(report.min_steps_per_epoch)
     if n is None or n >= limit:
         return None
     world, images = int(run.get("world_size") or 1), train_images(data)
@@ -77,13 +78,13 @@ def chance_level(per_class: pd.DataFrame, n_classes: int) -> float:
     return max(uniform, float(images.max() / images.sum())) if images.sum() > 0 else uniform
 
 
-def at_chance(data: RunData, cfg: Mapping, steps_finding: Finding | None) -> Finding | None:
+def at_chance(data: RunData, report: ReportSettings, steps_finding: Finding | None) -> Finding | None:
     top1 = data.metrics.get("top1")
     n_classes = len(data.per_class) or len(data.classes)
     if top1 is None or n_classes < 2:
         return None
     chance = chance_level(data.per_class, n_classes)
-    factor = float(cfg["chance_factor"])
+    factor = float(report.chance_factor)
     if top1 > factor * chance:
         return None
     epochs = len(data.epochs) or data.run.get("epochs")
@@ -115,7 +116,7 @@ def class_label(row: Mapping) -> str:
     return f"{row.get('wnid')}" + (f" ({name})" if name else "")
 
 
-def one_class(data: RunData, cfg: Mapping) -> Finding | None:
+def one_class(data: RunData, report: ReportSettings) -> Finding | None:
     pc = data.per_class
     if pc.empty or "predicted" not in pc or len(pc) < 2:
         return None
@@ -126,7 +127,7 @@ def one_class(data: RunData, cfg: Mapping) -> Finding | None:
         return None
     top = int(predicted.idxmax())
     share, truth = float(predicted[top] / total), float(images[top] / images.sum())
-    limit = float(cfg["one_class_share"])
+    limit = float(report.one_class_share)
     if share <= limit or share <= 2 * truth:  # a class that truly is most of the val set is no collapse
         return None
     return Finding(
@@ -146,7 +147,7 @@ def one_class(data: RunData, cfg: Mapping) -> Finding | None:
     )
 
 
-def findings(data: RunData, cfg: Mapping) -> list[Finding]:
+def findings(data: RunData, report: ReportSettings) -> list[Finding]:
     """The learning findings of this run (none when it learned)."""
-    steps = few_steps(data, cfg)
-    return [f for f in (steps, at_chance(data, cfg, steps), one_class(data, cfg)) if f is not None]
+    steps = few_steps(data, report)
+    return [f for f in (steps, at_chance(data, report, steps), one_class(data, report)) if f is not None]

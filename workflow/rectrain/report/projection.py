@@ -25,6 +25,7 @@ import pandas as pd
 
 from rectrain.report.efficiency import steady_rates
 from rectrain.report.stats import train_setting
+from rectrain.settings import RecipeSettings
 
 IMAGENET_TRAIN = 1_281_167
 IMAGENET_VAL = 50_000
@@ -165,7 +166,7 @@ class TimeToAccuracy:
     """A preset's published top-1 (config's recipe block) beside this hardware's projected time for full
     ImageNet on this run's schedule of resolutions."""
 
-    recipe: Mapping  # name, published_top1, epochs, source, reference_hardware, reference_minutes
+    recipe: RecipeSettings  # name, published_top1, epochs, source, reference_hardware, reference_minutes
     run_epochs: int
     schedule: tuple[tuple[int, int], ...]  # (resolution, epochs at it), in order of first use
     train_s: float | None  # projected: full ImageNet training, each epoch at its resolution's measured rate
@@ -178,13 +179,13 @@ class TimeToAccuracy:
 
     @property
     def published_pct(self) -> float | None:
-        top1 = self.recipe.get("published_top1")
+        top1 = self.recipe.published_top1
         return None if top1 is None else 100 * top1
 
     @property
     def shortened(self) -> bool:
         """This run trained another epoch count than the one the top-1 was published for."""
-        return bool(self.recipe.get("epochs")) and self.recipe["epochs"] != self.run_epochs
+        return bool(self.recipe.epochs) and self.recipe.epochs != self.run_epochs
 
 
 def schedule_of(res_of: Mapping[int, int]) -> tuple[tuple[int, int], ...]:
@@ -195,7 +196,7 @@ def schedule_of(res_of: Mapping[int, int]) -> tuple[tuple[int, int], ...]:
 
 
 def time_to_accuracy(
-    recipe: Mapping,
+    recipe: RecipeSettings,
     rows: list[ResolutionRow],
     epochs_csv: pd.DataFrame,
     run: Mapping,
@@ -203,9 +204,10 @@ def time_to_accuracy(
     *,
     like_imagenet: bool,
 ) -> TimeToAccuracy | None:
-    """None for a run without a preset (recipe.name null); else the panel, its projection only for an
-    ImageNet-like dataset with a steady rate measured at every resolution of the schedule."""
-    if not recipe or not recipe.get("name"):
+    """None for a run without a preset (recipe: the recipe block's view; recipe.name null); else the
+    panel, its projection only for an ImageNet-like dataset with a steady rate measured at every
+    resolution of the schedule."""
+    if not recipe.name:
         return None
     epochs = int(train_setting(run, "epochs") or len(epochs_csv))
     res_of = epoch_resolutions(epochs_csv, run, range(epochs))
@@ -223,4 +225,4 @@ def time_to_accuracy(
         train_s = sum(IMAGENET_TRAIN / rate[r] for r in res_of.values())
         val_rate = metrics.get("images_per_s")
         val_s = epochs * IMAGENET_VAL / val_rate if val_rate else None
-    return TimeToAccuracy(dict(recipe), epochs, schedule_of(res_of), train_s, val_s, note)
+    return TimeToAccuracy(recipe, epochs, schedule_of(res_of), train_s, val_s, note)

@@ -106,7 +106,7 @@ def cross_check(config: dict) -> list[str]:
     """Combinations of keys that every schema check passes but that can only fail in a later job."""
     problems = []
     try:
-        pack_fit(config["pack"])
+        pack_fit(config["pack"].get("resize"), config["pack"].get("max_side"))
     except ConfigError as err:
         problems.append(str(err))
     train, ev = config["train"], config["evaluate"]
@@ -155,7 +155,7 @@ def progressive_warnings(pack: dict, train: dict) -> list[str]:
     ramp = train["progressive"]
     if not ramp or progressive_problems(ramp):
         return []
-    lines, top = [], largest(train)
+    lines, top = [], largest(train["image_size"], ramp, train["epochs"])
     if top < ramp["max_res"]:
         lines.append(
             f"'train.progressive.max_res' = {ramp['max_res']} is never reached: train.epochs = {train['epochs']} ends "

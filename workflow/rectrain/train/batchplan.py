@@ -4,8 +4,8 @@ It is decided once per rank, before the loaders are built (on a GPU after the me
 rectrain.train.memory, has measured what fits and the ranks have agreed on it), and from then on
 only read: the learning rate scales with its global batch, the checkpoint's run identity records
 it, run.json and the start line report it, and the failure line names it when a CUDA error looks
-like an out-of-memory in disguise.  `plan` is the one function that turns (config, what fits, world
-size) into it.
+like an out-of-memory in disguise.  `plan` is the one function that turns (the train block's `batch`
+part, what fits, world size) into it.
 
 Resuming with `batch_size: auto`: the checkpoint's plan (rectrain.train.resume.previous_plan) is
 preferred when it is a split of this config's global batch over the same world size and it still
@@ -32,6 +32,7 @@ from pathlib import Path
 from rectrain.distributed import Dist, all_gather
 from rectrain.loaders import DaliOptions, LoaderSpec, image_dtype, resolve_loader, resolve_workers
 from rectrain.recordio import idx_arrays
+from rectrain.settings import TrainSettings
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import memory
 from rectrain.train.optim import make_optimizer
@@ -61,29 +62,30 @@ class BatchPlan:
         return self.batch * self.grad_accum * self.world_size
 
 
-def auto_global_batch(cfg: dict) -> int:
-    return cfg["global_batch"] or DEFAULT_AUTO_GLOBAL_BATCH
+def auto_global_batch(batch) -> int:
+    """The global batch 'auto' keeps, from the train block's `batch` part (rectrain.settings)."""
+    return batch.global_batch or DEFAULT_AUTO_GLOBAL_BATCH
 
 
-def wanted(cfg: dict, world_size: int) -> int:
-    """The per-device batch the config asks for: train.batch_size, or with 'auto' its share of the
+def wanted(batch, world_size: int) -> int:
+    """The per-device batch the `batch` part asks for: train.batch_size, or with 'auto' its share of the
     global batch (before anything was measured)."""
-    if cfg["batch_size"] == "auto":
-        return max(1, math.ceil(auto_global_batch(cfg) / world_size))
-    return int(cfg["batch_size"])
+    if batch.batch_size == "auto":
+        return max(1, math.ceil(auto_global_batch(batch) / world_size))
+    return int(batch.batch_size)
 
 
-def dataset_cap(cfg: dict, world_size: int, train_images: int | None) -> tuple[int | None, str]:
+def dataset_cap(batch, world_size: int, train_images: int | None) -> tuple[int | None, str]:
     """(the largest per-device batch that gives MIN_STEPS_PER_EPOCH optimizer steps per epoch on
     `train_images` images, why in words) when 'auto's share of the global batch is larger; (None, "")
     when it is not, or the image count is unknown."""
-    want = wanted(cfg, world_size)
+    want = wanted(batch, world_size)
     if not train_images:
         return None, ""
     cap = max(1, train_images // (world_size * MIN_STEPS_PER_EPOCH))
     if want <= cap:
         return None, ""
-    gb = auto_global_batch(cfg)
+    gb = auto_global_batch(batch)
     why = (
         f"capped to {cap} per device (global batch {cap * world_size}, not {gb}): the dataset's {train_images} "
         f"train images fill a global batch of {gb} {train_images / gb:.2f} time(s) per epoch, and an epoch needs "
@@ -94,7 +96,7 @@ def dataset_cap(cfg: dict, world_size: int, train_images: int | None) -> tuple[i
 
 
 def plan(
-    cfg: dict,
+    batch,
     world_size: int,
     fits: int | None = None,
     preflight: dict | None = None,
@@ -102,17 +104,17 @@ def plan(
     previous: BatchPlan | None = None,
     train_images: int | None = None,
 ) -> BatchPlan:
-    """The plan for this config on `world_size` processes when at most `fits` samples fit on a device
+    """The plan for the train block's `batch` part on `world_size` processes when at most `fits` samples fit on a device
     (None: not measured).  A number in train.batch_size is used as given - the preflight has stopped
     the run already if it does not fit; 'auto' takes its share of the global batch, cut to what
     `train_images` can fill (module doc), and, when that does not fit, accumulates gradients over
     smaller batches so the global batch stays - or reuses the checkpoint's plan `previous`."""
-    if cfg["batch_size"] != "auto":
-        batch, accum = int(cfg["batch_size"]), int(cfg["grad_accum"])
-        return BatchPlan(batch, accum, world_size, preflight or {}, f"train.batch_size: {batch}")
-    cap, capped = dataset_cap(cfg, world_size, train_images)
-    want = cap or wanted(cfg, world_size)
-    reason = f"batch_size auto: global batch {auto_global_batch(cfg)} over {world_size} process(es)"
+    if batch.batch_size != "auto":
+        fixed, accum = int(batch.batch_size), int(batch.grad_accum)
+        return BatchPlan(fixed, accum, world_size, preflight or {}, f"train.batch_size: {fixed}")
+    cap, capped = dataset_cap(batch, world_size, train_images)
+    want = cap or wanted(batch, world_size)
+    reason = f"batch_size auto: global batch {auto_global_batch(batch)} over {world_size} process(es)"
     reason += f", {capped}" if capped else ""
     not_reused = previous and why_not_reused(previous, want, world_size, fits)
     if previous and not not_reused:
@@ -120,15 +122,15 @@ def plan(
         return BatchPlan(
             previous.batch, previous.grad_accum, world_size, preflight or {}, reason, auto=True, capped=capped
         )
-    batch, accum = memory.split_batch(want, min(want, fits or want))
+    micro, accum = memory.split_batch(want, min(want, fits or want))
     if accum > 1:
         reason += f", {want} per device did not fit, {fits} did"
     if not_reused:
         reason += (
             f"; the checkpoint's plan {previous.batch} x accum {previous.grad_accum} is not reused ({not_reused}), "
-            f"this run plans {batch} x accum {accum}"
+            f"this run plans {micro} x accum {accum}"
         )
-    return BatchPlan(batch, accum, world_size, preflight or {}, reason, auto=True, capped=capped)
+    return BatchPlan(micro, accum, world_size, preflight or {}, reason, auto=True, capped=capped)
 
 
 def train_images(spec: LoaderSpec | None) -> int | None:
@@ -151,44 +153,47 @@ def why_not_reused(previous: BatchPlan, want: int, world_size: int, fits: int | 
     return None
 
 
-def loader_spec(cfg: dict, d: Dist, rec: str, idx: str, workers: int) -> LoaderSpec:
-    """This rank's train loader as the config asks for it; batch_size 0 until the plan sets it."""
+def loader_spec(s: TrainSettings, d: Dist, rec: str, idx: str, workers: int) -> LoaderSpec:
+    """This rank's train loader as the train block asks for it; batch_size 0 until the plan sets it.
+    It draws on five parts (loaders, resolution, the epochs, the seed, the model's precision and layout),
+    so it takes the block."""
+    res, loaders = s.resolution, s.loaders
     return LoaderSpec(
         rec,
         idx,
         batch_size=0,
-        image_size=cfg["image_size"],
+        image_size=res.image_size,
         train=True,
         rank=d.rank,
         world_size=d.world_size,
         workers=workers,
         device=str(d.device),
-        gpu_decode=cfg["gpu_decode"],
-        seed=cfg["seed"],
-        dali=DaliOptions.from_config(cfg),
-        crops=tuple(resolutions(cfg)) if cfg.get("progressive") else (),
-        decode=cfg["decode"],
-        dtype=image_dtype(cfg["precision"]),
-        channels_last=cfg["channels_last"],
+        gpu_decode=loaders.gpu_decode,
+        seed=s.launch.seed,
+        dali=DaliOptions.from_config(loaders),
+        crops=tuple(resolutions(res.image_size, res.progressive, s.optim.epochs)) if res.progressive else (),
+        decode=loaders.decode,
+        dtype=image_dtype(s.model.precision),
+        channels_last=s.model.channels_last,
     )
 
 
-def val_loader_spec(cfg: dict, spec: LoaderSpec, rec: str, idx: str) -> LoaderSpec:
+def val_loader_spec(val_resolution: int | None, spec: LoaderSpec, rec: str, idx: str) -> LoaderSpec:
     """The per-epoch validation loader's, from the train loader's `spec`: every record once, a centre
     crop of train.val_resolution (null = image_size) from a shorter side of it / 0.875."""
-    size = cfg["val_resolution"] or spec.image_size
+    size = val_resolution or spec.image_size
     return dataclasses.replace(spec, rec=rec, idx=idx, train=False, image_size=size, crops=())
 
 
 def preflight_inputs(
-    cfg: dict, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None, *, validated: bool = True
+    s: TrainSettings, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None, *, validated: bool = True
 ):
     """(the trial step, what will be held beside it) for choose_batch, at the run's largest training
     crop (train.progressive): a batch that fits there fits every epoch.  `validated`: False without a
     val split, where no validation loader will hold anything (its DALI decoder alone is GBs)."""
-    spec = spec or loader_spec(cfg, d, "", "", resolve_workers(cfg["workers"], d.local_world_size))
-    choice = resolve_loader(cfg["loader"], spec)
-    val_spec = val_loader_spec(cfg, spec, spec.rec, spec.idx)
+    spec = spec or loader_spec(s, d, "", "", resolve_workers(s.loaders.workers, d.local_world_size))
+    choice = resolve_loader(s.loaders.loader, spec)
+    val_spec = val_loader_spec(s.resolution.val_resolution, spec, spec.rec, spec.idx)
     held = (
         memory.loader_reservation(choice, spec, "training"),
         # dropped between passes (rectrain.loaders.dali), but DALI's memory pool keeps what it took
@@ -198,18 +203,20 @@ def preflight_inputs(
     trial = memory.Trial(
         model,
         loss_fn,
-        largest(cfg),
+        largest(s.resolution.image_size, s.resolution.progressive, s.optim.epochs),
         num_classes,
         d.device,
-        cfg["precision"],
-        cfg["channels_last"],
-        make_optimizer=lambda: make_optimizer(cfg, model, 256, 1)[0],
+        s.model.precision,
+        s.model.channels_last,
+        make_optimizer=lambda: make_optimizer(
+            s.optim, model, 256, 1, family=s.model.model, precision=s.model.precision
+        )[0],
     )
     return trial, held
 
 
 def choose_batch(
-    cfg: dict,
+    s: TrainSettings,
     model,
     loss_fn,
     d: Dist,
@@ -221,24 +228,25 @@ def choose_batch(
 ) -> BatchPlan:
     """This rank's batch plan.  On a GPU, one training step (forward, backward, optimizer step) proves
     the batch fits beside what the loaders and DDP will hold - or the run stops here with what does fit
-    (rectrain.train.memory).  `spec`: the train loader's (batch not yet chosen); by default the one this
-    config builds.  `previous`: the checkpoint's plan, preferred with batch_size auto (module doc).
+    (rectrain.train.memory).  `spec`: the train loader's (batch not yet chosen); by default the one the
+    train block `s` builds.  `previous`: the checkpoint's plan, preferred with batch_size auto (module doc).
     `validated`: whether a validation loader will be built (False without a val split)."""
-    images = train_images(spec) if cfg["batch_size"] == "auto" else None
+    auto = s.batch.batch_size == "auto"
+    images = train_images(spec) if auto else None
     if d.device.type != "cuda":
-        skipped = "no GPU: batch_size auto uses global_batch / world_size" if cfg["batch_size"] == "auto" else None
+        skipped = "no GPU: batch_size auto uses global_batch / world_size" if auto else None
         chosen = plan(
-            cfg,
+            s.batch,
             d.world_size,
             preflight={"skipped": skipped or "no GPU memory to check on CPU"},
             previous=previous,
             train_images=images,
         )
     else:
-        trial, held = preflight_inputs(cfg, model, loss_fn, d, num_classes, spec, validated=validated)
+        trial, held = preflight_inputs(s, model, loss_fn, d, num_classes, spec, validated=validated)
         state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
         try:
-            chosen = _measured_plan(cfg, trial, held, d, previous, images)
+            chosen = _measured_plan(s.batch, trial, held, d, previous, images)
         finally:
             model.load_state_dict(state)
     if (previous or chosen.capped) and chosen.auto and d.master:
@@ -247,26 +255,26 @@ def choose_batch(
 
 
 def _measured_plan(
-    cfg: dict, trial: memory.Trial, held: tuple, d: Dist, previous: BatchPlan | None, images: int | None
+    batch, trial: memory.Trial, held: tuple, d: Dist, previous: BatchPlan | None, images: int | None
 ) -> BatchPlan:
     """The plan from trial steps on this rank's GPU, with the preflight report run.json keeps
-    (`images`: the train images, which may cap an 'auto' batch)."""
-    auto = cfg["batch_size"] == "auto"
+    (`batch`: the train block's part; `images`: the train images, which may cap an 'auto' batch)."""
+    auto = batch.batch_size == "auto"
     gpu = memory.GpuInfo.of(d.device)
     budget = memory.device_budget(d.device, held, memory.HEADROOM if auto else 1.0)
     try_step = memory.cuda_try_step(trial, budget)
-    want = dataset_cap(cfg, d.world_size, images)[0] or wanted(cfg, d.world_size)
+    want = dataset_cap(batch, d.world_size, images)[0] or wanted(batch, d.world_size)
     fits, found = memory.preflight(
-        try_step, want, auto=auto, gpu=gpu, world_size=d.world_size, accum=int(cfg["grad_accum"])
+        try_step, want, auto=auto, gpu=gpu, world_size=d.world_size, accum=int(batch.grad_accum)
     )
     if auto:  # every rank must use the same batch: the smallest GPU decides
         fits = int(min(all_gather(fits, d)))
-    draft = plan(cfg, d.world_size, fits, previous=previous, train_images=images)
+    draft = plan(batch, d.world_size, fits, previous=previous, train_images=images)
     with memory.autotune_off():
         need_mb = memory.cuda_try_step(trial, memory.device_budget(d.device, held))(draft.batch)
     if auto:
         found = {"auto": True, "batch": draft.batch, "grad_accum": draft.grad_accum, **found}
-        found["global_batch"] = auto_global_batch(cfg)
+        found["global_batch"] = auto_global_batch(batch)
     total_mb = budget.available_bytes / memory.MB
     report = {
         **found,

@@ -309,12 +309,12 @@ def calibrate_run(run: Run) -> dict:
     """run.json's `calibration` for a training run, logged on rank 0: every rank's img/s on synthetic
     data with the run's own step and planned batch - under train.progressive at each resolution the
     run trains (combine_resolutions), train.calibration_max_s shared equally among them."""
-    cfg = run.cfg
-    per_epoch = resolution.resolutions(cfg)
-    if not cfg.get("progressive"):
-        return _calibrate_at(run, per_epoch[0], cfg["epochs"], cfg["calibration_max_s"])
+    res, epochs, max_s = run.settings.resolution, run.settings.optim.epochs, run.settings.telemetry.calibration_max_s
+    per_epoch = resolution.resolutions(res.image_size, res.progressive, epochs)
+    if not res.progressive:
+        return _calibrate_at(run, per_epoch[0], epochs, max_s)
     sizes = sorted(set(per_epoch))
-    share = cfg["calibration_max_s"] / len(sizes)
+    share = max_s / len(sizes)
     by = {str(r): _calibrate_at(run, r, per_epoch.count(r), share, f" at {r} px") for r in sizes}
     return combine_resolutions(by, per_epoch)
 
@@ -322,17 +322,17 @@ def calibrate_run(run: Run) -> dict:
 def _calibrate_at(run: Run, size: int, epochs: int, max_s: float, where: str = "") -> dict:
     """One calibration at crops of `size` px, bounded by the `epochs` of the run trained at that size
     (CALIBRATION_SHARE of their steps) and `max_s`; logged on rank 0 (`where`: the resolution, in words)."""
-    cfg = run.cfg
-    shape = Shape(run.plan.batch, size, len(run.classes), run.train_loader.image_dtype, cfg["channels_last"])
+    tel = run.settings.telemetry
+    shape = Shape(
+        run.plan.batch, size, len(run.classes), run.train_loader.image_dtype, run.settings.model.channels_last
+    )
     bounds = Bounds(
         run_steps=epochs * run.train_loader.batches_per_epoch,
         max_s=max_s,
-        progress_s=cfg["progress_s"],
+        progress_s=tel.progress_s,
         accum=run.plan.grad_accum,
     )
-    cal = calibrate(
-        run.step, run.model, shape, cfg["calibration_steps"], cfg["calibration_warmup_steps"], bounds=bounds
-    )
+    cal = calibrate(run.step, run.model, shape, tel.calibration_steps, tel.calibration_warmup_steps, bounds=bounds)
     if run.d.master:
         _log_calibration(cal, where)
     return cal

@@ -49,9 +49,9 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
     """Train, validate, checkpoint (rank 0) each epoch from `start` until train.epochs; rank 0 logs
     progress lines every train.progress_s; the ranks checkpoint mid-epoch and stop as `agreement` decides
     (rectrain.train.midepoch)."""
-    d, cfg = run.d, run.cfg
-    progress = RunProgress(cfg["progress_s"], d.world_size, cfg["epochs"]) if d.master else None
-    for epoch in range(start.epoch, cfg["epochs"]):
+    d, epochs = run.d, run.settings.optim.epochs
+    progress = RunProgress(run.settings.telemetry.progress_s, d.world_size, epochs) if d.master else None
+    for epoch in range(start.epoch, epochs):
         faults.fail_rank(d.rank)
         if progress:
             progress.begin_epoch(epoch, run.train_loader.batches_per_epoch)
@@ -120,7 +120,9 @@ def validate_epoch(run: Run, epoch: int, progress: Progress | None) -> dict:
     if not run.val_loader:
         return NO_VAL
     if progress:
-        progress.begin(f"epoch {epoch} (of {run.cfg['epochs']}) validation batch", run.val_loader.batches_per_epoch)
+        progress.begin(
+            f"epoch {epoch} (of {run.settings.optim.epochs}) validation batch", run.val_loader.batches_per_epoch
+        )
     return validate(run.model, run.val_loader, len(run.classes), run.step, progress=progress)
 
 
@@ -170,7 +172,7 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
     log.info(
         "epoch %d%s: train loss %.3f acc %.3f, %s, %.0f img/s, %.1f s%s; %s",
         epoch,
-        f" ({crop} px)" if run.cfg.get("progressive") else "",
+        f" ({crop} px)" if run.settings.resolution.progressive else "",
         stats["train_loss"],
         stats["train_acc"],
         val_text(val),
@@ -209,7 +211,7 @@ def save_checkpoint(run: Run, epoch: int, rngs: list) -> list[str]:
     epoch_file = run.ck_dir / f"epoch_{epoch}.pt"
     ckpt.save_atomic(state, epoch_file)
     ckpt.save_linked(state, epoch_file, run.ck_dir / "last.pt")
-    return ckpt.prune(run.ck_dir, run.cfg["keep_checkpoints"])
+    return ckpt.prune(run.ck_dir, run.settings.stops.keep_checkpoints)
 
 
 def names_of_one_file(ck_dir: Path, epoch: int) -> str:
@@ -223,7 +225,7 @@ def checkpoint_note(run: Run, epoch: int, pruned: list[str]) -> str:
     a user sizing the disk (train.keep_checkpoints) needs."""
     size = (run.ck_dir / f"epoch_{epoch}.pt").stat().st_size
     where = device_info(run.ck_dir)
-    kept = run.cfg["keep_checkpoints"]
+    kept = run.settings.stops.keep_checkpoints
     note = (
         f"checkpoint {human_bytes(size)} (epoch_{epoch}.pt{names_of_one_file(run.ck_dir, epoch)}) in {where['path']} on disk "
         f"{where['device'] or 'unknown'}, keeping the last {kept} epoch checkpoint(s)"

@@ -1,6 +1,7 @@
 """The line a failing rank leaves in the log: which rank, the error, and - for a CUDA error with the
 card near full, often an out-of-memory surfacing as `an illegal memory access` - the batch the plan
-trains with and the config change that fits (rectrain.train.memory.explain_cuda_error)."""
+trains with and the config change that fits (explain_cuda_error, from rectrain.train.memory's
+measures: this module depends on the memory preflight and the batch plan, neither on it)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,56 @@ import os
 
 import torch
 
-from rectrain.train import batchplan, memory
+from rectrain.train import batchplan
 from rectrain.train.batchplan import BatchPlan
+from rectrain.train.memory import NEAR_LIMIT, GpuInfo, fix_hint, is_oom
 
 log = logging.getLogger(__name__)
 
 
-def explain(exc: BaseException, cfg: dict, plan: BatchPlan | None) -> str:
-    """`plan`: the run's, None when the failure came before it; then a numeric train.batch_size is the
-    batch (no preflight decides it), and batch_size auto has none to name."""
+def explain(exc: BaseException, batch, devices, plan: BatchPlan | None) -> str:
+    """`plan`: the run's, None when the failure came before it; then a numeric train.batch_size (of the
+    train block's `batch` part) is the batch (no preflight decides it), and batch_size auto has none to
+    name.  `devices`: train.devices ('cpu': no CUDA error to explain)."""
     line = f"rank {os.environ.get('RANK', '?')} failed: {type(exc).__name__}: {exc}"
     try:
-        hint = _hint(exc, cfg, plan)
+        hint = _hint(exc, batch, devices, plan)
     except Exception:  # noqa: BLE001 - a second error here would replace the first in the log
         log.debug("no explanation for the failure", exc_info=True)
         hint = None
     return line + (f"\n{hint}" if hint else "")
 
 
-def _hint(exc: BaseException, cfg: dict, plan: BatchPlan | None) -> str | None:
-    if plan is None and cfg["batch_size"] != "auto":
-        plan = batchplan.plan(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+def _hint(exc: BaseException, batch, devices, plan: BatchPlan | None) -> str | None:
+    if plan is None and batch.batch_size != "auto":
+        plan = batchplan.plan(batch, int(os.environ.get("WORLD_SIZE", 1)))
     if plan is None:
         return None
-    on_gpu = torch.cuda.is_available() and cfg["devices"] != "cpu"
+    on_gpu = torch.cuda.is_available() and devices != "cpu"
     # setup() chose the rank's GPU (ranks may share one); before it ran, this is GPU 0.
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    return memory.explain_cuda_error(exc, device, plan)
+    return explain_cuda_error(exc, device, plan)
+
+
+def explain_cuda_error(exc: BaseException, device: torch.device, plan: BatchPlan) -> str | None:
+    """A hint for a CUDA error raised during training when memory was near the card's limit, else None;
+    the fix keeps the plan's global batch.
+
+    'illegal memory access' and friends after the allocator ran near full are usually an OOM in
+    disguise (on an 11 GB 2080 Ti, batch 128 of ResNet-50 surfaced exactly so)."""
+    if device.type != "cuda" or not isinstance(exc, RuntimeError) or "cuda" not in str(exc).lower():
+        return None
+    try:
+        gpu = GpuInfo.of(device)
+        peak_mb = torch.cuda.max_memory_reserved(device) / 2**20
+    except Exception:  # noqa: BLE001 - the context may be unusable after a sticky CUDA error
+        return None
+    if not is_oom(exc) and peak_mb < NEAR_LIMIT * gpu.total_mb:
+        return None
+    batch = plan.batch
+    fits = max(1, int(batch * NEAR_LIMIT * gpu.total_mb / max(peak_mb, 1)))
+    return (
+        f"this CUDA error happened with {peak_mb / 1024:.1f} of {gpu.total_mb / 1024:.1f} GB reserved on "
+        f"{gpu.label()} at batch {batch} per device ({plan.reason}): most likely out of memory. "
+        + fix_hint(batch, fits, plan.world_size, plan.grad_accum, plan.auto)
+    )

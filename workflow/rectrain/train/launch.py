@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from rectrain import cli, distributed, driver_check
+from rectrain import cli, distributed, driver_check, settings
 from rectrain.config import ConfigError, stage_block
 from rectrain.train import cluster, requeue, supervise
 from rectrain.train import local_copy as stage
@@ -38,14 +38,16 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def _run(own: argparse.Namespace, cfg: dict) -> int | None:
-    argv = own.argv
+    """`cfg`: the train block as rectrain.cli completed it, read once here into its typed view."""
+    s = settings.train(cfg)
+    launch, argv = s.launch, own.argv
     train_argv = [a for a in argv if a != "--print-only"]
     train_argv = _drop_option(_drop_option(train_argv, "--rdzv-endpoint"), "--stage-to-local")
     # train.nodes > 1 under SLURM: re-run this launcher once per node (srun); each then finds the
     # rendezvous from the allocation.  One node: nothing changes (--standalone).
     supervise.launch_id()  # before srun's launchers per node, which inherit it
     env_now = dict(os.environ, **({cluster.ENDPOINT_ENV: own.rdzv_endpoint} if own.rdzv_endpoint else {}))
-    node = cluster.plan_node_launch(cfg["nodes"], env_now)
+    node = cluster.plan_node_launch(launch.nodes, env_now)
     if node.relaunch:
         cmd = [*node.relaunch, sys.executable, "-m", "rectrain.train.launch", *argv]
         log.info("one launcher per node: %s", shlex.join(cmd))
@@ -55,13 +57,13 @@ def _run(own: argparse.Namespace, cfg: dict) -> int | None:
     if own.stage_to_local:
         train_argv = stage.stage_argv(train_argv, None if own.stage_to_local == "auto" else own.stage_to_local)
     gpu_count = distributed.visible_gpu_count()
-    driver_check.stop_on_mismatch(cfg["devices"], gpu_count > 0, "launch")
-    plan = distributed.plan_processes(cfg, gpu_count)
+    driver_check.stop_on_mismatch(launch.devices, gpu_count > 0, "launch")
+    plan = distributed.plan_processes(launch.devices, launch.cpu_processes, gpu_count)
     cmd, env = distributed.torchrun_command(
         plan,
         "rectrain.train",
         train_argv,
-        nodes=cfg["nodes"],
+        nodes=launch.nodes,
         rdzv_endpoint=own.rdzv_endpoint or node.rdzv_endpoint,
         run_id=node.run_id,
     )
@@ -72,7 +74,7 @@ def _run(own: argparse.Namespace, cfg: dict) -> int | None:
     if own.print_only:
         return None
     # torchrun as a child, not exec'd: a stop signal reaches the ranks and a stop maps to EXIT_STOPPED.
-    status = supervise.run_torchrun(cmd, env, _out_dir(train_argv) / "checkpoints", cfg["stop_signals"])
+    status = supervise.run_torchrun(cmd, env, _out_dir(train_argv) / "checkpoints", s.stops.stop_signals)
     said = requeue.after_stop(os.environ) if status == EXIT_STOPPED else None
     if said:  # under SLURM: back in the queue at the time limit, or why not
         log.info("%s", said)

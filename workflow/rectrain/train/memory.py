@@ -22,15 +22,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from rectrain import model as models
 from rectrain.loaders import LoaderChoice, LoaderSpec, image_itemsize
-
-if TYPE_CHECKING:
-    from rectrain.train.batchplan import BatchPlan
 
 # `batch_size: auto` keeps peak memory at or under this share of the card.
 HEADROOM = 0.90
@@ -358,27 +355,3 @@ def cuda_step_bytes(trial: Trial) -> Callable[[int], int]:
 def cuda_try_step(trial: Trial, budget: Budget | None = None) -> Callable[[int], float]:
     """A try_step(batch) -> MB needed that runs one real training step on random data on the GPU."""
     return budgeted(cuda_step_bytes(trial), budget)
-
-
-def explain_cuda_error(exc: BaseException, device: torch.device, plan: BatchPlan) -> str | None:
-    """A hint for a CUDA error raised during training when memory was near the card's limit, else None;
-    the fix keeps the plan's global batch.
-
-    'illegal memory access' and friends after the allocator ran near full are usually an OOM in
-    disguise (on an 11 GB 2080 Ti, batch 128 of ResNet-50 surfaced exactly so)."""
-    if device.type != "cuda" or not isinstance(exc, RuntimeError) or "cuda" not in str(exc).lower():
-        return None
-    try:
-        gpu = GpuInfo.of(device)
-        peak_mb = torch.cuda.max_memory_reserved(device) / 2**20
-    except Exception:  # noqa: BLE001 - the context may be unusable after a sticky CUDA error
-        return None
-    if not is_oom(exc) and peak_mb < NEAR_LIMIT * gpu.total_mb:
-        return None
-    batch = plan.batch
-    fits = max(1, int(batch * NEAR_LIMIT * gpu.total_mb / max(peak_mb, 1)))
-    return (
-        f"this CUDA error happened with {peak_mb / 1024:.1f} of {gpu.total_mb / 1024:.1f} GB reserved on "
-        f"{gpu.label()} at batch {batch} per device ({plan.reason}): most likely out of memory. "
-        + fix_hint(batch, fits, plan.world_size, plan.grad_accum, plan.auto)
-    )

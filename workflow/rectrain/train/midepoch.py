@@ -47,11 +47,11 @@ def run_state(run: Run, epoch: int, rngs: list, step: int | None = None, ranks: 
         "step": step,
         "ranks": ranks,
         "rng": rngs,
-        "config": run.cfg,
+        "config": run.settings.as_dict(),
         "num_classes": len(run.classes),
-        "model_name": run.cfg["model"],
-        "blurpool": run.cfg["blurpool"],  # the network's structure: evaluation builds the same one
-        "image_size": run.cfg["image_size"],
+        "model_name": run.settings.model.model,
+        "blurpool": run.settings.model.blurpool,  # the network's structure: evaluation builds the same one
+        "image_size": run.settings.resolution.image_size,
         **run.identity.stamp(),
     }
 

@@ -29,11 +29,12 @@ DEFAULT_WEIGHT_DECAY = 1.0e-4
 LINEAR_START = 1e-4  # FFCV's get_cyclic_lr starts at 1e-4 x the peak LR
 
 
-def weight_decay(cfg: dict) -> float:
-    """train.weight_decay, or the model family's published value when it is null."""
-    if cfg.get("weight_decay") is not None:
-        return float(cfg["weight_decay"])
-    return FAMILY_WEIGHT_DECAY.get(cfg["model"], DEFAULT_WEIGHT_DECAY)
+def weight_decay(optim, family: str) -> float:
+    """train.weight_decay (of the train block's `optim` part), or the published value of the model
+    family `family` (train.model) when it is null."""
+    if optim.weight_decay is not None:
+        return float(optim.weight_decay)
+    return FAMILY_WEIGHT_DECAY.get(family, DEFAULT_WEIGHT_DECAY)
 
 
 @dataclass(frozen=True)
@@ -68,15 +69,16 @@ class Schedule:
         return (self.epochs - epoch) / (self.epochs - peak)
 
 
-def schedule(cfg: dict, opt_steps_per_epoch: int) -> Schedule:
+def schedule(optim, opt_steps_per_epoch: int) -> Schedule:
+    """The schedule of the train block's `optim` part."""
     return Schedule(
-        kind=cfg["lr_schedule"],
+        kind=optim.lr_schedule,
         steps_per_epoch=opt_steps_per_epoch,
-        epochs=cfg["epochs"],
-        warmup_steps=round(cfg["warmup_epochs"] * opt_steps_per_epoch),
-        peak_epoch=cfg["lr_peak_epoch"],
-        step_epochs=tuple(sorted(cfg["lr_step_epochs"])),
-        step_ratio=cfg["lr_step_ratio"],
+        epochs=optim.epochs,
+        warmup_steps=round(optim.warmup_epochs * opt_steps_per_epoch),
+        peak_epoch=optim.lr_peak_epoch,
+        step_epochs=tuple(sorted(optim.lr_step_epochs)),
+        step_ratio=optim.lr_step_ratio,
     )
 
 
@@ -105,19 +107,20 @@ def fused_supported(device: torch.device) -> bool:
     return device.type in _get_fused_kernels_supported_devices()
 
 
-def make_optimizer(cfg: dict, model, global_batch: int, opt_steps_per_epoch: int):
-    """(SGD with nesterov, the LR schedule, GradScaler for fp16) for the global batch.  The fused
+def make_optimizer(optim, model, global_batch: int, opt_steps_per_epoch: int, *, family: str, precision: str):
+    """(SGD with nesterov, the LR schedule, GradScaler for fp16) for the global batch, from the train
+    block's `optim` part, the model family (train.model: the default weight decay) and train.precision.  The fused
     kernel takes the GradScaler's scale and found-inf flag as tensors (SGD._step_supports_amp_scaling),
     so an fp16 step skips an overflowed update on the device instead of reading the flag on the host."""
     device = next(model.parameters()).device
     optimizer = torch.optim.SGD(
-        param_groups(model, weight_decay(cfg), cfg["decay_norm_and_bias"]),
-        lr=cfg["lr"] * global_batch / 256,
-        momentum=cfg["momentum"],
-        nesterov=cfg["nesterov"] and cfg["momentum"] > 0,
-        fused=bool(cfg["fused_sgd"]) and fused_supported(device),
+        param_groups(model, weight_decay(optim, family), optim.decay_norm_and_bias),
+        lr=optim.lr * global_batch / 256,
+        momentum=optim.momentum,
+        nesterov=optim.nesterov and optim.momentum > 0,
+        fused=bool(optim.fused_sgd) and fused_supported(device),
     )
-    sched = schedule(cfg, opt_steps_per_epoch)
+    sched = schedule(optim, opt_steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: sched.factor(s))
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg["precision"] == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     return optimizer, scheduler, scaler

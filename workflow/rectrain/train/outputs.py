@@ -31,7 +31,7 @@ def telemetry_logs(run: Run, start_epoch: int, start_step: int = 0):
         node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node rank
         sampler = telemetry.SystemSampler(
             live / f"system_node{node}.csv",
-            run.cfg["sample_interval_s"],
+            run.settings.telemetry.sample_interval_s,
             block_device_for(run.args.rec),
             telemetry.job_processes(),
             append=start_epoch > 0 or start_step > 0,

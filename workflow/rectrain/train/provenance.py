@@ -35,23 +35,24 @@ def run_info(
 ) -> dict:
     """run.json as the run starts (`finished` is filled in when it is published); `resumed_despite`: the
     identity differences train.resume: always resumed across; `start_step`: a mid-epoch resume's step."""
-    d, cfg, loader, plan = run.d, run.cfg, run.train_loader, run.plan
+    d, s, loader, plan = run.d, run.settings, run.train_loader, run.plan
+    res = s.resolution
     return {
         "world_size": d.world_size,
-        "nodes": cfg["nodes"],
+        "nodes": s.launch.nodes,
         "devices": local_devices(d),
         "backend": d.backend,
         "loader": loader.kind,
-        "model": cfg["model"],
-        "precision": cfg["precision"],
+        "model": s.model.model,
+        "precision": s.model.precision,
         "batch_size": plan.batch,
         "grad_accum": plan.grad_accum,
         "global_batch": plan.global_batch,
-        "epochs": cfg["epochs"],
-        "image_size": cfg["image_size"],
+        "epochs": s.optim.epochs,
+        "image_size": res.image_size,
         # the training crop of every epoch (px) and the schedule that made it (null: image_size throughout)
-        "progressive": cfg["progressive"],
-        "resolutions": resolutions(cfg),
+        "progressive": res.progressive,
+        "resolutions": resolutions(res.image_size, res.progressive, s.optim.epochs),
         "rec_device": device_info(run.args.rec),
         "gpus": telemetry.gpu_inventory(),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
@@ -61,15 +62,15 @@ def run_info(
         "started": now(),
         "finished": None,
         "preflight": plan.preflight,
-        "config": cfg,
+        "config": s.as_dict(),  # the whole block, flat, as configured
         "resumed_from_epoch": start_epoch if start_epoch or start_step else None,
         "resumed_from_step": start_step or None,  # a mid-epoch checkpoint: the first step trained
         "resumed_despite": list(resumed_despite),
         # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
-        "loader_requested": cfg["loader"],
+        "loader_requested": s.loaders.loader,
         "decode": loader.choice.decode,
         "decode_path": loader.choice.decode_path,  # train.decode as it ran (DALI only; None for torch)
-        "compiled": bool(cfg["compile"]),  # torch.compile: the epochs and the calibration alike
+        "compiled": bool(s.model.compile),  # torch.compile: the epochs and the calibration alike
         "loader_note": loader.choice.note,
         "workers": run.workers,  # the count 'auto' became, which the diagnosis quotes
         "cores": run.cores,
@@ -86,15 +87,15 @@ def local_devices(d: Dist) -> list[str]:
 
 
 def log_start(run: Run) -> None:
-    d, cfg, plan = run.d, run.cfg, run.plan
+    d, plan = run.d, run.plan
     log.info(
         "%d process(es), %s, %s loader, %s @%s, batch %d x accum %d x %d = %d, %d train images "
         "(%d padded per epoch), preflight: %s",
         d.world_size,
         d.backend,
         run.train_loader.kind,
-        cfg["model"],
-        resolution_words(cfg),
+        run.settings.model.model,
+        resolution_words(run.settings.resolution),
         plan.batch,
         plan.grad_accum,
         d.world_size,
@@ -105,9 +106,10 @@ def log_start(run: Run) -> None:
     )
 
 
-def resolution_words(cfg: dict) -> str:
-    """The training resolution for the start line: '64px', or under train.progressive '32->64px (ramp epochs 0-2)'."""
-    ramp = cfg["progressive"]
+def resolution_words(res) -> str:
+    """The training resolution (the train block's `resolution` part) for the start line: '64px', or under
+    train.progressive '32->64px (ramp epochs 0-2)'."""
+    ramp = res.progressive
     if not ramp:
-        return f"{cfg['image_size']}px"
+        return f"{res.image_size}px"
     return f"{ramp['min_res']}->{ramp['max_res']}px (ramp epochs {ramp['start_ramp']}-{ramp['end_ramp']})"

@@ -81,11 +81,12 @@ class ResumeRefused(RuntimeError):
     """train.resume: always, but the checkpoint differs in an item no resume can cross."""
 
 
-def previous_plan(ck_dir: Path, cfg: dict) -> BatchPlan | None:
+def previous_plan(ck_dir: Path, batch, stops) -> BatchPlan | None:
     """The batch plan checkpoints/last.pt was written with, for `batch_size: auto` to reuse; None when
-    there is none to reuse (no checkpoint, a finished run, train.resume: never, a fixed batch size)."""
+    there is none to reuse (no checkpoint, a finished run, train.resume: never, a fixed batch size).
+    `batch`, `stops`: the train block's parts (rectrain.settings)."""
     last = Path(ck_dir) / "last.pt"
-    if cfg["batch_size"] != "auto" or cfg["resume"] == "never" or not last.exists():
+    if batch.batch_size != "auto" or stops.resume == "never" or not last.exists():
         return None
     if ckpt.finished_marker(ck_dir).exists() and not republishable(ck_dir):
         return None
@@ -99,7 +100,7 @@ def resume(run: Run) -> Resumed:
     """Continue checkpoints/last.pt when train.resume allows it; otherwise (rank 0, once every rank has
     decided) move the checkpoints of the run this one replaces aside."""
     last = run.ck_dir / "last.pt"
-    if run.cfg["resume"] == "never":
+    if run.settings.stops.resume == "never":
         decided, why_not = Resumed(0), "train.resume is never"
     elif not last.exists():
         decided, why_not = Resumed(0), f"{last.name} is missing"
@@ -107,7 +108,7 @@ def resume(run: Run) -> Resumed:
         decided, why_not = _continue(run)
     kept = None if decided.continues else kept_finished_run(run)
     if kept is not None:
-        decided = Resumed(run.cfg["epochs"], restored=True)
+        decided = Resumed(run.settings.optim.epochs, restored=True)
     # also: nobody writes checkpoints before every rank read last.pt
     starts = all_gather((decided.start_epoch, decided.start_step), run.d)
     if len(set(starts)) > 1:
@@ -129,7 +130,7 @@ def kept_finished_run(run: Run) -> Path | None:
     (a config edited and edited back, a new run that failed after it started over); None under
     train.resume: never, when Snakemake forced the job, or when there is none."""
     root = run.ck_dir / ckpt.REPLACED
-    if run.cfg["resume"] == "never" or finished.forced() or not root.is_dir():
+    if run.settings.stops.resume == "never" or finished.forced() or not root.is_dir():
         return None
     for folder in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):  # named by UTC time
         last = folder / "last.pt"
@@ -172,7 +173,7 @@ def _finished_run(run: Run, found: list[ckpt.Difference]) -> tuple[Resumed, str 
         return Resumed(0), "; ".join(d.text for d in found)
     if not finished.complete(run.ck_dir):
         return Resumed(0), NOT_KEPT
-    return Resumed(run.cfg["epochs"], restored=True), None
+    return Resumed(run.settings.optim.epochs, restored=True), None
 
 
 def start_over(ck_dir: Path, why_not: str) -> None:
@@ -192,7 +193,7 @@ def start_over(ck_dir: Path, why_not: str) -> None:
 def _continue(run: Run) -> tuple[Resumed, str | None]:
     """(what to resume, None) with last.pt's state restored when train.resume allows it, else
     (a start at epoch 0, why not)."""
-    last, mode = run.ck_dir / "last.pt", run.cfg["resume"]
+    last, mode = run.ck_dir / "last.pt", run.settings.stops.resume
     state = ckpt.load(last)
     found = ckpt.differences(state, run.identity)
     if ckpt.finished_marker(run.ck_dir).exists():
@@ -228,7 +229,7 @@ def _done_text(state: dict) -> tuple[str, str]:
 
 
 def _say_resuming(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -> None:
-    done, continuing = _done_text({**state, "config": run.cfg})
+    done, continuing = _done_text({**state, "config": run.settings.as_dict()})
     if despite:
         log.info(
             "resuming from %s despite %s (train.resume: always; recorded in run.json's resumed_despite): %s; %s",

@@ -22,6 +22,7 @@ from rectrain import model as models
 from rectrain import sources
 from rectrain.distributed import Dist
 from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
+from rectrain.settings import TrainSettings
 from rectrain.tables import read_classes
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.batchplan import BatchPlan, loader_spec, val_loader_spec
@@ -37,21 +38,21 @@ def code_fingerprint() -> dict:
     return sources.fingerprint("train")
 
 
-def set_backend_flags(cfg: dict, device: torch.device) -> None:
+def set_backend_flags(cudnn_benchmark: bool, device: torch.device) -> None:
     # Fixed training shapes: cuDNN's autotuner picks the fastest kernels once, for every later step.
-    torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cfg["cudnn_benchmark"])
+    torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cudnn_benchmark)
 
 
-def make_model(cfg: dict, num_classes: int, device: torch.device):
-    """(model on device, in channels_last when asked; the loss)."""
+def make_model(part, num_classes: int, device: torch.device):
+    """(model on device, in channels_last when asked; the loss), from the train block's `model` part."""
     model = models.build(
-        cfg["model"],
+        part.model,
         num_classes,
-        cfg["channels_last"],
-        zero_init_residual=cfg["zero_init_residual"],
-        blurpool=cfg["blurpool"],
+        part.channels_last,
+        zero_init_residual=part.zero_init_residual,
+        blurpool=part.blurpool,
     ).to(device)
-    return model, torch.nn.CrossEntropyLoss(label_smoothing=cfg["label_smoothing"])
+    return model, torch.nn.CrossEntropyLoss(label_smoothing=part.label_smoothing)
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,16 @@ class RankParts:
     spec: LoaderSpec  # the train loader's, batch_size 0 until planned
 
 
-def prepare_rank(args: argparse.Namespace, cfg: dict, d: Dist) -> RankParts:
+def prepare_rank(args: argparse.Namespace, s: TrainSettings, d: Dist) -> RankParts:
     cores = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // d.local_world_size))
-    torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(s.launch.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     classes = read_classes(args.classes)
-    set_backend_flags(cfg, d.device)
-    model, loss_fn = make_model(cfg, len(classes), d.device)
-    workers = resolve_workers(cfg["workers"], d.local_world_size, cores)
-    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, cfg["workers"])
-    spec = loader_spec(cfg, d, args.rec, args.idx, workers)
+    set_backend_flags(s.model.cudnn_benchmark, d.device)
+    model, loss_fn = make_model(s.model, len(classes), d.device)
+    workers = resolve_workers(s.loaders.workers, d.local_world_size, cores)
+    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, s.loaders.workers)
+    spec = loader_spec(s, d, args.rec, args.idx, workers)
     return RankParts(d, classes, model, loss_fn, cores, workers, spec)
 
 
@@ -85,7 +86,7 @@ class Run:
     """One rank's training run: its inputs, its batch plan, and the pieces built from them."""
 
     args: argparse.Namespace
-    cfg: dict
+    settings: TrainSettings  # the train block, read once
     d: Dist
     classes: list[dict]
     model: torch.nn.Module  # unwrapped: what is checkpointed and validated
@@ -106,23 +107,26 @@ class Run:
         return self.out / "checkpoints"
 
 
-def build_run(args: argparse.Namespace, cfg: dict, parts: RankParts, plan: BatchPlan) -> Run:
-    """Loaders, optimizer and the wrapped network for the plan's batch."""
-    d, model = parts.d, parts.model
-    train_loader, val_loader = make_loaders(args, cfg, parts.spec, plan.batch)
+def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan: BatchPlan) -> Run:
+    """Loaders, optimizer and the wrapped network for the plan's batch; the Run keeps the block `s`,
+    whose whole is the checkpoint's identity."""
+    d, model, part = parts.d, parts.model, s.model
+    train_loader, val_loader = make_loaders(args, s.loaders.loader, s.resolution.val_resolution, parts.spec, plan.batch)
     opt_steps = math.ceil(train_loader.batches_per_epoch / plan.grad_accum)
-    optimizer, scheduler, scaler = make_optimizer(cfg, model, plan.global_batch, opt_steps)
-    net = wrap(model, d, cfg, plan.grad_accum)
+    optimizer, scheduler, scaler = make_optimizer(
+        s.optim, model, plan.global_batch, opt_steps, family=part.model, precision=part.precision
+    )
+    net = wrap(model, d, s.launch, part, plan.grad_accum)
     step = Step(
-        net, parts.loss_fn, optimizer, scheduler, scaler, plan.grad_accum, cfg["precision"], cfg["channels_last"], d
+        net, parts.loss_fn, optimizer, scheduler, scaler, plan.grad_accum, part.precision, part.channels_last, d
     )
     data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
     identity = ckpt.RunIdentity(
-        ckpt.maths_config(cfg), plan.batch, plan.grad_accum, d.world_size, data, code_fingerprint()
+        ckpt.maths_config(s.as_dict()), plan.batch, plan.grad_accum, d.world_size, data, code_fingerprint()
     )
     return Run(
         args=args,
-        cfg=cfg,
+        settings=s,
         d=d,
         classes=parts.classes,
         model=model,
@@ -136,23 +140,25 @@ def build_run(args: argparse.Namespace, cfg: dict, parts: RankParts, plan: Batch
     )
 
 
-def make_loaders(args: argparse.Namespace, cfg: dict, spec: LoaderSpec, batch: int) -> tuple[Loader, Loader | None]:
-    """(train loader, val loader or None without a val split) at the planned batch."""
-    train_loader = build_loader(cfg["loader"], dataclasses.replace(spec, batch_size=batch))
+def make_loaders(
+    args: argparse.Namespace, kind: str, val_resolution: int | None, spec: LoaderSpec, batch: int
+) -> tuple[Loader, Loader | None]:
+    """(train loader, val loader or None without a val split) at the planned batch; `kind`: train.loader."""
+    train_loader = build_loader(kind, dataclasses.replace(spec, batch_size=batch))
     if not args.val_rec:
         log.info("no val split (--val-rec not given, index.absent_splits): epochs are not validated")
         return train_loader, None
-    val_spec = dataclasses.replace(val_loader_spec(cfg, spec, args.val_rec, args.val_idx), batch_size=batch)
-    return train_loader, build_loader(cfg["loader"], val_spec)
+    val_spec = dataclasses.replace(val_loader_spec(val_resolution, spec, args.val_rec, args.val_idx), batch_size=batch)
+    return train_loader, build_loader(kind, val_spec)
 
 
-def wrap(model: torch.nn.Module, d: Dist, cfg: dict, grad_accum: int = 1) -> torch.nn.Module:
-    """DDP across ranks, then torch.compile when asked (train.compile_mode): the network the steps run,
-    the calibration included."""
-    net = ddp(model, d, cfg, grad_accum) if d.world_size > 1 else model
-    if not cfg["compile"]:
+def wrap(model: torch.nn.Module, d: Dist, launch, part, grad_accum: int = 1) -> torch.nn.Module:
+    """DDP across ranks (the train block's `launch` part: train.ddp_*), then torch.compile when its `model`
+    part `part` asks (train.compile_mode): the network the steps run, the calibration included."""
+    net = ddp(model, d, launch, grad_accum) if d.world_size > 1 else model
+    if not part.compile:
         return net
-    return torch.compile(net, mode=None if cfg["compile_mode"] == "default" else cfg["compile_mode"])
+    return torch.compile(net, mode=None if part.compile_mode == "default" else part.compile_mode)
 
 
 # DDP's compression hooks by train.ddp_comm_hook: gradients travel as fp16/bf16 (half the bytes of
@@ -160,23 +166,23 @@ def wrap(model: torch.nn.Module, d: Dist, cfg: dict, grad_accum: int = 1) -> tor
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
 
-def ddp(model: torch.nn.Module, d: Dist, cfg: dict, grad_accum: int) -> DDP:
-    """The model under DDP with train.ddp_*: gradients as views into the all-reduce buckets (no copy
+def ddp(model: torch.nn.Module, d: Dist, launch, grad_accum: int) -> DDP:
+    """The model under DDP with train.ddp_* (the train block's `launch` part): gradients as views into the all-reduce buckets (no copy
     in and out, one gradient-sized buffer less), a static graph (every parameter used every step, as in
     the torchvision classifiers: DDP can skip its per-step unused-parameter bookkeeping), and the
     optional compression hook.  A static graph is only valid without gradient accumulation: torch 2.14's
     reducer fails an internal assert (expect_autograd_hooks_) when the first backward runs under
     no_sync, which every accumulating micro-batch does."""
-    static = bool(cfg["ddp_static_graph"]) and grad_accum == 1
-    if cfg["ddp_static_graph"] and not static and d.master:
+    static = bool(launch.ddp_static_graph) and grad_accum == 1
+    if launch.ddp_static_graph and not static and d.master:
         log.info("DDP static_graph off: grad_accum %d runs micro-batches under no_sync, which it cannot", grad_accum)
     net = DDP(
         model,
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
-        gradient_as_bucket_view=cfg["ddp_bucket_view"],
+        gradient_as_bucket_view=launch.ddp_bucket_view,
         static_graph=static,
     )
-    hook = cfg["ddp_comm_hook"]
+    hook = launch.ddp_comm_hook
     if hook != "none":
         net.register_comm_hook(None, COMM_HOOKS[hook])
     return net

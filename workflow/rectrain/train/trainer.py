@@ -36,7 +36,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rectrain import cli, distributed, driver_check, usage, watchdog
+from rectrain import cli, distributed, driver_check, settings, usage, watchdog
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
 from rectrain.train import batchplan, calibrate, failure, outputs, provenance, stop, supervise
@@ -72,15 +72,16 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def relaunch_or_single(cfg: dict, argv: list[str], single: bool, ck_dir: Path) -> int | None:
+def relaunch_or_single(launch, stop_signals: list[str], argv: list[str], single: bool, ck_dir: Path) -> int | None:
     """Called when RANK/WORLD_SIZE/LOCAL_RANK are missing: run the same command under torchrun when the
-    config asks for several processes, returning its exit status (supervise: EXIT_STOPPED after a stop),
-    else set this process up as rank 0 of 1 (None)."""
+    train block's `launch` part asks for several processes, returning its exit status (supervise:
+    EXIT_STOPPED after a stop, `stop_signals`: train.stop_signals), else set this process up as rank 0
+    of 1 (None)."""
     gpu_count = distributed.visible_gpu_count()
-    driver_check.stop_on_mismatch(cfg["devices"], gpu_count > 0, "train")
-    procs = distributed.plan_processes(cfg, gpu_count)
+    driver_check.stop_on_mismatch(launch.devices, gpu_count > 0, "train")
+    procs = distributed.plan_processes(launch.devices, launch.cpu_processes, gpu_count)
     missing = ", ".join(v for v in distributed.LAUNCH_VARS if v not in os.environ)
-    if procs.nproc > 1 and cfg["nodes"] == 1 and not single:
+    if procs.nproc > 1 and launch.nodes == 1 and not single:
         log.info(
             "started without a launcher (%s not set): relaunching through torchrun with %d processes because %s",
             missing,
@@ -88,10 +89,10 @@ def relaunch_or_single(cfg: dict, argv: list[str], single: bool, ck_dir: Path) -
             procs.reason,
         )
         cmd, env = distributed.torchrun_command(procs, "rectrain.train", argv)
-        return supervise.run_torchrun(cmd, env, ck_dir, cfg["stop_signals"])
+        return supervise.run_torchrun(cmd, env, ck_dir, stop_signals)
     if single:
         why = "--single-process was given"
-    elif cfg["nodes"] > 1:
+    elif launch.nodes > 1:
         why = "multi-node runs must be started by the launcher"
     else:
         why = procs.reason
@@ -102,22 +103,24 @@ def relaunch_or_single(cfg: dict, argv: list[str], single: bool, ck_dir: Path) -
     return None
 
 
-def train(args: argparse.Namespace, cfg: dict) -> None:
-    """One rank's whole run; a failure is logged with what it means (failure.explain), then raised."""
+def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
+    """One rank's whole run of the train block `s`; a failure is logged with what it means
+    (failure.explain), then raised."""
     plan = None  # the failure line names it once it exists
     try:
-        d = distributed.setup(cfg["devices"] != "cpu", cfg["collective_timeout_s"])
+        d = distributed.setup(s.launch.devices != "cpu", s.launch.collective_timeout_s)
         if d.master:
             (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
         with (
-            watchdog.Watchdog(cfg["watchdog_s"], d.rank, d.world_size, Path(args.out) / "telemetry"),
-            stop.handling(cfg["stop_signals"]) as request,  # after the watchdog's SIGTERM stack dump: replaces it
+            watchdog.Watchdog(s.stops.watchdog_s, d.rank, d.world_size, Path(args.out) / "telemetry"),
+            stop.handling(s.stops.stop_signals) as request,  # after the watchdog's SIGTERM stack dump: replaces it
         ):
             watchdog.beat("preparing: model, memory preflight, loaders")
-            parts = prepare_rank(args, cfg, d)
-            previous = previous_plan(Path(args.out) / "checkpoints", cfg)  # batch_size auto reuses it when it fits
+            parts = prepare_rank(args, s, d)
+            # batch_size auto reuses it when it fits
+            previous = previous_plan(Path(args.out) / "checkpoints", s.batch, s.stops)
             plan = batchplan.choose_batch(
-                cfg,
+                s,
                 parts.model,
                 parts.loss_fn,
                 d,
@@ -126,12 +129,12 @@ def train(args: argparse.Namespace, cfg: dict) -> None:
                 previous=previous,
                 validated=bool(args.val_rec),
             )
-            run = build_run(args, cfg, parts, plan)
+            run = build_run(args, s, parts, plan)
             train_run(run, request)
     except stop.Stopped:
         raise
     except Exception as exc:
-        log.exception(failure.explain(exc, cfg, plan))
+        log.exception(failure.explain(exc, s.batch, s.launch.devices, plan))
         raise
 
 
@@ -151,7 +154,7 @@ def train_run(run: Run, request: StopRequest) -> None:
         provenance.log_start(run)
     if resumed.rng_states is not None:
         ckpt.set_rng_state(resumed.rng_states[d.rank])
-    agreement = Agreement(d, request, run.cfg["checkpoint_interval_min"])
+    agreement = Agreement(d, request, run.settings.stops.checkpoint_interval_min)
     with outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log):
         train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration), agreement)
     watchdog.beat("publishing the outputs")
@@ -164,12 +167,15 @@ def train_run(run: Run, request: StopRequest) -> None:
 
 
 def _run(args: argparse.Namespace, cfg: dict) -> int | None:
+    """The train block `cfg` as rectrain.cli completed it, read once here into its typed view."""
+    s = settings.train(cfg)
     if not distributed.launched():
-        status = relaunch_or_single(cfg, args.argv, args.single_process, Path(args.out) / "checkpoints")
+        ck_dir = Path(args.out) / "checkpoints"
+        status = relaunch_or_single(s.launch, s.stops.stop_signals, args.argv, args.single_process, ck_dir)
         if status is not None:
             return status
     try:
-        train(args, cfg)
+        train(args, s)
     except stop.Stopped:
         return stop.EXIT_STOPPED
     finally:
