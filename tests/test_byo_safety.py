@@ -4,12 +4,11 @@ bounded whatever the records' sizes, the fast storage's folder and the pair's ow
 as the pack checks them, and a pair changed after its check refused by the loaders. Pairs are written
 with rectrain's own RecordWriter (no mxnet needed); victims are files under tmp_path."""
 
-
 import pytest
 from helpers.packdata import jpeg, photo
 from helpers.views import view
 
-from rectrain.data.byo_recordio import check_pairs
+from rectrain.data.byo_recordio import PairError, check_pairs
 from rectrain.loaders import LoaderSpec, build_loader
 from rectrain.recordio import IRHeader, RecordIOError, RecordWriter, pack_record
 
@@ -72,3 +71,33 @@ def test_an_idx_line_with_non_ascii_digits_or_two_tabs_is_refused_naming_the_lin
     for reader in (idx_arrays, read_idx):
         with pytest.raises(RecordIOError, match=r"mine\.idx:2: "):
             reader(pair["idx"])
+
+
+# ---- item 6: labels that cannot set the class count ----------------------------------------------
+
+
+@pytest.mark.parametrize("stray", [2e6, 1e9])
+def test_one_huge_label_is_refused_naming_the_record_and_the_class_list_fix(tmp_path, stray):
+    labels = [i % 3 for i in range(40)]
+    labels[17] = stray
+    pair = make_pair(tmp_path / "pair", labels=labels)
+    with pytest.raises(PairError) as err:
+        check(tmp_path, pair)
+    said = str(err.value)
+    assert f"train record 17 (.idx key 17) has label {int(stray)}" in said and "recordio.classes" in said
+    assert not (tmp_path / "out/index/classes.tsv").exists()
+
+
+def test_labels_of_a_subset_of_classes_still_set_the_count_without_a_class_list(tmp_path):
+    """ImageNet's labels 0-999 kept on a few classes: sparse, not stray."""
+    labels = [0, 999] * 6
+    manifests, out = check(tmp_path, make_pair(tmp_path / "pair", n=12, labels=labels))
+    assert manifests["train"]["num_classes"] == 1000
+
+
+@pytest.mark.parametrize("label", [float("nan"), float("inf")])
+def test_a_non_finite_label_gets_the_checks_named_error(tmp_path, label):
+    labels = [i % 2 for i in range(6)]
+    labels[4] = label
+    with pytest.raises(PairError, match=r"record 4 \(\.idx key 4, byte offset \d+\): label .* is not a class index"):
+        check(tmp_path, make_pair(tmp_path / "pair", n=6, labels=labels))

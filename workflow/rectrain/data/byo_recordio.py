@@ -27,6 +27,7 @@ import csv
 import functools
 import io
 import logging
+import math
 import os
 import sys
 import time
@@ -53,6 +54,11 @@ log = logging.getLogger(__name__)
 # clear even at a few dozen records, and flags any file sorted or grouped by class.
 ORDERED_RUNS_SHARE = 0.5
 SHUFFLE_SEED = 0
+# Without a class list the class count is the largest label + 1. Labels may skip classes (a subset of
+# ImageNet keeps its 0-999 labels), but a count this far above the distinct labels is one stray label
+# (1e9 ended in MemoryError, 2e6 made a 2,000,001-class model): more unused classes than this, and than
+# the labels in use, are refused.
+MAX_UNUSED_CLASSES = 1000
 _BATCH = 256  # records decoded per batch of thread-pool work
 
 
@@ -150,7 +156,7 @@ def _label(i: int, key: int, offset: int, payload: bytes, lst: dict | None) -> t
         raise PairError(f"{where}: {err}") from None
     if header.flag != 0:
         raise PairError(f"{where} holds {header.flag} labels: rectrain trains one class label per image")
-    if header.label != int(header.label) or header.label < 0:
+    if not math.isfinite(header.label) or header.label != int(header.label) or header.label < 0:
         raise PairError(f"{where}: label {header.label!r} is not a class index (a whole number >= 0)")
     if lst is not None:
         listed = lst.get(key)
@@ -272,7 +278,7 @@ def class_table(classes: str | None, train_pair: dict, train: Walked) -> tuple[l
     if classes:
         lines = [ln.rstrip("\r\n") for ln in open(classes, encoding="utf-8") if ln.strip()]
         return [tuple((ln.split("\t", 1) + [""])[:2]) for ln in lines], f"class list {classes}"
-    count = max(train.labels) + 1
+    count = class_count(train)
     if train_pair.get("lst"):
         folders: dict[int, str] = {}
         for label, path in read_lst(train_pair["lst"]).values():
@@ -284,6 +290,21 @@ def class_table(classes: str | None, train_pair: dict, train: Walked) -> tuple[l
                 )
         return [(folders.get(k, f"class_{k}"), "") for k in range(count)], f"folders of {train_pair['lst']}"
     return [(f"class_{k}", "") for k in range(count)], "numbered (no .lst or class list given)"
+
+
+def class_count(train: Walked) -> int:
+    """The largest train label + 1, or PairError naming the record with the largest label when that
+    leaves more than MAX_UNUSED_CLASSES (and more than the labels in use) without a single image."""
+    labels = np.asarray(train.labels, dtype=np.int64)
+    count, used = int(labels.max()) + 1, len(np.unique(labels))
+    if count - used > max(MAX_UNUSED_CLASSES, used):
+        i = int(labels.argmax())
+        raise PairError(
+            f"train record {i} (.idx key {train.keys[i]}) has label {count - 1}, so the class count would be {count} "
+            f"for {used} distinct labels: a stray label, or labels that are not class indices. Give the class list "
+            "of this pair (recordio.classes: one class per line, in label order)"
+        )
+    return count
 
 
 def check_labels(walked: Walked, num_classes: int, names_from: str) -> None:
