@@ -4,10 +4,19 @@ bounded whatever the records' sizes, the fast storage's folder and the pair's ow
 as the pack checks them, and a pair changed after its check refused by the loaders. Pairs are written
 with rectrain's own RecordWriter (no mxnet needed); victims are files under tmp_path."""
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 from helpers.packdata import jpeg, photo
 from helpers.views import view
 
+from rectrain.data import byo_recordio
 from rectrain.data.byo_recordio import PairError, check_pairs
 from rectrain.loaders import LoaderSpec, build_loader
 from rectrain.recordio import IRHeader, RecordIOError, RecordWriter, pack_record
@@ -101,3 +110,130 @@ def test_a_non_finite_label_gets_the_checks_named_error(tmp_path, label):
     labels[4] = label
     with pytest.raises(PairError, match=r"record 4 \(\.idx key 4, byte offset \d+\): label .* is not a class index"):
         check(tmp_path, make_pair(tmp_path / "pair", n=6, labels=labels))
+
+
+# ---- items 1, 2, 11: the brought pair goes through the pack's folder and ownership rules ---------
+
+OTHER_UID = 54321
+
+
+def as_other_user(code: str, *args) -> subprocess.CompletedProcess:
+    """`code` run by python as another user (uid and gid OTHER_UID, no groups), as a second user of a
+    shared machine would run it."""
+    cmd = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable, "-c", code]
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def shared(tmp_path):
+    """A folder every user can reach (pytest's own tmp root is private to root), removed after."""
+    base = Path(tempfile.mkdtemp(prefix="rectrain-shared-", dir="/tmp"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base)
+
+
+def labels_through(fast) -> list[float]:
+    from rectrain.recordio import IndexedRecordReader, unpack_record
+
+    return [
+        unpack_record(payload)[0].label for _, payload in IndexedRecordReader(fast / "train.rec", fast / "train.idx")
+    ]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root (setpriv)")
+def test_a_world_writable_fast_folder_is_locked_before_the_pair_is_linked_so_another_user_cannot_swap_it(shared):
+    pair = make_pair(shared / "mine", n=4)
+    fast = shared / "out" / "fast"
+    fast.mkdir(parents=True)
+    fast.chmod(0o777)  # made world-writable (umask 000, or by its other user)
+    theirs = make_pair(shared / "theirs", n=4, labels=[999] * 4, name="theirs")
+    check_pairs(block(pair), fast, shared / "out" / "pack", shared / "out" / "index", threads=1)
+    assert fast.stat().st_mode & 0o777 == 0o755
+    swap = "import os, sys; os.symlink(sys.argv[1], sys.argv[2] + '.x'); os.replace(sys.argv[2] + '.x', sys.argv[2])"
+    proc = as_other_user(swap, theirs["rec"], fast / "train.rec")
+    assert proc.returncode != 0 and "PermissionError" in proc.stderr
+    assert labels_through(fast) == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_shuffled_copy_never_writes_through_a_link_planted_at_a_temporary_name(tmp_path):
+    pair = make_pair(tmp_path / "pair", n=24, labels=sorted(i % 3 for i in range(24)))  # class-ordered
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the victim's own line\n")
+    fast = tmp_path / "out" / "fast"
+    fast.mkdir(parents=True)
+    for name in ("train.rec", "train.idx"):
+        (fast / f".{name}.tmp{os.getpid()}").symlink_to(victim)  # the names the copy used to write
+    manifests, _ = check(tmp_path, pair, order="shuffle")
+    assert manifests["train"]["existing"]["published"] == "rewritten shuffled"
+    assert victim.read_bytes() == b"the victim's own line\n"
+    assert sorted(labels_through(fast)) == sorted(float(i % 3) for i in range(24))
+
+
+def test_a_second_working_directory_does_not_replace_the_pair_the_first_checked_nor_may_a_pack(tmp_path, monkeypatch):
+    from helpers.packdata import run_pack, write_dataset
+
+    from rectrain.data.pairowner import PairTaken
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    fast = tmp_path / "shared" / "fast"
+    mine, theirs = make_pair(tmp_path / "mine", n=4), make_pair(tmp_path / "theirs", n=4, labels=[1, 0, 1, 0])
+    monkeypatch.chdir(first)
+    check_pairs(block(mine), fast, first / "pack", first / "index", threads=1)
+    assert json.loads((fast / ".train.rec.run.json").read_text())["workdir"] == str(first)
+    monkeypatch.chdir(second)
+    with pytest.raises(PairTaken, match=f"belongs to the run in {first}"):
+        check_pairs(block(theirs), fast, second / "pack", second / "index", threads=1)
+    assert labels_through(fast) == [0.0, 1.0, 0.0, 1.0]
+    raw, index = write_dataset(tmp_path / "raw", [(f"a/x{i}.JPEG", 0, jpeg(photo(40, 30, i))) for i in range(4)], 1)
+    proc = run_pack(raw, index, fast.parent, cwd=second)
+    assert proc.returncode == 2 and f"belongs to the run in {first}" in proc.stderr
+    assert labels_through(fast) == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_the_onstart_hook_refuses_a_check_recordio_job_whose_pair_another_working_directory_owns(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from rectrain.snakefile import prestart
+
+    fast = tmp_path / "fast"
+    (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir()
+    monkeypatch.chdir(tmp_path / "first")
+    check_pairs(block(make_pair(tmp_path / "mine", n=4)), fast, tmp_path / "p", tmp_path / "i", threads=1)
+    monkeypatch.chdir(tmp_path / "second")
+    job = SimpleNamespace(rule=SimpleNamespace(name="check_recordio"), output=[str(fast / "train.rec")])
+    [problem] = prestart.pair_problems([job])
+    assert f"belongs to the run in {tmp_path / 'first'}" in problem
+
+
+def test_rerunning_the_checks_cli_by_hand_over_its_own_published_pair_succeeds(tmp_path):
+    pair = make_pair(tmp_path / "pair", n=4)
+    out = tmp_path / "out"
+    argv = ["--config-json", json.dumps({"train": pair}), "--fast", str(out / "fast")]
+    argv += ["--pack-dir", str(out / "pack"), "--index-dir", str(out / "index"), "--threads", "1"]
+    assert byo_recordio.main(argv) == 0
+    assert byo_recordio.main(argv) == 0, "the second check followed the first one's link into 'fast storage'"
+    assert os.path.realpath(out / "fast" / "train.rec") == pair["rec"]
+
+
+# ---- item 8: a pair changed after its check is refused by the loaders ----------------------------
+
+
+@pytest.mark.parametrize("kind", ["torch", "dali"])
+def test_a_pair_replaced_after_its_check_is_refused_by_the_loaders_naming_the_recheck_command(tmp_path, kind):
+    from rectrain.data.pairowner import PairChanged
+
+    pair = make_pair(tmp_path / "pair", n=8)
+    _, out = check(tmp_path, pair)
+    fast = out / "fast"
+    spec = LoaderSpec(
+        str(fast / "train.rec"), str(fast / "train.idx"), batch_size=4, image_size=16, train=False, workers=0
+    )
+    assert len([y for _, ys in build_loader(kind, spec).epoch(0) for y in ys.tolist()]) == 8
+    other = make_pair(tmp_path / "other", n=8, labels=[7] * 8, name="mine2")
+    os.replace(other["rec"], pair["rec"])  # the user's .rec replaced by unchecked records
+    with pytest.raises(
+        PairChanged, match=r"is not the \.rec check_recordio checked .*snakemake --forcerun check_recordio"
+    ):
+        build_loader(kind, spec)

@@ -40,9 +40,11 @@ import numpy as np
 from PIL import Image
 
 from rectrain import cli, settings, storage
-from rectrain.atomic import fsync_path, publish, replacing, temporary_name, write_json
+from rectrain.atomic import fresh_name, fsync_path, publish, replacing, write_json
+from rectrain.data import pairowner
 from rectrain.data.formats import HEAD_BYTES, sniff
 from rectrain.data.images import Skip, prepare
+from rectrain.data.pack import PackBusy, exclusive, remove_leftovers
 from rectrain.progress import Progress
 from rectrain.recordio import IndexedRecordReader, RecordIOError, RecordWriter, idx_arrays, scan_records, unpack_record
 
@@ -76,6 +78,7 @@ class Walked:
     unusual: list = field(default_factory=list)  # {id, reason}: the pack would have re-encoded these
     formats: Counter = field(default_factory=Counter)  # records per image format (rectrain.data.formats)
     bytes: int = 0
+    identity: dict = field(default_factory=dict)  # rec, idx: pairowner.file_identity before the check read them
     check_s: float = 0.0
     decode_s: float = 0.0
 
@@ -179,7 +182,8 @@ def _check_image(item: tuple) -> str | None:
 def walk_split(split: str, pair: dict, threads: int, progress_s: float) -> Walked:
     """Check one split's pair record by record (labels against the .lst, images decoded)."""
     start = time.monotonic()
-    size = os.stat(pair["rec"]).st_size
+    identity = {kind: pairowner.file_identity(pair[kind]) for kind in ("rec", "idx")}
+    size = identity["rec"]["size"]
     keys, offsets = idx_arrays(pair["idx"])
     _check_idx(pair, keys, offsets, size)
     lst = read_lst(pair["lst"]) if pair.get("lst") else None
@@ -187,7 +191,7 @@ def walk_split(split: str, pair: dict, threads: int, progress_s: float) -> Walke
         raise PairError(
             f"{pair['lst']} lists {len(lst)} images but {pair['idx']} {len(keys)}: pass the .lst of this pair"
         )
-    out = Walked(split, bytes=size)
+    out = Walked(split, bytes=size, identity=identity)
     progress = Progress(progress_s)
     progress.begin(f"check {split}", len(keys), unit="images")
     batch = []
@@ -319,29 +323,29 @@ def check_labels(walked: Walked, num_classes: int, names_from: str) -> None:
 
 
 def link_pair(pair: dict, rec: Path, idx: Path) -> None:
-    """The user's files under the pipeline's names: symlinks, so nothing of theirs is ever written."""
+    """The user's files under the pipeline's names: symlinks, so nothing of theirs is ever written. Each
+    link is made under a fresh name (os.symlink never follows one planted there) and renamed into place.
+    A source that is the previously published link itself is fine: its real path is the user's file."""
     for source, final in ((pair["rec"], rec), (pair["idx"], idx)):
-        final.parent.mkdir(parents=True, exist_ok=True)
         real = os.path.realpath(source)
-        if real == os.path.realpath(final) or Path(real).parent == final.parent.resolve():
+        if Path(real).parent == final.parent.resolve():
             raise PairError(
                 f"{source} is inside fast storage ({final.parent}), where the pipeline writes its own pair: "
                 "move it elsewhere and point recordio at it there"
             )
-        tmp = temporary_name(final)
-        tmp.unlink(missing_ok=True)
+        tmp = fresh_name(final)
         os.symlink(real, tmp)
         publish(tmp, final)
 
 
 def rewrite_shuffled(pair: dict, rec: Path, idx: Path, seed: int = SHUFFLE_SEED) -> int:
-    """Copy every record's payload, unchanged, into a new pair in a shuffled order; returns its bytes."""
+    """Copy every record's payload, unchanged, into a new pair in a shuffled order; returns its bytes.
+    Both files are created new under fresh names (RecordWriter new=True): nothing planted is followed."""
     reader = IndexedRecordReader(pair["rec"], pair["idx"])
     order = np.random.default_rng(seed).permutation(len(reader))
-    rec_tmp, idx_tmp = temporary_name(rec), temporary_name(idx)
-    rec.parent.mkdir(parents=True, exist_ok=True)
+    rec_tmp, idx_tmp = fresh_name(rec), fresh_name(idx)
     try:
-        with RecordWriter(rec_tmp, idx_tmp) as writer:
+        with RecordWriter(rec_tmp, idx_tmp, new=True) as writer:
             for i in order.tolist():
                 writer.write(*reader.nth(i))
             writer.close(sync=True)
@@ -377,9 +381,31 @@ def order_plan(pair: dict, order_rule: str, walked: Walked, fast: Path) -> dict:
     return order
 
 
+def unchanged(pair: dict, walked: Walked) -> None:
+    """PairError when the user's .rec or .idx is no longer the file the check read (replaced or
+    rewritten while it ran): what would be published is unchecked."""
+    for kind in ("rec", "idx"):
+        if pairowner.file_identity(pair[kind]) != walked.identity[kind]:
+            raise PairError(f"{pair[kind]} changed while it was checked: check it again once it is no longer written")
+
+
 def _publish_split(pair: dict, walked: Walked, order: dict, fast: Path) -> dict:
-    """The split's pair in fast storage: linked, or (order["rewrite"]) copied shuffled and read back."""
+    """The split's pair in fast storage, under the pack's rules (rectrain.data.pack.exclusive: the
+    folder is this user's and nobody else may write in it, the pair's lock held; a pair another working
+    directory published is not replaced): linked, or (order["rewrite"]) copied shuffled and read back.
+    The ownership stamp then names this run and what the check read (rectrain.data.pairowner)."""
     rec, idx = fast / f"{walked.split}.rec", fast / f"{walked.split}.idx"
+    with exclusive(rec, walked.split):
+        pairowner.check(rec)
+        remove_leftovers(rec, idx)
+        unchanged(pair, walked)
+        published = _publish_records(pair, walked, order, fast, rec, idx)
+        checked = {kind: pairowner.file_identity(path) for kind, path in (("rec", rec), ("idx", idx))}
+        pairowner.claim(rec, checked)
+    return published
+
+
+def _publish_records(pair: dict, walked: Walked, order: dict, fast: Path, rec: Path, idx: Path) -> dict:
     verdict = {k: v for k, v in order.items() if k != "rewrite"}
     if not order["rewrite"]:
         link_pair(pair, rec, idx)
@@ -492,7 +518,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
 
 def main(argv=None) -> int:
     """Exit 1 when a pair fails its check (the line names the record and the fix)."""
-    errors = {PairError: 1, RecordIOError: 1, storage.StorageError: 2, OSError: 1}
+    errors = {PairError: 1, RecordIOError: 1, storage.StorageError: 2, PackBusy: 2, pairowner.PairTaken: 2, OSError: 1}
     return cli.main("recordio", "recordio", _arguments, _run, argv, errors=errors)
 
 

@@ -34,6 +34,7 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -256,16 +257,21 @@ def _replace_option(argv: list[str], name: str, value: str) -> list[str]:
     return out
 
 
+def pairs_in(argv: list[str]) -> Iterator[tuple[str, str, str, str]]:
+    """(rec option, idx option, rec, idx) of each pair a training command line names."""
+    for rec_opt, idx_opt in PAIR_OPTIONS:
+        rec, idx = _option_value(argv, rec_opt), _option_value(argv, idx_opt)
+        if rec is not None and idx is not None:
+            yield rec_opt, idx_opt, rec, idx
+
+
 def stage_argv(argv: list[str], local_storage: str | None = None, env=None) -> list[str]:
     """Stage every .rec/.idx pair named in a training command line and return the command line
     pointing at the node-local copies.  The dataset name is the pair's directory
     (<fast_storage>/<dataset>/train.rec)."""
     if not logging.getLogger("rectrain").handlers:  # the launcher has not set logging up: tag our lines
         rlog.setup("stage")
-    for rec_opt, idx_opt in PAIR_OPTIONS:
-        rec, idx = _option_value(argv, rec_opt), _option_value(argv, idx_opt)
-        if rec is None or idx is None:
-            continue
+    for rec_opt, idx_opt, rec, idx in pairs_in(argv):
         local_dir = default_local_dir(local_storage, Path(rec).resolve().parent.name, env)
         rec_l, idx_l, _ = stage_pair(rec, idx, local_dir)
         argv = _replace_option(_replace_option(argv, rec_opt, str(rec_l)), idx_opt, str(idx_l))
