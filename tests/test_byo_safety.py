@@ -237,3 +237,91 @@ def test_a_pair_replaced_after_its_check_is_refused_by_the_loaders_naming_the_re
         PairChanged, match=r"is not the \.rec check_recordio checked .*snakemake --forcerun check_recordio"
     ):
         build_loader(kind, spec)
+
+
+# ---- item 5: the check's memory does not follow the records' sizes -------------------------------
+
+MB = 1 << 20
+# What the check may add to its process's peak (VmHWM) on records of 40 MB: one record at a time, in the
+# few transient copies framing and the IRHeader split make (3 x 40 MB), plus the batch budget (16 MiB).
+# Before the fix it held every record of a batch (12 x 40 MB) before decoding the first.
+PEAK_BOUND = 3 * 40 * MB + 16 * MB
+
+MEASURE = """
+import json
+import sys
+from pathlib import Path
+
+from rectrain import settings
+from rectrain.config import stage_block
+from rectrain.data.byo_recordio import PairError, check_pairs
+from rectrain.recordio import RecordIOError
+
+def peak():
+    return next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmHWM"))
+
+rec, idx, out = sys.argv[1:]
+block = settings.view("recordio", {**stage_block("recordio", "{}"), "train": {"rec": rec, "idx": idx}})
+before = peak()
+try:
+    check_pairs(block, Path(out) / "fast", Path(out) / "pack", Path(out) / "index", threads=1)
+    said = None
+except (PairError, RecordIOError) as err:
+    said = str(err)
+print(json.dumps({"grew": peak() - before, "said": said}))
+"""
+
+
+def sparse_pair(folder, records: int, part_bytes: int, parts: int = 1):
+    """A .rec of `records` records of `parts` parts of part_bytes each (an IRHeader, then zeros left as
+    holes: megabytes on paper, nothing on disk), and its .idx."""
+    import struct
+
+    from rectrain.recordio import MAGIC
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rec, idx = folder / "big.rec", folder / "big.idx"
+    with open(rec, "wb") as f, open(idx, "w") as ix:
+        for key in range(records):
+            ix.write(f"{key}\t{f.tell()}\n")
+            for part in range(parts):
+                cflag = 0 if parts == 1 else (1 if part == 0 else 3 if part == parts - 1 else 2)
+                f.write(struct.pack("<II", MAGIC, cflag << 29 | part_bytes))
+                if part == 0:
+                    f.write(struct.pack("<IfQQ", 0, 0.0, key, 0))
+                f.seek(part_bytes - (24 if part == 0 else 0), 1)
+        f.truncate(f.tell())
+    return str(rec), str(idx)
+
+
+def measured(tmp_path, rec, idx) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, rec, idx, str(tmp_path / "out")], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_records_of_40_mb_are_checked_one_batch_budget_at_a_time_not_256_records_at_once(tmp_path):
+    found = measured(tmp_path, *sparse_pair(tmp_path / "pair", records=12, part_bytes=40 * MB))
+    assert "train record 0 (.idx key 0, byte offset 0): the image does not decode" in found["said"]
+    print(f"check of 12 x 40 MB records: peak grew {found['grew'] / MB:.0f} MiB (bound {PEAK_BOUND / MB:.0f} MiB)")
+    assert found["grew"] < PEAK_BOUND
+
+
+def test_a_record_of_three_100_mb_parts_is_refused_by_its_size_before_it_is_read(tmp_path):
+    found = measured(tmp_path, *sparse_pair(tmp_path / "pair", records=2, part_bytes=100 * MB, parts=3))
+    assert "the record at byte offset 0 holds more than 67108864 bytes" in found["said"]
+    assert "re-encode that image smaller" in found["said"]
+    print(f"check of a 300 MB record: peak grew {found['grew'] / MB:.0f} MiB")
+    assert found["grew"] < 32 * MB
+
+
+def test_an_idx_larger_than_its_rec_is_refused_before_it_is_read(tmp_path):
+    pair = make_pair(tmp_path / "pair", n=4)
+    with open(pair["idx"], "r+b") as f:
+        f.truncate(300 * MB)  # an .idx pointed at the wrong file: zeros, all holes
+    found = measured(tmp_path, pair["rec"], pair["idx"])
+    assert f"{pair['idx']} is {300 * MB} bytes, larger than its .rec" in found["said"]
+    print(f"check of a 300 MB .idx: peak grew {found['grew'] / MB:.0f} MiB")
+    assert found["grew"] < 32 * MB

@@ -202,7 +202,7 @@ def parse_idx_line(line: bytes, idx_path, lineno: int) -> tuple[int, int]:
 def iter_idx(idx_path: str | os.PathLike) -> Iterator[tuple[int, int]]:
     """(key, offset) pairs of an .idx file, in the file's line order, one at a time (a 1.28 M-line
     .idx read into a list takes ~150 MB); every line parsed by parse_idx_line."""
-    with safefs.open_regular(idx_path) as f:
+    with safefs.open_regular(idx_path, "the .idx") as f:
         for lineno, line in enumerate(f, 1):
             yield parse_idx_line(line, idx_path, lineno)
 
@@ -217,7 +217,7 @@ def idx_arrays(idx_path: str | os.PathLike, max_bytes: int | None = None) -> tup
     ints and a tuple per line (ImageNet's 1.28 M lines: ~0.2 s and 20 MB instead of ~1.5 s and ~150 MB).
     The whole file must be IDX_LINE lines (the first other one is named); an .idx above max_bytes
     is refused before it is read."""
-    with safefs.open_regular(idx_path) as f:
+    with safefs.open_regular(idx_path, "the .idx") as f:
         size = os.fstat(f.fileno()).st_size
         if max_bytes is not None and size > max_bytes:
             raise RecordIOError(
@@ -233,15 +233,20 @@ def idx_arrays(idx_path: str | os.PathLike, max_bytes: int | None = None) -> tup
     return pairs[:, 0].copy(), pairs[:, 1].copy()
 
 
-def _parse_record(read: Callable[[int, int], bytes], offset: int, file_size: int, where: str) -> tuple[bytes, int]:
+def _parse_record(
+    read: Callable[[int, int], bytes], offset: int, file_size: int, where: str, max_bytes: int | None = None
+) -> tuple[bytes, int]:
     """Decode the record starting at ``offset``; returns (payload, offset just past it).
 
     ``read(off, n)`` returns up to n bytes at off. Every check names the byte offset of the part
-    that fails, so a corrupt file points at itself instead of yielding garbage.
+    that fails, so a corrupt file points at itself instead of yielding garbage. ``max_bytes`` caps the
+    payload, all parts together, before a part is read: a frame header claiming hundreds of MB (one
+    part, or continuation parts with no end) costs nothing to refuse.
     """
     parts = []
     pos = offset
     first = True
+    total = 0
     while True:
         if pos + 8 > file_size:
             raise RecordIOError(
@@ -267,6 +272,13 @@ def _parse_record(read: Callable[[int, int], bytes], offset: int, file_size: int
                 f"{where}: part at byte offset {pos} has flag {cflag}, expected a "
                 f"continuation (2 or 3) of the split record at byte offset {offset}"
             )
+        total += length + (0 if first else len(MAGIC_BYTES))
+        if max_bytes is not None and total > max_bytes:
+            raise RecordIOError(
+                f"{where}: the record at byte offset {offset} holds more than {max_bytes} bytes ({total} by its part at "
+                f"byte offset {pos}), more than any image the pack reads (pack.max_image_bytes' default): re-encode "
+                "that image smaller, or leave it out"
+            )
         padded = length + (-length % 4)
         data_at = pos + 8
         if data_at + padded > file_size:
@@ -289,10 +301,11 @@ def _parse_record(read: Callable[[int, int], bytes], offset: int, file_size: int
     return (parts[0] if len(parts) == 1 else b"".join(parts)), pos
 
 
-def scan_records(rec_path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
-    """(offset, payload) for every record of a .rec in file order, without an .idx."""
+def scan_records(rec_path: str | os.PathLike, max_record_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(offset, payload) for every record of a .rec in file order, without an .idx; a record above
+    max_record_bytes is refused before it is read (_parse_record)."""
     rec_path = os.fspath(rec_path)
-    with open(rec_path, "rb", buffering=0) as f:
+    with safefs.open_regular(rec_path, "the .rec") as f:
         size = os.fstat(f.fileno()).st_size
         buf, buf_start = b"", 0
         chunk = 8 << 20
@@ -305,7 +318,7 @@ def scan_records(rec_path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
 
         pos = 0
         while pos < size:
-            payload, nxt = _parse_record(read, pos, size, rec_path)
+            payload, nxt = _parse_record(read, pos, size, rec_path, max_record_bytes)
             yield pos, payload
             pos = nxt
 

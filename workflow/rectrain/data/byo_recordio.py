@@ -44,7 +44,7 @@ from rectrain.atomic import fresh_name, fsync_path, publish, replacing, write_js
 from rectrain.data import pairowner
 from rectrain.data.formats import HEAD_BYTES, sniff
 from rectrain.data.images import Skip, prepare
-from rectrain.data.pack import PackBusy, exclusive, remove_leftovers
+from rectrain.data.pack import BATCH_BYTES, PackBusy, exclusive, remove_leftovers
 from rectrain.progress import Progress
 from rectrain.recordio import IndexedRecordReader, RecordIOError, RecordWriter, idx_arrays, scan_records, unpack_record
 
@@ -62,6 +62,11 @@ SHUFFLE_SEED = 0
 # the labels in use, are refused.
 MAX_UNUSED_CLASSES = 1000
 _BATCH = 256  # records decoded per batch of thread-pool work
+# Records held for one batch: it closes at _BATCH records or once they hold BATCH_BYTES (the pack's
+# rectrain.data.pack.BATCH_BYTES), so memory does not follow the records' sizes (12 records of 100 MB
+# were all held before the first was decoded, 1.38 GB). A single record is capped at MAX_RECORD_BYTES,
+# the pack's default pack.max_image_bytes, before any of it is read.
+MAX_RECORD_BYTES = 64 << 20
 
 
 class PairError(RuntimeError):
@@ -134,7 +139,7 @@ def _next(scan, where: str):
 
 def _records(pair: dict, keys: np.ndarray, offsets: np.ndarray):
     """(number, key, offset, payload) of every record, each at the offset its .idx line gives."""
-    scan = scan_records(pair["rec"])
+    scan = scan_records(pair["rec"], MAX_RECORD_BYTES)
     for i in range(len(keys)):
         where = f"record {i} (.idx key {keys[i]})"
         found = _next(scan, where)
@@ -184,7 +189,7 @@ def walk_split(split: str, pair: dict, threads: int, progress_s: float) -> Walke
     start = time.monotonic()
     identity = {kind: pairowner.file_identity(pair[kind]) for kind in ("rec", "idx")}
     size = identity["rec"]["size"]
-    keys, offsets = idx_arrays(pair["idx"])
+    keys, offsets = idx_arrays(pair["idx"], max_bytes=size)
     _check_idx(pair, keys, offsets, size)
     lst = read_lst(pair["lst"]) if pair.get("lst") else None
     if lst is not None and len(lst) != len(keys):
@@ -194,16 +199,18 @@ def walk_split(split: str, pair: dict, threads: int, progress_s: float) -> Walke
     out = Walked(split, bytes=size, identity=identity)
     progress = Progress(progress_s)
     progress.begin(f"check {split}", len(keys), unit="images")
-    batch = []
+    batch, held = [], 0
     with ThreadPoolExecutor(threads) as pool:
         for i, key, offset, payload in _records(pair, keys, offsets):
             label, image = _label(i, key, offset, payload, lst)
+            del payload  # the image is a slice of it: one copy held, not two
             out.keys.append(key)
             out.labels.append(label)
             batch.append((key, f"{split} record {i} (.idx key {key}, byte offset {offset})", image))
-            if len(batch) == _BATCH or i == len(keys) - 1:
+            held += len(image)
+            if len(batch) == _BATCH or held >= BATCH_BYTES or i == len(keys) - 1:
                 out.decode_s += _check_batch(batch, pool, out)
-                batch = []
+                batch, held = [], 0
                 progress.count(i + 1)
     progress.count(len(keys), force=True)
     out.check_s = time.monotonic() - start
