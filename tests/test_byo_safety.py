@@ -325,3 +325,35 @@ def test_an_idx_larger_than_its_rec_is_refused_before_it_is_read(tmp_path):
     assert f"{pair['idx']} is {300 * MB} bytes, larger than its .rec" in found["said"]
     print(f"check of a 300 MB .idx: peak grew {found['grew'] / MB:.0f} MiB")
     assert found["grew"] < 32 * MB
+
+
+# ---- item 7: a FIFO in place of a file is refused, never waited on -------------------------------
+
+
+@pytest.mark.parametrize("kind", ["idx", "lst", "classes"])
+def test_a_fifo_swapped_in_after_the_parse_is_refused_naming_it_within_seconds(tmp_path, kind):
+    pair = make_pair(tmp_path / "pair", n=4)
+    fifo = tmp_path / f"swapped.{kind}"
+    os.mkfifo(fifo)
+    block = {"train": {**pair, kind: str(fifo)} if kind != "classes" else pair}
+    if kind == "classes":
+        block["classes"] = str(fifo)
+    out = tmp_path / "out"
+    argv = ["--config-json", json.dumps(block), "--fast", str(out / "fast"), "--pack-dir", str(out / "pack")]
+    argv += ["--index-dir", str(out / "index"), "--threads", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "rectrain.data.byo_recordio", *argv], capture_output=True, text=True, timeout=20
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert f"{fifo} (" in proc.stderr and "is a named pipe (FIFO), not a regular file" in proc.stderr
+
+
+def test_a_fifo_at_parse_time_is_named_a_fifo_not_a_missing_file(tmp_path):
+    from rectrain.snakefile.byo import byo_problems
+
+    pair = make_pair(tmp_path / "pair", n=4)
+    os.mkfifo(tmp_path / "pipe.lst")
+    config = {"recordio": {"train": {**pair, "lst": str(tmp_path / "pipe.lst")}, "val": None, "classes": None}}
+    [problem] = byo_problems(config, "fast", tmp_path)
+    assert "recordio.train.lst" in problem and "a named pipe (FIFO), not a regular file" in problem
+    assert "no such file" not in problem

@@ -348,7 +348,7 @@ class IndexedRecordReader:
 
     def _descriptor(self) -> int:
         if self._fd is None or self._pid != os.getpid():
-            self._fd = os.open(self.rec_path, os.O_RDONLY)
+            self._fd = os.open(self.rec_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
             self._pid = os.getpid()
         return self._fd
 

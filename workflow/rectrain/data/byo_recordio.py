@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from rectrain import cli, settings, storage
+from rectrain import cli, safefs, settings, storage
 from rectrain.atomic import fresh_name, fsync_path, publish, replacing, write_json
 from rectrain.data import pairowner
 from rectrain.data.formats import HEAD_BYTES, sniff
@@ -88,10 +88,16 @@ class Walked:
     decode_s: float = 0.0
 
 
+def _text(path: str, key: str, errors: str = "strict") -> io.TextIOWrapper:
+    """A text reader of a regular file, opened without blocking (safefs.open_regular): a FIFO swapped
+    in after the Snakefile's parse is refused naming `key`, never waited on."""
+    return io.TextIOWrapper(safefs.open_regular(path, key), encoding="utf-8", errors=errors, newline="")
+
+
 def read_lst(path: str) -> dict[int, tuple[float, str]]:
     """im2rec's .lst: key -> (label, relative path); lines are `key<TAB>label[<TAB>label...]<TAB>path`."""
     rows = {}
-    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+    with _text(path, "recordio.<split>.lst", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, 1):
             fields = line.rstrip("\r\n").split("\t")
             if line.strip() == "":
@@ -287,7 +293,8 @@ def class_table(classes: str | None, train_pair: dict, train: Walked) -> tuple[l
     """(wnid, name) per label, and where the names came from: the class list (recordio.classes), the
     train pair's .lst's folders, or numbers."""
     if classes:
-        lines = [ln.rstrip("\r\n") for ln in open(classes, encoding="utf-8") if ln.strip()]
+        with _text(classes, "recordio.classes") as fh:
+            lines = [ln.rstrip("\r\n") for ln in fh if ln.strip()]
         return [tuple((ln.split("\t", 1) + [""])[:2]) for ln in lines], f"class list {classes}"
     count = class_count(train)
     if train_pair.get("lst"):
