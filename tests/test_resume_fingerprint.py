@@ -10,11 +10,14 @@ import subprocess
 import sys
 
 from helpers.packdata import REPO, jpeg, pack_args, photo, write_dataset
+from helpers.train_data import run_identity
 from helpers.views import view
+from test_train_resume import fake_run, write_checkpoints
 
 from rectrain.data.byo_recordio import check_pairs
 from rectrain.recordio import IRHeader, RecordWriter, pack_record
 from rectrain.train import checkpoint as ckpt
+from rectrain.train.resume import resume
 
 PACK_CFG = json.dumps({"resize": 0, "quality": 90, "shuffle_seed": 0, "max_skipped_share": 0.5})
 
@@ -30,13 +33,14 @@ def _fingerprint(out):
     return ckpt.data_fingerprint(fast / "train.rec", fast / "train.idx", manifest=pack / "train.manifest.json")
 
 
-def _identity(data):
-    return ckpt.RunIdentity(ckpt.maths_config({}), 8, 1, 1, data, {"code": "same"})
-
-
-def _checkpoint(data) -> dict:
-    """What a checkpoint written under `data` records of its run."""
-    return {**_identity(data).stamp(), "config": {}}
+def resumes(tmp_path, checkpointed: dict, now: dict) -> bool:
+    """train.resume: auto (rectrain.train.resume), as the training command decides it: checkpoints of
+    two epochs written under the data fingerprint `checkpointed`, a run whose records give `now`.
+    True when it continues at epoch 2 with nothing moved aside."""
+    tmp_path.mkdir()
+    run = fake_run(tmp_path, "auto", run_identity(world_size=1, data=now))
+    write_checkpoints(run, identity=run_identity(world_size=1, data=checkpointed))
+    return resume(run).start_epoch == 2 and not (run.ck_dir / ckpt.REPLACED).exists()
 
 
 def test_a_repack_of_the_same_raw_set_after_an_edit_of_the_packs_code_resumes(tmp_path):
@@ -53,7 +57,7 @@ def test_a_repack_of_the_same_raw_set_after_an_edit_of_the_packs_code_resumes(tm
     assert first["wall_s"] != second["wall_s"] or first["usage"] != second["usage"], "the timings differ"
     old, new = _fingerprint(tmp_path / "first"), _fingerprint(tmp_path / "second")
     assert old == new
-    assert ckpt.differences(_checkpoint(old), _identity(new)) == []
+    assert resumes(tmp_path / "train", old, new)
 
 
 def test_checking_the_same_brought_pair_twice_resumes_and_a_change_of_its_published_bytes_does_not(tmp_path):
@@ -68,6 +72,7 @@ def test_checking_the_same_brought_pair_twice_resumes_and_a_change_of_its_publis
         check_pairs(block, out / "fast", out / "pack", out / "index", threads=1)
         prints.append(_fingerprint(out))
     assert prints[0] == prints[1]
+    assert resumes(tmp_path / "train", *prints)
     manifest = tmp_path / "b/pack/train.manifest.json"
     changed = json.loads(manifest.read_text())
     changed["existing"]["bytes_written"] = changed["existing"]["bytes_written"] + 1
