@@ -233,6 +233,30 @@ def idx_arrays(idx_path: str | os.PathLike, max_bytes: int | None = None) -> tup
     return pairs[:, 0].copy(), pairs[:, 1].copy()
 
 
+def _check_flag(cflag: int, first: bool, where: str, pos: int, offset: int) -> None:
+    """A part's continuation flag: 0 or 1 to start a record, 2 or 3 to continue the one at `offset`."""
+    if cflag > 3:
+        raise RecordIOError(f"{where}: invalid continuation flag {cflag} at byte offset {pos}")
+    if first and cflag not in (0, 1):
+        raise RecordIOError(
+            f"{where}: record at byte offset {pos} starts with continuation flag "
+            f"{cflag} (a middle/last part): the offset is not a record start"
+        )
+    if not first and cflag not in (2, 3):
+        raise RecordIOError(
+            f"{where}: part at byte offset {pos} has flag {cflag}, expected a "
+            f"continuation (2 or 3) of the split record at byte offset {offset}"
+        )
+
+
+def _refuse_above(max_bytes: int | None, total: int, record: str, pos: int) -> None:
+    if max_bytes is not None and total > max_bytes:
+        raise RecordIOError(
+            f"{record} holds more than {max_bytes} bytes ({total} by its part at byte offset {pos}), more than any "
+            "image the pack reads (pack.max_image_bytes' default): re-encode that image smaller, or leave it out"
+        )
+
+
 def _parse_record(
     read: Callable[[int, int], bytes], offset: int, file_size: int, where: str, max_bytes: int | None = None
 ) -> tuple[bytes, int]:
@@ -260,25 +284,9 @@ def _parse_record(
                 f"0x{MAGIC:08x}): corrupt .rec or an .idx that does not belong to it"
             )
         cflag, length = lrec >> 29, lrec & _LENGTH_MASK
-        if cflag > 3:
-            raise RecordIOError(f"{where}: invalid continuation flag {cflag} at byte offset {pos}")
-        if first and cflag not in (0, 1):
-            raise RecordIOError(
-                f"{where}: record at byte offset {pos} starts with continuation flag "
-                f"{cflag} (a middle/last part): the offset is not a record start"
-            )
-        if not first and cflag not in (2, 3):
-            raise RecordIOError(
-                f"{where}: part at byte offset {pos} has flag {cflag}, expected a "
-                f"continuation (2 or 3) of the split record at byte offset {offset}"
-            )
+        _check_flag(cflag, first, where, pos, offset)
         total += length + (0 if first else len(MAGIC_BYTES))
-        if max_bytes is not None and total > max_bytes:
-            raise RecordIOError(
-                f"{where}: the record at byte offset {offset} holds more than {max_bytes} bytes ({total} by its part at "
-                f"byte offset {pos}), more than any image the pack reads (pack.max_image_bytes' default): re-encode "
-                "that image smaller, or leave it out"
-            )
+        _refuse_above(max_bytes, total, f"{where}: the record at byte offset {offset}", pos)
         padded = length + (-length % 4)
         data_at = pos + 8
         if data_at + padded > file_size:
