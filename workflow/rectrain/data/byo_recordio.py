@@ -486,6 +486,8 @@ def check_pairs(recordio, fast: Path, pack_dir: Path, index_dir: Path, threads: 
     and (last) the manifests."""
     pairs = {s: pair for s, pair in (("train", recordio.train), ("val", recordio.val)) if pair}
     splits = list(pairs)
+    for split in splits:  # before hours of reading; checked again under the pair's lock when publishing
+        pairowner.check(fast / f"{split}.rec")
     walked = {s: walk_split(s, pairs[s], threads, recordio.progress_s) for s in splits}
     table, names_from = class_table(recordio.classes, pairs["train"], walked["train"])
     for split in splits:
