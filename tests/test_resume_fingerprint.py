@@ -78,3 +78,11 @@ def test_checking_the_same_brought_pair_twice_resumes_and_a_change_of_its_publis
     changed["existing"]["bytes_written"] = changed["existing"]["bytes_written"] + 1
     manifest.write_text(json.dumps(changed))
     assert _fingerprint(tmp_path / "b") != prints[0], "a manifest change that decides the records still counts"
+
+
+def test_a_checkpoint_fingerprinted_with_the_whole_manifest_still_resumes_on_the_same_records(tmp_path):
+    """Checkpoints written before this fix hold manifest_sha256 (timings included): compared on the rest."""
+    now = {"rec_bytes": 7000, "idx_sha256": "i", "headers_sha256": "h", "manifest_records_sha256": "m"}
+    before = {"rec_bytes": 7000, "idx_sha256": "i", "headers_sha256": "h", "manifest_sha256": "whole manifest"}
+    assert resumes(tmp_path / "same", before, now)
+    assert not resumes(tmp_path / "other", {**before, "headers_sha256": "relabelled"}, now)
