@@ -357,3 +357,19 @@ def test_a_fifo_at_parse_time_is_named_a_fifo_not_a_missing_file(tmp_path):
     [problem] = byo_problems(config, "fast", tmp_path)
     assert "recordio.train.lst" in problem and "a named pipe (FIFO), not a regular file" in problem
     assert "no such file" not in problem
+
+
+def test_a_pair_replaced_during_training_is_refused_at_the_next_epochs_dali_rebuild(tmp_path):
+    from rectrain.data.pairowner import PairChanged
+
+    pair = make_pair(tmp_path / "pair", n=8)
+    _, out = check(tmp_path, pair)
+    fast = out / "fast"
+    spec = LoaderSpec(
+        str(fast / "train.rec"), str(fast / "train.idx"), batch_size=4, image_size=16, train=False, workers=0
+    )
+    loader = build_loader("dali", spec)
+    assert len([y for _, ys in loader.epoch(0) for y in ys.tolist()]) == 8
+    os.replace(make_pair(tmp_path / "other", n=8, labels=[7] * 8, name="x")["rec"], pair["rec"])
+    with pytest.raises(PairChanged, match=r"snakemake --forcerun check_recordio"):
+        list(loader.epoch(1))
