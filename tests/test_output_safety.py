@@ -54,3 +54,36 @@ def test_outputs_follow_the_umask_and_private_makes_them_and_existing_folders_ow
         assert modes(tmp_path, *outputs[3:]) == dict(zip(outputs[3:], [0o600, 0o600], strict=True))
     finally:
         os.umask(old)
+
+
+# ---- issue #38 item 9: temporaries in results/ are created exclusively, never through a link -----
+
+
+def test_a_link_planted_at_a_checkpoints_old_temporary_name_is_never_written_through(tmp_path):
+    import torch
+
+    from rectrain import atomic
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the victim's own line\n")
+    (tmp_path / f".last.pt.tmp{os.getpid()}").symlink_to(victim)  # the name every write used
+    atomic.write_with(tmp_path / "last.pt", lambda tmp: torch.save({"epoch": 1}, tmp))
+    assert victim.read_bytes() == b"the victim's own line\n"
+    assert torch.load(tmp_path / "last.pt", weights_only=True) == {"epoch": 1}
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name and not p.is_symlink()], "a temporary was left"
+
+
+def test_a_link_planted_at_steps_csv_tmp_is_never_written_through(tmp_path):
+    from rectrain.train import telemetry
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the victim's own line\n")
+    log = telemetry.step_log(tmp_path, rank=0, start_epoch=0)
+    log.write(
+        rank=0, epoch=0, step=0, time=1.7e9, wall_s=1.0, data_wait_s=0.2, compute_s=0.8, images=8, loss=1.0, lr=0.1
+    )
+    log.close()
+    (tmp_path / "steps.csv.tmp").symlink_to(victim)
+    telemetry.merge_steps(tmp_path, tmp_path / "steps.csv", world_size=1)
+    assert victim.read_bytes() == b"the victim's own line\n"
+    assert (tmp_path / "steps.csv").read_text().splitlines()[0].startswith("rank,epoch,step")

@@ -124,7 +124,7 @@ def test_stage_argv_rewrites_both_pairs_to_local_copies(tmp_path):
         "o",
     ]
     out = stage.stage_argv(argv, str(tmp_path / "local"))
-    local = tmp_path / "local" / "demo"
+    local = tmp_path / "local" / stage.stage_key(fast / "train.rec")  # demo-<hash of its real path>
     assert out == [
         "--config-json",
         "{}",
@@ -242,5 +242,59 @@ def test_stage_argv_logs_its_copies_tagged_stage_in_a_fresh_process(pair, tmp_pa
     )
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
-    assert lines[0] == f"[stage] copying {rec} -> {tmp_path / 'local' / 'shared' / 'train.rec'}"
+    assert lines[0] == f"[stage] copying {rec} -> {tmp_path / 'local' / stage.stage_key(rec) / 'train.rec'}"
     assert any(line.startswith("[stage] ") and " MB verified in " in line for line in lines)
+
+
+# ---- issue #38 item 4: staging keyed by the source's identity, held while a training reads it ----
+
+
+def _pair_in(folder, seed):
+    folder.mkdir(parents=True)
+    (folder / "train.rec").write_bytes(bytes([seed]) * 4000)
+    (folder / "train.idx").write_text("0\t0\n")
+    return str(folder / "train.rec"), str(folder / "train.idx")
+
+
+def test_two_pairs_in_folders_of_one_name_are_staged_apart(tmp_path):
+    """Two brought pairs both in folders called `rec` (or two working directories' `imagenet`)."""
+    first, second = _pair_in(tmp_path / "a" / "rec", 1), _pair_in(tmp_path / "b" / "rec", 2)
+    local = tmp_path / "local"
+    argv_a = stage.stage_argv(["--rec", first[0], "--idx", first[1]], str(local))
+    argv_b = stage.stage_argv(["--rec", second[0], "--idx", second[1]], str(local))
+    assert argv_a[1] != argv_b[1]
+    assert open(argv_a[1], "rb").read() == bytes([1]) * 4000, "the first training's staged copy was replaced"
+    assert open(argv_b[1], "rb").read() == bytes([2]) * 4000
+    assert os.path.basename(os.path.dirname(argv_a[1])).startswith("rec-")
+
+
+def test_a_staged_copy_a_running_training_reads_is_not_replaced_by_a_later_staging(tmp_path):
+    import subprocess
+    import sys
+
+    rec, idx = _pair_in(tmp_path / "shared", 1)
+    local = tmp_path / "local"
+    held = subprocess.Popen(  # a launcher whose training is running: it staged the pair and stays
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from rectrain.train import local_copy as s; "
+            "s.stage_pair(*sys.argv[1:]); print('staged', flush=True); time.sleep(60)",
+            rec,
+            idx,
+            str(local),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert held.stdout.readline().strip() == "staged"
+        open(rec, "wb").write(bytes([9]) * 4000)  # the source repacked while that training runs
+        with pytest.raises(StageError, match=r"a running training on this node reads it"):
+            stage_pair(rec, idx, local)
+        assert (local / "train.rec").read_bytes() == bytes([1]) * 4000
+    finally:
+        held.kill()
+        held.wait()
+    _, _, copied = stage_pair(rec, idx, local)  # once it has ended, the new records are staged
+    assert copied and (local / "train.rec").read_bytes() == bytes([9]) * 4000

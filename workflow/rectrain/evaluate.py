@@ -37,6 +37,7 @@ import torch
 from rectrain import cli, distributed, settings, usage, watchdog
 from rectrain import model as models
 from rectrain.atomic import write_json
+from rectrain.data import pairowner
 from rectrain.loaders import LoaderSpec, build_loader, eval_resize_for, resolve_workers
 from rectrain.metrics import Tally, all_reduce, tally
 from rectrain.progress import Progress
@@ -339,7 +340,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
 
 
 def main(argv=None) -> int:
-    return cli.main("evaluate", "evaluate", _arguments, _run, argv)
+    return cli.main("evaluate", "evaluate", _arguments, _run, argv, errors={pairowner.PairChanged: 1})
 
 
 if __name__ == "__main__":

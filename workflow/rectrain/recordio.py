@@ -12,8 +12,10 @@ The ``.idx`` is text, ``key\\toffset\\n`` per record, offset of the record's fir
 from __future__ import annotations
 
 import ctypes
+import io
 import numbers
 import os
+import re
 import struct
 from collections import namedtuple
 from typing import Callable, Iterator
@@ -179,17 +181,30 @@ class RecordWriter:
         self.close()
 
 
+# One .idx line as mxnet writes it and as both mxnet and DALI read it back: ASCII digits, one tab, ASCII
+# digits. Python's int() also takes `1_0`, `+5`, spaces and non-ASCII digits, where DALI's reader stops
+# (issue #38: the check counted 20 records, DALI read 10). 18 digits keep every value inside int64.
+IDX_LINE = re.compile(rb"([0-9]{1,18})\t([0-9]{1,18})\n?")
+_IDX_FILE = re.compile(rb"(?:[0-9]{1,18}\t[0-9]{1,18}\n)*(?:[0-9]{1,18}\t[0-9]{1,18})?")
+
+
+def parse_idx_line(line: bytes, idx_path, lineno: int) -> tuple[int, int]:
+    """(key, offset) of one .idx line (IDX_LINE), or RecordIOError naming the file, line and fix."""
+    found = IDX_LINE.fullmatch(line)
+    if found is None:
+        raise RecordIOError(
+            f"{idx_path}:{lineno}: expected 'key<TAB>offset' in ASCII digits (as im2rec writes them), got "
+            f"{line.decode(errors='replace')!r}: DALI stops reading an .idx at such a line; rebuild the .idx (im2rec)"
+        )
+    return int(found[1]), int(found[2])
+
+
 def iter_idx(idx_path: str | os.PathLike) -> Iterator[tuple[int, int]]:
     """(key, offset) pairs of an .idx file, in the file's line order, one at a time (a 1.28 M-line
-    .idx read into a list takes ~150 MB)."""
-    with open(idx_path, "r", newline="") as f:
+    .idx read into a list takes ~150 MB); every line parsed by parse_idx_line."""
+    with safefs.open_regular(idx_path, "the .idx") as f:
         for lineno, line in enumerate(f, 1):
-            fields = line.rstrip("\n").split("\t")
-            try:
-                key, offset = int(fields[0]), int(fields[1])
-            except (ValueError, IndexError):
-                raise RecordIOError(f"{idx_path}:{lineno}: expected 'key<TAB>offset', got {line!r}") from None
-            yield key, offset
+            yield parse_idx_line(line, idx_path, lineno)
 
 
 def read_idx(idx_path: str | os.PathLike) -> list[tuple[int, int]]:
@@ -197,32 +212,65 @@ def read_idx(idx_path: str | os.PathLike) -> list[tuple[int, int]]:
     return list(iter_idx(idx_path))
 
 
-def idx_arrays(idx_path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+def idx_arrays(idx_path: str | os.PathLike, max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(keys, offsets) of an .idx as int64 arrays in line order: read_idx's pairs without two Python
-    ints and a tuple per line (ImageNet's 1.28 M lines: ~0.2 s and 20 MB instead of ~1.5 s and ~150 MB)."""
-    with open(idx_path, "rb") as f:
+    ints and a tuple per line (ImageNet's 1.28 M lines: ~0.2 s and 20 MB instead of ~1.5 s and ~150 MB).
+    The whole file must be IDX_LINE lines (the first other one is named); an .idx above max_bytes
+    is refused before it is read."""
+    with safefs.open_regular(idx_path, "the .idx") as f:
+        size = os.fstat(f.fileno()).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise RecordIOError(
+                f"{idx_path} is {size} bytes, larger than its .rec ({max_bytes} bytes): an .idx has one short line "
+                "per record, so this is not the .idx of that .rec; point recordio at the pair's own .idx"
+            )
         data = f.read()
-    lines = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
-    try:
-        flat = np.fromstring(data, dtype=np.int64, sep=" ") if data.strip() else np.empty(0, np.int64)
-    except ValueError:
-        flat = None
-    if flat is None or flat.size != 2 * lines:
-        # a malformed line (read_idx names it) or a form the fast parse does not take (extra fields)
-        flat = np.array(read_idx(idx_path), dtype=np.int64).reshape(-1)
+    if _IDX_FILE.fullmatch(data) is None:
+        for lineno, line in enumerate(io.BytesIO(data), 1):
+            parse_idx_line(line, idx_path, lineno)
+    flat = np.fromstring(data, dtype=np.int64, sep=" ") if data else np.empty(0, np.int64)
     pairs = flat.reshape(-1, 2)
     return pairs[:, 0].copy(), pairs[:, 1].copy()
 
 
-def _parse_record(read: Callable[[int, int], bytes], offset: int, file_size: int, where: str) -> tuple[bytes, int]:
+def _check_flag(cflag: int, first: bool, where: str, pos: int, offset: int) -> None:
+    """A part's continuation flag: 0 or 1 to start a record, 2 or 3 to continue the one at `offset`."""
+    if cflag > 3:
+        raise RecordIOError(f"{where}: invalid continuation flag {cflag} at byte offset {pos}")
+    if first and cflag not in (0, 1):
+        raise RecordIOError(
+            f"{where}: record at byte offset {pos} starts with continuation flag "
+            f"{cflag} (a middle/last part): the offset is not a record start"
+        )
+    if not first and cflag not in (2, 3):
+        raise RecordIOError(
+            f"{where}: part at byte offset {pos} has flag {cflag}, expected a "
+            f"continuation (2 or 3) of the split record at byte offset {offset}"
+        )
+
+
+def _refuse_above(max_bytes: int | None, total: int, record: str, pos: int) -> None:
+    if max_bytes is not None and total > max_bytes:
+        raise RecordIOError(
+            f"{record} holds more than {max_bytes} bytes ({total} by its part at byte offset {pos}), more than any "
+            "image the pack reads (pack.max_image_bytes' default): re-encode that image smaller, or leave it out"
+        )
+
+
+def _parse_record(
+    read: Callable[[int, int], bytes], offset: int, file_size: int, where: str, max_bytes: int | None = None
+) -> tuple[bytes, int]:
     """Decode the record starting at ``offset``; returns (payload, offset just past it).
 
     ``read(off, n)`` returns up to n bytes at off. Every check names the byte offset of the part
-    that fails, so a corrupt file points at itself instead of yielding garbage.
+    that fails, so a corrupt file points at itself instead of yielding garbage. ``max_bytes`` caps the
+    payload, all parts together, before a part is read: a frame header claiming hundreds of MB (one
+    part, or continuation parts with no end) costs nothing to refuse.
     """
     parts = []
     pos = offset
     first = True
+    total = 0
     while True:
         if pos + 8 > file_size:
             raise RecordIOError(
@@ -236,18 +284,9 @@ def _parse_record(read: Callable[[int, int], bytes], offset: int, file_size: int
                 f"0x{MAGIC:08x}): corrupt .rec or an .idx that does not belong to it"
             )
         cflag, length = lrec >> 29, lrec & _LENGTH_MASK
-        if cflag > 3:
-            raise RecordIOError(f"{where}: invalid continuation flag {cflag} at byte offset {pos}")
-        if first and cflag not in (0, 1):
-            raise RecordIOError(
-                f"{where}: record at byte offset {pos} starts with continuation flag "
-                f"{cflag} (a middle/last part): the offset is not a record start"
-            )
-        if not first and cflag not in (2, 3):
-            raise RecordIOError(
-                f"{where}: part at byte offset {pos} has flag {cflag}, expected a "
-                f"continuation (2 or 3) of the split record at byte offset {offset}"
-            )
+        _check_flag(cflag, first, where, pos, offset)
+        total += length + (0 if first else len(MAGIC_BYTES))
+        _refuse_above(max_bytes, total, f"{where}: the record at byte offset {offset}", pos)
         padded = length + (-length % 4)
         data_at = pos + 8
         if data_at + padded > file_size:
@@ -270,10 +309,11 @@ def _parse_record(read: Callable[[int, int], bytes], offset: int, file_size: int
     return (parts[0] if len(parts) == 1 else b"".join(parts)), pos
 
 
-def scan_records(rec_path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
-    """(offset, payload) for every record of a .rec in file order, without an .idx."""
+def scan_records(rec_path: str | os.PathLike, max_record_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(offset, payload) for every record of a .rec in file order, without an .idx; a record above
+    max_record_bytes is refused before it is read (_parse_record)."""
     rec_path = os.fspath(rec_path)
-    with open(rec_path, "rb", buffering=0) as f:
+    with safefs.open_regular(rec_path, "the .rec") as f:
         size = os.fstat(f.fileno()).st_size
         buf, buf_start = b"", 0
         chunk = 8 << 20
@@ -286,7 +326,7 @@ def scan_records(rec_path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
 
         pos = 0
         while pos < size:
-            payload, nxt = _parse_record(read, pos, size, rec_path)
+            payload, nxt = _parse_record(read, pos, size, rec_path, max_record_bytes)
             yield pos, payload
             pos = nxt
 
@@ -316,7 +356,7 @@ class IndexedRecordReader:
 
     def _descriptor(self) -> int:
         if self._fd is None or self._pid != os.getpid():
-            self._fd = os.open(self.rec_path, os.O_RDONLY)
+            self._fd = os.open(self.rec_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
             self._pid = os.getpid()
         return self._fd
 

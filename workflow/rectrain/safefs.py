@@ -84,3 +84,33 @@ def create_new(path, flags: int = os.O_WRONLY, mode: int = 0o644) -> int:
     """A descriptor of a file created here and now: FileExistsError when anything, a link included,
     already has the name (nothing is followed, truncated or written through)."""
     return os.open(path, flags | _NEW, mode)
+
+
+class NotRegular(OSError):
+    """A path that should be a regular file is a FIFO, device, socket or folder; names it."""
+
+
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def special_file(mode: int) -> str:
+    """What a file that is not regular is, in words ("a named pipe (FIFO)", ...)."""
+    return next((what for test, what in _SPECIAL if test(mode)), "a special file")
+
+
+def open_regular(path, what: str = "file"):
+    """A binary reader of `path` (links followed), opened without blocking: a FIFO swapped in for a
+    file would hang a blocking open until someone writes to it. NotRegular for anything but a
+    regular file, naming what it is."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegular(f"{path} ({what}) is {special_file(mode)}, not a regular file: point it at the file itself")
+    return os.fdopen(fd, "rb")

@@ -30,6 +30,8 @@ import time
 import traceback
 from pathlib import Path
 
+from rectrain import atomic
+
 log = logging.getLogger(__name__)
 
 STALL_EXIT = 86
@@ -109,9 +111,8 @@ class Watchdog:
 
     def _publish(self) -> None:
         state = {"rank": self.rank, "what": self._what, "last_progress": self._last_unix, "where": where()}
-        tmp = self._progress_file(self.rank).with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self._progress_file(self.rank))
+        with atomic.replacing(self._progress_file(self.rank), sync=False) as tmp:  # rewritten every few s
+            tmp.write_text(json.dumps(state))
 
     def _peers(self) -> list[dict]:
         peers = []

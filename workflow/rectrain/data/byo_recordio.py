@@ -27,6 +27,7 @@ import csv
 import functools
 import io
 import logging
+import math
 import os
 import sys
 import time
@@ -38,10 +39,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from rectrain import cli, settings, storage
-from rectrain.atomic import fsync_path, publish, replacing, temporary_name, write_json
+from rectrain import cli, safefs, settings, storage
+from rectrain.atomic import fresh_name, fsync_path, publish, replacing, write_json
+from rectrain.data import pairowner
 from rectrain.data.formats import HEAD_BYTES, sniff
 from rectrain.data.images import Skip, prepare
+from rectrain.data.pack import BATCH_BYTES, PackBusy, exclusive, remove_leftovers
 from rectrain.progress import Progress
 from rectrain.recordio import IndexedRecordReader, RecordIOError, RecordWriter, idx_arrays, scan_records, unpack_record
 
@@ -53,7 +56,17 @@ log = logging.getLogger(__name__)
 # clear even at a few dozen records, and flags any file sorted or grouped by class.
 ORDERED_RUNS_SHARE = 0.5
 SHUFFLE_SEED = 0
+# Without a class list the class count is the largest label + 1. Labels may skip classes (a subset of
+# ImageNet keeps its 0-999 labels), but a count this far above the distinct labels is one stray label
+# (1e9 ended in MemoryError, 2e6 made a 2,000,001-class model): more unused classes than this, and than
+# the labels in use, are refused.
+MAX_UNUSED_CLASSES = 1000
 _BATCH = 256  # records decoded per batch of thread-pool work
+# Records held for one batch: it closes at _BATCH records or once they hold BATCH_BYTES (the pack's
+# rectrain.data.pack.BATCH_BYTES), so memory does not follow the records' sizes (12 records of 100 MB
+# were all held before the first was decoded, 1.38 GB). A single record is capped at MAX_RECORD_BYTES,
+# the pack's default pack.max_image_bytes, before any of it is read.
+MAX_RECORD_BYTES = 64 << 20
 
 
 class PairError(RuntimeError):
@@ -70,14 +83,21 @@ class Walked:
     unusual: list = field(default_factory=list)  # {id, reason}: the pack would have re-encoded these
     formats: Counter = field(default_factory=Counter)  # records per image format (rectrain.data.formats)
     bytes: int = 0
+    identity: dict = field(default_factory=dict)  # rec, idx: pairowner.file_identity before the check read them
     check_s: float = 0.0
     decode_s: float = 0.0
+
+
+def _text(path: str, key: str, errors: str = "strict") -> io.TextIOWrapper:
+    """A text reader of a regular file, opened without blocking (safefs.open_regular): a FIFO swapped
+    in after the Snakefile's parse is refused naming `key`, never waited on."""
+    return io.TextIOWrapper(safefs.open_regular(path, key), encoding="utf-8", errors=errors, newline="")
 
 
 def read_lst(path: str) -> dict[int, tuple[float, str]]:
     """im2rec's .lst: key -> (label, relative path); lines are `key<TAB>label[<TAB>label...]<TAB>path`."""
     rows = {}
-    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+    with _text(path, "recordio.<split>.lst", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, 1):
             fields = line.rstrip("\r\n").split("\t")
             if line.strip() == "":
@@ -125,7 +145,7 @@ def _next(scan, where: str):
 
 def _records(pair: dict, keys: np.ndarray, offsets: np.ndarray):
     """(number, key, offset, payload) of every record, each at the offset its .idx line gives."""
-    scan = scan_records(pair["rec"])
+    scan = scan_records(pair["rec"], MAX_RECORD_BYTES)
     for i in range(len(keys)):
         where = f"record {i} (.idx key {keys[i]})"
         found = _next(scan, where)
@@ -150,7 +170,7 @@ def _label(i: int, key: int, offset: int, payload: bytes, lst: dict | None) -> t
         raise PairError(f"{where}: {err}") from None
     if header.flag != 0:
         raise PairError(f"{where} holds {header.flag} labels: rectrain trains one class label per image")
-    if header.label != int(header.label) or header.label < 0:
+    if not math.isfinite(header.label) or header.label != int(header.label) or header.label < 0:
         raise PairError(f"{where}: label {header.label!r} is not a class index (a whole number >= 0)")
     if lst is not None:
         listed = lst.get(key)
@@ -173,27 +193,30 @@ def _check_image(item: tuple) -> str | None:
 def walk_split(split: str, pair: dict, threads: int, progress_s: float) -> Walked:
     """Check one split's pair record by record (labels against the .lst, images decoded)."""
     start = time.monotonic()
-    size = os.stat(pair["rec"]).st_size
-    keys, offsets = idx_arrays(pair["idx"])
+    identity = {kind: pairowner.file_identity(pair[kind]) for kind in ("rec", "idx")}
+    size = identity["rec"]["size"]
+    keys, offsets = idx_arrays(pair["idx"], max_bytes=size)
     _check_idx(pair, keys, offsets, size)
     lst = read_lst(pair["lst"]) if pair.get("lst") else None
     if lst is not None and len(lst) != len(keys):
         raise PairError(
             f"{pair['lst']} lists {len(lst)} images but {pair['idx']} {len(keys)}: pass the .lst of this pair"
         )
-    out = Walked(split, bytes=size)
+    out = Walked(split, bytes=size, identity=identity)
     progress = Progress(progress_s)
     progress.begin(f"check {split}", len(keys), unit="images")
-    batch = []
+    batch, held = [], 0
     with ThreadPoolExecutor(threads) as pool:
         for i, key, offset, payload in _records(pair, keys, offsets):
             label, image = _label(i, key, offset, payload, lst)
+            del payload  # the image is a slice of it: one copy held, not two
             out.keys.append(key)
             out.labels.append(label)
             batch.append((key, f"{split} record {i} (.idx key {key}, byte offset {offset})", image))
-            if len(batch) == _BATCH or i == len(keys) - 1:
+            held += len(image)
+            if len(batch) == _BATCH or held >= BATCH_BYTES or i == len(keys) - 1:
                 out.decode_s += _check_batch(batch, pool, out)
-                batch = []
+                batch, held = [], 0
                 progress.count(i + 1)
     progress.count(len(keys), force=True)
     out.check_s = time.monotonic() - start
@@ -270,9 +293,10 @@ def class_table(classes: str | None, train_pair: dict, train: Walked) -> tuple[l
     """(wnid, name) per label, and where the names came from: the class list (recordio.classes), the
     train pair's .lst's folders, or numbers."""
     if classes:
-        lines = [ln.rstrip("\r\n") for ln in open(classes, encoding="utf-8") if ln.strip()]
+        with _text(classes, "recordio.classes") as fh:
+            lines = [ln.rstrip("\r\n") for ln in fh if ln.strip()]
         return [tuple((ln.split("\t", 1) + [""])[:2]) for ln in lines], f"class list {classes}"
-    count = max(train.labels) + 1
+    count = class_count(train)
     if train_pair.get("lst"):
         folders: dict[int, str] = {}
         for label, path in read_lst(train_pair["lst"]).values():
@@ -284,6 +308,21 @@ def class_table(classes: str | None, train_pair: dict, train: Walked) -> tuple[l
                 )
         return [(folders.get(k, f"class_{k}"), "") for k in range(count)], f"folders of {train_pair['lst']}"
     return [(f"class_{k}", "") for k in range(count)], "numbered (no .lst or class list given)"
+
+
+def class_count(train: Walked) -> int:
+    """The largest train label + 1, or PairError naming the record with the largest label when that
+    leaves more than MAX_UNUSED_CLASSES (and more than the labels in use) without a single image."""
+    labels = np.asarray(train.labels, dtype=np.int64)
+    count, used = int(labels.max()) + 1, len(np.unique(labels))
+    if count - used > max(MAX_UNUSED_CLASSES, used):
+        i = int(labels.argmax())
+        raise PairError(
+            f"train record {i} (.idx key {train.keys[i]}) has label {count - 1}, so the class count would be {count} "
+            f"for {used} distinct labels: a stray label, or labels that are not class indices. Give the class list "
+            "of this pair (recordio.classes: one class per line, in label order)"
+        )
+    return count
 
 
 def check_labels(walked: Walked, num_classes: int, names_from: str) -> None:
@@ -298,29 +337,29 @@ def check_labels(walked: Walked, num_classes: int, names_from: str) -> None:
 
 
 def link_pair(pair: dict, rec: Path, idx: Path) -> None:
-    """The user's files under the pipeline's names: symlinks, so nothing of theirs is ever written."""
+    """The user's files under the pipeline's names: symlinks, so nothing of theirs is ever written. Each
+    link is made under a fresh name (os.symlink never follows one planted there) and renamed into place.
+    A source that is the previously published link itself is fine: its real path is the user's file."""
     for source, final in ((pair["rec"], rec), (pair["idx"], idx)):
-        final.parent.mkdir(parents=True, exist_ok=True)
         real = os.path.realpath(source)
-        if real == os.path.realpath(final) or Path(real).parent == final.parent.resolve():
+        if Path(real).parent == final.parent.resolve():
             raise PairError(
                 f"{source} is inside fast storage ({final.parent}), where the pipeline writes its own pair: "
                 "move it elsewhere and point recordio at it there"
             )
-        tmp = temporary_name(final)
-        tmp.unlink(missing_ok=True)
+        tmp = fresh_name(final)
         os.symlink(real, tmp)
         publish(tmp, final)
 
 
 def rewrite_shuffled(pair: dict, rec: Path, idx: Path, seed: int = SHUFFLE_SEED) -> int:
-    """Copy every record's payload, unchanged, into a new pair in a shuffled order; returns its bytes."""
+    """Copy every record's payload, unchanged, into a new pair in a shuffled order; returns its bytes.
+    Both files are created new under fresh names (RecordWriter new=True): nothing planted is followed."""
     reader = IndexedRecordReader(pair["rec"], pair["idx"])
     order = np.random.default_rng(seed).permutation(len(reader))
-    rec_tmp, idx_tmp = temporary_name(rec), temporary_name(idx)
-    rec.parent.mkdir(parents=True, exist_ok=True)
+    rec_tmp, idx_tmp = fresh_name(rec), fresh_name(idx)
     try:
-        with RecordWriter(rec_tmp, idx_tmp) as writer:
+        with RecordWriter(rec_tmp, idx_tmp, new=True) as writer:
             for i in order.tolist():
                 writer.write(*reader.nth(i))
             writer.close(sync=True)
@@ -356,9 +395,31 @@ def order_plan(pair: dict, order_rule: str, walked: Walked, fast: Path) -> dict:
     return order
 
 
+def unchanged(pair: dict, walked: Walked) -> None:
+    """PairError when the user's .rec or .idx is no longer the file the check read (replaced or
+    rewritten while it ran): what would be published is unchecked."""
+    for kind in ("rec", "idx"):
+        if pairowner.file_identity(pair[kind]) != walked.identity[kind]:
+            raise PairError(f"{pair[kind]} changed while it was checked: check it again once it is no longer written")
+
+
 def _publish_split(pair: dict, walked: Walked, order: dict, fast: Path) -> dict:
-    """The split's pair in fast storage: linked, or (order["rewrite"]) copied shuffled and read back."""
+    """The split's pair in fast storage, under the pack's rules (rectrain.data.pack.exclusive: the
+    folder is this user's and nobody else may write in it, the pair's lock held; a pair another working
+    directory published is not replaced): linked, or (order["rewrite"]) copied shuffled and read back.
+    The ownership stamp then names this run and what the check read (rectrain.data.pairowner)."""
     rec, idx = fast / f"{walked.split}.rec", fast / f"{walked.split}.idx"
+    with exclusive(rec, walked.split):
+        pairowner.check(rec)
+        remove_leftovers(rec, idx)
+        unchanged(pair, walked)
+        published = _publish_records(pair, walked, order, fast, rec, idx)
+        checked = {kind: pairowner.file_identity(path) for kind, path in (("rec", rec), ("idx", idx))}
+        pairowner.claim(rec, checked)
+    return published
+
+
+def _publish_records(pair: dict, walked: Walked, order: dict, fast: Path, rec: Path, idx: Path) -> dict:
     verdict = {k: v for k, v in order.items() if k != "rewrite"}
     if not order["rewrite"]:
         link_pair(pair, rec, idx)
@@ -425,6 +486,8 @@ def check_pairs(recordio, fast: Path, pack_dir: Path, index_dir: Path, threads: 
     and (last) the manifests."""
     pairs = {s: pair for s, pair in (("train", recordio.train), ("val", recordio.val)) if pair}
     splits = list(pairs)
+    for split in splits:  # before hours of reading; checked again under the pair's lock when publishing
+        pairowner.check(fast / f"{split}.rec")
     walked = {s: walk_split(s, pairs[s], threads, recordio.progress_s) for s in splits}
     table, names_from = class_table(recordio.classes, pairs["train"], walked["train"])
     for split in splits:
@@ -471,7 +534,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
 
 def main(argv=None) -> int:
     """Exit 1 when a pair fails its check (the line names the record and the fix)."""
-    errors = {PairError: 1, RecordIOError: 1, storage.StorageError: 2, OSError: 1}
+    errors = {PairError: 1, RecordIOError: 1, storage.StorageError: 2, PackBusy: 2, pairowner.PairTaken: 2, OSError: 1}
     return cli.main("recordio", "recordio", _arguments, _run, argv, errors=errors)
 
 

@@ -100,6 +100,7 @@ from rectrain.data.archives import (
     refuse_header,
 )
 from rectrain.data.formats import HEAD_BYTES, SUPPORTED_FORMATS, extension, extensions, named_format, sniff
+from rectrain.safefs import special_file
 
 # Named, not __name__: run as `python -m`, this module is __main__, outside the configured "rectrain" logger.
 log = logging.getLogger("rectrain.data.index")
@@ -281,18 +282,6 @@ def _sniff_file(path: Path) -> str | None:
 
 def _rel(path: Path, raw: Path) -> str:
     return path.relative_to(raw).as_posix()
-
-
-_SPECIAL = (
-    (stat.S_ISFIFO, "a named pipe (FIFO)"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
-
-
-def special_file(mode: int) -> str:
-    return next((what for test, what in _SPECIAL if test(mode)), "a special file")
 
 
 class _Kinds:

@@ -65,7 +65,7 @@ from typing import Iterator
 import numpy as np
 
 from rectrain import cli, safefs, settings, storage, usage
-from rectrain.atomic import fsync_path, publish, temporary_name, write_json
+from rectrain.atomic import fsync_path, publish, temporary_prefix, write_json
 from rectrain.config import ConfigError
 from rectrain.data import indextable, pairowner, readorder, space
 from rectrain.data.archives import READ_ERRORS, SEP, SourceReader
@@ -256,7 +256,7 @@ def remove_leftovers(*finals: Path) -> None:
     for final in finals:
         partial = final.with_name(final.name + PARTIAL)
         stale = [partial, *final.parent.glob(readorder.bucket_glob(partial))]
-        stale += final.parent.glob(temporary_name(final).name.rsplit(".tmp", 1)[0] + ".tmp*")
+        stale += final.parent.glob(temporary_prefix(final) + "*")
         for path in stale:
             if os.path.lexists(path):  # a dangling link too: exists() follows it and says False
                 log.info("removing %s, left by an interrupted pack", path)

@@ -6,6 +6,11 @@ new readers wrong or unreadable records (issue #26). So each published pair gets
 ``.<split>.rec.run.json``, naming the working directory that produced it, and a pack started from
 another working directory refuses to replace it, naming that run, while that directory still exists.
 A run whose directory is gone (moved or deleted) no longer owns its pair.
+
+A brought pair (rectrain.data.byo_recordio) is published as links to the user's files, which stay
+theirs to change: its stamp also records what the check read (`checked`: device, inode, size and
+modification time of the .rec and .idx), and the loaders refuse the pair once either no longer
+matches (refuse_changed), naming the command that checks it again (issue #38).
 """
 
 from __future__ import annotations
@@ -53,8 +58,41 @@ def check(rec: Path) -> None:
     )
 
 
-def claim(rec: Path) -> None:
-    """Record that the pair just published at `rec` belongs to this working directory."""
+def claim(rec: Path, checked: dict | None = None) -> None:
+    """Record that the pair just published at `rec` belongs to this working directory, and (a brought
+    pair) `checked`: file_identity of each file the check read, by kind (rec, idx)."""
     here = os.path.realpath(os.getcwd())
     published = time.strftime("%Y-%m-%d %H:%M:%S")
-    write_json(stamp_path(rec), {"workdir": here, "host": socket.gethostname(), "published": published})
+    stamp = {"workdir": here, "host": socket.gethostname(), "published": published}
+    write_json(stamp_path(rec), {**stamp, "checked": checked} if checked else stamp)
+
+
+def file_identity(path) -> dict:
+    """What says a file is still the one that was read: device, inode, size, modification time (ns)."""
+    st = os.stat(path)
+    return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+RECHECK = "snakemake --forcerun check_recordio (or rerun python -m rectrain.data.byo_recordio)"
+
+
+class PairChanged(RuntimeError):
+    """A brought pair is no longer the one its check read; names the file and the command that re-checks."""
+
+
+def refuse_changed(rec, idx) -> None:
+    """PairChanged when the pair at rec/idx was published by check_recordio and the .rec or .idx it
+    leads to is no longer the file checked (replaced, rewritten, truncated); nothing for a packed pair."""
+    checked = (_read(stamp_path(Path(rec))) or {}).get("checked")
+    if not isinstance(checked, dict):
+        return
+    for kind, path in (("rec", rec), ("idx", idx)):
+        try:
+            now = file_identity(path)
+        except OSError as err:
+            now = {"error": err.strerror}
+        if now != checked.get(kind):
+            raise PairChanged(
+                f"{path} (-> {os.path.realpath(path)}) is not the .{kind} check_recordio checked ({checked.get(kind)}, now "
+                f"{now}): it was replaced or rewritten since, and its records are unchecked. Check it again: {RECHECK}"
+            )

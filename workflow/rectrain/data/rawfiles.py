@@ -16,6 +16,7 @@ import os
 import stat
 from pathlib import Path
 
+from rectrain import safefs
 from rectrain.data import index
 
 
@@ -56,7 +57,7 @@ class RawFiles:
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):
-                raise Refused(f"not a regular file: {self._rel(path)} is now {index.special_file(mode)}")
+                raise Refused(f"not a regular file: {self._rel(path)} is now {safefs.special_file(mode)}")
             real = _real_path(fd, path)
             if not self.rules.inside(real):
                 raise Refused(f"outside the raw root: {self._rel(path)} now resolves to {real}")

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from rectrain.data import pairowner
+
 if TYPE_CHECKING:
     import torch
 
@@ -326,6 +328,7 @@ def resolve_loader(requested: str, spec: LoaderSpec) -> LoaderChoice:
 def build_loader(kind: str, spec: LoaderSpec) -> Loader:
     """The loader `kind` ('dali' or 'torch') for spec; see the module doc for what both promise.
     The loader's `.choice` (LoaderChoice) says what runs; a DALI request without DALI falls back to torch."""
+    pairowner.refuse_changed(spec.rec, spec.idx)  # a brought pair replaced since its check
     choice = resolve_loader(kind, spec)
     if choice.note:
         log.warning(choice.note)

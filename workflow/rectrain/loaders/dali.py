@@ -33,6 +33,7 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy, feed_ndarray, to_torch_type
 
+from rectrain.data import pairowner
 from rectrain.loaders import (
     CROP_RATIO,
     CROP_SCALE,
@@ -234,6 +235,7 @@ class DaliLoader:
 
     def _build(self, epoch: int, checkpoint: bytes | None = None):
         s = self.spec
+        pairowner.refuse_changed(s.rec, s.idx)  # DALI reopens the pair every epoch: a brought pair replaced mid-run
         gpu = s.on_gpu
         device_id = (torch.device(s.device).index or 0) if gpu else None
         decode_device = "mixed" if s.gpu_decodes else "cpu"

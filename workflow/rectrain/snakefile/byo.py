@@ -5,9 +5,20 @@ removed; the check_recordio job then reads every record (rectrain.data.byo_recor
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from rectrain.config import shown_path
+from rectrain.safefs import special_file
+
+
+def _not_a_file(path) -> str | None:
+    """Why `path` is no file to read ("no such file", "a named pipe (FIFO), not a regular file"), or None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "no such file"
+    return None if stat.S_ISREG(mode) else f"{special_file(mode)}, not a regular file"
 
 
 def byo_problems(config: dict, fast: str, workdir: Path, written: dict[str, str] | None = None) -> list[str]:
@@ -20,14 +31,14 @@ def byo_problems(config: dict, fast: str, workdir: Path, written: dict[str, str]
         for kind, value in (byo[split] or {}).items():
             path = value if os.path.isabs(value) else workdir / value
             key = f"recordio.{split}.{kind}"
-            if not os.path.isfile(path):
-                problems.append(f"{shown_path(key, value, written)}: no such file. Point it at the existing .{kind}.")
+            if why := _not_a_file(path):
+                problems.append(f"{shown_path(key, value, written)}: {why}. Point it at the existing .{kind}.")
             elif Path(os.path.realpath(path)).parent == Path(os.path.realpath(workdir / fast)):
                 problems.append(
                     f"{shown_path(key, value, written)} is inside {fast}, where the pipeline publishes its pair: "
                     "move it elsewhere."
                 )
     classes = byo["classes"]
-    if classes is not None and not os.path.isfile(classes if os.path.isabs(classes) else workdir / classes):
-        problems.append(f"{shown_path('recordio.classes', byo['classes'], written)}: no such file.")
+    if classes is not None and (why := _not_a_file(classes if os.path.isabs(classes) else workdir / classes)):
+        problems.append(f"{shown_path('recordio.classes', byo['classes'], written)}: {why}.")
     return problems

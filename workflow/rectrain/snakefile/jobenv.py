@@ -11,6 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from rectrain.atomic import new_temporary
 from rectrain.config import OPERATIONAL_ENV, operational_part
 
 
@@ -42,7 +43,7 @@ def python_dir(executable: str, workdir=".") -> Path:
     wrapper, text = folder / "python", f'#!/bin/sh\nexec {shlex.quote(str(exe))} "$@"\n'
     if not wrapper.is_file() or wrapper.read_text() != text:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".python.{os.getpid()}"
+        tmp = new_temporary(wrapper)  # created O_EXCL|O_NOFOLLOW: a planted link is never written through
         tmp.write_text(text)
         tmp.chmod(0o755)
         os.replace(tmp, wrapper)  # whole, executable, even when several Snakemake processes parse at once

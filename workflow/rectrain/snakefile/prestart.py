@@ -9,8 +9,8 @@ so `workflow.local_exec` is always true during the parse) and why the train job 
   allocation, or a rendezvous endpoint), when the jobs run here (a local executor);
   under a cluster executor (--executor slurm, --workflow-profile profiles/slurm) the jobs run on
   other nodes and this login node's GPUs say nothing, so the job checks them where it runs.
-- A pack job's pair in fast storage that another working directory's run published
-  (rectrain.data.pairowner) is refused now: Snakemake would delete it before the pack job could.
+- A pack or check_recordio job's pair in fast storage that another working directory's run published
+  (rectrain.data.pairowner) is refused now: Snakemake would delete it before the job could refuse it.
 - The train job learns whether Snakemake forced it (rectrain.train.finished.FORCED_ENV): forced, it
   trains again; otherwise it republishes a finished run it matches.
 
@@ -31,6 +31,8 @@ from rectrain.train.finished import FORCED_ENV
 
 TRAIN_RULE = "train"
 PACK_RULE = "pack"
+# The jobs that publish a pair in fast storage: packed, or brought and checked (rectrain.data.byo_recordio).
+PAIR_RULES = (PACK_RULE, "check_recordio")
 
 
 def before_jobs(workflow, config: dict) -> None:
@@ -50,8 +52,8 @@ def before_jobs(workflow, config: dict) -> None:
 
 
 def pair_problems(jobs) -> list[str]:
-    """Each .rec a pack job would replace that belongs to a run in another working directory."""
-    recs = [Path(out) for job in jobs if job.rule.name == PACK_RULE for out in job.output if str(out).endswith(".rec")]
+    """Each .rec a pack or check_recordio job would replace that belongs to a run in another working directory."""
+    recs = [Path(out) for job in jobs if job.rule.name in PAIR_RULES for out in job.output if str(out).endswith(".rec")]
     problems = []
     for rec in recs:
         try:

@@ -29,6 +29,7 @@ import contextlib
 import copy
 import datetime
 import hashlib
+import json
 import logging
 import os
 import random
@@ -54,6 +55,34 @@ FINISHED = "finished.json"
 SAMPLED_RECORDS = 4096
 # Bytes read at each sampled record: the frame and IRHeader (label, id) and the first image bytes.
 SAMPLE_BYTES = 64
+# The manifest keys that decide the records (pack settings, counts, what was skipped or repaired, the
+# published bytes); never its timings (wall_s, images_per_s, decode ms, usage), storage or paths: a
+# repack that writes the same .rec, or a second check of the same pair, is the same data and resumes.
+MANIFEST_RECORD_KEYS = (
+    "discovered",
+    "packed",
+    "skipped",
+    "repaired",
+    "skipped_files",
+    "bytes_written",
+    "num_classes",
+    "resize",
+    "max_side",
+    "quality",
+    "shuffle_seed",
+    "check_scan_data",
+    "max_image_bytes",
+)
+# check_recordio's `existing` block: the same, for a brought pair.
+EXISTING_RECORD_KEYS = (
+    "bytes",
+    "checked_records",
+    "kept_unusual",
+    "formats",
+    "published",
+    "shuffle_seed",
+    "bytes_written",
+)
 # Where the checkpoints of a replaced run go (under the checkpoints folder: same filesystem, a rename).
 REPLACED = "replaced"
 # The reason's words in a moved-aside folder's name: enough to tell folders apart, short enough to list.
@@ -131,10 +160,22 @@ def _sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def manifest_records(manifest: str) -> dict:
+    """The part of a pack (or check_recordio) manifest that decides the records: MANIFEST_RECORD_KEYS
+    and EXISTING_RECORD_KEYS of its `existing` block, nothing measured."""
+    with open(manifest, encoding="utf-8") as fh:
+        found = json.load(fh)
+    kept = {k: found[k] for k in MANIFEST_RECORD_KEYS if k in found}
+    if isinstance(found.get("existing"), dict):
+        kept["existing"] = {k: found["existing"][k] for k in EXISTING_RECORD_KEYS if k in found["existing"]}
+    return kept
+
+
 def data_fingerprint(rec: str, idx: str, classes: str | None = None, manifest: str | None = None) -> dict:
     """What the records are: sha256 of the .idx (keys and offsets), of SAMPLED_RECORDS evenly spaced
-    records' headers (labels, ids) and first image bytes, of classes.tsv (label -> class), and of the
-    pack manifest when given; plus the .rec's size."""
+    records' headers (labels, ids) and first image bytes, of classes.tsv (label -> class), and of what
+    in the pack manifest decides the records (manifest_records: settings and counts, no timings);
+    plus the .rec's size."""
     pairs = read_idx(idx)
     step = max(1, len(pairs) // SAMPLED_RECORDS)
     h = hashlib.sha256()
@@ -148,7 +189,8 @@ def data_fingerprint(rec: str, idx: str, classes: str | None = None, manifest: s
     if classes:
         fp["classes_sha256"] = _sha256(classes)
     if manifest:
-        fp["manifest_sha256"] = _sha256(manifest)
+        kept = json.dumps(manifest_records(manifest), sort_keys=True).encode()
+        fp["manifest_records_sha256"] = hashlib.sha256(kept).hexdigest()
     return fp
 
 
@@ -172,6 +214,17 @@ class RunIdentity:
             "data": self.data,
             "code": self.code,
         }
+
+
+def _comparable_data(old: dict, new: dict) -> tuple[dict, dict]:
+    """A checkpoint written before the fingerprint left the manifest's timings out holds
+    manifest_sha256 (the whole manifest): it is compared on its other items, so an upgrade does not
+    start every run over."""
+    if "manifest_sha256" not in old:
+        return old, new
+    return {k: v for k, v in old.items() if k != "manifest_sha256"}, {
+        k: v for k, v in new.items() if k != "manifest_records_sha256"
+    }
 
 
 def _changed(a: dict, b: dict) -> str:
@@ -199,8 +252,9 @@ def differences(state: dict, ident: RunIdentity) -> list[Difference]:
     if state.get("world_size") != ident.world_size:
         text = f"it was written by {state.get('world_size')} processes, this run has {ident.world_size}"
         found.append(Difference("world_size", text))
-    if state.get("data") != ident.data:
-        text = f"the training records changed ({_changed(state.get('data') or {}, ident.data)})"
+    old_data, new_data = _comparable_data(state.get("data") or {}, ident.data)
+    if old_data != new_data:
+        text = f"the training records changed ({_changed(old_data, new_data)})"
         found.append(Difference("data", text))
     if state.get("code") != ident.code:
         found.append(Difference("code", f"the training code changed ({_changed(state.get('code') or {}, ident.code)})"))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rectrain import cli, distributed, driver_check, settings
 from rectrain.config import ConfigError, stage_block
+from rectrain.data import pairowner
 from rectrain.train import cluster, requeue, supervise
 from rectrain.train import local_copy as stage
 from rectrain.train.stop import EXIT_STOPPED
@@ -54,6 +55,8 @@ def _run(own: argparse.Namespace, cfg: dict) -> int | None:
         if not own.print_only:
             os.execvp(cmd[0], cmd)
         return None
+    for *_, rec, idx in stage.pairs_in(train_argv):
+        pairowner.refuse_changed(rec, idx)  # a brought pair replaced since its check: before any copy or rank
     if own.stage_to_local:
         train_argv = stage.stage_argv(train_argv, None if own.stage_to_local == "auto" else own.stage_to_local)
     gpu_count = distributed.visible_gpu_count()
@@ -92,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     """The train block comes as --config-json; every argument the launcher does not know is training's."""
     # a stop signal during training is handled (rectrain.train.supervise); no "nothing published" line
     return cli.main(
-        "launch", "train", _arguments, _run, argv, errors={cluster.ClusterError: 1}, passthrough=True, interrupted=None
+        "launch",
+        "train",
+        _arguments,
+        _run,
+        argv,
+        errors={cluster.ClusterError: 1, pairowner.PairChanged: 1},
+        passthrough=True,
+        interrupted=None,
     )
 
 

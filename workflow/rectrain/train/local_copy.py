@@ -11,6 +11,13 @@ then renamed into place, so a crash never leaves a half-copied pair that looks f
 next to the copy records the source's size, mtime and hash; a later call skips only when the source
 is unchanged and the local files still hash to the stamped value (catches a corrupted local copy).
 
+Each source folder stages into a sub-directory of its own, named for the resolved folder and a hash of
+its real path (stage_key), never for a folder name alone: two pairs in folders both called `rec`, or
+two working directories' `imagenet`, once shared one staged copy, and a running training read the
+other run's records. The launcher that staged a pair holds a shared lock on it (READERS_LOCK) while its
+training runs; a later staging that would replace that copy is refused, naming it, instead of
+swapping the records under the running training.
+
 The node-local directory is private: created owner-only (0700) and refused when it is a symbolic link,
 belongs to another user, or sits in a folder another user owns or may write to without the sticky bit
 (/tmp itself is fine).  A shared /tmp lets anyone create /tmp/rectrain-<you> first; every file in it
@@ -34,6 +41,7 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,16 +54,26 @@ log = logging.getLogger(__name__)
 CHUNK = 16 * 1024 * 1024
 STAMP_SUFFIX = ".stage.json"
 LOCK_NAME = ".stage.lock"
+READERS_LOCK = ".stage.readers"  # shared by every process training from the copies; exclusive to replace them
+# Reader locks this process holds (local dir -> descriptor), until it exits: the launcher outlives its ranks.
+_READERS: dict[str, int] = {}
 
 
 class StageError(RuntimeError):
     """Staging could not produce a verified local copy; the message says why and what to do."""
 
 
+def stage_key(rec) -> str:
+    """The staging sub-directory of the pair at `rec`: its real folder's name (for people) and a hash
+    of that folder's real path (so two folders of one name never share a copy)."""
+    real = Path(os.path.realpath(rec)).parent
+    return f"{real.name}-{hashlib.sha256(os.fsencode(real)).hexdigest()[:12]}"
+
+
 def default_local_dir(local_storage: str | None, dataset: str, env=None) -> Path:
     """pack.local_storage, else $TMPDIR (what SLURM sites point at node-local disk), else
-    /tmp/rectrain-<user>; one sub-directory per dataset so two datasets never collide.  Resolved
-    on the node that trains, since $TMPDIR differs between the submit host and the nodes."""
+    /tmp/rectrain-<user>; one sub-directory per source folder (`dataset`: stage_key) so two never
+    collide.  Resolved on the node that trains, since $TMPDIR differs between the submit host and the nodes."""
     env = os.environ if env is None else env
     base = local_storage or env.get("TMPDIR") or f"/tmp/rectrain-{getpass.getuser()}"
     return Path(base) / dataset
@@ -196,6 +214,44 @@ def _node_lock(local_dir: Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def _open_readers(local_dir: Path) -> int:
+    path = local_dir / READERS_LOCK
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise StageError(
+            f"cannot open the staging lock {path} ({err.strerror}): a link there is refused; remove it"
+        ) from err
+
+
+def _no_readers(local_dir: Path, replaced: list[Path]) -> None:
+    """StageError when a training (another process) reads the copies in local_dir: replacing them would
+    hand it other records mid-run. Called under the stage lock, which every reader takes to join."""
+    if str(local_dir) in _READERS:
+        return  # this process's own training: it restages before it reads again
+    fd = _open_readers(local_dir)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise StageError(
+            f"{', '.join(map(str, replaced))} would be replaced (its source changed), but a running training on this "
+            f"node reads it (lock {local_dir / READERS_LOCK}); wait for it to end, or set pack.local_storage to "
+            "another node-local directory"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def _hold_readers(local_dir: Path) -> None:
+    """Hold a shared lock on local_dir's copies until this process exits (see READERS_LOCK)."""
+    if str(local_dir) not in _READERS:
+        fd = _open_readers(local_dir)
+        fcntl.flock(
+            fd, fcntl.LOCK_SH | fcntl.LOCK_NB
+        )  # only a stager, under the stage lock we hold, takes it exclusively
+        _READERS[str(local_dir)] = fd
+
+
 def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
     """Make a verified copy of the `rec`/`idx` pair in `local_dir`.
 
@@ -215,6 +271,7 @@ def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
     with _node_lock(local_dir):
         stale = [(s, t) for s, t in zip(sources, targets, strict=True) if not _is_current(s, t)]
         if stale:
+            _no_readers(local_dir, [t for _, t in stale])
             _check_room([s for s, _ in stale], local_dir)
         for src, target in stale:
             started = time.time()
@@ -224,6 +281,7 @@ def stage_pair(rec, idx, local_dir) -> tuple[Path, Path, bool]:
             mb = target.stat().st_size / 1e6
             log.info("%s: %.1f MB verified in %.1f s (%.0f MB/s)", target, mb, took, mb / took)
             copied = True
+        _hold_readers(local_dir)
     return targets[0], targets[1], copied
 
 
@@ -256,17 +314,22 @@ def _replace_option(argv: list[str], name: str, value: str) -> list[str]:
     return out
 
 
+def pairs_in(argv: list[str]) -> Iterator[tuple[str, str, str, str]]:
+    """(rec option, idx option, rec, idx) of each pair a training command line names."""
+    for rec_opt, idx_opt in PAIR_OPTIONS:
+        rec, idx = _option_value(argv, rec_opt), _option_value(argv, idx_opt)
+        if rec is not None and idx is not None:
+            yield rec_opt, idx_opt, rec, idx
+
+
 def stage_argv(argv: list[str], local_storage: str | None = None, env=None) -> list[str]:
     """Stage every .rec/.idx pair named in a training command line and return the command line
     pointing at the node-local copies.  The dataset name is the pair's directory
     (<fast_storage>/<dataset>/train.rec)."""
     if not logging.getLogger("rectrain").handlers:  # the launcher has not set logging up: tag our lines
         rlog.setup("stage")
-    for rec_opt, idx_opt in PAIR_OPTIONS:
-        rec, idx = _option_value(argv, rec_opt), _option_value(argv, idx_opt)
-        if rec is None or idx is None:
-            continue
-        local_dir = default_local_dir(local_storage, Path(rec).resolve().parent.name, env)
+    for rec_opt, idx_opt, rec, idx in pairs_in(argv):
+        local_dir = default_local_dir(local_storage, stage_key(rec), env)
         rec_l, idx_l, _ = stage_pair(rec, idx, local_dir)
         argv = _replace_option(_replace_option(argv, rec_opt, str(rec_l)), idx_opt, str(idx_l))
     return argv

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import psutil
 
+from rectrain import atomic
+
 log = logging.getLogger(__name__)
 
 STEP_COLUMNS = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
@@ -128,8 +130,7 @@ def merge_steps(src_dir: Path, dest: Path, world_size: int) -> Path:
     """Concatenate src_dir/steps_rank*.csv (rank order) into dest, atomically: bytes copied after each
     file's header (every rank writes the same STEP_COLUMNS), so 900,900 rows take a moment, not a parse."""
     header = (",".join(STEP_COLUMNS) + "\r\n").encode()  # csv's default line ending, as CsvLog writes it
-    tmp = dest.with_name(dest.name + ".tmp")
-    with open(tmp, "wb") as out:
+    with atomic.replacing(dest) as tmp, open(tmp, "wb") as out:
         out.write(header)
         for r in range(world_size):
             with open(src_dir / f"steps_rank{r}.csv", "rb") as f:
@@ -137,7 +138,6 @@ def merge_steps(src_dir: Path, dest: Path, world_size: int) -> Path:
                 if first.rstrip(b"\r\n") != header.rstrip(b"\r\n"):
                     raise ValueError(f"{f.name} does not start with the step columns {STEP_COLUMNS}: {first[:200]!r}")
                 shutil.copyfileobj(f, out, 1 << 20)
-    os.replace(tmp, dest)
     return dest
 
 
