@@ -7,8 +7,8 @@ MXVENV ?= .venv-mxnet
 MXSTAMP := $(MXVENV)/.installed
 CORES ?= $(shell nproc)
 PYTEST_ARGS ?=
-# make check's workers (pytest-xdist): one per core of the 2-core CI machine; tests/conftest.py keeps each
-# module on one. make test runs serially (tests/conftest.py says why).
+# Test workers (pytest-xdist) for make test and make check: one per core of the 2-core CI machine;
+# tests/conftest.py keeps each module on one and starts the longest first.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 # make run: your config file(s), the target, and extra Snakemake options (e.g. SNAKEMAKE_ARGS=-n).
@@ -41,7 +41,7 @@ $(MXSTAMP): envs/mxnet-interop.txt
 test: $(STAMP) $(MXSTAMP) style
 	@# pytest exit code 5 means no test ran: that is a failure here, not a pass. --durations: the slowest
 	@# tests in every CI log, to keep the suite well under 20 minutes.
-	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest tests $(PYTEST_PARALLEL) --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 	$(VENV)/bin/snakemake -n results/report.html
 	$(VENV)/bin/snakemake --lint

@@ -3,9 +3,9 @@
     .venv/bin/python bench/checkpoint_bench.py --out /tmp/ckbench [--models resnet18 resnet50] [--repeats 3]
 
 Per model (1000 classes, SGD with momentum after one step, so the momentum buffers exist as in
-training): the bytes of the checkpoint rectrain.train.midepoch writes (model, optimizer, scheduler,
+training): the bytes of the checkpoint rectrain.train.lifecycle.midepoch writes (model, optimizer, scheduler,
 scaler, RNG) and the seconds of `save_atomic` (torch.save to a temporary file, fsync, rename, fsync
-of the folder).  Then the stop agreement (rectrain.train.stop.Agreement.poll: an all-reduce MAX of
+of the folder).  Then the stop agreement (rectrain.train.lifecycle.stop.Agreement.poll: an all-reduce MAX of
 two int64 on gloo) between two local processes: microseconds per poll.  Prints a Markdown table.
 """
 
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
 from rectrain import model as models  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
-from rectrain.train import checkpoint as ckpt  # noqa: E402
-from rectrain.train.stop import Agreement, StopRequest  # noqa: E402
+from rectrain.train.lifecycle import checkpoint as ckpt  # noqa: E402
+from rectrain.train.lifecycle.stop import Agreement, StopRequest  # noqa: E402
 
 
 def state_of(name: str) -> dict:

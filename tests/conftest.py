@@ -36,12 +36,32 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"test process memory at the end (heap, peak virtual, peak resident): {shown}")
 
 
-# `make check` runs the fast tier on pytest-xdist workers (-n, --dist loadgroup). Each module is one group,
-# so its module fixtures (a packed dataset, a finished run's files) are built once, on one worker; the two
-# SLURM modules share one group: the test cluster is configured at the fixed path /etc/slurm/slurm.conf.
-# `make test` stays serial: two demo trainings side by side on 2 cores ran at 3.7 img/s each, one alone
-# at 6.7 (bench/RESULTS.md, "The test suite's wall time"): the trainings are most of the suite, and CPU-bound.
+# `make test` and `make check` run on pytest-xdist workers (-n 2, --dist loadgroup). Each module is one
+# group, so its module fixtures (a packed dataset, a finished run's files) are built once, on one worker;
+# the two SLURM modules share one group: the test cluster is configured at the fixed path
+# /etc/slurm/slurm.conf. A demo training already keeps both cores busy, so two side by side gain nothing
+# (bench/RESULTS.md, "The test suite's wall time"); what two workers win is the waits - the SLURM
+# tests' scheduler cycles, a pipeline's job start-ups, the timeouts that tests provoke - which the other
+# worker fills with work.
 SHARED_GROUPS = {"test_slurm.py": "slurm", "test_slurm_requeue.py": "slurm"}
+# The groups that take longest (the --durations table of a CI log) start first, so no worker is left with
+# a long module at the end while the other idles; the SLURM pair first of all, as it mostly waits. The
+# rest follow in collection order.
+LONGEST_FIRST = [
+    "slurm",
+    "test_pipeline_e2e.py",
+    "test_finished_run_survives.py",
+    "test_datasets_side_by_side.py",
+    "test_train_run.py",
+    "test_train_preempt.py",
+    "test_evaluate.py",
+    "test_readme_commands.py",
+    "test_progressive.py",
+    "test_byo_recordio.py",
+    "test_recipes.py",
+    "test_gpu_check.py",
+    "test_multinode.py",
+]
 
 
 def module_group(item) -> str:
@@ -51,5 +71,7 @@ def module_group(item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the test ids
 def pytest_collection_modifyitems(config, items):
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(module_group(item)))
+    items.sort(key=lambda item: rank.get(module_group(item), len(rank)))  # stable: collection order within

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from helpers import copy_workflow, job_headers, scheduled_rules, snakemake
 
-from rectrain.train.checkpoint import load
+from rectrain.train.lifecycle.checkpoint import load
 
 pytestmark = pytest.mark.slow
 

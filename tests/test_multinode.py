@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers.train_data import packed_dataset, rows, tiny_train_config
 
-from rectrain.train.checkpoint import load
+from rectrain.train.lifecycle.checkpoint import load
 
 TELEMETRY = [
     "model.pt",

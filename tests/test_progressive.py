@@ -21,11 +21,11 @@ from rectrain.loaders import LoaderSpec
 from rectrain.loaders.dali import DaliLoader
 from rectrain.loaders.pytorch import TorchLoader
 from rectrain.report import build, efficiency, load
-from rectrain.train import checkpoint as ckpt
 from rectrain.train.batchplan import loader_spec, preflight_inputs
+from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle.stop import EXIT_STOPPED
 from rectrain.train.resolution import resolutions
 from rectrain.train.run import make_model
-from rectrain.train.stop import EXIT_STOPPED
 from rectrain.train.telemetry import STEP_COLUMNS
 
 LOADERS = {"dali": DaliLoader, "torch": TorchLoader}

@@ -17,7 +17,7 @@ from helpers.train_data import TINY_TRAIN, packed_dataset, tiny_train_config
 from rectrain.config import OPERATIONAL_ENV, output_part, stage_block
 from rectrain.snakefile.jobenv import export_operational
 from rectrain.snakefile.params import block_params, report_params
-from rectrain.train import checkpoint as ckpt
+from rectrain.train.lifecycle import checkpoint as ckpt
 
 TRAIN_OPERATIONAL = [(key, spec) for block, key, spec, op in block_keys() if block == "train" and op]
 TRAIN_OUTPUT = [(key, spec) for block, key, spec, op in block_keys() if block == "train" and not op]

@@ -16,8 +16,8 @@ from test_train_resume import fake_run, write_checkpoints
 
 from rectrain.data.byo_recordio import check_pairs
 from rectrain.recordio import IRHeader, RecordWriter, pack_record
-from rectrain.train import checkpoint as ckpt
-from rectrain.train.resume import resume
+from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle.resume import resume
 
 PACK_CFG = json.dumps({"resize": 0, "quality": 90, "shuffle_seed": 0, "max_skipped_share": 0.5})
 
@@ -34,7 +34,7 @@ def _fingerprint(out):
 
 
 def resumes(tmp_path, checkpointed: dict, now: dict) -> bool:
-    """train.resume: auto (rectrain.train.resume), as the training command decides it: checkpoints of
+    """train.resume: auto (rectrain.train.lifecycle.resume), as the training command decides it: checkpoints of
     two epochs written under the data fingerprint `checkpointed`, a run whose records give `now`.
     True when it continues at epoch 2 with nothing moved aside."""
     tmp_path.mkdir()

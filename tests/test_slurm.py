@@ -241,8 +241,10 @@ def profile_run(target: str, *configfiles: str) -> list[str]:
         # No accounting database on this test cluster: job states come from squeue (MinJobAge=600).
         "--slurm-status-command",
         "squeue",
+        # The plugin waits this long before its first status check, then 10 s more after each check
+        # that finds nothing finished: most demo jobs end within 8 s, so the first check sees them done.
         "--slurm-init-seconds-before-status-checks",
-        "2",
+        "8",
         "--configfile",
         *configfiles,
     ]
@@ -319,7 +321,7 @@ def wait_for(what: str, check, proc, timeout: float, out: Path):
     raise AssertionError(f"no {what} within {timeout:.0f} s: {out.read_text()[-4000:]}")
 
 
-REQUEUE_EPOCHS = 40
+REQUEUE_EPOCHS = 3
 
 
 # Two starts of the train job and SLURM's own pace (limits checked every ~30 s): minutes on a busy box.
@@ -331,12 +333,12 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     the same Snakemake keeps waiting for it, and the restarted job resumes and finishes.  (SLURM holds
     a requeued job before it may start again; the test releases it at once and restores the limit.)"""
     work = copy_repo(tmp_path / "rectrain")
-    # Still training when the warning comes (SLURM checks the limits every ~30 s): 8 epochs of 3 steps
-    # per rank took 1-4.5 s an epoch here (18 s after epoch 1: finished before the warning), 40 take minutes.
+    # Still training when the warning comes (SLURM checks the limits every ~30 s): rank 0 pauses inside
+    # epoch 1 (rectrain.train.lifecycle.faults.pause_at, on a gate that never opens) until the warning's SIGTERM.
     (work / "test-cluster.yaml").write_text(
         TEST_CONFIG.replace("epochs: 1,", f"epochs: {REQUEUE_EPOCHS}, checkpoint_interval_min: 0,")
     )
-    env = cluster_env(tmp_path, RECTRAIN_SLURM_WARNING_S="600")
+    env = cluster_env(tmp_path, RECTRAIN_SLURM_WARNING_S="600", RECTRAIN_PAUSE_AT=f"0:1:1:{tmp_path / 'no-gate'}")
     out = tmp_path / "snakemake.out"
     argv = profile_run("results/demo/train/model.pt", "test-cluster.yaml")
     with open(out, "w") as sink:
@@ -349,10 +351,12 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
             600,
             out,
         )
-        steps = work / "results" / "demo" / "train" / "telemetry" / "steps_rank0.csv"
+        train_log = work / "logs" / "train" / "demo.log"
         wait_for(
-            "epoch 1 in steps_rank0.csv",
-            lambda: steps.exists() and any(line.startswith("0,1,") for line in steps.read_text().splitlines()),
+            "rank 0's pause in epoch 1",
+            lambda: (
+                train_log.exists() and "rank 0 pauses after epoch 1 step 1" in train_log.read_text(errors="replace")
+            ),
             proc,
             600,
             out,

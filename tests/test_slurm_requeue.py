@@ -1,12 +1,12 @@
 """A train job stopped by its time limit's warning is requeued by itself; any other stop is not
-(rectrain.train.requeue).  squeue/scontrol are faked here; tests/test_slurm.py drives the real thing."""
+(rectrain.train.lifecycle.requeue).  squeue/scontrol are faked here; tests/test_slurm.py drives the real thing."""
 
 import subprocess
 from datetime import datetime
 
 import pytest
 
-from rectrain.train import requeue
+from rectrain.train.lifecycle import requeue
 
 NOW = datetime(2026, 12, 1, 12, 0, 0).timestamp()
 

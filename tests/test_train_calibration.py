@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers.train_data import config_json, packed_dataset
 
-from rectrain.train.checkpoint import load
+from rectrain.train.lifecycle.checkpoint import load
 
 # A small network with BatchNorm (running statistics) and Dropout (draws from the torch RNG), in fp32
 # with one thread per rank: milliseconds per step on this CPU.

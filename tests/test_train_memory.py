@@ -9,7 +9,8 @@ from helpers.train_data import tiny_train_settings, train_settings
 
 from rectrain.distributed import Dist
 from rectrain.loaders import DaliOptions, LoaderSpec, choose_loader
-from rectrain.train import batchplan, failure, memory
+from rectrain.train import batchplan, memory
+from rectrain.train.lifecycle import failure
 from rectrain.train.run import make_model
 
 GPU = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)

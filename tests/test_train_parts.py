@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers.train_data import run_identity
 
-from rectrain.train import checkpoint as ckpt
 from rectrain.train import telemetry
+from rectrain.train.lifecycle import checkpoint as ckpt
 
 
 def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):

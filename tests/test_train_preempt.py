@@ -22,9 +22,9 @@ from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec
 from rectrain.loaders.dali import DaliLoader
 from rectrain.loaders.pytorch import TorchLoader
-from rectrain.train import checkpoint as ckpt
-from rectrain.train import midepoch
-from rectrain.train.stop import EXIT_STOPPED
+from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import midepoch
+from rectrain.train.lifecycle.stop import EXIT_STOPPED
 
 N_TRAIN = 45
 # Tiny and fast on a CPU; batch 4 over 2 ranks: 6 steps per epoch (23 records a rank, 1 padded).
@@ -314,7 +314,7 @@ def test_ctrl_c_while_a_rank_still_imports_torch_is_one_line_and_status_130(tmp_
 FINISHED_RANK = """
 import os, signal, sys, time
 from pathlib import Path
-from rectrain.train import checkpoint as ckpt, supervise
+from rectrain.train.lifecycle import checkpoint as ckpt, supervise
 signal.signal(signal.SIGTERM, lambda *_: None)
 ck = Path(sys.argv[1])
 ckpt.mark_finished(ck, ck.parent / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))
@@ -324,7 +324,7 @@ LAUNCHER = """
 import os, sys
 from pathlib import Path
 from rectrain.distributed import TORCHRUN
-from rectrain.train import supervise
+from rectrain.train.lifecycle import supervise
 ck, rank = Path(sys.argv[1]), sys.argv[2]
 cmd = [sys.executable, "-m", TORCHRUN, "--standalone", "--nproc_per_node=1", rank, str(ck)]
 sys.exit(supervise.run_torchrun(cmd, dict(os.environ), ck, ["SIGTERM"]))

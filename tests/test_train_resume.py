@@ -12,10 +12,11 @@ import torch
 from helpers.train_data import run_identity, train_settings
 
 from rectrain.distributed import Dist
-from rectrain.train import batchplan, finished, memory
-from rectrain.train import checkpoint as ckpt
-from rectrain.train import resume as resume_mod
-from rectrain.train.resume import ResumeRefused, previous_plan, resume
+from rectrain.train import batchplan, memory
+from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import finished
+from rectrain.train.lifecycle import resume as resume_mod
+from rectrain.train.lifecycle.resume import ResumeRefused, previous_plan, resume
 
 IDENT = run_identity(world_size=1)
 

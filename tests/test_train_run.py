@@ -15,8 +15,8 @@ import torch
 import torchvision
 from helpers.train_data import config_json, packed_dataset, rows
 
-from rectrain.train.checkpoint import load
-from rectrain.train.finished import FORCED_ENV, PUBLISHED
+from rectrain.train.lifecycle.checkpoint import load
+from rectrain.train.lifecycle.finished import FORCED_ENV, PUBLISHED
 from rectrain.train.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
 
 

@@ -33,7 +33,7 @@ def test_a_stalled_rank_ends_the_job_naming_it_and_where_with_every_ranks_stacks
     log = proc.stderr
     assert proc.returncode != 0 and f"exitcode: {watchdog.STALL_EXIT}" in log, log[-3000:]
     assert time.monotonic() - t0 < 60, "the watchdog, not the collective timeout, ended the job"
-    named = "stalled: rank 1, epoch 0: waiting for batch 1 from the loader, at rectrain/train/faults.py:"
+    named = "stalled: rank 1, epoch 0: waiting for batch 1 from the loader, at rectrain/train/lifecycle/faults.py:"
     assert named in log and "in stall_loader" in log, log[-3000:]
     assert "rank 0: " in log and "since 'epoch 0: computing batch 1'" in log, "what the other rank was doing"
     for rank in (0, 1):

@@ -42,11 +42,11 @@ def key_path(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
 
 
-def describe_errors(config: dict, schema: dict) -> list[str]:
+def describe_errors(instance: dict, schema: dict) -> list[str]:
     """One readable line per schema violation: 'pack.resize = -3: -3 is less than the minimum of 0'."""
     validator = jsonschema.Draft202012Validator(schema)
     lines = []
-    for err in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path))):
+    for err in sorted(validator.iter_errors(instance), key=lambda e: list(map(str, e.absolute_path))):
         path = list(err.absolute_path)
         if err.validator == "additionalProperties":
             allowed = sorted(err.schema.get("properties", {}))
@@ -93,15 +93,15 @@ def _parsed_schema(path: str, mtime_ns: int, size: int) -> str:
         return json.dumps(yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
 
 
-def coerce_strings(config: dict, schema: dict) -> None:
+def coerce_strings(instance: dict, schema: dict) -> None:
     """Snakemake's --config reads nested values with YAML's BaseLoader, so every scalar inside arrives as
     a string (train='{epochs: 1, devices: [0]}' gives '1' and ['0']). Each value the schema rejects and
     that holds a string is read again, in place, as the types the schema wants, through nested blocks
     and list items alike, so an out-of-range number is reported as such ('0 is less than the minimum of
     1'), not as "'0' is not of type 'integer'"."""
     for key, sub in schema.get("properties", {}).items():
-        if key in config:
-            config[key] = _coerced(config[key], sub)
+        if key in instance:
+            instance[key] = _coerced(instance[key], sub)
 
 
 def _coerced(value, schema: dict):
@@ -175,11 +175,11 @@ def path_keys(schema: dict, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]
     return keys
 
 
-def _path_slots(config: dict, schema: dict):
+def _path_slots(instance: dict, schema: dict):
     """(dotted key, the dict or list holding it, its name or index) for every path key set to a string,
     and for each string of a path key set to a list of them (index.allow_outside_root)."""
     for keys in path_keys(schema):
-        block = config
+        block = instance
         for key in keys[:-1]:
             block = block.get(key) if isinstance(block, dict) else None
         value = block.get(keys[-1]) if isinstance(block, dict) else None
@@ -189,9 +189,9 @@ def _path_slots(config: dict, schema: dict):
             yield from ((f"{key_path(keys)}[{i}]", value, i) for i, item in enumerate(value) if isinstance(item, str))
 
 
-def path_values(config: dict, schema: dict) -> dict[str, str]:
+def path_values(instance: dict, schema: dict) -> dict[str, str]:
     """'pack.fast_storage' -> its value as given, for every path key set to a string."""
-    return {dotted: block[name] for dotted, block, name in _path_slots(config, schema)}
+    return {dotted: block[name] for dotted, block, name in _path_slots(instance, schema)}
 
 
 def expand_path(value: str, key: str) -> str:
@@ -215,9 +215,9 @@ def expand_path(value: str, key: str) -> str:
     return expanded
 
 
-def expand_paths(config: dict, schema: dict) -> None:
+def expand_paths(instance: dict, schema: dict) -> None:
     """Expand every path key (`x-path: true` in the schema) in place; see expand_path."""
-    for dotted, block, name in list(_path_slots(config, schema)):
+    for dotted, block, name in list(_path_slots(instance, schema)):
         block[name] = expand_path(block[name], dotted)
 
 

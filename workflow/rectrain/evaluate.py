@@ -43,7 +43,7 @@ from rectrain.metrics import Tally, all_reduce, tally
 from rectrain.progress import Progress
 from rectrain.settings import EvaluateSettings
 from rectrain.tables import read_classes, spreadsheet_safe
-from rectrain.train.checkpoint import load as load_checkpoint
+from rectrain.train.lifecycle.checkpoint import load as load_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ that off.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import logging
 import math
@@ -42,6 +43,11 @@ _BIDI = "\u202a-\u202e\u2066-\u2069"
 # The message keeps its own line breaks and tabs; an argument (a name) keeps none.
 _IN_MESSAGE = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}\ud800-\udfff]")
 _IN_ARGUMENT = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}\ud800-\udfff]")
+
+
+def utc_now() -> str:
+    """Now, in UTC, to the second, as run.json and stopped.json record it (ISO 8601)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _escape_char(match: re.Match) -> str:

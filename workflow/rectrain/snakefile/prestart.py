@@ -11,7 +11,7 @@ so `workflow.local_exec` is always true during the parse) and why the train job 
   other nodes and this login node's GPUs say nothing, so the job checks them where it runs.
 - A pack or check_recordio job's pair in fast storage that another working directory's run published
   (rectrain.data.pairowner) is refused now: Snakemake would delete it before the job could refuse it.
-- The train job learns whether Snakemake forced it (rectrain.train.finished.FORCED_ENV): forced, it
+- The train job learns whether Snakemake forced it (rectrain.train.lifecycle.finished.FORCED_ENV): forced, it
   trains again; otherwise it republishes a finished run it matches.
 
 Not run by a dry-run (nothing runs) or with --no-hooks; the train job's own checks still hold then.
@@ -27,7 +27,7 @@ from snakemake.exceptions import WorkflowError
 from rectrain.config import format_problems
 from rectrain.data import pairowner
 from rectrain.snakefile.checks import device_problems, node_problems, precision_problems
-from rectrain.train.finished import FORCED_ENV
+from rectrain.train.lifecycle.finished import FORCED_ENV
 
 TRAIN_RULE = "train"
 PACK_RULE = "pack"

@@ -7,7 +7,7 @@ it, run.json and the start line report it, and the failure line names it when a 
 like an out-of-memory in disguise.  `plan` is the one function that turns (the train block's `batch`
 part, what fits, world size) into it.
 
-Resuming with `batch_size: auto`: the checkpoint's plan (rectrain.train.resume.previous_plan) is
+Resuming with `batch_size: auto`: the checkpoint's plan (rectrain.train.lifecycle.resume.previous_plan) is
 preferred when it is a split of this config's global batch over the same world size and it still
 fits (on a GPU the preflight's largest fitting batch proves it; on CPU nothing is measured and it is
 reused as is).  Otherwise a restart with less free memory would plan another micro-batch and the
@@ -33,8 +33,8 @@ from rectrain.distributed import Dist, all_gather
 from rectrain.loaders import DaliOptions, LoaderSpec, image_dtype, resolve_loader, resolve_workers
 from rectrain.recordio import idx_arrays
 from rectrain.settings import TrainSettings
-from rectrain.train import checkpoint as ckpt
 from rectrain.train import memory
+from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.optim import make_optimizer
 from rectrain.train.resolution import largest, resolutions
 

@@ -51,8 +51,8 @@ import torch
 from rectrain import watchdog
 from rectrain.distributed import Dist, all_gather
 from rectrain.progress import Progress
-from rectrain.train import checkpoint as ckpt
 from rectrain.train import resolution
+from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.step import Step, compiled_graphs, is_compiled, run_steps
 
 if TYPE_CHECKING:

@@ -20,13 +20,14 @@ from rectrain.metrics import all_reduce as all_reduce_tally
 from rectrain.metrics import tally
 from rectrain.progress import Progress, RunProgress
 from rectrain.storage import device_info, human_bytes
-from rectrain.train import calibrate, faults
-from rectrain.train import checkpoint as ckpt
-from rectrain.train.midepoch import MidEpoch, Position, run_state, stop_at_epoch_end
+from rectrain.train import calibrate
+from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import faults
+from rectrain.train.lifecycle.midepoch import MidEpoch, Position, run_state, stop_at_epoch_end
+from rectrain.train.lifecycle.stop import Agreement
 from rectrain.train.run import Run
 from rectrain.train.step import Step, run_steps
 from rectrain.train.stepclock import StepClock
-from rectrain.train.stop import Agreement
 from rectrain.train.telemetry import CsvLog
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class Books:
 def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) -> None:
     """Train, validate, checkpoint (rank 0) each epoch from `start` until train.epochs; rank 0 logs
     progress lines every train.progress_s; the ranks checkpoint mid-epoch and stop as `agreement` decides
-    (rectrain.train.midepoch)."""
+    (rectrain.train.lifecycle.midepoch)."""
     d, epochs = run.d, run.settings.optim.epochs
     progress = RunProgress(run.settings.telemetry.progress_s, d.world_size, epochs) if d.master else None
     for epoch in range(start.epoch, epochs):

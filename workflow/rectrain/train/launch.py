@@ -4,7 +4,7 @@ The rule runs `python -m rectrain.train.launch --config-json ... <train args>`. 
 train.nodes > 1 this re-runs itself once per node (rectrain.train.cluster); with pack.stage_to_local
 it first copies the .rec/.idx pairs to node-local disk (rectrain.train.local_copy); then it execs the
 torchrun command rectrain.distributed builds (one rank per GPU, or train.cpu_processes CPU ranks) as
-its child (rectrain.train.supervise): a stop signal reaches the ranks, which checkpoint and stop, and
+its child (rectrain.train.lifecycle.supervise): a stop signal reaches the ranks, which checkpoint and stop, and
 the launcher then exits with EXIT_STOPPED (75).
 """
 
@@ -20,9 +20,10 @@ from pathlib import Path
 from rectrain import cli, distributed, driver_check, settings
 from rectrain.config import ConfigError, stage_block
 from rectrain.data import pairowner
-from rectrain.train import cluster, requeue, supervise
+from rectrain.train import cluster
 from rectrain.train import local_copy as stage
-from rectrain.train.stop import EXIT_STOPPED
+from rectrain.train.lifecycle import requeue, supervise
+from rectrain.train.lifecycle.stop import EXIT_STOPPED
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def staging_dir() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """The train block comes as --config-json; every argument the launcher does not know is training's."""
-    # a stop signal during training is handled (rectrain.train.supervise); no "nothing published" line
+    # a stop signal during training is handled (rectrain.train.lifecycle.supervise); no "nothing published" line
     return cli.main(
         "launch",
         "train",

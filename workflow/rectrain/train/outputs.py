@@ -9,10 +9,11 @@ import os
 import shutil
 
 from rectrain.atomic import write_json
+from rectrain.log import utc_now
 from rectrain.storage import block_device_for
-from rectrain.train import checkpoint as ckpt
-from rectrain.train import finished, supervise, telemetry
-from rectrain.train.provenance import now
+from rectrain.train import telemetry
+from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import finished, supervise
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def finish(run: Run, info: dict) -> None:
     telemetry.merge_steps(live, out / "steps.csv", run.d.world_size)
     shutil.copyfile(live / "epochs.csv", out / "epochs.csv")
     shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
-    write_json(out / "run.json", {**info, "finished": now()})
+    write_json(out / "run.json", {**info, "finished": utc_now()})
     ckpt.save_atomic(ckpt.load(run.ck_dir / "last.pt"), out / "model.pt")
     finished.keep(out, run.ck_dir)
     ckpt.mark_finished(run.ck_dir, out / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))

@@ -3,23 +3,19 @@ line rank 0 logs as training starts."""
 
 from __future__ import annotations
 
-import datetime
 import logging
 
 import torch
 
 from rectrain import distributed
 from rectrain.distributed import Dist
+from rectrain.log import utc_now
 from rectrain.storage import device_info
 from rectrain.train import telemetry
 from rectrain.train.resolution import resolutions
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
-
-
-def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def dali_version() -> str | None:
@@ -59,7 +55,7 @@ def run_info(
         "torch": torch.__version__,
         "dali": dali_version(),
         "padding_per_epoch": loader.padding_per_epoch,
-        "started": now(),
+        "started": utc_now(),
         "finished": None,
         "preflight": plan.preflight,
         "config": s.as_dict(),  # the whole block, flat, as configured

@@ -24,8 +24,8 @@ from rectrain.distributed import Dist
 from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
 from rectrain.settings import TrainSettings
 from rectrain.tables import read_classes
-from rectrain.train import checkpoint as ckpt
 from rectrain.train.batchplan import BatchPlan, loader_spec, val_loader_spec
+from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.optim import make_optimizer
 from rectrain.train.step import Step
 

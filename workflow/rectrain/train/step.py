@@ -59,7 +59,7 @@ def run_steps(
 ):
     """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log, and
     the resolved times into `progress` (rank 0's progress lines, rectrain.progress).  A resumed epoch
-    starts at step `first` with the `totals` of its steps before; `control` (rectrain.train.midepoch)
+    starts at step `first` with the `totals` of its steps before; `control` (rectrain.train.lifecycle.midepoch)
     is asked after every optimizer step whether the ranks checkpoint or stop there.
 
     No host sync per step: times come from a StepClock read one step late, loss and hits stay on the

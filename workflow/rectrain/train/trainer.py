@@ -39,13 +39,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rectrain import cli, distributed, driver_check, settings, usage, watchdog
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
-from rectrain.train import batchplan, calibrate, failure, outputs, provenance, stop, supervise
-from rectrain.train import checkpoint as ckpt
+from rectrain.train import batchplan, calibrate, outputs, provenance
 from rectrain.train.epochs import Books, train_epochs
-from rectrain.train.resume import previous_plan, resume
+from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import failure, stop, supervise
+from rectrain.train.lifecycle.resume import previous_plan, resume
+from rectrain.train.lifecycle.stop import Agreement, StopRequest
 from rectrain.train.run import Run, build_run, prepare_rank
 from rectrain.train.step import Step, run_steps
-from rectrain.train.stop import Agreement, StopRequest
 
 __all__ = ["Step", "run_steps", "main"]  # the step lives in rectrain.train.step; the bench imports it from here
 

@@ -2,7 +2,7 @@
 
 train.resume (operational, x-rerun: false) says when a checkpoint is continued:
 
-- auto (the default): only when it was written by this same run (rectrain.train.checkpoint.RunIdentity:
+- auto (the default): only when it was written by this same run (rectrain.train.lifecycle.checkpoint.RunIdentity:
   the train config's output part, the batch plan, the records, the world size, the code all match).
 - always: also across the differences the user vouches for - the output-changing train config (an
   lr or epochs edit), the training records' fingerprint, the training code (an edit known to be
@@ -19,7 +19,7 @@ into checkpoints/replaced/<UTC time>-<what differed>/ and the log line says wher
 
 A finished run (checkpoint.FINISHED present: Snakemake deleted the job's outputs and started it
 again) is never continued.  Under auto and always it is republished, without training, from the
-outputs kept in checkpoints/finished/ (rectrain.train.finished) when its identity matches this run's
+outputs kept in checkpoints/finished/ (rectrain.train.lifecycle.finished) when its identity matches this run's
 in every item - the outputs were removed by a rerun that failed, or deleted by hand; it starts over
 (moved aside, with its kept outputs) when anything differs, when those outputs are not all kept, and
 when Snakemake forced the job (`--forcerun train`, -F, -f: finished.FORCED_ENV) - the user asked for
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rectrain.distributed import all_gather
-from rectrain.train import checkpoint as ckpt
-from rectrain.train import finished
 from rectrain.train.batchplan import BatchPlan
-from rectrain.train.midepoch import Position
+from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import finished
+from rectrain.train.lifecycle.midepoch import Position
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Resumed:
     despite: tuple[str, ...] = ()
     restored: bool = False  # the finished run's outputs are published again: nothing to train
     start_step: int = 0  # a mid-epoch checkpoint: the steps of start_epoch already done
-    ranks: list | None = None  # ... and each rank's loader state and running totals (rectrain.train.midepoch)
+    ranks: list | None = None  # ... and each rank's loader state and running totals (rectrain.train.lifecycle.midepoch)
 
     @property
     def continues(self) -> bool:

@@ -7,12 +7,12 @@ The protocol.  A rank's signal handler only records the signal (`StopRequest`); 
 signal this rank got (0: none) and, from rank 0 alone, whether its clock says a periodic checkpoint is
 due.  Every rank takes part in the same all-reduce after the same step, so all of them learn the same
 answer at the same step, even when only one rank was signalled - and then all checkpoint there
-(rectrain.train.midepoch), and on a stop all exit with EXIT_STOPPED.  The all-reduce runs on a gloo
+(rectrain.train.lifecycle.midepoch), and on a stop all exit with EXIT_STOPPED.  The all-reduce runs on a gloo
 group of CPU tensors even when training uses NCCL, so it never waits for the GPU (bench/RESULTS.md
 has its cost).
 
 EXIT_STOPPED = 75 (EX_TEMPFAIL of sysexits.h: "try again later") is the exit status of every rank, of
-the launcher (rectrain.train.supervise) and so of the train job after a stop whose checkpoint was
+the launcher (rectrain.train.lifecycle.supervise) and so of the train job after a stop whose checkpoint was
 written: rerunning the same command resumes at the next step.
 """
 

@@ -8,18 +8,18 @@ A checkpoint carries its run's identity (RunIdentity): the train config (less th
 x-rerun: false in the schema), the batch and accumulation the preflight CHOSE (`batch_size: auto` may choose
 differently on another card), the record content, the world size and the sha256 of every training
 source file.  `differences` compares them and names each that differs (`resumable`: the first);
-which of them train.resume: always may resume across is rectrain.train.resume's decision.
+which of them train.resume: always may resume across is rectrain.train.lifecycle.resume's decision.
 
 Nothing is deleted to start over: a run that does not continue the checkpoints here moves them
 (`move_aside`: a rename within the folder's filesystem, never a copy) into
 replaced/<UTC time>-<what differed>/ beside them.  Within a run, `prune` keeps the last
 train.keep_checkpoints epoch_<k>.pt files (last.pt is always kept, model.pt is not in this folder).
 
-Finished runs: after model.pt is published, its outputs are linked into finished/ (rectrain.train.finished)
+Finished runs: after model.pt is published, its outputs are linked into finished/ (rectrain.train.lifecycle.finished)
 and FINISHED is written beside the checkpoints.  Snakemake deletes a rule's outputs before it runs the
 job, so a train job that starts with FINISHED present was started again: forced by the user
 (`--forcerun train`) it retrains; otherwise (a failed rerun removed the outputs, or they were deleted by
-hand) it republishes finished/ when the run still matches (rectrain.train.resume).  A job killed at any
+hand) it republishes finished/ when the run still matches (rectrain.train.lifecycle.resume).  A job killed at any
 point before FINISHED (even after its last epoch's checkpoint) resumes instead.
 """
 
@@ -43,12 +43,13 @@ import torch
 from rectrain import atomic
 from rectrain.config import output_part
 from rectrain.recordio import read_idx
-from rectrain.train import finished
+from rectrain.train.lifecycle import finished
 
 log = logging.getLogger(__name__)
 
-# Written beside the checkpoints once model.pt is published: this run is complete.
-FINISHED = "finished.json"
+# Written beside the checkpoints once model.pt is published: this run is complete (finished.py: torch-free,
+# so the launcher reads it without importing torch).
+FINISHED, finished_marker = finished.MARKER, finished.marker
 # Record headers hashed for the content fingerprint: evenly spaced over the .idx.  Reading every
 # header of ImageNet's .rec would read nearly the whole 140 GB file; 4096 reads take well under a
 # second and catch any relabel that moves more than ~0.1 % of the records (a class-to-label change).
@@ -274,10 +275,6 @@ def stamp_of(path: str | os.PathLike) -> dict:
     return {k: state.get(k) for k in ("batch_size", "grad_accum", "world_size", "config", "data", "code")}
 
 
-def finished_marker(ck_dir: Path) -> Path:
-    return Path(ck_dir) / FINISHED
-
-
 def mark_finished(ck_dir: Path, model: Path, launch_id: str | None = None) -> None:
     """After model.pt is published: a later start of this job is a new run (see the module doc).  The
     launch's id lets its launcher tell a finished run from a failed one whatever torchrun's status."""
@@ -293,7 +290,7 @@ def _slug(reason: str) -> str:
 
 def run_files(ck_dir: Path) -> list[str]:
     """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED and the
-    folder of its kept outputs (rectrain.train.finished)."""
+    folder of its kept outputs (rectrain.train.lifecycle.finished)."""
     ck_dir = Path(ck_dir)
     epochs = sorted((p.name for p in ck_dir.glob("epoch_*.pt") if EPOCH_FILE.fullmatch(p.name)), key=_epoch_of)
     return epochs + [n for n in ("last.pt", FINISHED, finished.FOLDER) if (ck_dir / n).exists()]

@@ -9,6 +9,8 @@ import os
 import signal
 import time
 
+from rectrain import watchdog
+
 log = logging.getLogger(__name__)
 
 # Why: a crash right after a checkpoint must resume at the next epoch (kill-and-resume test).
@@ -64,6 +66,31 @@ def signal_at(rank: int, epoch: int, step: int) -> None:
     sig = signal.Signals[parts[3]] if len(parts) > 3 else signal.SIGTERM
     log.info("%s: rank %d sends itself %s after epoch %d step %d", SIGNAL_AT_ENV, rank, sig.name, epoch, step)
     os.kill(os.getpid(), sig)
+
+
+# Why: a test that waits for an outside stop (SLURM's time-limit warning) needs the run still inside an
+# epoch when it comes, however slow the box, without training many epochs to make sure of it.
+# "<rank>:<epoch>:<step>:<gate file>": that rank waits after that step until the gate file exists or a
+# stop signal has arrived (its peers wait for it in their next all-reduce).
+PAUSE_AT_ENV = "RECTRAIN_PAUSE_AT"
+
+
+def pause_at(rank: int, epoch: int, step: int, stopping) -> None:
+    """With RECTRAIN_PAUSE_AT=rank:epoch:step:gate: wait after that step until `gate` exists or `stopping()`."""
+    parts = os.environ.get(PAUSE_AT_ENV, "").split(":", 3)
+    if len(parts) < 4 or [int(p) for p in parts[:3]] != [rank, epoch, step]:
+        return
+    log.info(
+        "%s: rank %d pauses after epoch %d step %d until %s exists or a stop signal",
+        PAUSE_AT_ENV,
+        rank,
+        epoch,
+        step,
+        parts[3],
+    )
+    while not (os.path.exists(parts[3]) or stopping()):
+        watchdog.beat(f"{PAUSE_AT_ENV}: paused after epoch {epoch} step {step}")
+        time.sleep(0.2)
 
 
 def _recorded(batches, first: int, folder: str | None, path: str, row):

@@ -1,5 +1,5 @@
 """Checkpoints within an epoch: after a stop signal and every train.checkpoint_interval_min, at the step
-all ranks agreed on (rectrain.train.stop), into checkpoints/last.pt - the one mid-epoch checkpoint,
+all ranks agreed on (rectrain.train.lifecycle.stop), into checkpoints/last.pt - the one mid-epoch checkpoint,
 replaced each time, atomically (rectrain.atomic); epoch_<k>.pt stay epoch ends.
 
 A checkpoint holds everything a resume needs (`run_state`): the model, optimizer, LR schedule and
@@ -26,10 +26,10 @@ from rectrain import watchdog
 from rectrain.distributed import all_gather, barrier
 from rectrain.loaders import Loader
 from rectrain.storage import human_bytes
-from rectrain.train import checkpoint as ckpt
-from rectrain.train import faults, supervise
+from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import faults, supervise
+from rectrain.train.lifecycle.stop import EXIT_STOPPED, Agreement, Decision, Stopped
 from rectrain.train.run import Run
-from rectrain.train.stop import EXIT_STOPPED, Agreement, Decision, Stopped
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class MidEpoch:
 
     def poll(self, step: int) -> Decision:
         faults.signal_at(self.run.d.rank, self.epoch, step)
+        faults.pause_at(self.run.d.rank, self.epoch, step, stopping=lambda: self.agreement.request.signum != 0)
         return self.agreement.poll()
 
     def act(self, decision: Decision, steps_done: int, totals: dict) -> None:

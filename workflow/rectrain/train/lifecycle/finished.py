@@ -7,7 +7,7 @@ would train again.  So `keep` links each published output into checkpoints/finis
 has published them (hard links: no byte copied, no extra disk; a copy where the filesystem has no
 links), and `restore` links them back when the train job starts again for that same run.
 
-Whether a start is "that same run" is rectrain.train.resume's decision (the checkpoint's identity);
+Whether a start is "that same run" is rectrain.train.lifecycle.resume's decision (the checkpoint's identity);
 whether the user asked for a new training is Snakemake's: the Snakefile's onstart hook sets FORCED_ENV
 when Snakemake's reason for running the train job is `forced` (--forcerun/-R train, -F, -f on its
 outputs); every other reason (outputs missing because a failed job's were removed, or deleted by
@@ -28,10 +28,17 @@ log = logging.getLogger(__name__)
 
 # Set to "1" by the Snakefile's onstart hook when Snakemake forces the train job: it retrains.
 FORCED_ENV = "RECTRAIN_TRAIN_FORCED"
+# Written beside the checkpoints once model.pt is published: this run is complete.
+MARKER = "finished.json"
 # checkpoints/<FOLDER>/: the finished run's published outputs, moved aside with its checkpoints.
 FOLDER = "finished"
 # The train rule's outputs in --out, model.pt last (the rule's marker of a finished run).
 PUBLISHED = ("steps.csv", "epochs.csv", "system.csv", "run.json", "model.pt")
+
+
+def marker(ck_dir: Path) -> Path:
+    """The finished-run marker of the checkpoint folder `ck_dir`."""
+    return Path(ck_dir) / MARKER
 
 
 def forced(env=None) -> bool:

@@ -34,10 +34,9 @@ import psutil
 
 from rectrain import atomic
 from rectrain.distributed import TORCHRUN
-from rectrain.log import PROGRESS_LOGGER
-from rectrain.train import checkpoint as ckpt
-from rectrain.train.provenance import now
-from rectrain.train.stop import EXIT_STOPPED, signal_numbers
+from rectrain.log import PROGRESS_LOGGER, utc_now
+from rectrain.train.lifecycle import finished
+from rectrain.train.lifecycle.stop import EXIT_STOPPED, signal_numbers
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's defa
 
 def mark_stopped(ck_dir: Path, signal_name: str, where: str) -> None:
     """Rank 0, after the stop checkpoint is written: what the launcher maps to EXIT_STOPPED."""
-    info = {"launch_id": os.environ.get(LAUNCH_ID_ENV), "signal": signal_name, "after": where, "time": now()}
+    info = {"launch_id": os.environ.get(LAUNCH_ID_ENV), "signal": signal_name, "after": where, "time": utc_now()}
     atomic.write_json(Path(ck_dir) / STOPPED, info)
 
 
@@ -110,7 +109,7 @@ def run_torchrun(cmd: list[str], env: dict, ck_dir: Path, stop_signals: list[str
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-    if rc and written_in(ckpt.finished_marker(ck_dir), launch_id):
+    if rc and written_in(finished.marker(ck_dir), launch_id):
         # torchrun exits 1 on any stop signal, also one that comes while finished ranks exit (SLURM's
         # time-limit warning in a run's last seconds): the outputs are published, so the job succeeded.
         log.warning(
