@@ -221,6 +221,18 @@ def resumed(run: dict) -> dict | None:
     return {"epoch": int(start), "after": int(start) - 1, "despite": list(run.get("resumed_despite") or [])}
 
 
+def world_size_changes(run: dict) -> list[str]:
+    """Each world size the run trained with, from the epoch it began (run.json's world_sizes), in words;
+    empty when it never changed."""
+    sizes = run.get("world_sizes") or []
+    if len(sizes) < 2:
+        return []
+    return [
+        f"epoch {w['epoch']}: {w['world_size']} process(es), {w['batch_size']} x grad_accum {w['grad_accum']}"
+        for w in sizes
+    ]
+
+
 def own_usage(data: RunData) -> dict[str, dict]:
     """Stage name (as the benchmark rows name it) -> the CPU and memory the stage measured of its own
     processes (rectrain.usage), where its output records it."""
@@ -269,6 +281,7 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
         "top5_trivial": 0 < n_classes < TOP5_MIN_CLASSES,
         "n_classes": n_classes,
         "resumed": resumed(run),
+        "world_sizes": world_size_changes(run),
         "eval_images": metrics.get("images"),
         "eval_loader": metrics.get("loader"),
         "eval_img_s": metrics.get("images_per_s"),
