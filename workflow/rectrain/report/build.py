@@ -10,6 +10,7 @@ import jinja2
 import pandas as pd
 import yaml
 
+from rectrain.data.subset import imagenet_1k
 from rectrain.log import duration
 from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions
 from rectrain.report.diagnosis import diagnose
@@ -300,6 +301,22 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
     }
 
 
+def subset_scope(classes: pd.DataFrame, index) -> str | None:
+    """What part of its raw set a run of index.classes / index.per_class (the index block's view) saw, in
+    words - "100 of 1000 ImageNet classes, at most 260 images per class" - or None for the whole set."""
+    if index.classes is None and index.per_class is None:
+        return None
+    wnids = set(classes["wnid"].astype(str)) if "wnid" in classes else set()
+    if index.classes is None:
+        scope = f"all {len(wnids)} classes"
+    elif wnids and wnids <= imagenet_1k():
+        scope = f"{len(wnids)} of {projection.IMAGENET_CLASSES} ImageNet classes"
+    else:
+        scope = f"{len(wnids)} classes chosen by index.classes"
+    cap = f", at most {index.per_class} images per class (training; validation whole)" if index.per_class else ""
+    return scope + cap
+
+
 def image_mpx(sizes: pd.DataFrame | None) -> float | None:
     """Mean megapixels of the sampled packed train images (the per-image cost a projection carries over)."""
     if sizes is None or sizes.empty:
@@ -345,6 +362,7 @@ def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO) ->
         "title": report.title,
         "like_imagenet": like_imagenet,
         "summary": summary(data, config.dataset, rates),
+        "subset": subset_scope(data.classes, config.index),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
         **time_to_accuracy(data, config.recipe, like_imagenet),
         "class_columns": class_columns(data.classes),
