@@ -269,10 +269,11 @@ def _on_another_world_size(run: Run, last: Path, state: dict, despite: tuple[str
         repeated = at.step
         start = run.ck_dir / f"epoch_{at.epoch - 1}.pt"
         if at.epoch == 0 or not start.exists():
+            none = "it is the first epoch" if at.epoch == 0 else f"{start.name} is missing"
             why = (
                 f"it stopped in epoch {at.epoch} after {at.step} steps on {old.world_size} process(es), and its ranks' "
-                f"loader positions cannot be re-split over {new.world_size}: epoch {at.epoch} restarts from its start "
-                f"and there is no checkpoint of it ({start.name}), so the run starts from epoch 0 (repeating "
+                f"loader positions cannot be re-split over {new.world_size}: epoch {at.epoch} restarts from its start, "
+                f"and no checkpoint holds that start ({none}), so the run starts from epoch 0 (repeating "
                 f"{repeated} steps)"
             )
             return Resumed(0), why
