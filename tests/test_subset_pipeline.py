@@ -1,11 +1,12 @@
 """index.classes and index.per_class through Snakemake (issue 35): three of the demo's five classes and
 at most 5 train images of each are indexed, packed (counted in the manifests and read back by mxnet),
-trained and evaluated on, and the report says it is a subset.  The demo's raw root is the Kaggle
-layout (train/<wnid>/ and a flat val/ labelled by LOC_val_solution.csv); the other layouts take the
-subset alike (tests/test_index_subset.py)."""
+trained and evaluated on, and the report says it is a subset.  The raw root is the Kaggle layout
+(the demo's train/<wnid>/ and its flat val_flat/ labelled by LOC_val_solution.csv, its val/<wnid>/
+removed); the other layouts take the subset alike (tests/test_index_subset.py)."""
 
 import csv
 import json
+import shutil
 import subprocess
 import textwrap
 from collections import Counter
@@ -40,6 +41,7 @@ def work(tmp_path_factory):
     """A finished subset pipeline: the working folder, and Snakemake's output."""
     base = tmp_path_factory.mktemp("subset")
     demo.generate(view("demo", {**stage_block("demo", "{}"), **DEMO}), base / "raw")
+    shutil.rmtree(base / "raw" / "val")  # val from val_flat/ and the Kaggle CSV
     config = {
         "dataset": "sub",
         "raw": str(base / "raw"),
@@ -60,6 +62,7 @@ def test_only_the_chosen_classes_and_images_are_packed_trained_and_evaluated(wor
     assert manifests["train"]["packed"] == 3 * PER_CLASS and manifests["val"]["packed"] == 3 * DEMO["val_per_class"]
     assert json.loads((results / "eval" / "metrics.json").read_text())["images"] == 3 * DEMO["val_per_class"]
     log = (work / "logs" / "index_raw" / "sub.log").read_text()
+    assert "LOC_val_solution.csv" in log, "the flat val of the Kaggle layout"
     assert "kept 3 of 5 classes, at most 5 train images per class: 15 of 40 train images, 6 of 10 val images" in log
     html = (results / "report.html").read_text()
     assert "<b>A subset:</b> 3 of 1000 ImageNet classes, at most 5 images per class" in html
