@@ -587,3 +587,29 @@ def test_the_summary_names_a_compiled_run_and_its_decode_path(tmp_path):
     assert "(train.decode: full)" in html
     html = render(tmp_path / "eager", run_overrides={"compiled": False, "decode_path": None})
     assert "compiled (torch.compile" not in html and "(train.decode:" not in html
+
+
+def test_a_subset_run_says_so_projects_full_imagenet_and_keeps_the_published_top1_apart(tmp_path):
+    """index.classes / index.per_class: the data table says which part of ImageNet, the projection is
+    still full ImageNet's 1,281,167 images at the measured rates, and the preset's published top-1 is
+    not set beside the subset's."""
+    import dataclasses
+
+    from rectrain.data import subset
+
+    data = progressive_run(tmp_path)
+    wnids = sorted(subset.resolve("imagenet100")[:4])
+    data = dataclasses.replace(data, classes=pd.DataFrame({"label": range(4), "wnid": wnids, "name": [""] * 4}))
+    index = {"classes": "imagenet100", "per_class": 260}
+    html = build(data, whole({**config(), "recipe": RN50_40, "index": index}), repo=tmp_path)
+    table = html[html.index('<section id="data">') :]
+    assert (
+        '<p id="subset"><b>A subset:</b> 4 of 1000 ImageNet classes, at most 260 images per class (training; '
+        "validation whole)" in table
+    )
+    panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
+    assert "projected: full ImageNet on this hardware, 4 epochs<b>14 h 02 min</b>" in panel, "full ImageNet's count"
+    assert 'id="tta-subset"' in panel and "is not comparable with the published top-1" in panel
+    assert "This run's own top-1" not in panel
+    whole_set = build(data, whole({**config(), "recipe": RN50_40}), repo=tmp_path)
+    assert 'id="subset"' not in whole_set and "This run's own top-1" in whole_set

@@ -142,6 +142,25 @@ def test_a_resumed_run_says_from_where(small, tmp_path):
     assert 'id="resumed"' not in fresh
 
 
+def test_a_run_whose_number_of_processes_changed_lists_each_with_its_epoch(tmp_path):
+    import json
+
+    paths = write_run(tmp_path)
+    run_json = paths["train"] / "run.json"
+    sizes = [
+        {"epoch": 0, "world_size": 2, "batch_size": 4, "grad_accum": 1},
+        {"epoch": 1, "world_size": 1, "batch_size": 4, "grad_accum": 2},
+    ]
+    run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "world_sizes": sizes}))
+    html = section(build(loaded(paths), whole(config()), repo=tmp_path), "summary")
+    assert (
+        '<span id="world-sizes">(the number of processes changed, the global batch kept: epoch 0: 2 process(es), '
+        "4 x grad_accum 1; epoch 1: 1 process(es), 4 x grad_accum 2)</span>" in html
+    )
+    run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "world_sizes": sizes[:1]}))
+    assert 'id="world-sizes"' not in build(loaded(paths), whole(config()), repo=tmp_path), "unchanged: not said"
+
+
 def test_stage_cpu_and_memory_come_from_the_stages_own_processes(tmp_path):
     """The pack's manifest, run.json and metrics.json carry rectrain.usage's numbers; Snakemake's
     benchmark (CPU 8.0 s and RSS 500-504 MB in helpers.synthetic_run) stays only for index_raw."""

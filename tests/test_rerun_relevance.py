@@ -21,6 +21,9 @@ from rectrain.train.lifecycle import checkpoint as ckpt
 
 TRAIN_OPERATIONAL = [(key, spec) for block, key, spec, op in block_keys() if block == "train" and op]
 TRAIN_OUTPUT = [(key, spec) for block, key, spec, op in block_keys() if block == "train" and not op]
+# ... of which the process count and batch keys, whose effect the identity compares as its world_size
+# and batch items (a run moved from 2 GPUs to 1 with its global batch kept is the same run).
+TRAIN_CONFIG = [(key, spec) for key, spec in TRAIN_OUTPUT if key not in ckpt.PLAN_KEYS]
 
 
 def identity(cfg: dict) -> ckpt.RunIdentity:
@@ -35,12 +38,22 @@ def test_a_checkpoint_resumes_across_an_operational_train_key(key, spec):
     assert ckpt.resumable(state, identity(edited)) is None
 
 
-@pytest.mark.parametrize("key,spec", TRAIN_OUTPUT, ids=[k for k, _ in TRAIN_OUTPUT])
+@pytest.mark.parametrize("key,spec", TRAIN_CONFIG, ids=[k for k, _ in TRAIN_CONFIG])
 def test_a_checkpoint_is_another_run_after_an_output_train_key_changes_naming_it(key, spec):
     cfg = tiny_train_config()
     state = {"config": cfg, **identity(cfg).stamp()}
     edited = dict(cfg, **{key: another_value("train", key, spec, cfg[key])})
     assert ckpt.resumable(state, identity(edited)) == f"the train config changed ({key})"
+
+
+def test_the_process_count_and_batch_keys_are_output_keys_judged_by_the_plan_they_make():
+    assert {key for key, _ in TRAIN_OUTPUT} >= set(ckpt.PLAN_KEYS), "an edit still reruns the train job"
+    cfg = tiny_train_config()
+    state = {"config": cfg, **identity(cfg).stamp()}
+    edited = dict(cfg, cpu_processes=1, batch_size=16, grad_accum=1)
+    assert ckpt.resumable(state, identity(edited)) is None, "the same plan and world size: the same run"
+    moved = ckpt.RunIdentity(ckpt.maths_config(edited), 16, 1, 1, {"idx_sha256": "a"}, {"train.py": "b"})
+    assert [d.item for d in ckpt.differences(state, moved)] == ["batch", "world_size"]
 
 
 def test_rule_params_and_the_resume_identity_hold_the_same_keys():

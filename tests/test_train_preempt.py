@@ -221,6 +221,7 @@ def fake_run(tmp_path):
         classes=[0] * 64,
         d=Dist(0, 1, 0, 1, torch.device("cpu")),
         identity=run_identity(world_size=1),
+        world_sizes=({"epoch": 0, "world_size": 1, "batch_size": 32, "grad_accum": 1},),
         model=model,
         step=step,
     )

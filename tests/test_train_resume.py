@@ -154,21 +154,89 @@ def test_resume_always_continues_across_a_config_and_code_difference_and_names_t
     assert not (run.ck_dir / ckpt.REPLACED).exists() and (run.ck_dir / "last.pt").exists()
 
 
-@pytest.mark.parametrize(
-    "changes,named",
-    [
-        ({"world_size": 2}, "it was written by 1 processes, this run has 2"),
-        ({"batch_size": 16, "grad_accum": 2}, "the chosen batch changed (32 x accum 1 then, 16 x accum 2 now)"),
-    ],
-)
-def test_resume_always_refuses_a_different_world_size_or_batch_plan_naming_it(tmp_path, changes, named):
+def test_resume_always_refuses_another_batch_plan_on_the_same_world_size_naming_it(tmp_path):
+    changes = {"batch_size": 16, "grad_accum": 2}
     run = fake_run(tmp_path, "always", dataclasses.replace(IDENT, config={"lr": 0.2, "epochs": 4}, **changes))
     write_checkpoints(run)
     with pytest.raises(ResumeRefused) as err:
         resume(run)
+    named = "the chosen batch changed (32 x accum 1 then, 16 x accum 2 now)"
     assert named in str(err.value) and "train.resume: auto" in str(err.value)
     assert "the train config changed" not in str(err.value), "only what cannot be crossed is named"
     assert ckpt.run_files(run.ck_dir) == ["epoch_0.pt", "epoch_1.pt", "last.pt"], "refusing touches nothing"
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_another_world_size_that_cannot_keep_the_global_batch_is_refused_naming_both_plans_and_the_fix(tmp_path, mode):
+    run = fake_run(tmp_path, mode, dataclasses.replace(IDENT, batch_size=11, world_size=3))  # 33, not 32
+    write_checkpoints(run)
+    with pytest.raises(ResumeRefused) as err:
+        resume(run)
+    text = str(err.value)
+    assert "32 x accum 1 x 1 process(es) = global batch 32" in text, "the checkpoint's plan"
+    assert "11 x accum 1 x 3 process(es) = global batch 33" in text, "this run's plan"
+    assert "divides it (1, 2, 4, 8, 16, 32: train.devices, train.cpu_processes" in text, "the setting that keeps it"
+    assert ckpt.run_files(run.ck_dir) == ["epoch_0.pt", "epoch_1.pt", "last.pt"], "refusing touches nothing"
+
+
+def regrouped_run(tmp_path, mode="auto"):
+    """A run on 2 processes planning 16 x accum 1 (global batch 32): the checkpoints' 32 x 1 x 1 regrouped,
+    its config naming the other process count (train.cpu_processes: not a config difference)."""
+    ident = dataclasses.replace(IDENT, batch_size=16, world_size=2, config={**IDENT.config, "cpu_processes": 2})
+    run = fake_run(tmp_path, mode, ident)
+    run.d = Dist(0, 1, 0, 1, torch.device("cpu"))  # rank 0's decision alone: no process group here
+    return run
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_an_epoch_end_checkpoint_resumes_on_another_world_size_with_its_global_batch_as_the_same_run(
+    tmp_path, caplog, mode
+):
+    run = regrouped_run(tmp_path, mode)
+    write_checkpoints(run, identity=dataclasses.replace(IDENT, config={**IDENT.config, "cpu_processes": 1}))
+    with caplog.at_level(logging.INFO):
+        decided = resume(run)
+    assert (decided.start_epoch, decided.start_step, decided.despite) == (2, 0, ())
+    assert decided.regrouped and decided.rng_states is None, "the old ranks' RNG streams are not continued"
+    assert decided.world_sizes == (
+        {"epoch": 0, "world_size": 1, "batch_size": 32, "grad_accum": 1},
+        {"epoch": 2, "world_size": 2, "batch_size": 16, "grad_accum": 1},
+    )
+    assert "it was trained with 32 x accum 1 x 1 process(es) = global batch 32" in caplog.text
+    assert "keeps its global batch with 16 x accum 1 x 2 process(es) = global batch 32" in caplog.text
+    assert not (run.ck_dir / ckpt.REPLACED).exists(), "a resume, not a new run"
+
+
+def test_a_mid_epoch_checkpoint_on_another_world_size_restarts_its_epoch_from_the_checkpoint_before_it(
+    tmp_path, caplog
+):
+    run = regrouped_run(tmp_path)
+    write_checkpoints(run)  # epoch_0.pt, epoch_1.pt
+    at_epoch_start = {k: v.clone() for k, v in run.model.state_dict().items()}
+    state = ckpt.load(run.ck_dir / "last.pt")
+    moved = {k: v + 1 for k, v in state["model"].items()}
+    ckpt.save_atomic({**state, "model": moved, "epoch": 2, "step": 5, "ranks": [{}]}, run.ck_dir / "last.pt")
+    with caplog.at_level(logging.INFO):
+        decided = resume(run)
+    assert (decided.start_epoch, decided.start_step, decided.ranks) == (2, 0, None)
+    assert all(torch.equal(v, at_epoch_start[k]) for k, v in run.model.state_dict().items()), "epoch_1.pt's weights"
+    assert "epoch 2 restarts from its start (epoch_1.pt), repeating those 5 steps" in caplog.text
+
+
+def test_a_mid_epoch_checkpoint_of_epoch_0_on_another_world_size_starts_over_saying_what_it_repeats(tmp_path, caplog):
+    run = regrouped_run(tmp_path)
+    write_checkpoints(run, epochs=1)
+    ckpt.prune(run.ck_dir, 1)
+    (run.ck_dir / "epoch_0.pt").unlink()
+    state = ckpt.load(run.ck_dir / "last.pt")
+    ckpt.save_atomic({**state, "epoch": 0, "step": 3, "ranks": [{}]}, run.ck_dir / "last.pt")
+    with caplog.at_level(logging.INFO):
+        decided = resume(run)
+    assert decided.start_epoch == 0 and not decided.continues
+    assert (
+        "no checkpoint holds that start (it is the first epoch), so the run starts from epoch 0 (repeating 3 steps)"
+        in (caplog.text)
+    )
 
 
 def test_resume_never_starts_over_even_the_same_run_moving_its_checkpoints_aside(tmp_path, caplog):
@@ -254,7 +322,10 @@ def test_the_checkpoints_plan_is_read_from_last_pt_for_batch_size_auto_only(tmp_
     write_checkpoints(run, identity=ident)
     found = previous_plan(run.ck_dir, run.settings.batch, run.settings.stops)
     assert (found.batch, found.grad_accum, found.world_size) == (43, 3, 2)
-    assert previous_plan(run.ck_dir, run.settings.replaced(batch_size=32).batch, run.settings.stops) is None
+    numeric = previous_plan(run.ck_dir, run.settings.replaced(batch_size=32).batch, run.settings.stops)
+    assert numeric.global_batch == 43 * 3 * 2, "a numeric batch keeps it on another world size (regroup)"
+    other = ckpt.maths_config({**run.settings.as_dict(), "lr": 9.0})
+    assert previous_plan(run.ck_dir, run.settings.batch, run.settings.stops, other) is None, "another run's plan"
     assert previous_plan(run.ck_dir, run.settings.batch, run.settings.replaced(resume="never").stops) is None
 
 
@@ -307,8 +378,32 @@ def test_auto_batch_on_cpu_reuses_the_checkpoints_plan_as_is():
     chosen = batchplan.choose_batch(AUTO, None, None, d, 5, previous=previous)
     assert (chosen.batch, chosen.grad_accum, chosen.world_size) == (43, 3, 2) and chosen.auto
     assert "the checkpoint's plan 43 x accum 3 reused" in chosen.reason
-    other_world = batchplan.choose_batch(AUTO, None, None, Dist(0, 4, 0, 4, torch.device("cpu")), 5, previous=previous)
-    assert (other_world.batch, other_world.grad_accum) == (64, 1), "another world size plans afresh"
+    four = batchplan.choose_batch(AUTO, None, None, Dist(0, 4, 0, 4, torch.device("cpu")), 5, previous=previous)
+    assert (four.batch, four.grad_accum) == (64, 1), "4 processes cannot split its 258: planned afresh"
+
+
+@pytest.mark.parametrize(
+    "batch_size,previous,world,want",
+    [
+        ("auto", (4, 1, 2), 1, (4, 2)),  # 2 -> 1 on CPU: the micro-batch kept, grad_accum doubled
+        ("auto", (4, 2, 1), 2, (4, 1)),  # and back
+        (4, (4, 1, 2), 1, (4, 2)),  # a numeric batch alike
+        (4, (4, 1, 1), 2, (2, 1)),  # 1 -> 2 with nothing to halve: a smaller per-device batch
+        (8, (8, 3, 1), 2, (6, 2)),  # 24 over 2: 12 per device, at most 8 at once, exactly
+    ],
+)
+def test_a_plan_on_another_world_size_keeps_the_checkpoints_global_batch(batch_size, previous, world, want):
+    part = train_settings({"batch_size": batch_size, "global_batch": 256, "grad_accum": 1}).batch
+    old = batchplan.BatchPlan(*previous)
+    chosen = batchplan.plan(part, world, previous=old, train_images=45)
+    assert (chosen.batch, chosen.grad_accum) == want and chosen.global_batch == old.global_batch
+    assert f"the checkpoint's global batch {old.global_batch}" in chosen.reason
+
+
+def test_another_process_count_is_not_a_train_config_difference_but_a_world_size_one():
+    ident = dataclasses.replace(IDENT, config={**IDENT.config, "cpu_processes": 2, "batch_size": 16})
+    state = {**dataclasses.replace(IDENT, config={**IDENT.config, "cpu_processes": 1}).stamp(), "config": IDENT.config}
+    assert [d.item for d in ckpt.differences(state, dataclasses.replace(ident, world_size=2))] == ["world_size"]
 
 
 @pytest.fixture

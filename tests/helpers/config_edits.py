@@ -25,6 +25,7 @@ EXPLICIT = {
     ("pack", "resize"): [80, 96],
     ("pack", "fast_storage"): ["results/fast_storage_b", "results/fast_storage_c"],
     ("index", "absent_splits"): [["val"], []],
+    ("index", "classes"): [["n01440764", "n01443537"], None],  # two of the demo's classes
     ("index", "allow_outside_root"): [["/tmp/rectrain-linked-label-file.txt"], []],
     ("recipe", "published_top1"): [0.772, 0.738],
     ("recipe", "reference_minutes"): [35.6, 14.9],

@@ -14,7 +14,7 @@ from rectrain.driver_check import DEVICES_ENV
 from rectrain.snakefile.checks import check_config
 from rectrain.snakefile.datasets import refuse_demo_name_for_own_data
 from rectrain.snakefile.jobenv import export_operational, prepare_job_env
-from rectrain.snakefile.params import block_params, report_params
+from rectrain.snakefile.params import block_params, index_classes_file, report_params
 from rectrain.snakefile.prestart import before_jobs
 from rectrain.snakefile.resources import scheduled_gpus, train_rule_resources
 from rectrain.private import apply as apply_private

@@ -17,6 +17,9 @@ Layouts understood (docs/architecture.md, "index_raw"), relative to the raw root
 CSV, then devkit. An image anywhere below a class folder is of that class (the log says how many class
 folders hold images in sub-folders); hidden sub-folders are listed.
 
+Subsets (index.classes, index.per_class: rectrain.data.subset) are taken from what discovery found, so
+every layout takes them alike; the log says what was kept.
+
 Outputs (tab-separated, header row): train.tsv and val.tsv (id, source, label, wnid; ids 0..N-1 in
 sorted(source) order), classes.tsv (label, wnid, name; labels = sorted train wnids, as
 `im2rec --recursive` numbers them), unclassified.tsv (source, reason). A source is a path relative to
@@ -74,6 +77,7 @@ from typing import Iterable, Iterator
 from rectrain import cli, settings
 from rectrain.atomic import replacing
 from rectrain.config import expand_path
+from rectrain.data import subset
 from rectrain.data.archives import (
     DEVKIT_DIR,
     DEVKIT_TGZ,
@@ -190,6 +194,16 @@ class Rows:
         for g in order:
             prefix, lo = self._groups[g]
             yield from sorted(self._group_rows(prefix, lo, self._group_end(g)))
+
+    def select(self, wnids: set[str], sources: set[str] | None = None) -> Rows:
+        """The rows of these wnids (given `sources`, only those sources), in their groups."""
+        kept = Rows()
+        for g, (prefix, lo) in enumerate(self._groups):
+            kept.group(prefix)
+            for source, wnid in self._group_rows(prefix, lo, self._group_end(g)):
+                if wnid in wnids and (sources is None or source in sources):
+                    kept.add(source[len(prefix) :], wnid)
+        return kept
 
     def keep(self, wnids: set[str]) -> tuple[Rows, list[tuple[str, str]]]:
         """(the rows of these wnids, the other rows as (source, wnid))."""
@@ -937,6 +951,22 @@ def _official_differences(found: Found) -> list[str]:
     return differ
 
 
+def take_subset(found: Found, classes, per_class: int | None, seed: int) -> subset.Kept | None:
+    """Keep index.classes (resolved by rectrain.data.subset) and at most `per_class` train images of each,
+    validation whole for them; None when neither is set.  After discovery, so every layout takes it alike."""
+    wanted = subset.resolve(classes)
+    if wanted is None and per_class is None:
+        return None
+    present = found.train.classes()
+    before = (len(present), len(found.train), len(found.val))
+    if wanted is not None:
+        subset.check_classes(wanted, present)
+    keep = set(wanted) if wanted is not None else present
+    sources = subset.chosen_sources(found.train.select(keep), per_class, seed) if per_class else None
+    found.train, found.val = found.train.select(keep, sources), found.val.select(keep)
+    return subset.Kept(len(keep), before[0], len(found.train), before[1], len(found.val), before[2], per_class)
+
+
 # ---------------------------------------------------------------- output
 
 
@@ -1000,6 +1030,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
     index = settings.view("index", cfg)
     allow = [expand_path(p, "index.allow_outside_root") for p in index.allow_outside_root]
     found = discover(args.raw, args.layout, index.absent_splits, allow)
+    kept = take_subset(found, index.classes, index.per_class, index.seed)
     for split, how in found.layout.items():
         log.info("%s: %s", split, how)
     for note in found.notes:
@@ -1007,6 +1038,8 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
     for warning in found.warnings:
         log.warning("warning: %s", warning)
     counts = write_index(found, args.out)
+    if kept:
+        log.info("index.classes %s, index.per_class %s: %s", _shown(index.classes), index.per_class, kept.text())
     reasons = Counter(reason for _, reason in found.unclassified)
     log.info(
         "train %d images, val %d images, %d classes, %d unclassified -> %s",
@@ -1020,8 +1053,13 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
         log.info("  unclassified: %d x %s", n, reason)
 
 
+def _shown(classes) -> str:
+    """index.classes for the log line: a list by its length, a name or path as given."""
+    return f"[{len(classes)} names]" if isinstance(classes, list) else str(classes)
+
+
 def main(argv: list[str] | None = None) -> int:
-    errors = {LayoutError: 1, UnsafeArchiveMember: 1, CorruptArchive: 1}
+    errors = {LayoutError: 1, UnsafeArchiveMember: 1, CorruptArchive: 1, subset.SubsetError: 1}
     return cli.main("index", "index", _arguments, _run, argv, errors=errors, config_required=False)
 
 

@@ -10,6 +10,7 @@ import jinja2
 import pandas as pd
 import yaml
 
+from rectrain.data.subset import imagenet_1k
 from rectrain.log import duration
 from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions
 from rectrain.report.diagnosis import diagnose
@@ -221,6 +222,18 @@ def resumed(run: dict) -> dict | None:
     return {"epoch": int(start), "after": int(start) - 1, "despite": list(run.get("resumed_despite") or [])}
 
 
+def world_size_changes(run: dict) -> list[str]:
+    """Each world size the run trained with, from the epoch it began (run.json's world_sizes), in words;
+    empty when it never changed."""
+    sizes = run.get("world_sizes") or []
+    if len(sizes) < 2:
+        return []
+    return [
+        f"epoch {w['epoch']}: {w['world_size']} process(es), {w['batch_size']} x grad_accum {w['grad_accum']}"
+        for w in sizes
+    ]
+
+
 def own_usage(data: RunData) -> dict[str, dict]:
     """Stage name (as the benchmark rows name it) -> the CPU and memory the stage measured of its own
     processes (rectrain.usage), where its output records it."""
@@ -269,6 +282,7 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
         "top5_trivial": 0 < n_classes < TOP5_MIN_CLASSES,
         "n_classes": n_classes,
         "resumed": resumed(run),
+        "world_sizes": world_size_changes(run),
         "eval_images": metrics.get("images"),
         "eval_loader": metrics.get("loader"),
         "eval_img_s": metrics.get("images_per_s"),
@@ -285,6 +299,22 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
         "stages": [(r["rule"], r.get("s")) for r in bench.to_dict("records")],
         "image_mpx": image_mpx(data.image_sizes),
     }
+
+
+def subset_scope(classes: pd.DataFrame, index) -> str | None:
+    """What part of its raw set a run of index.classes / index.per_class (the index block's view) saw, in
+    words - "100 of 1000 ImageNet classes, at most 260 images per class" - or None for the whole set."""
+    if index.classes is None and index.per_class is None:
+        return None
+    wnids = set(classes["wnid"].astype(str)) if "wnid" in classes else set()
+    if index.classes is None:
+        scope = f"all {len(wnids)} classes"
+    elif wnids and wnids <= imagenet_1k():
+        scope = f"{len(wnids)} of {projection.IMAGENET_CLASSES} ImageNet classes"
+    else:
+        scope = f"{len(wnids)} classes chosen by index.classes"
+    cap = f", at most {index.per_class} images per class (training; validation whole)" if index.per_class else ""
+    return scope + cap
 
 
 def image_mpx(sizes: pd.DataFrame | None) -> float | None:
@@ -332,6 +362,7 @@ def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO) ->
         "title": report.title,
         "like_imagenet": like_imagenet,
         "summary": summary(data, config.dataset, rates),
+        "subset": subset_scope(data.classes, config.index),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
         **time_to_accuracy(data, config.recipe, like_imagenet),
         "class_columns": class_columns(data.classes),

@@ -23,3 +23,15 @@ def report_params(config: dict) -> str:
     return json.dumps(
         {name: output_part(name, v) if isinstance(v, dict) else v for name, v in config.items()}, sort_keys=True
     )
+
+
+def index_classes_file(config: dict) -> list[str]:
+    """index.classes when it names a file (not a list, not a subset shipped with rectrain): an input of
+    index_raw, so editing the file re-indexes as editing the list in the config does."""
+    from rectrain.config import expand_path
+    from rectrain.data.subset import shipped
+
+    classes = config.get("index", {}).get("classes")
+    if not isinstance(classes, str) or classes in shipped():
+        return []
+    return [expand_path(classes, "index.classes")]

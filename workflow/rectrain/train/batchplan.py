@@ -19,6 +19,11 @@ every image).  With batch_size auto the per-device batch is cut so an epoch has 
 MIN_STEPS_PER_EPOCH optimizer steps; the plan's global batch is then the smaller one, so train.lr
 scales with what each step really averages, and the reason names the numbers.  A number in
 train.batch_size is never changed: the report's few-steps finding says what it costs.
+
+Resuming on another world size (2 GPUs -> 1, 1 -> 2, another node count): the checkpoint's global batch
+is kept (`regroup`), with 'auto' and a numeric train.batch_size alike: the per-device batch and
+grad_accum are recomputed so batch x accum x world size is the checkpoint's, and the LR (scaled by the
+global batch) and its schedule (counting optimizer steps) go on unchanged.
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ class BatchPlan:
     @property
     def global_batch(self) -> int:
         return self.batch * self.grad_accum * self.world_size
+
+    def from_epoch(self, epoch: int) -> dict:
+        """This plan as an entry of the world-size record (checkpoints' and run.json's `world_sizes`)."""
+        return {"epoch": epoch, "world_size": self.world_size, "batch_size": self.batch, "grad_accum": self.grad_accum}
 
 
 def auto_global_batch(batch) -> int:
@@ -109,6 +118,10 @@ def plan(
     the run already if it does not fit; 'auto' takes its share of the global batch, cut to what
     `train_images` can fill (module doc), and, when that does not fit, accumulates gradients over
     smaller batches so the global batch stays - or reuses the checkpoint's plan `previous`."""
+    if previous and previous.world_size != world_size:
+        regrouped = regroup(previous, world_size, batch, fits, preflight)
+        if regrouped:
+            return regrouped
     if batch.batch_size != "auto":
         fixed, accum = int(batch.batch_size), int(batch.grad_accum)
         return BatchPlan(fixed, accum, world_size, preflight or {}, f"train.batch_size: {fixed}")
@@ -131,6 +144,36 @@ def plan(
             f"this run plans {micro} x accum {accum}"
         )
     return BatchPlan(micro, accum, world_size, preflight or {}, reason, auto=True, capped=capped)
+
+
+def exact_split(per_device: int, most: int) -> tuple[int, int]:
+    """(batch, grad_accum) with batch x grad_accum == per_device exactly and batch <= most: the fewest
+    micro-batches that do (memory.split_batch may round up; a regrouped plan must not)."""
+    for accum in range(max(1, math.ceil(per_device / max(1, most))), per_device + 1):
+        if per_device % accum == 0:
+            return per_device // accum, accum
+    return 1, per_device
+
+
+def regroup(previous: BatchPlan, world_size: int, batch, fits: int | None, preflight: dict | None) -> BatchPlan | None:
+    """The checkpoint's plan `previous` moved to another `world_size` with its global batch kept - so the LR
+    (scaled by the global batch) and the schedule (counting optimizer steps) are the checkpoint's - or None
+    when `world_size` does not divide that global batch (rectrain.train.lifecycle.resume then refuses, naming both
+    plans).  The micro-batch is at most train.batch_size (a number: what the user says fits), else at most
+    what the preflight measured, else the checkpoint's (on CPU nothing is measured): 2 -> 1 processes
+    doubles grad_accum."""
+    total = previous.global_batch
+    if total % world_size:
+        return None
+    per_device = total // world_size
+    auto = batch.batch_size == "auto"
+    most = (fits or previous.batch) if auto else int(batch.batch_size)
+    micro, accum = exact_split(per_device, min(per_device, most))
+    reason = (
+        f"the checkpoint's global batch {total} ({previous.batch} x accum {previous.grad_accum} x {previous.world_size} "
+        f"processes) kept over {world_size} process(es): {micro} x accum {accum}"
+    )
+    return BatchPlan(micro, accum, world_size, preflight or {}, reason, auto=auto)
 
 
 def train_images(spec: LoaderSpec | None) -> int | None:
@@ -249,7 +292,8 @@ def choose_batch(
             chosen = _measured_plan(s.batch, trial, held, d, previous, images)
         finally:
             model.load_state_dict(state)
-    if (previous or chosen.capped) and chosen.auto and d.master:
+    regrouped = previous is not None and previous.world_size != d.world_size
+    if (regrouped or ((previous or chosen.capped) and chosen.auto)) and d.master:
         log.info("batch plan: %s", chosen.reason)
     return chosen
 

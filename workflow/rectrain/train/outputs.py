@@ -27,6 +27,8 @@ def telemetry_logs(run: Run, start_epoch: int, start_step: int = 0):
     live.mkdir(parents=True, exist_ok=True)
     steps_log = telemetry.step_log(live, run.d.rank, start_epoch, start_step)
     epochs_log = telemetry.epoch_log(live, start_epoch) if run.d.master else None
+    if run.d.master:
+        telemetry.trim_departed(live, run.d.world_size, start_epoch, start_step)
     sampler = None
     if run.d.local_rank == 0:
         node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node rank
@@ -51,7 +53,8 @@ def finish(run: Run, info: dict) -> None:
     then keep them beside the checkpoints (checkpoints/finished/) and mark the run finished."""
     live, out = run.out / "telemetry", run.out
     finished.clear(out)
-    telemetry.merge_steps(live, out / "steps.csv", run.d.world_size)
+    most = max([run.d.world_size, *(w["world_size"] for w in run.world_sizes)])  # a run moved 2 -> 1: both ranks' rows
+    telemetry.merge_steps(live, out / "steps.csv", most)
     shutil.copyfile(live / "epochs.csv", out / "epochs.csv")
     shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
     write_json(out / "run.json", {**info, "finished": utc_now()})

@@ -62,6 +62,8 @@ def run_info(
         "resumed_from_epoch": start_epoch if start_epoch or start_step else None,
         "resumed_from_step": start_step or None,  # a mid-epoch checkpoint: the first step trained
         "resumed_despite": list(resumed_despite),
+        # every change of world size with its epoch (a run moved from 2 GPUs to 1 and back)
+        "world_sizes": list(run.world_sizes),
         # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
         "loader_requested": s.loaders.loader,
         "decode": loader.choice.decode,

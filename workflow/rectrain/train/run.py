@@ -97,6 +97,8 @@ class Run:
     workers: int
     cores: int
     identity: ckpt.RunIdentity
+    # every change of world size, with its epoch (rectrain.train.lifecycle.resume.world_sizes); a resume replaces it
+    world_sizes: tuple[dict, ...] = ()
 
     @property
     def out(self) -> Path:
@@ -137,6 +139,7 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
         workers=parts.workers,
         cores=parts.cores,
         identity=identity,
+        world_sizes=(plan.from_epoch(0),),
     )
 
 

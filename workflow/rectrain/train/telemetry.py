@@ -122,13 +122,23 @@ def step_log(out_dir: Path, rank: int, start_epoch: int, start_step: int = 0) ->
     return CsvLog(out_dir / f"steps_rank{rank}.csv", STEP_COLUMNS, start_epoch, start_step)
 
 
+def trim_departed(out_dir: Path, world_size: int, start_epoch: int, start_step: int = 0) -> None:
+    """Cut the step logs of ranks a resume on fewer processes no longer has (steps_rank<r>.csv, r >=
+    world_size) at where it resumes, as their own ranks would: a restarted epoch's rows are written anew."""
+    for path in out_dir.glob("steps_rank*.csv"):
+        rank = path.stem.removeprefix("steps_rank")
+        if rank.isdigit() and int(rank) >= world_size:
+            _cut_after(path, STEP_COLUMNS, (start_epoch, start_step))
+
+
 def epoch_log(out_dir: Path, start_epoch: int) -> CsvLog:
     return CsvLog(out_dir / "epochs.csv", EPOCH_COLUMNS, keep_before_epoch=start_epoch)
 
 
 def merge_steps(src_dir: Path, dest: Path, world_size: int) -> Path:
-    """Concatenate src_dir/steps_rank*.csv (rank order) into dest, atomically: bytes copied after each
-    file's header (every rank writes the same STEP_COLUMNS), so 900,900 rows take a moment, not a parse."""
+    """Concatenate src_dir/steps_rank*.csv (rank order, ranks 0 to world_size - 1: the most the run had)
+    into dest, atomically: bytes copied after each file's header (every rank writes the same
+    STEP_COLUMNS), so 900,900 rows take a moment, not a parse."""
     header = (",".join(STEP_COLUMNS) + "\r\n").encode()  # csv's default line ending, as CsvLog writes it
     with atomic.replacing(dest) as tmp, open(tmp, "wb") as out:
         out.write(header)

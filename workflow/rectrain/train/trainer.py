@@ -29,6 +29,7 @@ See docs/architecture.md for the formats.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -119,7 +120,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
             watchdog.beat("preparing: model, memory preflight, loaders")
             parts = prepare_rank(args, s, d)
             # batch_size auto reuses it when it fits
-            previous = previous_plan(Path(args.out) / "checkpoints", s.batch, s.stops)
+            previous = previous_plan(Path(args.out) / "checkpoints", s.batch, s.stops, ckpt.maths_config(s.as_dict()))
             plan = batchplan.choose_batch(
                 s,
                 parts.model,
@@ -146,6 +147,8 @@ def train_run(run: Run, request: StopRequest) -> None:
     resumed = resume(run)
     if resumed.restored:  # the finished run, published again from checkpoints/finished/
         return
+    if resumed.world_sizes:
+        run = dataclasses.replace(run, world_sizes=resumed.world_sizes)
     calibration = calibrate.calibrate_run(run)
     info = provenance.run_info(
         run, resumed.start_epoch, calibration, resumed_despite=resumed.despite, start_step=resumed.start_step
@@ -155,6 +158,8 @@ def train_run(run: Run, request: StopRequest) -> None:
         provenance.log_start(run)
     if resumed.rng_states is not None:
         ckpt.set_rng_state(resumed.rng_states[d.rank])
+    elif resumed.regrouped:
+        ckpt.reseed(run.settings.launch.seed, resumed.start_epoch, d.rank)
     agreement = Agreement(d, request, run.settings.stops.checkpoint_interval_min)
     with outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log):
         train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration), agreement)

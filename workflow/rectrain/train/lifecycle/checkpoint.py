@@ -119,6 +119,15 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
 
 
+def reseed(seed: int, epoch: int, rank: int) -> None:
+    """Seed this process's RNGs (torch, numpy, python) from (train.seed, epoch, rank): a rank on another
+    world size has no saved stream of its own to continue (rectrain.train.lifecycle.resume)."""
+    value = int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
+    torch.manual_seed(value)
+    np.random.seed(value)
+    random.seed(value)
+
+
 def host_copy(obj):
     """A copy of a (nested) state dict with every tensor cloned to host memory: a snapshot that costs
     no device memory (the preflight's and the calibration's)."""
@@ -240,12 +249,22 @@ class Difference:
     text: str  # in words, for the log line and run.json
 
 
+# Train keys whose only effect is the number of processes or their batch plan: the `world_size` and
+# `batch` items compare what they became (a run moved from 2 GPUs to 1 is the same run when its
+# global batch is kept, rectrain.train.lifecycle.resume), so the `config` item leaves them out.
+PLAN_KEYS = ("devices", "cpu_processes", "nodes", "batch_size", "grad_accum")
+
+
+def _without_plan_keys(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in PLAN_KEYS}
+
+
 def differences(state: dict, ident: RunIdentity) -> list[Difference]:
     """Every item in which the checkpoint `state` differs from the run `ident` (empty: the same run)."""
     found = []
-    old_cfg = maths_config(state.get("config") or {})
-    if old_cfg != ident.config:
-        found.append(Difference("config", f"the train config changed ({_changed(old_cfg, ident.config)})"))
+    old_cfg, new_cfg = _without_plan_keys(maths_config(state.get("config") or {})), _without_plan_keys(ident.config)
+    if old_cfg != new_cfg:
+        found.append(Difference("config", f"the train config changed ({_changed(old_cfg, new_cfg)})"))
     old, new = (state.get("batch_size"), state.get("grad_accum")), (ident.batch_size, ident.grad_accum)
     if old != new:
         text = f"the chosen batch changed ({old[0]} x accum {old[1]} then, {new[0]} x accum {new[1]} now)"

@@ -48,7 +48,8 @@ def kill_after_checkpoint(epoch: int) -> None:
 
 
 # Why: a stop signal mid-epoch must checkpoint at the step the ranks agree on and resume after it,
-# even when only one rank got it (preemption tests).  "<rank>:<epoch>:<step>[:<signal>]".
+# even when only one rank got it (preemption tests).  "<rank>:<epoch>:<step>[:<signal>]"; a step equal to
+# the epoch's step count: at its end, after its checkpoint (a stop at the boundary).
 SIGNAL_AT_ENV = "RECTRAIN_SIGNAL_AT"
 # Why: a resumed epoch must feed each rank exactly the samples of the uninterrupted epoch; the tests
 # read them from this folder (labels_rank<r>.csv: epoch, step, the batch's labels space-separated).

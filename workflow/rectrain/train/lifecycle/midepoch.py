@@ -53,6 +53,7 @@ def run_state(run: Run, epoch: int, rngs: list, step: int | None = None, ranks: 
         "blurpool": run.settings.model.blurpool,  # the network's structure: evaluation builds the same one
         "image_size": run.settings.resolution.image_size,
         **run.identity.stamp(),
+        "world_sizes": list(run.world_sizes),
     }
 
 
@@ -172,6 +173,7 @@ def stop(run: Run, decision: Decision, where: str, written: bool, resumes_at: st
 def stop_at_epoch_end(run: Run, agreement: Agreement, epoch: int) -> None:
     """After an epoch's checkpoint: a stop signal that came during its last step or its validation ends
     the ranks here, with nothing to add to that checkpoint."""
+    faults.signal_at(run.d.rank, epoch, run.train_loader.batches_per_epoch)
     decision = agreement.poll()
     agreement.checkpointed()  # the epoch's checkpoint restarts the periodic clock
     if decision.stop:

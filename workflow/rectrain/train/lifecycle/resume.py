@@ -7,12 +7,20 @@ train.resume (operational, x-rerun: false) says when a checkpoint is continued:
 - always: also across the differences the user vouches for - the output-changing train config (an
   lr or epochs edit), the training records' fingerprint, the training code (an edit known to be
   harmless) - each named in the log line and in run.json's `resumed_despite`.  Refused even so, the
-  job failing before it trains and naming them (REFUSED): a different world size or batch plan -
-  every rank's saved RNG state and the loaders' shards of the records are laid out for the processes
-  and the batch x accum that wrote the checkpoint, so no rank would continue the sample stream it
-  left.  A checkpoint whose tensors do not fit this model (another train.model, another number of
+  job failing before it trains and naming it (REFUSED): another batch plan on the same world size.
+  A checkpoint whose tensors do not fit this model (another train.model, another number of
   classes) fails as it is restored, saying so.
 - never: always start over.
+
+Another world size (a GPU lent to a colleague, 2 -> 1 and back, another node count) is the same run
+under auto and always when the checkpoint's global batch is kept: the batch plan regroups it
+(batchplan.regroup: 2 -> 1 processes doubles grad_accum), so the LR and its schedule, which counts
+optimizer steps, continue unchanged.  An epoch-end checkpoint continues at the next epoch; a mid-epoch
+one restarts its epoch from the epoch checkpoint before it (its ranks' loader positions and RNG
+streams belong to the old split and cannot be re-split exactly), the log saying how many steps that
+repeats.  Every rank's RNG is then seeded afresh from (train.seed, epoch, rank).  The checkpoint and
+run.json keep every change (`world_sizes`: epoch, world size, batch, grad_accum).  A world size that
+does not divide the global batch is refused, naming both plans and the process counts that keep it.
 
 Starting over never deletes: the checkpoints here are moved aside (checkpoint.move_aside, a rename)
 into checkpoints/replaced/<UTC time>-<what differed>/ and the log line says where and why.
@@ -47,8 +55,10 @@ from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
 
-# Identity items train.resume: always does not resume across (see the module doc).
-REFUSED = ("world_size", "batch")
+# Identity items train.resume: always does not resume across on the same world size (see the module doc).
+REFUSED = ("batch",)
+# On another world size the global batch decides instead of these (batchplan.regroup, module doc).
+REGROUPED = ("world_size", "batch")
 FORCED = (
     "a forced rerun: that run finished and published model.pt, and Snakemake forced this job (snakemake --forcerun "
     "train, -F or -f): a new run"
@@ -67,6 +77,8 @@ class Resumed:
     restored: bool = False  # the finished run's outputs are published again: nothing to train
     start_step: int = 0  # a mid-epoch checkpoint: the steps of start_epoch already done
     ranks: list | None = None  # ... and each rank's loader state and running totals (rectrain.train.lifecycle.midepoch)
+    world_sizes: tuple[dict, ...] = ()  # every change of world size, with its epoch (checkpoint.world_sizes)
+    regrouped: bool = False  # on another world size: every rank's RNG is seeded afresh (reseed)
 
     @property
     def continues(self) -> bool:
@@ -81,18 +93,24 @@ class ResumeRefused(RuntimeError):
     """train.resume: always, but the checkpoint differs in an item no resume can cross."""
 
 
-def previous_plan(ck_dir: Path, batch, stops) -> BatchPlan | None:
-    """The batch plan checkpoints/last.pt was written with, for `batch_size: auto` to reuse; None when
-    there is none to reuse (no checkpoint, a finished run, train.resume: never, a fixed batch size).
+def previous_plan(ck_dir: Path, batch, stops, config: dict | None = None) -> BatchPlan | None:
+    """The batch plan checkpoints/last.pt was written with, for `batch_size: auto` to reuse and for a run on
+    another world size to keep its global batch (batchplan.regroup); None when there is none to reuse (no
+    checkpoint, a finished run, train.resume: never, or under auto one of another train config - `config`:
+    this run's maths config - which this run will not continue).
     `batch`, `stops`: the train block's parts (rectrain.settings)."""
     last = Path(ck_dir) / "last.pt"
-    if batch.batch_size != "auto" or stops.resume == "never" or not last.exists():
+    if stops.resume == "never" or not last.exists():
         return None
     if ckpt.finished_marker(ck_dir).exists() and not republishable(ck_dir):
         return None
     stamp = ckpt.stamp_of(last)
     if not all(isinstance(stamp[k], int) for k in ("batch_size", "grad_accum", "world_size")):
         return None
+    if stops.resume == "auto" and config is not None:
+        same = ckpt.RunIdentity(config, 0, 0, 0, stamp["data"], stamp["code"])
+        if any(d.item == "config" for d in ckpt.differences(stamp, same)):
+            return None  # a new run: it plans from its own train.batch_size and grad_accum
     return BatchPlan(stamp["batch_size"], stamp["grad_accum"], stamp["world_size"], reason="the checkpoint's")
 
 
@@ -198,6 +216,9 @@ def _continue(run: Run) -> tuple[Resumed, str | None]:
     found = ckpt.differences(state, run.identity)
     if ckpt.finished_marker(run.ck_dir).exists():
         return _finished_run(run, found)
+    moved = any(d.item == "world_size" for d in found)
+    if moved:  # the batch differs with it: judged by the global batch instead (batchplan.regroup)
+        found = [d for d in found if d.item not in REGROUPED]
     if found and mode == "auto":
         return Resumed(0), "; ".join(d.text for d in found)
     refused = [d.text for d in found if d.item in REFUSED]
@@ -209,11 +230,91 @@ def _continue(run: Run) -> tuple[Resumed, str | None]:
             "(the checkpoints are moved aside, not deleted)"
         )
     despite = tuple(d.text for d in found)
+    if moved:
+        return _on_another_world_size(run, last, state, despite)
     restore(run, state, despite)
     at = Position.of(state)
     if run.d.master:
         _say_resuming(run, last, state, despite)
-    return Resumed(at.epoch, state["rng"], despite, start_step=at.step, ranks=at.ranks), None
+    history = tuple(world_sizes(state))
+    return Resumed(at.epoch, state["rng"], despite, start_step=at.step, ranks=at.ranks, world_sizes=history), None
+
+
+def _plan_of(state: dict) -> BatchPlan:
+    return BatchPlan(state["batch_size"], state["grad_accum"], state["world_size"])
+
+
+def plan_words(plan: BatchPlan) -> str:
+    return f"{plan.batch} x accum {plan.grad_accum} x {plan.world_size} process(es) = global batch {plan.global_batch}"
+
+
+def world_sizes(state: dict) -> list[dict]:
+    """The checkpoint's record of its world sizes: [{epoch, world_size, batch_size, grad_accum}, ...], one
+    entry per change, the first at epoch 0 (a checkpoint written before this record: its own plan)."""
+    return list(state.get("world_sizes") or [_plan_of(state).from_epoch(0)])
+
+
+def _on_another_world_size(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -> tuple[Resumed, str | None]:
+    """Continue a checkpoint written by another number of processes, its global batch kept (batchplan.regroup),
+    from its epoch's start when it was written mid-epoch (module doc); refused when the global batch changed."""
+    old, new = _plan_of(state), run.plan
+    if old.global_batch != new.global_batch:
+        raise ResumeRefused(
+            f"train.resume: {run.settings.stops.resume} cannot continue {last} on {new.world_size} process(es): it was "
+            f"trained with {plan_words(old)}, this run plans {plan_words(new)}, and the LR and its schedule belong "
+            f"to the global batch. {keeping_hint(old.global_batch, new.world_size)}"
+        )
+    at, repeated = Position.of(state), 0
+    if at.step:
+        repeated = at.step
+        start = run.ck_dir / f"epoch_{at.epoch - 1}.pt"
+        if at.epoch == 0 or not start.exists():
+            none = "it is the first epoch" if at.epoch == 0 else f"{start.name} is missing"
+            why = (
+                f"it stopped in epoch {at.epoch} after {at.step} steps on {old.world_size} process(es), and its ranks' "
+                f"loader positions cannot be re-split over {new.world_size}: epoch {at.epoch} restarts from its start, "
+                f"and no checkpoint holds that start ({none}), so the run starts from epoch 0 (repeating "
+                f"{repeated} steps)"
+            )
+            return Resumed(0), why
+        state = {**ckpt.load(start), "world_sizes": world_sizes(state)}
+    restore(run, state, despite)
+    at = Position.of(state)
+    history = world_sizes(state) + [new.from_epoch(at.epoch)]
+    if run.d.master:
+        _say_regrouped(run, last, state, old, repeated)
+    return Resumed(at.epoch, None, despite, world_sizes=tuple(history), regrouped=True), None
+
+
+def keeping_hint(global_batch: int, world_size: int) -> str:
+    """The setting that keeps `global_batch` on another number of processes."""
+    divisors = [n for n in range(1, min(global_batch, 64) + 1) if global_batch % n == 0]
+    return (
+        f"{world_size} process(es) cannot split a global batch of {global_batch}: train on a number of processes "
+        f"that divides it ({', '.join(map(str, divisors))}: train.devices, train.cpu_processes, train.nodes), or "
+        "set train.resume: never to start a new run with this plan (the checkpoints are moved aside, not deleted)"
+    )
+
+
+def _say_regrouped(run: Run, last: Path, state: dict, old: BatchPlan, repeated: int) -> None:
+    done, continuing = _done_text({**state, "config": run.settings.as_dict()})
+    restarted = ""
+    if repeated:
+        restarted = (
+            f"; {last.name} was written mid-epoch {state['epoch'] + 1} after {repeated} steps, whose ranks' loader "
+            f"positions cannot be re-split over {run.plan.world_size} process(es): epoch {state['epoch'] + 1} restarts "
+            f"from its start (epoch_{state['epoch']}.pt), repeating those {repeated} steps"
+        )
+    log.info(
+        "resuming from %s on another number of processes: it was trained with %s, this run keeps its global batch "
+        "with %s (the LR and its schedule, counted in optimizer steps, unchanged)%s; %s; %s",
+        last,
+        plan_words(old),
+        plan_words(run.plan),
+        restarted,
+        done,
+        continuing,
+    )
 
 
 def _done_text(state: dict) -> tuple[str, str]:
