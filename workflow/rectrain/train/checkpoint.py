@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 # Written beside the checkpoints once model.pt is published: this run is complete.
 FINISHED = "finished.json"
+# Written beside the checkpoints when the ranks stopped on divergence (rectrain.train.divergence).
+DIVERGED = "diverged.json"
 # Record headers hashed for the content fingerprint: evenly spaced over the .idx.  Reading every
 # header of ImageNet's .rec would read nearly the whole 140 GB file; 4096 reads take well under a
 # second and catch any relabel that moves more than ~0.1 % of the records (a class-to-label change).
@@ -238,11 +240,11 @@ def _slug(reason: str) -> str:
 
 
 def run_files(ck_dir: Path) -> list[str]:
-    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED and the
-    folder of its kept outputs (rectrain.train.finished)."""
+    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED, DIVERGED
+    and the folder of its kept outputs (rectrain.train.finished)."""
     ck_dir = Path(ck_dir)
     epochs = sorted((p.name for p in ck_dir.glob("epoch_*.pt") if EPOCH_FILE.fullmatch(p.name)), key=_epoch_of)
-    return epochs + [n for n in ("last.pt", FINISHED, finished.FOLDER) if (ck_dir / n).exists()]
+    return epochs + [n for n in ("last.pt", FINISHED, DIVERGED, finished.FOLDER) if (ck_dir / n).exists()]
 
 
 def _epoch_of(name: str) -> int:

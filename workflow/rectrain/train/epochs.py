@@ -20,7 +20,7 @@ from rectrain.metrics import all_reduce as all_reduce_tally
 from rectrain.metrics import tally
 from rectrain.progress import Progress, RunProgress
 from rectrain.storage import device_info, human_bytes
-from rectrain.train import calibrate, faults
+from rectrain.train import calibrate, divergence, faults
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.midepoch import MidEpoch, Position, run_state, stop_at_epoch_end
 from rectrain.train.run import Run
@@ -51,15 +51,19 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
     (rectrain.train.midepoch)."""
     d, epochs = run.d, run.settings.optim.epochs
     progress = RunProgress(run.settings.telemetry.progress_s, d.world_size, epochs) if d.master else None
+    detector = divergence.Detector(run.settings.stops.nonfinite_steps)
     for epoch in range(start.epoch, epochs):
         faults.fail_rank(d.rank)
         if progress:
             progress.begin_epoch(epoch, run.train_loader.batches_per_epoch)
         first, saved = start.rank_part(epoch, d.rank)
-        control = MidEpoch(run, agreement, epoch, run.train_loader, books.steps, saved.get("wall_s", 0.0))
+        wall_before = saved.get("wall_s", 0.0)
+        control = MidEpoch(run, agreement, epoch, run.train_loader, books.steps, wall_before, detector=detector)
         stats = train_one_epoch(
             run.step, run.train_loader, epoch, books.steps, progress=progress, resumed=(first, saved), control=control
         )
+        # before the validation (wasted on a diverged model) and the checkpoint (never a non-finite one)
+        divergence.guard(run, agreement, detector, f"the end of epoch {epoch}")
         after_steps = time.monotonic()
         val = validate_epoch(run, epoch, progress)
         rngs = all_gather(ckpt.rng_state(), d)
@@ -91,6 +95,7 @@ def train_one_epoch(
     start = clock.mark()
     batches = faults.record_labels(loader.epoch(epoch, first, saved.get("loader")), step.dist.rank, epoch, first)
     batches = faults.record_shapes(batches, step.dist.rank, epoch, first)
+    batches = faults.nonfinite_from(batches, epoch, first)
     batches = watchdog.watched(faults.stall_loader(batches, step.dist.rank), f"epoch {epoch}")
     t = run_steps(
         step,

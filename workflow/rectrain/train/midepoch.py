@@ -27,7 +27,7 @@ from rectrain.distributed import all_gather, barrier
 from rectrain.loaders import Loader
 from rectrain.storage import human_bytes
 from rectrain.train import checkpoint as ckpt
-from rectrain.train import faults, supervise
+from rectrain.train import divergence, faults, supervise
 from rectrain.train.run import Run
 from rectrain.train.stop import EXIT_STOPPED, Agreement, Decision, Stopped
 
@@ -83,19 +83,36 @@ class Position:
 
 class MidEpoch:
     """One epoch's control for run_steps: asked after every optimizer step, it checkpoints and stops as
-    the ranks agreed."""
+    the ranks agreed; `detector` (the run's, rectrain.train.divergence) reads the steps' losses."""
 
-    def __init__(self, run: Run, agreement: Agreement, epoch: int, loader: Loader, steps_log, wall_before: float):
+    def __init__(
+        self,
+        run: Run,
+        agreement: Agreement,
+        epoch: int,
+        loader: Loader,
+        steps_log,
+        wall_before: float,
+        *,
+        detector: divergence.Detector | None = None,
+    ):
         self.run, self.agreement, self.epoch, self.loader = run, agreement, epoch, loader
         self.steps_log, self.wall_before, self.started = steps_log, wall_before, time.monotonic()
+        self.detector = detector
 
     def poll(self, step: int) -> Decision:
         faults.signal_at(self.run.d.rank, self.epoch, step)
-        return self.agreement.poll()
+        return self.agreement.poll(bool(self.detector and self.detector.tripped))
 
     def act(self, decision: Decision, steps_done: int, totals: dict) -> None:
-        """Checkpoint after `steps_done` steps; on a stop, end the rank (Stopped) once it is written."""
+        """Checkpoint after `steps_done` steps; on a stop, end the rank (Stopped) once it is written; on
+        divergence (or a non-finite state to save) end it (divergence.Diverged) with nothing written."""
         run, d = self.run, self.run.d
+        where = f"epoch {self.epoch} step {steps_done - 1} of {self.loader.batches_per_epoch}"
+        if decision.diverged:
+            self.steps_log.sync()
+            divergence.stop(run, self.detector, where)
+        divergence.guard(run, self.agreement, self.detector, f"the mid-epoch checkpoint after {where}")
         why = f"stop signal {decision.signal_name}" if decision.stop else "train.checkpoint_interval_min"
         watchdog.beat(f"epoch {self.epoch}: writing the mid-epoch checkpoint ({why})")
         self.steps_log.sync()  # the rows up to this step outlive a power cut as the checkpoint does
@@ -109,7 +126,6 @@ class MidEpoch:
         error = write(run, self.epoch, steps_done, gathered) if d.master else None
         written = self.agreement.all_true(error is None)
         self.agreement.checkpointed()
-        where = f"epoch {self.epoch} step {steps_done - 1} of {self.loader.batches_per_epoch}"
         if decision.stop:
             stop(run, decision, where, written, resumes_at=f"epoch {self.epoch} step {steps_done}")
         elif d.master and written:

@@ -43,6 +43,7 @@ from rectrain.train import checkpoint as ckpt
 from rectrain.train import finished
 from rectrain.train.batchplan import BatchPlan
 from rectrain.train.midepoch import Position
+from rectrain.train.optim import keep_configured_lr
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
@@ -252,12 +253,15 @@ def _say_resuming(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -
 
 
 def restore(run: Run, state: dict, despite: tuple[str, ...] = ()) -> None:
-    """Load the checkpoint's model, optimizer, scheduler and scaler states into the run."""
+    """Load the checkpoint's model, optimizer, scheduler and scaler states into the run (at this run's
+    configured peak LR: optim.keep_configured_lr)."""
+    base_lrs = list(run.step.scheduler.base_lrs)
     try:
         run.model.load_state_dict(state["model"])
         run.step.optimizer.load_state_dict(state["optimizer"])
         run.step.scheduler.load_state_dict(state["scheduler"])
         run.step.scaler.load_state_dict(state["scaler"])
+        keep_configured_lr(run.step.scheduler, base_lrs)
     except (RuntimeError, KeyError, ValueError) as exc:
         if not despite:
             raise

@@ -39,7 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rectrain import cli, distributed, driver_check, settings, usage, watchdog
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
-from rectrain.train import batchplan, calibrate, failure, outputs, provenance, stop, supervise
+from rectrain.train import batchplan, calibrate, divergence, failure, outputs, provenance, stop, supervise
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.resume import previous_plan, resume
@@ -131,7 +131,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
             )
             run = build_run(args, s, parts, plan)
             train_run(run, request)
-    except stop.Stopped:
+    except stop.Agreed:  # a clean stop or a divergence: each said what it kept, no traceback
         raise
     except Exception as exc:
         log.exception(failure.explain(exc, s.batch, s.launch.devices, plan))
@@ -147,7 +147,12 @@ def train_run(run: Run, request: StopRequest) -> None:
         return
     calibration = calibrate.calibrate_run(run)
     info = provenance.run_info(
-        run, resumed.start_epoch, calibration, resumed_despite=resumed.despite, start_step=resumed.start_step
+        run,
+        resumed.start_epoch,
+        calibration,
+        resumed_despite=resumed.despite,
+        start_step=resumed.start_step,
+        diverged_before=divergence.diverged_before(run.ck_dir) if resumed.start_epoch or resumed.start_step else None,
     )
     if d.master:
         write_json(run.out / "run.json", info)
@@ -178,6 +183,8 @@ def _run(args: argparse.Namespace, cfg: dict) -> int | None:
         train(args, s)
     except stop.Stopped:
         return stop.EXIT_STOPPED
+    except divergence.Diverged:
+        return divergence.EXIT_DIVERGED
     finally:
         distributed.teardown()
     return None
