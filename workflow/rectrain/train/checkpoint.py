@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 FINISHED = "finished.json"
 # Written beside the checkpoints when the ranks stopped on divergence (rectrain.train.divergence).
 DIVERGED = "diverged.json"
+# The run's TensorBoard curves, beside the checkpoints folder (rectrain.train.curves.FOLDER); a run
+# moved aside takes them along, so a new run's curves start apart.
+CURVES = "tensorboard"
 # Record headers hashed for the content fingerprint: evenly spaced over the .idx.  Reading every
 # header of ImageNet's .rec would read nearly the whole 140 GB file; 4096 reads take well under a
 # second and catch any relabel that moves more than ~0.1 % of the records (a class-to-label change).
@@ -252,8 +255,8 @@ def _epoch_of(name: str) -> int:
 
 
 def move_aside(ck_dir: Path, reason: str) -> tuple[Path | None, list[str]]:
-    """Move the checkpoints (and FINISHED) of a run being replaced into
-    replaced/<UTC time>-<reason slug>/; returns (that folder, the names moved), (None, []) when there
+    """Move the checkpoints (and FINISHED, and the curves beside the folder: CURVES) of a run being
+    replaced into replaced/<UTC time>-<reason slug>/; returns (that folder, the names moved), (None, []) when there
     were none.  os.rename within one folder tree: no copy, no byte rewritten, nothing deleted."""
     ck_dir = Path(ck_dir)
     names = run_files(ck_dir)
@@ -269,6 +272,9 @@ def move_aside(ck_dir: Path, reason: str) -> tuple[Path | None, list[str]]:
             dest = dest.with_name(f"{stamp}-{_slug(reason)}-{n}")
     for name in names:
         os.rename(ck_dir / name, dest / name)
+    curves = ck_dir.parent / CURVES
+    if curves.is_dir():
+        os.rename(curves, dest / CURVES)
     return dest, names
 
 
@@ -278,6 +284,9 @@ def move_back(folder: Path, ck_dir: Path) -> list[str]:
     names = run_files(folder)
     for name in names:
         os.rename(Path(folder) / name, Path(ck_dir) / name)
+    curves, home = Path(folder) / CURVES, Path(ck_dir).parent / CURVES
+    if curves.is_dir() and not home.exists():
+        os.rename(curves, home)
     with contextlib.suppress(OSError):  # something else left there stays, with its folder
         Path(folder).rmdir()
     return names

@@ -57,12 +57,14 @@ def run_steps(
     first: int = 0,
     totals: dict | None = None,
     control=None,
+    curves=None,
 ):
     """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log, and
     the resolved times into `progress` (rank 0's progress lines, rectrain.progress).  A resumed epoch
     starts at step `first` with the `totals` of its steps before; `control` (rectrain.train.midepoch)
     is asked after every optimizer step whether the ranks checkpoint or stop there, and its divergence
-    detector (rectrain.train.divergence) reads every step's loss and loss scale.
+    detector (rectrain.train.divergence) reads every step's loss and loss scale; `curves` (rank 0's,
+    rectrain.train.curves) gets the numbers of every progress line.
 
     No host sync per step: times come from a StepClock read one step late, loss and hits stay on the
     device until then, so the host queues step k+1 (and fetches its batch) while the GPU still computes
@@ -72,7 +74,7 @@ def run_steps(
     n_batches = n_batches or max_steps
     clock = StepClock(step.dist.device)
     detector = control.detector if control is not None else None
-    book = _Book(clock, steps_log, step.dist.rank, epoch, progress, totals, detector=detector)
+    book = _Book(clock, steps_log, step.dist.rank, epoch, progress, totals, detector=detector, curves=curves)
     pending = None
     m_prev = clock.mark()
     for i, (x, y) in enumerate(batches, start=first):
@@ -114,11 +116,13 @@ class _Book:
         totals=None,
         *,
         detector=None,
+        curves=None,
     ):
         self.clock, self.steps_log, self.rank, self.epoch, self.progress = clock, steps_log, rank, epoch, progress
         zero = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0, "steady_images": 0, "steady_wall_s": 0.0}
+        zero.update(data_wait_s=0.0, step_wall_s=0.0)  # the epoch's data-wait share (rectrain.train.curves)
         self.totals = {**zero, **(totals or {})}
-        self.detector = detector
+        self.detector, self.curves = detector, curves
 
     def resolve(self, pending: tuple) -> None:
         i, m_prev, m_data, m_end, loss, hits, n, lr, scale = pending
@@ -146,15 +150,21 @@ class _Book:
         totals["correct"] += hits.item()
         totals["seen"] += n
         totals["steps"] += 1
+        totals["data_wait_s"] += wait
+        totals["step_wall_s"] += wall
         if i > 0:
             totals["steady_images"] += n
             totals["steady_wall_s"] += wall
         if self.progress is not None:
             self.progress.add(i, wall, wait, n)
+            if self.curves is not None:
+                self.curves.add_loss(loss_v)
             # The pass's last step always gets its line: the log then ends each pass on its own numbers,
             # whatever the machine's speed (resolved one step late, it comes right after the one before).
             if self.progress.due() or i + 1 == self.progress.total:
-                self.progress.line(i + 1)
+                window = self.progress.window
+                if self.progress.line(i + 1) and self.curves is not None:
+                    self.curves.interval(self.epoch, i + 1, window, self.progress.world_size, lr, scale_v)
 
 
 def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:

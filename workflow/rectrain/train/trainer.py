@@ -39,7 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rectrain import cli, distributed, driver_check, settings, usage, watchdog
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
-from rectrain.train import batchplan, calibrate, divergence, failure, outputs, provenance, stop, supervise
+from rectrain.train import batchplan, calibrate, curves, divergence, failure, outputs, provenance, stop, supervise
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.resume import previous_plan, resume
@@ -160,8 +160,11 @@ def train_run(run: Run, request: StopRequest) -> None:
     if resumed.rng_states is not None:
         ckpt.set_rng_state(resumed.rng_states[d.rank])
     agreement = Agreement(d, request, run.settings.stops.checkpoint_interval_min)
-    with outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log):
-        train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration), agreement)
+    with (
+        outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log),
+        curves.opened(run, resumed.start_epoch, resumed.start_step) as live,
+    ):
+        train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration, live), agreement)
     watchdog.beat("publishing the outputs")
     used = usage.combined(all_gather(usage.own(), d))  # every rank's CPU and memory: the report's train row
     barrier(d)
