@@ -20,7 +20,7 @@ from rectrain.metrics import all_reduce as all_reduce_tally
 from rectrain.metrics import tally
 from rectrain.progress import Progress, RunProgress
 from rectrain.storage import device_info, human_bytes
-from rectrain.train import calibrate, curves, divergence, faults
+from rectrain.train import calibrate, curves, divergence, early_warning, faults
 from rectrain.train import checkpoint as ckpt
 from rectrain.train.midepoch import MidEpoch, Position, run_state, stop_at_epoch_end
 from rectrain.train.run import Run
@@ -209,6 +209,8 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         efficiency_note(stats, books.calibration, crop),
         saved,
     )
+    opt_steps = -(-run.train_loader.batches_per_epoch // run.plan.grad_accum)
+    early_warning.warn(epoch, stats["train_loss"], val["val_top1"], len(run.classes), opt_steps)
     if books.curves:
         ceiling = calibrate.rate_at(books.calibration, crop)
         efficiency = stats["steady"] / ceiling if ceiling and stats["steady"] else None
