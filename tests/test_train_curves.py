@@ -3,8 +3,6 @@ resumed writer drops what the killed process wrote after the resume step, a run 
 curves along, an epoch's system means, the evaluate stage's top-1 per test resolution.  A real run's
 curves across a SIGTERM and its resume: tests/test_train_preempt.py."""
 
-from types import SimpleNamespace
-
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rectrain.progress import Window
@@ -91,15 +89,9 @@ def test_the_evaluate_stage_s_top1_per_test_resolution_and_a_rerun_replaces_it(t
 
 
 def test_no_curves_on_other_ranks_or_when_switched_off(tmp_path):
-    def run(master, on):
-        return SimpleNamespace(
-            d=SimpleNamespace(master=master),
-            settings=SimpleNamespace(telemetry=SimpleNamespace(tensorboard=on)),
-            out=tmp_path,
-            train_loader=SimpleNamespace(batches_per_epoch=5),
-        )
-
-    for master, on in ((False, True), (True, False)):
-        with curves.opened(run(master, on), 0, 0) as c:
-            assert c is None
+    with curves.opened(False, tmp_path, 5, 0, 0) as c:
+        assert c is None
     assert not (tmp_path / ckpt.CURVES).exists()
+    with curves.opened(True, tmp_path, 5, 1, 2) as c:
+        c.interval(1, 3, Window(steps=1, wall_s=0.5, wait_s=0.1, images=8), 1, 0.1, None)
+    assert scalars(tmp_path / ckpt.CURVES)["train/lr"][0][0] == 8

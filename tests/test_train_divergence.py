@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.train_data import config_json, packed_dataset, tiny_train_settings
+from helpers.train_data import config_json, packed_dataset
 
 from rectrain.distributed import Dist
 from rectrain.train import checkpoint as ckpt
@@ -126,56 +126,53 @@ def test_a_collapsing_fp16_loss_scale_stops_the_run_within_nonfinite_steps_of_cr
     assert "the fp16 loss scale stayed below 1 for 4 consecutive steps" in control.detector.cause()
 
 
-def fake_run(tmp_path, master=True, rank=0):
+def fake_watch(tmp_path):
+    """A rank's Watch over a small conv + BatchNorm model whose SGD has momentum buffers."""
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 3, 5, 5)).sum().backward()
     sgd.step()  # momentum buffers exist
     ck = tmp_path / "checkpoints"
     ck.mkdir(exist_ok=True)
-    return SimpleNamespace(
-        model=model,
-        step=SimpleNamespace(optimizer=sgd, scaler=torch.amp.GradScaler("cpu", enabled=False)),
-        d=Dist(rank, 1, rank, 1, torch.device("cpu")),
-        ck_dir=ck,
-        settings=tiny_train_settings(precision="fp32"),
-    )
+    step = SimpleNamespace(optimizer=sgd, scaler=torch.amp.GradScaler("cpu", enabled=False))
+    watch = divergence.Watch(CPU1, ck, "fp32", Detector(3), lambda: divergence.run_states(model, step))
+    return watch, model, sgd
 
 
 def test_nonfinite_names_finds_a_nan_in_a_weight_a_batchnorm_buffer_and_a_momentum_buffer(tmp_path):
-    run = fake_run(tmp_path)
-    assert divergence.nonfinite_names(divergence.run_states(run)) == []
+    watch, model, sgd = fake_watch(tmp_path)
+    assert divergence.nonfinite_names(watch.states()) == []
     with torch.no_grad():
-        run.model[0].weight[0, 0, 0, 0] = NAN
-        run.model[1].running_var[1] = INF
-        run.step.optimizer.state[run.model[0].bias]["momentum_buffer"][2] = NAN
-    assert sorted(divergence.nonfinite_names(divergence.run_states(run))) == [
+        model[0].weight[0, 0, 0, 0] = NAN
+        model[1].running_var[1] = INF
+        sgd.state[model[0].bias]["momentum_buffer"][2] = NAN
+    assert sorted(divergence.nonfinite_names(watch.states())) == [
         "model.0.weight",
         "model.1.running_var",
         "optimizer.state.1.momentum_buffer",
     ]
 
 
-def test_the_guard_refuses_a_nonfinite_state_before_any_checkpoint_keeping_the_last_good_one(tmp_path, caplog):
-    run = fake_run(tmp_path)
-    good = {"model": run.model.state_dict(), "epoch": 0, "step": None}
-    ckpt.save_atomic(good, run.ck_dir / "last.pt")
-    before = (run.ck_dir / "last.pt").read_bytes()
-    agreement = Agreement(run.d, StopRequest(), 0)
-    divergence.guard(run, agreement, Detector(3), "the end of epoch 1")  # all finite: nothing happens
-    assert not (run.ck_dir / ckpt.DIVERGED).exists()
+def test_the_guard_refuses_a_nonfinite_state_before_any_checkpoint_keeping_the_last_good_one(tmp_path):
+    watch, model, _ = fake_watch(tmp_path)
+    ck = watch.ck_dir
+    ckpt.save_atomic({"model": model.state_dict(), "epoch": 0, "step": None}, ck / "last.pt")
+    before = (ck / "last.pt").read_bytes()
+    agreement = Agreement(CPU1, StopRequest(), 0)
+    divergence.guard(watch, agreement, "the end of epoch 1")  # all finite: nothing happens
+    assert not (ck / ckpt.DIVERGED).exists()
     with torch.no_grad():
-        run.model[1].running_mean[0] = NAN
+        model[1].running_mean[0] = NAN
     with pytest.raises(Diverged) as err:
-        divergence.guard(run, agreement, Detector(3), "the end of epoch 1")
-    assert (run.ck_dir / "last.pt").read_bytes() == before
+        divergence.guard(watch, agreement, "the end of epoch 1")
+    assert (ck / "last.pt").read_bytes() == before
     text = str(err.value)
     assert text.startswith("rank 0: training diverged at the end of epoch 1 (lr unknown, no loss scale (fp32)): ")
     assert "1 non-finite tensor(s) in the model or optimizer state (model.1.running_mean)" in text
-    assert f"{run.ck_dir / 'last.pt'} (epoch 0 (its end)) is the last good checkpoint" in text
+    assert f"{ck / 'last.pt'} (epoch 0 (its end)) is the last good checkpoint" in text
     assert "train.clip_grad_norm" in text and "train.resume: always" in text and "bf16" in text
-    assert json.loads((run.ck_dir / ckpt.DIVERGED).read_text())["where"] == "the end of epoch 1"
-    assert ckpt.DIVERGED in ckpt.run_files(run.ck_dir), "moved aside with its run"
+    assert json.loads((ck / ckpt.DIVERGED).read_text())["where"] == "the end of epoch 1"
+    assert ckpt.DIVERGED in ckpt.run_files(ck), "moved aside with its run"
 
 
 def test_a_resume_with_a_lowered_lr_trains_on_at_the_new_peak_from_the_loaded_step():

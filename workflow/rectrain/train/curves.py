@@ -88,14 +88,13 @@ class Curves:
 
 
 @contextlib.contextmanager
-def opened(run, start_epoch: int, start_step: int):
-    """Rank 0's Curves for the run resumed at (start_epoch, start_step), or None (other ranks,
-    train.tensorboard false); closed (flushed) at the end."""
-    if not (run.d.master and run.settings.telemetry.tensorboard):
+def opened(on: bool, out: Path, steps_per_epoch: int, start_epoch: int, start_step: int):
+    """`on` (rank 0 with train.tensorboard): the Curves of the run in `out` resumed at (start_epoch,
+    start_step), closed (flushed) at the end; else None."""
+    if not on:
         yield None
         return
-    spe = run.train_loader.batches_per_epoch
-    curves = Curves(run.out, spe, start_epoch * spe + start_step)
+    curves = Curves(out, steps_per_epoch, start_epoch * steps_per_epoch + start_step)
     try:
         yield curves
     finally:

@@ -21,11 +21,12 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from rectrain import atomic
-from rectrain.distributed import barrier
+from rectrain.distributed import Dist, barrier
 from rectrain.train.checkpoint import DIVERGED
 from rectrain.train.provenance import now
 from rectrain.train.stop import Agreed
@@ -98,52 +99,60 @@ def _leaves(obj, prefix: str):
         yield prefix, obj
 
 
-def run_states(run) -> dict[str, dict]:
+def run_states(model: torch.nn.Module, step) -> dict[str, dict]:
     """What a checkpoint saves that training changes: the model (parameters and buffers), the
-    optimizer (its momentum) and the scaler."""
-    step = run.step
-    return {
-        "model": run.model.state_dict(),
-        "optimizer": step.optimizer.state_dict(),
-        "scaler": step.scaler.state_dict(),
-    }
+    optimizer (its momentum) and the scaler (of the rectrain.train.step.Step `step`)."""
+    return {"model": model.state_dict(), "optimizer": step.optimizer.state_dict(), "scaler": step.scaler.state_dict()}
 
 
-def guard(run, agreement, detector: Detector | None, where: str) -> None:
+@dataclass(frozen=True)
+class Watch:
+    """What the stop on divergence needs of a run: this rank, the checkpoints folder, train.precision,
+    the rank's detector and the states a checkpoint would save (`run_states`)."""
+
+    d: Dist
+    ck_dir: Path
+    precision: str
+    detector: Detector
+    states: Callable[[], dict[str, dict]]
+
+
+def guard(watch: Watch, agreement, where: str) -> None:
     """Every rank, before a checkpoint replaces the one on disk: when rank 0's state holds a non-finite
     tensor, or any rank's detector tripped, every rank stops (`stop`); else nothing."""
-    bad = nonfinite_names(run_states(run)) if run.d.master else []
-    tripped, count = agreement.any_of(int(bool(detector and detector.tripped)), len(bad))
+    bad = nonfinite_names(watch.states()) if watch.d.master else []
+    tripped, count = agreement.any_of(int(watch.detector.tripped), len(bad))
     if tripped or count:
-        stop(run, detector, where, bad, count)
+        stop(watch, where, bad, count)
 
 
-def stop(run, detector: Detector | None, where: str, bad: list[str] = (), count: int = 0) -> None:
+def stop(watch: Watch, where: str, bad: list[str] = (), count: int = 0) -> None:
     """Every rank: log the one line (see `line`), rank 0 writes diverged.json, then raise Diverged."""
-    text = line(run, detector, where, bad, count)
-    if run.d.master:
-        atomic.write_json(run.ck_dir / DIVERGED, {"time": now(), "where": where, **_last(detector), "line": text})
-    barrier(run.d)  # the marker is on disk before a first rank's exit makes torchrun end the others
+    text = line(watch, where, bad, count)
+    if watch.d.master:
+        atomic.write_json(
+            watch.ck_dir / DIVERGED, {"time": now(), "where": where, **_last(watch.detector), "line": text}
+        )
+    barrier(watch.d)  # the marker is on disk before a first rank's exit makes torchrun end the others
     log.error("%s", text)
     raise Diverged(text)
 
 
-def _last(detector: Detector | None) -> dict:
-    last = dict(detector.last) if detector else {}
+def _last(detector: Detector) -> dict:
+    last = dict(detector.last)
     # JSON has no NaN: the loss as text
     return {**last, "loss": str(last["loss"])} if "loss" in last else last
 
 
-def line(run, detector: Detector | None, where: str, bad: list[str], count: int) -> str:
+def line(watch: Watch, where: str, bad: list[str], count: int) -> str:
     """The rank's one line: where and why it stopped, the last good checkpoint, what to change."""
-    last = detector.last if detector and detector.last else {}
+    detector = watch.detector
+    last = detector.last
     at = f"epoch {last['epoch']} step {last['step']}" if last else where
     scale = last.get("scale")
     lr = f"lr {last['lr']:.4g}" if last else "lr unknown"
-    numbers = (
-        f"{lr}, loss scale {scale:g}" if scale is not None else f"{lr}, no loss scale ({run.settings.model.precision})"
-    )
-    if detector and detector.tripped:
+    numbers = f"{lr}, loss scale {scale:g}" if scale is not None else f"{lr}, no loss scale ({watch.precision})"
+    if detector.tripped:
         cause = detector.cause()
     elif bad:
         more = ", ..." if len(bad) > NAMES_SHOWN else ""
@@ -153,8 +162,8 @@ def line(run, detector: Detector | None, where: str, bad: list[str], count: int)
     else:
         cause = "another rank's loss was not finite" if not count else f"rank 0 holds {count} non-finite tensor(s)"
     return (
-        f"rank {run.d.rank}: training diverged at {at} ({numbers}): {cause}; stopped at {where}, nothing of it "
-        f"saved: {last_good(run.ck_dir)}. To go on: lower train.lr (the peak) or lengthen train.warmup_epochs, use "
+        f"rank {watch.d.rank}: training diverged at {at} ({numbers}): {cause}; stopped at {where}, nothing of it "
+        f"saved: {last_good(watch.ck_dir)}. To go on: lower train.lr (the peak) or lengthen train.warmup_epochs, use "
         f"train.precision: bf16 where the GPU has it, or set train.clip_grad_norm (e.g. 1.0); then rerun with "
         f"train.resume: always (exit status {EXIT_DIVERGED})"
     )

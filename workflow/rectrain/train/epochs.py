@@ -54,6 +54,8 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
     d, epochs = run.d, run.settings.optim.epochs
     progress = RunProgress(run.settings.telemetry.progress_s, d.world_size, epochs) if d.master else None
     detector = divergence.Detector(run.settings.stops.nonfinite_steps)
+    states = lambda: divergence.run_states(run.model, run.step)  # noqa: E731
+    watch = divergence.Watch(d, run.ck_dir, run.settings.model.precision, detector, states)
     for epoch in range(start.epoch, epochs):
         faults.fail_rank(d.rank)
         if progress:
@@ -62,7 +64,7 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
             books.curves.begin_epoch(run.train_loader.spec.crop_at(epoch))
         first, saved = start.rank_part(epoch, d.rank)
         wall_before = saved.get("wall_s", 0.0)
-        control = MidEpoch(run, agreement, epoch, run.train_loader, books.steps, wall_before, detector=detector)
+        control = MidEpoch(run, agreement, epoch, run.train_loader, books.steps, wall_before, watch=watch)
         stats = train_one_epoch(
             run.step,
             run.train_loader,
@@ -74,7 +76,7 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
             curves=books.curves,
         )
         # before the validation (wasted on a diverged model) and the checkpoint (never a non-finite one)
-        divergence.guard(run, agreement, detector, f"the end of epoch {epoch}")
+        divergence.guard(watch, agreement, f"the end of epoch {epoch}")
         after_steps = time.monotonic()
         val = validate_epoch(run, epoch, progress)
         rngs = all_gather(ckpt.rng_state(), d)

@@ -83,7 +83,7 @@ class Position:
 
 class MidEpoch:
     """One epoch's control for run_steps: asked after every optimizer step, it checkpoints and stops as
-    the ranks agreed; `detector` (the run's, rectrain.train.divergence) reads the steps' losses."""
+    the ranks agreed; `watch.detector` (the run's, rectrain.train.divergence) reads the steps' losses."""
 
     def __init__(
         self,
@@ -94,15 +94,15 @@ class MidEpoch:
         steps_log,
         wall_before: float,
         *,
-        detector: divergence.Detector | None = None,
+        watch: divergence.Watch,
     ):
         self.run, self.agreement, self.epoch, self.loader = run, agreement, epoch, loader
         self.steps_log, self.wall_before, self.started = steps_log, wall_before, time.monotonic()
-        self.detector = detector
+        self.watch, self.detector = watch, watch.detector
 
     def poll(self, step: int) -> Decision:
         faults.signal_at(self.run.d.rank, self.epoch, step)
-        return self.agreement.poll(bool(self.detector and self.detector.tripped))
+        return self.agreement.poll(self.detector.tripped)
 
     def act(self, decision: Decision, steps_done: int, totals: dict) -> None:
         """Checkpoint after `steps_done` steps; on a stop, end the rank (Stopped) once it is written; on
@@ -111,8 +111,8 @@ class MidEpoch:
         where = f"epoch {self.epoch} step {steps_done - 1} of {self.loader.batches_per_epoch}"
         if decision.diverged:
             self.steps_log.sync()
-            divergence.stop(run, self.detector, where)
-        divergence.guard(run, self.agreement, self.detector, f"the mid-epoch checkpoint after {where}")
+            divergence.stop(self.watch, where)
+        divergence.guard(self.watch, self.agreement, f"the mid-epoch checkpoint after {where}")
         why = f"stop signal {decision.signal_name}" if decision.stop else "train.checkpoint_interval_min"
         watchdog.beat(f"epoch {self.epoch}: writing the mid-epoch checkpoint ({why})")
         self.steps_log.sync()  # the rows up to this step outlive a power cut as the checkpoint does

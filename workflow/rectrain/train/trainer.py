@@ -162,7 +162,13 @@ def train_run(run: Run, request: StopRequest) -> None:
     agreement = Agreement(d, request, run.settings.stops.checkpoint_interval_min)
     with (
         outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log),
-        curves.opened(run, resumed.start_epoch, resumed.start_step) as live,
+        curves.opened(
+            d.master and run.settings.telemetry.tensorboard,
+            run.out,
+            run.train_loader.batches_per_epoch,
+            resumed.start_epoch,
+            resumed.start_step,
+        ) as live,
     ):
         train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration, live), agreement)
     watchdog.beat("publishing the outputs")
