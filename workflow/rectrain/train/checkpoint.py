@@ -10,9 +10,10 @@ differently on another card), the record content, the world size and the sha256 
 source file.  `differences` compares them and names each that differs (`resumable`: the first);
 which of them train.resume: always may resume across is rectrain.train.resume's decision.
 
-Nothing is deleted to start over: a run that does not continue the checkpoints here moves them
+Starting over deletes nothing of the run it replaces: a run that does not continue the checkpoints here moves them
 (`move_aside`: a rename within the folder's filesystem, never a copy) into
-replaced/<UTC time>-<what differed>/ beside them.  Within a run, `prune` keeps the last
+replaced/<UTC time>-<what differed>/ beside them; `bound_replaced` then keeps the newest
+train.keep_replaced runs there, deleting older ones by name.  Within a run, `prune` keeps the last
 train.keep_checkpoints epoch_<k>.pt files (last.pt is always kept, model.pt is not in this folder).
 
 Finished runs: after model.pt is published, its outputs are linked into finished/ (rectrain.train.finished)
@@ -33,6 +34,7 @@ import logging
 import os
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,3 +303,27 @@ def prune(ck_dir: Path, keep: int) -> list[str]:
     for name in gone:
         (Path(ck_dir) / name).unlink(missing_ok=True)
     return gone
+
+
+def bound_replaced(ck_dir: Path, keep: int) -> tuple[list[str], int, int]:
+    """Delete all but the newest `keep` runs in replaced/ (train.keep_replaced; folders named by UTC
+    time, so by name).  Returns (the folders deleted, the runs left, their bytes on disk)."""
+    root = Path(ck_dir) / REPLACED
+    if not root.is_dir():
+        return [], 0, 0
+    runs = sorted(p for p in root.iterdir() if p.is_dir())
+    gone = runs[: max(0, len(runs) - keep)]
+    for folder in gone:
+        shutil.rmtree(folder)
+    return [p.name for p in gone], len(runs) - len(gone), disk_bytes(root)
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes the files under `folder` take, a hard-linked file once (last.pt and its epoch_<k>.pt)."""
+    seen, total = set(), 0
+    for path in Path(folder).rglob("*"):
+        st = path.lstat()
+        if path.is_file() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total

@@ -14,8 +14,9 @@ train.resume (operational, x-rerun: false) says when a checkpoint is continued:
   classes) fails as it is restored, saying so.
 - never: always start over.
 
-Starting over never deletes: the checkpoints here are moved aside (checkpoint.move_aside, a rename)
-into checkpoints/replaced/<UTC time>-<what differed>/ and the log line says where and why.
+Starting over never deletes the run it replaces: the checkpoints here are moved aside (checkpoint.move_aside,
+a rename) into checkpoints/replaced/<UTC time>-<what differed>/ and the log line says where and why;
+only runs beyond the newest train.keep_replaced there are deleted, each named, with the folder's size.
 
 A finished run (checkpoint.FINISHED present: Snakemake deleted the job's outputs and started it
 again) is never continued.  Under auto and always it is republished, without training, from the
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rectrain.distributed import all_gather
+from rectrain.storage import human_bytes
 from rectrain.train import checkpoint as ckpt
 from rectrain.train import finished
 from rectrain.train.batchplan import BatchPlan
@@ -118,9 +120,9 @@ def resume(run: Run) -> Resumed:
             "filesystem every node sees (shared --out)"
         )
     if run.d.master and kept is not None:
-        bring_back(run.ck_dir, kept, why_not)
+        bring_back(run.ck_dir, kept, why_not, run.settings.stops.keep_replaced)
     elif run.d.master and not decided.continues:  # whatever checkpoints are here belong to another run
-        start_over(run.ck_dir, why_not)
+        start_over(run.ck_dir, why_not, run.settings.stops.keep_replaced)
     if run.d.master and decided.restored:
         finished.restore(run.out, run.ck_dir)
     return decided
@@ -142,7 +144,7 @@ def kept_finished_run(run: Run) -> Path | None:
     return None
 
 
-def bring_back(ck_dir: Path, kept: Path, why_not: str) -> None:
+def bring_back(ck_dir: Path, kept: Path, why_not: str, keep_replaced: int) -> None:
     """Move the checkpoints here aside (they are not this run's) and the finished run in `kept` back."""
     dest, moved = ckpt.move_aside(ck_dir, why_not)
     if moved:
@@ -154,6 +156,7 @@ def bring_back(ck_dir: Path, kept: Path, why_not: str) -> None:
             dest,
         )
     ckpt.move_back(kept, ck_dir)
+    bound_replaced(ck_dir, keep_replaced)
     log.info(
         "brought back the finished run moved aside to %s: it is this run (the same train config, batch plan, "
         "records, processes and code)",
@@ -177,18 +180,32 @@ def _finished_run(run: Run, found: list[ckpt.Difference]) -> tuple[Resumed, str 
     return Resumed(run.settings.optim.epochs, restored=True), None
 
 
-def start_over(ck_dir: Path, why_not: str) -> None:
+def start_over(ck_dir: Path, why_not: str, keep_replaced: int) -> None:
     """Move the replaced run's checkpoints aside and say where and why (nothing here: nothing said)."""
     dest, moved = ckpt.move_aside(ck_dir, why_not)
     if moved:
         log.info(
-            "not resuming from %s: %s; moved its checkpoints (%s) aside to %s (nothing deleted: remove that "
-            "folder when the replaced run is no longer wanted); starting from epoch 0",
+            "not resuming from %s: %s; moved its checkpoints (%s) aside to %s; starting from epoch 0",
             Path(ck_dir) / "last.pt",
             why_not,
             ", ".join(moved),
             dest,
         )
+        bound_replaced(ck_dir, keep_replaced)
+
+
+def bound_replaced(ck_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` runs in replaced/ (train.keep_replaced), saying its size and what was deleted."""
+    gone, left, size = ckpt.bound_replaced(ck_dir, keep)
+    removed = f"; deleted the oldest: {', '.join(gone)}" if gone else ""
+    log.info(
+        "%s holds %d replaced run(s), %s on disk (train.keep_replaced: %d)%s",
+        Path(ck_dir) / ckpt.REPLACED,
+        left,
+        human_bytes(size),
+        keep,
+        removed,
+    )
 
 
 def _continue(run: Run) -> tuple[Resumed, str | None]:
