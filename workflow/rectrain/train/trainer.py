@@ -145,7 +145,7 @@ def train_run(run: Run, request: StopRequest) -> None:
     resumed = resume(run)
     if resumed.restored:  # the finished run, published again from checkpoints/finished/
         return
-    calibration = calibrate.calibrate_run(run)
+    calibration = calibrate.reused_or_measured(run, run.out / "run.json", resumed.continues)
     info = provenance.run_info(
         run,
         resumed.start_epoch,
@@ -154,6 +154,7 @@ def train_run(run: Run, request: StopRequest) -> None:
         start_step=resumed.start_step,
         diverged_before=divergence.diverged_before(run.ck_dir) if resumed.start_epoch or resumed.start_step else None,
     )
+    info["calibration_setup"] = calibrate.setup_key(run)  # a resume on the same setup reuses the calibration
     if d.master:
         write_json(run.out / "run.json", info)
         provenance.log_start(run)
