@@ -27,6 +27,7 @@ import torch
 
 from rectrain import atomic
 from rectrain.distributed import Dist, barrier
+from rectrain.log import PROGRESS_LOGGER
 from rectrain.train.checkpoint import DIVERGED
 from rectrain.train.provenance import now
 from rectrain.train.stop import Agreed
@@ -134,7 +135,8 @@ def stop(watch: Watch, where: str, bad: list[str] = (), count: int = 0) -> None:
             watch.ck_dir / DIVERGED, {"time": now(), "where": where, **_last(watch.detector), "line": text}
         )
     barrier(watch.d)  # the marker is on disk before a first rank's exit makes torchrun end the others
-    log.error("%s", text)
+    # rank 0's line also reaches the terminal the run was started from (rectrain.log), not only its log
+    (logging.getLogger(PROGRESS_LOGGER) if watch.d.master else log).error("%s", text)
     raise Diverged(text)
 
 

@@ -13,9 +13,8 @@ import logging
 import math
 
 from rectrain.config import stage_block
+from rectrain.log import PROGRESS_LOGGER
 from rectrain.report.learning import MORE_STEPS_FIX
-
-log = logging.getLogger(__name__)
 
 # The first epoch is often near chance on any dataset (warm-up): warnings start after the second.
 FIRST_EPOCH = 1
@@ -58,5 +57,6 @@ def warnings(epoch: int, train_loss: float, val_top1: float | None, classes: int
 
 
 def warn(epoch: int, train_loss: float, val_top1: float | None, classes: int, opt_steps: int) -> None:
+    """Rank 0: the warnings, in its log and on the terminal the run was started from (rectrain.log)."""
     for line in warnings(epoch, train_loss, val_top1, classes, opt_steps):
-        log.warning("%s", line)
+        logging.getLogger(PROGRESS_LOGGER).warning("%s", line)
