@@ -150,7 +150,7 @@ def evaluation(train_out: Path, rows: list[dict]) -> None:
     """The evaluate stage's top-1 and top-5 per test resolution (metrics.json's rows), at the crop in px
     as the step; purge_step 0 drops an earlier evaluation's points."""
     w = writer(Path(train_out) / FOLDER / "evaluate", purge_step=0)
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["crop"]):  # steps in order, as readers draw a line
         w.add_scalar("evaluate/top1", r["top1"], r["crop"])
         w.add_scalar("evaluate/top5", r["top5"], r["crop"])
     w.close()
