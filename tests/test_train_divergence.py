@@ -240,3 +240,24 @@ def test_a_run_made_nonfinite_stops_on_every_rank_and_resume_always_with_a_lower
     assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
     run = json.loads((out / "run.json").read_text())
     assert run["resumed_from_epoch"] == 1 and run["diverged_before"]["where"] == "epoch 1 step 4 of 6"
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_clip_grad_norm_bounds_the_update_to_the_true_gradients_norm(scaled):
+    """SGD at lr 1 without momentum moves the weights by the gradient: clipped to norm 0.1, the step is
+    0.1 long, under fp16's GradScaler too (the gradients are unscaled before clipping)."""
+
+    def update_norm(clip):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+        sgd = torch.optim.SGD(net.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0)
+        scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+        step = Step(net, torch.nn.CrossEntropyLoss(), sgd, sched, scaler, 1, "fp32", False, CPU1, clip_grad_norm=clip)
+        before = torch.cat([p.detach().flatten().clone() for p in net.parameters()])
+        x, y = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(1)) * 100, torch.tensor([0, 1, 2, 0])
+        run_steps(step, 0, [(x, y)], Rows(), 1)
+        return float((torch.cat([p.detach().flatten() for p in net.parameters()]) - before).norm())
+
+    assert update_norm(None) > 1.0, "the unclipped gradient is long"
+    assert update_norm(0.1) == pytest.approx(0.1, rel=1e-3)
