@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -245,6 +246,13 @@ def test_a_resolution_sweep_writes_one_row_per_resolution_the_first_the_headline
     m = evaluate(val_set, kind, tmp_path / "sweep", resolutions=[24, None, 24])
     rows = m["resolutions"]
     assert [(r["crop"], r["resize"]) for r in rows] == [(24, 27), (CROP, RESIZE)]
+    # TensorBoard beside the checkpoint (rectrain.train.curves): top-1 per test crop, read by tensorboard's reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(val_set["ckpt"]).parent / "tensorboard" / "evaluate"))
+    acc.Reload()
+    top1 = [(e.step, round(e.value, 5)) for e in acc.Scalars("evaluate/top1")]
+    assert top1 == [(r["crop"], round(r["top1"], 5)) for r in sorted(rows, key=lambda r: r["crop"])]
     alone = [evaluate(val_set, kind, tmp_path / str(r), resolutions=[r]) for r in (24, None)]
     scores = ("top1", "top5", "loss", "images", "crop", "resize")
     for r, single in zip(rows, alone, strict=True):

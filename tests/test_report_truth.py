@@ -142,6 +142,23 @@ def test_a_resumed_run_says_from_where(small, tmp_path):
     assert 'id="resumed"' not in fresh
 
 
+def test_a_run_resumed_after_stopping_on_divergence_says_where_it_diverged(tmp_path):
+    """run.json's diverged_before (rectrain.train.lifecycle.divergence's diverged.json, carried by the resume)."""
+    import json
+
+    paths = write_run(tmp_path)
+    run_json = paths["train"] / "run.json"
+    diverged = {"where": "epoch 1 step 4 of 6", "epoch": 1, "step": 3, "lr": 1000000.0, "scale": None, "loss": "nan"}
+    run_json.write_text(
+        json.dumps({**json.loads(run_json.read_text()), "resumed_from_epoch": 1, "diverged_before": diverged})
+    )
+    html = section(build(loaded(paths), whole(config()), repo=tmp_path), "summary")
+    assert (
+        '<span id="diverged">stopped on divergence before: at epoch 1 step 3 (lr 1e+06, loss nan), stopped at '
+        "epoch 1 step 4 of 6; resumed from the last good checkpoint</span>" in html
+    )
+
+
 def test_a_run_whose_number_of_processes_changed_lists_each_with_its_epoch(tmp_path):
     import json
 

@@ -125,7 +125,7 @@ def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_r
     out, labels = tmp_path / "t", tmp_path / "labels"
     labels.mkdir()
     env = {"RECTRAIN_RECORD_LABELS": str(labels), "RECTRAIN_SIGNAL_AT": "1:1:2"}
-    stopped = run_train(data, out, env, loader="dali")
+    stopped = run_train(data, out, env, loader="dali", progress_s=0.001)  # a progress line (and curve point) a step
     assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: stopped by SIGTERM after epoch 1 step 2 of 6: {out / 'checkpoints' / 'last.pt'}" in (
@@ -141,10 +141,33 @@ def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_r
     assert all(isinstance(r["loader"], bytes) for r in state["ranks"]), "DALI's pipeline checkpoints"
     assert not (out / "model.pt").exists()
 
-    resumed = run_train(data, out, {"RECTRAIN_RECORD_LABELS": str(labels)}, loader="dali")
+    resumed = run_train(data, out, {"RECTRAIN_RECORD_LABELS": str(labels)}, loader="dali", progress_s=0.001)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing at epoch 1 step 3" in resumed.stderr and "epoch 0: train loss" not in resumed.stderr
     check_resumed_like_reference(reference["dali"], out, labels)
+    check_curves_continue(out / "tensorboard", steps_per_epoch=6, epochs=2)
+
+
+def check_curves_continue(folder, steps_per_epoch, epochs):
+    """TensorBoard's own reader finds every CPU run's tag (rectrain.train.curves) in the two processes'
+    event files, each tag's steps strictly increasing (none written twice), at the steps the run took."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list(folder.glob("events.out.tfevents.*"))) == 2, "one event file per process"
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    per_line = {"train/loss", "train/lr", "train/images_per_s", "train/data_wait_share/rank0", "train/resolution_px"}
+    per_epoch = {f"epoch/{t}" for t in ("train_loss", "val_top1", "val_top5", "seconds", "cpu_busy_percent")}
+    per_epoch |= {"epoch/iowait_percent", "epoch/data_wait_share/rank0", "epoch/data_wait_share/rank1"}
+    assert per_line | per_epoch <= set(steps), sorted(steps)
+    for tag, got in steps.items():
+        assert got == sorted(set(got)), f"{tag}: {got}"
+    last = steps_per_epoch * epochs
+    for tag in per_line:  # a line after every step but each pass's first (no steady step yet)
+        assert steps[tag] == [s for s in range(1, last + 1) if s % steps_per_epoch != 1], (tag, steps[tag])
+    for tag in per_epoch:
+        assert steps[tag] == [steps_per_epoch * (e + 1) for e in range(epochs)], (tag, steps[tag])
 
 
 @pytest.mark.slow

@@ -440,3 +440,19 @@ def test_auto_batch_whose_checkpoint_plan_no_longer_fits_plans_afresh_naming_bot
     assert (chosen.batch, chosen.grad_accum) == (43, 6)
     for part in ("the checkpoint's plan 64 x accum 4 is not reused", "no longer fits", "this run plans 43 x accum 6"):
         assert part in chosen.reason and part in caplog.text
+
+
+def test_replaced_keeps_the_newest_keep_replaced_runs_naming_what_it_deletes_and_its_size(tmp_path, caplog):
+    """Each start-over moves a run aside; train.keep_replaced 2 deletes the oldest beyond two, and the
+    line gives the folder's size with a hard-linked last.pt counted once."""
+    for k in range(3):
+        ckpt.save_atomic({"w": torch.zeros(1000)}, tmp_path / f"epoch_{k}.pt")
+        ckpt.save_linked({"w": torch.zeros(1000)}, tmp_path / f"epoch_{k}.pt", tmp_path / "last.pt")
+        with caplog.at_level(logging.INFO):
+            resume_mod.start_over(tmp_path, f"edit {k}", keep_replaced=2)
+    runs = replaced(tmp_path)
+    assert [p.name.split("-", 1)[1] for p in runs] == ["edit-1", "edit-2"]
+    one = (runs[0] / "epoch_1.pt").stat().st_size
+    assert ckpt.disk_bytes(tmp_path / ckpt.REPLACED) == 2 * one, "last.pt is a hard link: counted once"
+    assert f"{tmp_path / ckpt.REPLACED} holds 2 replaced run(s)" in caplog.text
+    assert "(train.keep_replaced: 2); deleted the oldest: " in caplog.text and "-edit-0" in caplog.text

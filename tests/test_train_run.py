@@ -165,7 +165,8 @@ def test_changed_config_does_not_resume_and_moves_the_old_runs_checkpoints_aside
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["epoch_0.pt", "finished", "finished.json", "last.pt", "replaced"], "no epoch_1.pt of the old run"
     ((folder, files),) = moved_aside(out).items()
-    assert files == ["epoch_0.pt", "epoch_1.pt", "finished", "finished.json", "last.pt"], "the replaced run, whole"
+    whole = ["epoch_0.pt", "epoch_1.pt", "finished", "finished.json", "last.pt", "tensorboard"]
+    assert files == whole, "the replaced run, whole, with its TensorBoard curves"
     assert folder.endswith("-the-train-config-changed-epochs") and folder in proc.stderr
 
 
@@ -184,7 +185,7 @@ def test_killed_run_restarted_with_another_lr_starts_over_and_keeps_the_old_chec
     assert "not resuming" in proc.stderr and "the train config changed (lr)" in proc.stderr
     assert "epoch 0: train loss" in proc.stderr, "started over"
     ((folder, files),) = moved_aside(out).items()
-    assert folder.endswith("-the-train-config-changed-lr") and files == ["epoch_0.pt", "last.pt"]
+    assert folder.endswith("-the-train-config-changed-lr") and files == ["epoch_0.pt", "last.pt", "tensorboard"]
     kept = load(out / "checkpoints" / "replaced" / folder / "last.pt")
     assert kept["epoch"] == 0 and kept["config"]["lr"] == old["config"]["lr"] == 0.1, "the killed run, intact"
     assert torch.equal(kept["model"]["classifier.1.weight"], old["model"]["classifier.1.weight"])

@@ -43,6 +43,7 @@ from rectrain.metrics import Tally, all_reduce, tally
 from rectrain.progress import Progress
 from rectrain.settings import EvaluateSettings
 from rectrain.tables import read_classes, spreadsheet_safe
+from rectrain.train import curves
 from rectrain.train.lifecycle.checkpoint import load as load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -287,6 +288,8 @@ def run(evaluate: EvaluateSettings, checkpoint: str, rec: str, idx: str, classes
         m.update(num_classes=int(tallies[0].confusion.shape[0]), usage=used)
         write_outputs(Path(out), m, per_class(tallies[0].confusion, classes))
         log_rows(rows, bool(evaluate.flip_tta))
+        if train_cfg.get("tensorboard", True):  # the checkpoint's train.tensorboard
+            curves.evaluation(Path(checkpoint).parent, rows)
         return m
     finally:
         distributed.teardown()

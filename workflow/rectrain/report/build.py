@@ -214,12 +214,18 @@ def class_columns(classes: pd.DataFrame) -> dict:
 
 
 def resumed(run: dict) -> dict | None:
-    """Where a resumed run continued from (run.json's resumed_from_epoch, resumed_despite); None when it
-    started at epoch 0."""
+    """Where a resumed run continued from (run.json's resumed_from_epoch, resumed_despite, and
+    diverged_before: the run stopped on divergence, rectrain.train.lifecycle.divergence); None when it started at
+    epoch 0."""
     start = run.get("resumed_from_epoch")
     if not start:
         return None
-    return {"epoch": int(start), "after": int(start) - 1, "despite": list(run.get("resumed_despite") or [])}
+    return {
+        "epoch": int(start),
+        "after": int(start) - 1,
+        "despite": list(run.get("resumed_despite") or []),
+        "diverged": run.get("diverged_before"),
+    }
 
 
 def world_size_changes(run: dict) -> list[str]:

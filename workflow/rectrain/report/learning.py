@@ -17,6 +17,14 @@ from rectrain.report.diagnosis import Finding
 from rectrain.report.inputs import RunData
 from rectrain.settings import ReportSettings
 
+# What a run that does not learn most likely needs: the report's findings and the console's early
+# warnings during training (rectrain.train.early_warning) name the same.
+MORE_STEPS_FIX = (
+    "Give it more optimizer steps: a smaller train.batch_size on a small dataset, more train.epochs; check "
+    "train.lr (it is for a global batch of 256 and scales linearly) and that the train and val splits hold the "
+    "same classes."
+)
+
 
 def optimizer_steps_per_epoch(steps: pd.DataFrame, run: Mapping) -> int | None:
     """Optimizer steps one epoch took on rank 0 (micro-steps over train.grad_accum, the most over the
@@ -103,11 +111,7 @@ def at_chance(data: RunData, report: ReportSettings, steps_finding: Finding | No
             f"class's share of the val images)"
         ),
         threshold=f"top-1 at most report.chance_factor = {factor:g} x chance",
-        fix=(
-            f"Most likely {why}. Give it more optimizer steps: a smaller train.batch_size on a small "
-            "dataset, more train.epochs; check train.lr (it is for a global batch of 256 and scales linearly) "
-            "and that the train and val splits hold the same classes."
-        ),
+        fix=f"Most likely {why}. {MORE_STEPS_FIX}",
     )
 
 

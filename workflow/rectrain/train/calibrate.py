@@ -41,9 +41,12 @@ resolution's rate, and the run's against the epochs' combined ceiling (combine_r
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,7 +54,7 @@ import torch
 from rectrain import watchdog
 from rectrain.distributed import Dist, all_gather
 from rectrain.progress import Progress
-from rectrain.train import resolution
+from rectrain.train import resolution, telemetry
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.step import Step, compiled_graphs, is_compiled, run_steps
 
@@ -303,6 +306,57 @@ def compiled_note(cal: dict) -> str:
             "raise train.calibration_warmup_steps"
         )
     return note
+
+
+def setup_key(run: Run) -> dict:
+    """What a calibration's img/s depends on: the devices (GPU models and memory, CPU cores), the
+    processes, the model and its numerics, the batch plan, the resolutions and the calibration's own
+    bounds.  run.json records it (`calibration_setup`): a resume with the same one reuses the measurement."""
+    s, res = run.settings, run.settings.resolution
+    tel = s.telemetry
+    return {
+        "gpus": [[g.get("name"), g.get("memory_total_mb")] for g in telemetry.gpu_inventory()],
+        "cpu_cores": os.cpu_count(),
+        "devices": s.launch.devices,
+        "world_size": run.d.world_size,
+        "model": s.model.model,
+        "precision": s.model.precision,
+        "channels_last": s.model.channels_last,
+        "compile": [s.model.compile, s.model.compile_mode],
+        "batch": [run.plan.batch, run.plan.grad_accum],
+        "resolutions": resolution.resolutions(res.image_size, res.progressive, s.optim.epochs),
+        "image_dtype": str(run.train_loader.image_dtype),
+        "bounds": [tel.calibration_steps, tel.calibration_warmup_steps, tel.calibration_max_s],
+    }
+
+
+def reused_or_measured(run: Run, previous_run_json: Path, resumed: bool) -> dict:
+    """On a resume whose previous run.json measured the same `setup_key`: that calibration, said so
+    (24-40 s of a short run saved); else calibrate_run.  Rank 0 decides for every rank (each must run
+    the calibration's steps, or none)."""
+    key = setup_key(run)
+    found = _previous(previous_run_json, key) if resumed and run.d.master else None
+    found = all_gather(found, run.d)[0]
+    if found is None:
+        return calibrate_run(run)
+    if run.d.master:
+        log.info(
+            "calibration reused from %s (%.1f img/s): the same devices, processes, model, batch plan and "
+            "resolutions as the run this one resumes",
+            previous_run_json,
+            total_rate(found),
+        )
+    return found
+
+
+def _previous(path: Path, key: dict) -> dict | None:
+    try:
+        before = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    same = isinstance(before, dict) and before.get("calibration_setup") == json.loads(json.dumps(key))
+    found = before.get("calibration") if same else None
+    return found if found and not found.get("skipped") else None  # a skipped one costs nothing to skip again
 
 
 def calibrate_run(run: Run) -> dict:

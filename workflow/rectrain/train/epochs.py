@@ -20,9 +20,9 @@ from rectrain.metrics import all_reduce as all_reduce_tally
 from rectrain.metrics import tally
 from rectrain.progress import Progress, RunProgress
 from rectrain.storage import device_info, human_bytes
-from rectrain.train import calibrate
+from rectrain.train import calibrate, curves, early_warning
 from rectrain.train.lifecycle import checkpoint as ckpt
-from rectrain.train.lifecycle import faults
+from rectrain.train.lifecycle import divergence, faults
 from rectrain.train.lifecycle.midepoch import MidEpoch, Position, run_state, stop_at_epoch_end
 from rectrain.train.lifecycle.stop import Agreement
 from rectrain.train.run import Run
@@ -38,12 +38,14 @@ NO_VAL = {"val_loss": None, "val_top1": None, "val_top5": None, "val_images": 0}
 
 @dataclass(frozen=True)
 class Books:
-    """Where the epochs are written down: this rank's step rows, rank 0's epoch rows (else None), and the
-    calibration each epoch's img/s is held against (its input efficiency)."""
+    """Where the epochs are written down: this rank's step rows, rank 0's epoch rows (else None), the
+    calibration each epoch's img/s is held against (its input efficiency), and rank 0's TensorBoard
+    curves (rectrain.train.curves; None: another rank, or train.tensorboard false)."""
 
     steps: CsvLog
     epochs: CsvLog | None
     calibration: dict | None
+    curves: curves.Curves | None = None
 
 
 def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) -> None:
@@ -52,15 +54,30 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
     (rectrain.train.lifecycle.midepoch)."""
     d, epochs = run.d, run.settings.optim.epochs
     progress = RunProgress(run.settings.telemetry.progress_s, d.world_size, epochs) if d.master else None
+    detector = divergence.Detector(run.settings.stops.nonfinite_steps)
+    states = lambda: divergence.run_states(run.model, run.step)  # noqa: E731
+    watch = divergence.Watch(d, run.ck_dir, run.settings.model.precision, detector, states)
     for epoch in range(start.epoch, epochs):
         faults.fail_rank(d.rank)
         if progress:
             progress.begin_epoch(epoch, run.train_loader.batches_per_epoch)
+        if books.curves:
+            books.curves.begin_epoch(run.train_loader.spec.crop_at(epoch))
         first, saved = start.rank_part(epoch, d.rank)
-        control = MidEpoch(run, agreement, epoch, run.train_loader, books.steps, saved.get("wall_s", 0.0))
+        wall_before = saved.get("wall_s", 0.0)
+        control = MidEpoch(run, agreement, epoch, run.train_loader, books.steps, wall_before, watch=watch)
         stats = train_one_epoch(
-            run.step, run.train_loader, epoch, books.steps, progress=progress, resumed=(first, saved), control=control
+            run.step,
+            run.train_loader,
+            epoch,
+            books.steps,
+            progress=progress,
+            resumed=(first, saved),
+            control=control,
+            curves=books.curves,
         )
+        # before the validation (wasted on a diverged model) and the checkpoint (never a non-finite one)
+        divergence.guard(watch, agreement, f"the end of epoch {epoch}")
         after_steps = time.monotonic()
         val = validate_epoch(run, epoch, progress)
         rngs = all_gather(ckpt.rng_state(), d)
@@ -84,14 +101,17 @@ def train_one_epoch(
     *,
     resumed: tuple[int, dict] = (0, {}),
     control: MidEpoch | None = None,
+    curves: curves.Curves | None = None,
 ) -> dict:
     """One epoch's steps; `resumed`: (the first step, this rank's entry of the mid-epoch checkpoint)."""
     n_batches = loader.batches_per_epoch
     first, saved = resumed
+    began = time.time()
     clock = StepClock(torch.device("cpu"))
     start = clock.mark()
     batches = faults.record_labels(loader.epoch(epoch, first, saved.get("loader")), step.dist.rank, epoch, first)
     batches = faults.record_shapes(batches, step.dist.rank, epoch, first)
+    batches = faults.nonfinite_from(batches, epoch, first)
     batches = watchdog.watched(faults.stall_loader(batches, step.dist.rank), f"epoch {epoch}")
     t = run_steps(
         step,
@@ -103,6 +123,7 @@ def train_one_epoch(
         first=first,
         totals=saved.get("totals"),
         control=control,
+        curves=curves,
     )
     wall = saved.get("wall_s", 0.0) + clock.seconds(start, clock.mark())
     if t["steps"] != n_batches:
@@ -113,7 +134,16 @@ def train_one_epoch(
     # This rank's steady img/s, summed over ranks as report/efficiency.py sums them.
     rate = t["steady_images"] / t["steady_wall_s"] if t["steady_wall_s"] > 0 else 0.0
     loss_sum, correct, seen, rates = all_reduce_sum([t["loss_sum"], t["correct"], t["seen"], rate], step.dist)
-    return {"train_loss": loss_sum / seen, "train_acc": correct / seen, "images": seen, "wall_s": wall, "steady": rates}
+    waits = all_gather(t["data_wait_s"] / t["step_wall_s"] if t["step_wall_s"] > 0 else None, step.dist)
+    return {
+        "train_loss": loss_sum / seen,
+        "train_acc": correct / seen,
+        "images": seen,
+        "wall_s": wall,
+        "steady": rates,
+        "data_wait_shares": waits,  # each rank's share of its step time spent waiting for data
+        "began": began,  # unix time this process started the epoch: its system samples (curves)
+    }
 
 
 def validate_epoch(run: Run, epoch: int, progress: Progress | None) -> dict:
@@ -182,6 +212,13 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         efficiency_note(stats, books.calibration, crop),
         saved,
     )
+    opt_steps = -(-run.train_loader.batches_per_epoch // run.plan.grad_accum)
+    early_warning.warn(epoch, stats["train_loss"], val["val_top1"], len(run.classes), opt_steps)
+    if books.curves:
+        ceiling = calibrate.rate_at(books.calibration, crop)
+        efficiency = stats["steady"] / ceiling if ceiling and stats["steady"] else None
+        system = curves.system_means(run.out / "telemetry" / "system_node0.csv", stats["began"], time.time())
+        books.curves.epoch(epoch, curves.epoch_values(stats, val, efficiency), system)
 
 
 def val_text(val: dict) -> str:

@@ -124,3 +124,15 @@ def make_optimizer(optim, model, global_batch: int, opt_steps_per_epoch: int, *,
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: sched.factor(s))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     return optimizer, scheduler, scaler
+
+
+def keep_configured_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, base_lrs: list[float]) -> None:
+    """After loading a checkpoint's optimizer and schedule: train on at this run's peak LRs `base_lrs`
+    (train.lr as now configured, scaled), at the loaded step.  Loading restores the peak the checkpoint
+    was written with, so a run resumed with a lower train.lr (train.resume: always, after a divergence)
+    would otherwise go on at the old one.  The same run: the same values, nothing changes."""
+    scheduler.base_lrs = list(base_lrs)
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, base, lr in zip(scheduler.optimizer.param_groups, base_lrs, lrs, strict=True):
+        group["initial_lr"], group["lr"] = base, lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports until the next step

@@ -27,10 +27,17 @@ def dali_version() -> str | None:
 
 
 def run_info(
-    run: Run, start_epoch: int, calibration: dict, *, resumed_despite: tuple[str, ...] = (), start_step: int = 0
+    run: Run,
+    start_epoch: int,
+    calibration: dict,
+    *,
+    resumed_despite: tuple[str, ...] = (),
+    start_step: int = 0,
+    diverged_before: dict | None = None,
 ) -> dict:
     """run.json as the run starts (`finished` is filled in when it is published); `resumed_despite`: the
-    identity differences train.resume: always resumed across; `start_step`: a mid-epoch resume's step."""
+    identity differences train.resume: always resumed across; `start_step`: a mid-epoch resume's step;
+    `diverged_before`: where the checkpoints' run stopped on divergence (rectrain.train.lifecycle.divergence)."""
     d, s, loader, plan = run.d, run.settings, run.train_loader, run.plan
     res = s.resolution
     return {
@@ -64,6 +71,7 @@ def run_info(
         "resumed_despite": list(resumed_despite),
         # every change of world size with its epoch (a run moved from 2 GPUs to 1 and back)
         "world_sizes": list(run.world_sizes),
+        "diverged_before": diverged_before,
         # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
         "loader_requested": s.loaders.loader,
         "decode": loader.choice.decode,

@@ -120,7 +120,16 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
     )
     net = wrap(model, d, s.launch, part, plan.grad_accum)
     step = Step(
-        net, parts.loss_fn, optimizer, scheduler, scaler, plan.grad_accum, part.precision, part.channels_last, d
+        net,
+        parts.loss_fn,
+        optimizer,
+        scheduler,
+        scaler,
+        plan.grad_accum,
+        part.precision,
+        part.channels_last,
+        d,
+        clip_grad_norm=s.optim.clip_grad_norm,
     )
     data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
     identity = ckpt.RunIdentity(

@@ -28,6 +28,7 @@ class Step:
     precision: str
     channels_last: bool
     dist: Dist
+    clip_grad_norm: float | None = None  # train.clip_grad_norm
 
 
 def is_compiled(net: torch.nn.Module) -> bool:
@@ -56,11 +57,14 @@ def run_steps(
     first: int = 0,
     totals: dict | None = None,
     control=None,
+    curves=None,
 ):
     """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log, and
     the resolved times into `progress` (rank 0's progress lines, rectrain.progress).  A resumed epoch
     starts at step `first` with the `totals` of its steps before; `control` (rectrain.train.lifecycle.midepoch)
-    is asked after every optimizer step whether the ranks checkpoint or stop there.
+    is asked after every optimizer step whether the ranks checkpoint or stop there, and its divergence
+    detector (rectrain.train.lifecycle.divergence) reads every step's loss and loss scale; `curves` (rank 0's,
+    rectrain.train.curves) gets the numbers of every progress line.
 
     No host sync per step: times come from a StepClock read one step late, loss and hits stay on the
     device until then, so the host queues step k+1 (and fetches its batch) while the GPU still computes
@@ -69,7 +73,8 @@ def run_steps(
     step.net.train()
     n_batches = n_batches or max_steps
     clock = StepClock(step.dist.device)
-    book = _Book(clock, steps_log, step.dist.rank, epoch, progress, totals)
+    detector = control.detector if control is not None else None
+    book = _Book(clock, steps_log, step.dist.rank, epoch, progress, totals, detector=detector, curves=curves)
     pending = None
     m_prev = clock.mark()
     for i, (x, y) in enumerate(batches, start=first):
@@ -81,11 +86,11 @@ def run_steps(
         m_end = clock.mark()
         if pending:
             book.resolve(pending)
-        pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr)
+        pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr, loss_scale(step.scaler))
         m_prev = m_end
         if control is not None and last_micro and i + 1 < n_batches:
             decision = control.poll(i)
-            if decision.checkpoint:  # its row and totals first: the checkpoint carries them
+            if decision.checkpoint or decision.diverged:  # its row and totals first: the checkpoint carries them
                 book.resolve(pending)
                 pending = None
                 control.act(decision, i + 1, book.totals)
@@ -101,17 +106,33 @@ class _Book:
     """A step's bookkeeping once its times can be read (one step late): its telemetry row, the
     epoch's totals, the progress lines."""
 
-    def __init__(self, clock: StepClock, steps_log, rank: int, epoch: int, progress: Progress | None, totals=None):
+    def __init__(
+        self,
+        clock: StepClock,
+        steps_log,
+        rank: int,
+        epoch: int,
+        progress: Progress | None,
+        totals=None,
+        *,
+        detector=None,
+        curves=None,
+    ):
         self.clock, self.steps_log, self.rank, self.epoch, self.progress = clock, steps_log, rank, epoch, progress
         zero = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0, "steady_images": 0, "steady_wall_s": 0.0}
+        zero.update(data_wait_s=0.0, step_wall_s=0.0)  # the epoch's data-wait share (rectrain.train.curves)
         self.totals = {**zero, **(totals or {})}
+        self.detector, self.curves = detector, curves
 
     def resolve(self, pending: tuple) -> None:
-        i, m_prev, m_data, m_end, loss, hits, n, lr = pending
+        i, m_prev, m_data, m_end, loss, hits, n, lr, scale = pending
         clock, totals = self.clock, self.totals
         clock.wait(m_end)
         wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
         loss_v = loss.item()
+        scale_v = scale.item() if scale is not None else None
+        if self.detector is not None:
+            self.detector.observe(self.epoch, i, loss_v, lr, scale_v)
         # Step wall time runs from the end of the previous step, so data wait + compute = wall.
         self.steps_log.write(
             rank=self.rank,
@@ -129,15 +150,30 @@ class _Book:
         totals["correct"] += hits.item()
         totals["seen"] += n
         totals["steps"] += 1
+        totals["data_wait_s"] += wait
+        totals["step_wall_s"] += wall
         if i > 0:
             totals["steady_images"] += n
             totals["steady_wall_s"] += wall
         if self.progress is not None:
             self.progress.add(i, wall, wait, n)
+            if self.curves is not None:
+                self.curves.add_loss(loss_v)
             # The pass's last step always gets its line: the log then ends each pass on its own numbers,
             # whatever the machine's speed (resolved one step late, it comes right after the one before).
             if self.progress.due() or i + 1 == self.progress.total:
-                self.progress.line(i + 1)
+                window = self.progress.window
+                if self.progress.line(i + 1) and self.curves is not None:
+                    self.curves.interval(self.epoch, i + 1, window, self.progress.world_size, lr, scale_v)
+
+
+def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The fp16 loss scale after this step's update, as a device tensor read one step late with the loss
+    (GradScaler.get_scale() would sync the host each step); None when the scaler is off (bf16, fp32).
+    update() changes the scale in place, hence the copy."""
+    if not scaler.is_enabled() or scaler._scale is None:  # torch keeps it private; read-only here
+        return None
+    return scaler._scale.detach().clone()
 
 
 def _forward_backward(step: Step, x, y, last_micro: bool):
@@ -151,6 +187,9 @@ def _forward_backward(step: Step, x, y, last_micro: bool):
             loss = step.loss_fn(out, y)
         step.scaler.scale(loss / step.accum).backward()
     if last_micro:
+        if step.clip_grad_norm:
+            step.scaler.unscale_(step.optimizer)  # clip the true gradients, not the scaled ones
+            torch.nn.utils.clip_grad_norm_(step.net.parameters(), step.clip_grad_norm)
         step.scaler.step(step.optimizer)
         step.scaler.update()
         step.optimizer.zero_grad(set_to_none=True)

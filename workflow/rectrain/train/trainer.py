@@ -40,10 +40,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rectrain import cli, distributed, driver_check, settings, usage, watchdog
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
-from rectrain.train import batchplan, calibrate, outputs, provenance
+from rectrain.train import batchplan, calibrate, curves, outputs, provenance
 from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.lifecycle import checkpoint as ckpt
-from rectrain.train.lifecycle import failure, stop, supervise
+from rectrain.train.lifecycle import divergence, failure, stop, supervise
 from rectrain.train.lifecycle.resume import previous_plan, resume
 from rectrain.train.lifecycle.stop import Agreement, StopRequest
 from rectrain.train.run import Run, build_run, prepare_rank
@@ -133,7 +133,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
             )
             run = build_run(args, s, parts, plan)
             train_run(run, request)
-    except stop.Stopped:
+    except stop.Agreed:  # a clean stop or a divergence: each said what it kept, no traceback
         raise
     except Exception as exc:
         log.exception(failure.explain(exc, s.batch, s.launch.devices, plan))
@@ -149,10 +149,16 @@ def train_run(run: Run, request: StopRequest) -> None:
         return
     if resumed.world_sizes:
         run = dataclasses.replace(run, world_sizes=resumed.world_sizes)
-    calibration = calibrate.calibrate_run(run)
+    calibration = calibrate.reused_or_measured(run, run.out / "run.json", resumed.continues)
     info = provenance.run_info(
-        run, resumed.start_epoch, calibration, resumed_despite=resumed.despite, start_step=resumed.start_step
+        run,
+        resumed.start_epoch,
+        calibration,
+        resumed_despite=resumed.despite,
+        start_step=resumed.start_step,
+        diverged_before=divergence.diverged_before(run.ck_dir) if resumed.start_epoch or resumed.start_step else None,
     )
+    info["calibration_setup"] = calibrate.setup_key(run)  # a resume on the same setup reuses the calibration
     if d.master:
         write_json(run.out / "run.json", info)
         provenance.log_start(run)
@@ -161,8 +167,17 @@ def train_run(run: Run, request: StopRequest) -> None:
     elif resumed.regrouped:
         ckpt.reseed(run.settings.launch.seed, resumed.start_epoch, d.rank)
     agreement = Agreement(d, request, run.settings.stops.checkpoint_interval_min)
-    with outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log):
-        train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration), agreement)
+    with (
+        outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log),
+        curves.opened(
+            d.master and run.settings.telemetry.tensorboard,
+            run.out,
+            run.train_loader.batches_per_epoch,
+            resumed.start_epoch,
+            resumed.start_step,
+        ) as live,
+    ):
+        train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration, live), agreement)
     watchdog.beat("publishing the outputs")
     used = usage.combined(all_gather(usage.own(), d))  # every rank's CPU and memory: the report's train row
     barrier(d)
@@ -184,6 +199,8 @@ def _run(args: argparse.Namespace, cfg: dict) -> int | None:
         train(args, s)
     except stop.Stopped:
         return stop.EXIT_STOPPED
+    except divergence.Diverged:
+        return divergence.EXIT_DIVERGED
     finally:
         distributed.teardown()
     return None

@@ -11,4 +11,6 @@ resume      resume, start over (moving the old run aside), or republish a finish
 finished    a finished run's outputs kept beside its checkpoints, and published again
 failure     a failing rank's explained line (a CUDA error read as the out-of-memory it may be)
 faults      the tests' fault hooks (environment variables; unset, they do nothing)
+divergence  a loss that is not finite, or an fp16 loss scale that collapses: every rank stops, and no
+            checkpoint with a non-finite tensor is written
 """

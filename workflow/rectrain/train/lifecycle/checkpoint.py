@@ -10,9 +10,10 @@ differently on another card), the record content, the world size and the sha256 
 source file.  `differences` compares them and names each that differs (`resumable`: the first);
 which of them train.resume: always may resume across is rectrain.train.lifecycle.resume's decision.
 
-Nothing is deleted to start over: a run that does not continue the checkpoints here moves them
+Starting over deletes nothing of the run it replaces: a run that does not continue the checkpoints here moves them
 (`move_aside`: a rename within the folder's filesystem, never a copy) into
-replaced/<UTC time>-<what differed>/ beside them.  Within a run, `prune` keeps the last
+replaced/<UTC time>-<what differed>/ beside them; `bound_replaced` then keeps the newest
+train.keep_replaced runs there, deleting older ones by name.  Within a run, `prune` keeps the last
 train.keep_checkpoints epoch_<k>.pt files (last.pt is always kept, model.pt is not in this folder).
 
 Finished runs: after model.pt is published, its outputs are linked into finished/ (rectrain.train.lifecycle.finished)
@@ -34,6 +35,7 @@ import logging
 import os
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,13 @@ log = logging.getLogger(__name__)
 # Written beside the checkpoints once model.pt is published: this run is complete (finished.py: torch-free,
 # so the launcher reads it without importing torch).
 FINISHED, finished_marker = finished.MARKER, finished.marker
+# Written beside the checkpoints once model.pt is published: this run is complete.
+FINISHED = "finished.json"
+# Written beside the checkpoints when the ranks stopped on divergence (rectrain.train.lifecycle.divergence).
+DIVERGED = "diverged.json"
+# The run's TensorBoard curves, beside the checkpoints folder (rectrain.train.curves.FOLDER); a run
+# moved aside takes them along, so a new run's curves start apart.
+CURVES = "tensorboard"
 # Record headers hashed for the content fingerprint: evenly spaced over the .idx.  Reading every
 # header of ImageNet's .rec would read nearly the whole 140 GB file; 4096 reads take well under a
 # second and catch any relabel that moves more than ~0.1 % of the records (a class-to-label change).
@@ -308,11 +317,11 @@ def _slug(reason: str) -> str:
 
 
 def run_files(ck_dir: Path) -> list[str]:
-    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED and the
-    folder of its kept outputs (rectrain.train.lifecycle.finished)."""
+    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED, DIVERGED
+    and the folder of its kept outputs (rectrain.train.lifecycle.finished)."""
     ck_dir = Path(ck_dir)
     epochs = sorted((p.name for p in ck_dir.glob("epoch_*.pt") if EPOCH_FILE.fullmatch(p.name)), key=_epoch_of)
-    return epochs + [n for n in ("last.pt", FINISHED, finished.FOLDER) if (ck_dir / n).exists()]
+    return epochs + [n for n in ("last.pt", FINISHED, DIVERGED, finished.FOLDER) if (ck_dir / n).exists()]
 
 
 def _epoch_of(name: str) -> int:
@@ -320,8 +329,8 @@ def _epoch_of(name: str) -> int:
 
 
 def move_aside(ck_dir: Path, reason: str) -> tuple[Path | None, list[str]]:
-    """Move the checkpoints (and FINISHED) of a run being replaced into
-    replaced/<UTC time>-<reason slug>/; returns (that folder, the names moved), (None, []) when there
+    """Move the checkpoints (and FINISHED, and the curves beside the folder: CURVES) of a run being
+    replaced into replaced/<UTC time>-<reason slug>/; returns (that folder, the names moved), (None, []) when there
     were none.  os.rename within one folder tree: no copy, no byte rewritten, nothing deleted."""
     ck_dir = Path(ck_dir)
     names = run_files(ck_dir)
@@ -337,6 +346,9 @@ def move_aside(ck_dir: Path, reason: str) -> tuple[Path | None, list[str]]:
             dest = dest.with_name(f"{stamp}-{_slug(reason)}-{n}")
     for name in names:
         os.rename(ck_dir / name, dest / name)
+    curves = ck_dir.parent / CURVES
+    if curves.is_dir():
+        os.rename(curves, dest / CURVES)
     return dest, names
 
 
@@ -346,6 +358,9 @@ def move_back(folder: Path, ck_dir: Path) -> list[str]:
     names = run_files(folder)
     for name in names:
         os.rename(Path(folder) / name, Path(ck_dir) / name)
+    curves, home = Path(folder) / CURVES, Path(ck_dir).parent / CURVES
+    if curves.is_dir() and not home.exists():
+        os.rename(curves, home)
     with contextlib.suppress(OSError):  # something else left there stays, with its folder
         Path(folder).rmdir()
     return names
@@ -360,3 +375,27 @@ def prune(ck_dir: Path, keep: int) -> list[str]:
     for name in gone:
         (Path(ck_dir) / name).unlink(missing_ok=True)
     return gone
+
+
+def bound_replaced(ck_dir: Path, keep: int) -> tuple[list[str], int, int]:
+    """Delete all but the newest `keep` runs in replaced/ (train.keep_replaced; folders named by UTC
+    time, so by name).  Returns (the folders deleted, the runs left, their bytes on disk)."""
+    root = Path(ck_dir) / REPLACED
+    if not root.is_dir():
+        return [], 0, 0
+    runs = sorted(p for p in root.iterdir() if p.is_dir())
+    gone = runs[: max(0, len(runs) - keep)]
+    for folder in gone:
+        shutil.rmtree(folder)
+    return [p.name for p in gone], len(runs) - len(gone), disk_bytes(root)
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes the files under `folder` take, a hard-linked file once (last.pt and its epoch_<k>.pt)."""
+    seen, total = set(), 0
+    for path in Path(folder).rglob("*"):
+        st = path.lstat()
+        if path.is_file() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total

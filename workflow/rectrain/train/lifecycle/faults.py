@@ -9,6 +9,8 @@ import os
 import signal
 import time
 
+import torch
+
 from rectrain import watchdog
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,25 @@ RECORD_LABELS_ENV = "RECTRAIN_RECORD_LABELS"
 # Why: every rank must train each epoch at train.progressive's resolution, a resumed epoch too; the
 # tests read it from this folder (shapes_rank<r>.csv: epoch, step, the batch's height and width).
 RECORD_SHAPES_ENV = "RECTRAIN_RECORD_SHAPES"
+
+
+# Why: a run whose loss turns non-finite must stop within train.nonfinite_steps, write no non-finite
+# checkpoint and resume from the last good one (divergence tests).  "<epoch>:<step>": from that step
+# on, every rank's images are infinite, so the loss is NaN (and the weights after the update).
+NONFINITE_AT_ENV = "RECTRAIN_NONFINITE_AT"
+
+
+def nonfinite_from(batches, epoch: int, first: int):
+    """The batches; with RECTRAIN_NONFINITE_AT=epoch:step, those from that step on hold infinite images."""
+    parts = os.environ.get(NONFINITE_AT_ENV, "").split(":")
+    if len(parts) != 2:
+        yield from batches
+        return
+    at_epoch, at_step = (int(p) for p in parts)
+    for step, (x, y) in enumerate(batches, start=first):
+        if (epoch, step) >= (at_epoch, at_step):
+            x = torch.full_like(x, float("inf")) if x.is_floating_point() else x
+        yield x, y
 
 
 def signal_at(rank: int, epoch: int, step: int) -> None:

@@ -27,7 +27,7 @@ from rectrain.distributed import all_gather, barrier
 from rectrain.loaders import Loader
 from rectrain.storage import human_bytes
 from rectrain.train.lifecycle import checkpoint as ckpt
-from rectrain.train.lifecycle import faults, supervise
+from rectrain.train.lifecycle import divergence, faults, supervise
 from rectrain.train.lifecycle.stop import EXIT_STOPPED, Agreement, Decision, Stopped
 from rectrain.train.run import Run
 
@@ -84,20 +84,38 @@ class Position:
 
 class MidEpoch:
     """One epoch's control for run_steps: asked after every optimizer step, it checkpoints and stops as
-    the ranks agreed."""
+    the ranks agreed; `watch.detector` (the run's, rectrain.train.lifecycle.divergence) reads the steps' losses."""
 
-    def __init__(self, run: Run, agreement: Agreement, epoch: int, loader: Loader, steps_log, wall_before: float):
+    def __init__(
+        self,
+        run: Run,
+        agreement: Agreement,
+        epoch: int,
+        loader: Loader,
+        steps_log,
+        wall_before: float,
+        *,
+        watch: divergence.Watch,
+    ):
         self.run, self.agreement, self.epoch, self.loader = run, agreement, epoch, loader
         self.steps_log, self.wall_before, self.started = steps_log, wall_before, time.monotonic()
+        self.watch, self.detector = watch, watch.detector
 
     def poll(self, step: int) -> Decision:
         faults.signal_at(self.run.d.rank, self.epoch, step)
         faults.pause_at(self.run.d.rank, self.epoch, step, stopping=lambda: self.agreement.request.signum != 0)
         return self.agreement.poll()
+        return self.agreement.poll(self.detector.tripped)
 
     def act(self, decision: Decision, steps_done: int, totals: dict) -> None:
-        """Checkpoint after `steps_done` steps; on a stop, end the rank (Stopped) once it is written."""
+        """Checkpoint after `steps_done` steps; on a stop, end the rank (Stopped) once it is written; on
+        divergence (or a non-finite state to save) end it (divergence.Diverged) with nothing written."""
         run, d = self.run, self.run.d
+        where = f"epoch {self.epoch} step {steps_done - 1} of {self.loader.batches_per_epoch}"
+        if decision.diverged:
+            self.steps_log.sync()
+            divergence.stop(self.watch, where)
+        divergence.guard(self.watch, self.agreement, f"the mid-epoch checkpoint after {where}")
         why = f"stop signal {decision.signal_name}" if decision.stop else "train.checkpoint_interval_min"
         watchdog.beat(f"epoch {self.epoch}: writing the mid-epoch checkpoint ({why})")
         self.steps_log.sync()  # the rows up to this step outlive a power cut as the checkpoint does
@@ -111,7 +129,6 @@ class MidEpoch:
         error = write(run, self.epoch, steps_done, gathered) if d.master else None
         written = self.agreement.all_true(error is None)
         self.agreement.checkpointed()
-        where = f"epoch {self.epoch} step {steps_done - 1} of {self.loader.batches_per_epoch}"
         if decision.stop:
             stop(run, decision, where, written, resumes_at=f"epoch {self.epoch} step {steps_done}")
         elif d.master and written:

@@ -47,10 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rectrain.distributed import all_gather
+from rectrain.storage import human_bytes
 from rectrain.train.batchplan import BatchPlan
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import finished
 from rectrain.train.lifecycle.midepoch import Position
+from rectrain.train.optim import keep_configured_lr
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
@@ -135,9 +137,9 @@ def resume(run: Run) -> Resumed:
             "filesystem every node sees (shared --out)"
         )
     if run.d.master and kept is not None:
-        bring_back(run.ck_dir, kept, why_not)
+        bring_back(run.ck_dir, kept, why_not, run.settings.stops.keep_replaced)
     elif run.d.master and not decided.continues:  # whatever checkpoints are here belong to another run
-        start_over(run.ck_dir, why_not)
+        start_over(run.ck_dir, why_not, run.settings.stops.keep_replaced)
     if run.d.master and decided.restored:
         finished.restore(run.out, run.ck_dir)
     return decided
@@ -159,7 +161,7 @@ def kept_finished_run(run: Run) -> Path | None:
     return None
 
 
-def bring_back(ck_dir: Path, kept: Path, why_not: str) -> None:
+def bring_back(ck_dir: Path, kept: Path, why_not: str, keep_replaced: int) -> None:
     """Move the checkpoints here aside (they are not this run's) and the finished run in `kept` back."""
     dest, moved = ckpt.move_aside(ck_dir, why_not)
     if moved:
@@ -171,6 +173,7 @@ def bring_back(ck_dir: Path, kept: Path, why_not: str) -> None:
             dest,
         )
     ckpt.move_back(kept, ck_dir)
+    bound_replaced(ck_dir, keep_replaced)
     log.info(
         "brought back the finished run moved aside to %s: it is this run (the same train config, batch plan, "
         "records, processes and code)",
@@ -194,18 +197,32 @@ def _finished_run(run: Run, found: list[ckpt.Difference]) -> tuple[Resumed, str 
     return Resumed(run.settings.optim.epochs, restored=True), None
 
 
-def start_over(ck_dir: Path, why_not: str) -> None:
+def start_over(ck_dir: Path, why_not: str, keep_replaced: int) -> None:
     """Move the replaced run's checkpoints aside and say where and why (nothing here: nothing said)."""
     dest, moved = ckpt.move_aside(ck_dir, why_not)
     if moved:
         log.info(
-            "not resuming from %s: %s; moved its checkpoints (%s) aside to %s (nothing deleted: remove that "
-            "folder when the replaced run is no longer wanted); starting from epoch 0",
+            "not resuming from %s: %s; moved its checkpoints (%s) aside to %s; starting from epoch 0",
             Path(ck_dir) / "last.pt",
             why_not,
             ", ".join(moved),
             dest,
         )
+        bound_replaced(ck_dir, keep_replaced)
+
+
+def bound_replaced(ck_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` runs in replaced/ (train.keep_replaced), saying its size and what was deleted."""
+    gone, left, size = ckpt.bound_replaced(ck_dir, keep)
+    removed = f"; deleted the oldest: {', '.join(gone)}" if gone else ""
+    log.info(
+        "%s holds %d replaced run(s), %s on disk (train.keep_replaced: %d)%s",
+        Path(ck_dir) / ckpt.REPLACED,
+        left,
+        human_bytes(size),
+        keep,
+        removed,
+    )
 
 
 def _continue(run: Run) -> tuple[Resumed, str | None]:
@@ -353,12 +370,15 @@ def _say_resuming(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -
 
 
 def restore(run: Run, state: dict, despite: tuple[str, ...] = ()) -> None:
-    """Load the checkpoint's model, optimizer, scheduler and scaler states into the run."""
+    """Load the checkpoint's model, optimizer, scheduler and scaler states into the run (at this run's
+    configured peak LR: optim.keep_configured_lr)."""
+    base_lrs = list(run.step.scheduler.base_lrs)
     try:
         run.model.load_state_dict(state["model"])
         run.step.optimizer.load_state_dict(state["optimizer"])
         run.step.scheduler.load_state_dict(state["scheduler"])
         run.step.scaler.load_state_dict(state["scaler"])
+        keep_configured_lr(run.step.scheduler, base_lrs)
     except (RuntimeError, KeyError, ValueError) as exc:
         if not despite:
             raise

@@ -3,9 +3,9 @@ sends before a time limit or a preemption, Ctrl-C, a job's warning signal) and t
 checkpoint (train.checkpoint_interval_min) are decided the same way.
 
 The protocol.  A rank's signal handler only records the signal (`StopRequest`); the step loop asks
-`Agreement.poll` after every optimizer step, which all-reduces (MAX) two numbers over every rank: the
-signal this rank got (0: none) and, from rank 0 alone, whether its clock says a periodic checkpoint is
-due.  Every rank takes part in the same all-reduce after the same step, so all of them learn the same
+`Agreement.poll` after every optimizer step, which all-reduces (MAX) three numbers over every rank: the
+signal this rank got (0: none), from rank 0 alone whether its clock says a periodic checkpoint is
+due, and whether the rank's divergence detector tripped (rectrain.train.lifecycle.divergence).  Every rank takes part in the same all-reduce after the same step, so all of them learn the same
 answer at the same step, even when only one rank was signalled - and then all checkpoint there
 (rectrain.train.lifecycle.midepoch), and on a stop all exit with EXIT_STOPPED.  The all-reduce runs on a gloo
 group of CPU tensors even when training uses NCCL, so it never waits for the GPU (bench/RESULTS.md
@@ -38,7 +38,11 @@ EXIT_STOPPED = 75
 STUCK_S = 10.0
 
 
-class Stopped(Exception):
+class Agreed(Exception):
+    """Every rank ends here together, as the ranks agreed (a clean stop, a divergence)."""
+
+
+class Stopped(Agreed):
     """Raised on every rank once its stop checkpoint is written; the job exits with EXIT_STOPPED."""
 
 
@@ -82,13 +86,13 @@ def handling(names: list[str]):
     stopped = False
     try:
         yield request
-    except Stopped:
+    except Agreed:
         stopped = True
         raise
     finally:
         for sig, handler in previous.items():
-            # Stopped and checkpointed: a late copy of the signal (torchrun ending the peers of the first
-            # rank to exit) must not turn this rank's EXIT_STOPPED into a kill.  A handler installed
+            # Ended by agreement (stopped and checkpointed, or diverged): a late copy of the signal (torchrun
+            # ending the peers of the first rank to exit) must not turn this rank's exit status into a kill.  A handler installed
             # outside Python (faulthandler) reads as None: the default then.
             if stopped:
                 handler = signal.SIG_IGN
@@ -97,10 +101,12 @@ def handling(names: list[str]):
 
 @dataclass(frozen=True)
 class Decision:
-    """What every rank does after a step: stop (the signal's number, 0: go on), checkpoint first or not."""
+    """What every rank does after a step: stop (the signal's number, 0: go on), checkpoint first or not,
+    or stop as diverged (rectrain.train.lifecycle.divergence: no checkpoint then)."""
 
     signum: int = 0
     checkpoint: bool = False
+    diverged: bool = False
 
     @property
     def stop(self) -> bool:
@@ -125,20 +131,22 @@ class Agreement:
     def _due(self) -> bool:
         return self.d.master and self.interval_s > 0 and time.monotonic() - self.last_checkpoint >= self.interval_s
 
-    def poll(self) -> Decision:
-        """Every rank calls this after the same step; all get the same Decision."""
-        flags = torch.tensor([self.request.signum, int(self._due())], dtype=torch.int64)
+    def poll(self, diverged: bool = False) -> Decision:
+        """Every rank calls this after the same step (`diverged`: its divergence detector tripped); all
+        get the same Decision."""
+        signum, due, any_diverged = self.any_of(self.request.signum, int(self._due()), int(diverged))
+        return Decision(signum, checkpoint=bool(signum or due) and not any_diverged, diverged=bool(any_diverged))
+
+    def any_of(self, *values: int) -> tuple[int, ...]:
+        """Each of `values` as the most over every rank (an all-reduce MAX; each rank passes its own)."""
+        flags = torch.tensor(values, dtype=torch.int64)
         if self.d.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        signum, due = (int(v) for v in flags)
-        return Decision(signum, checkpoint=bool(signum or due))
+        return tuple(int(v) for v in flags)
 
     def all_true(self, ok: bool) -> bool:
         """Whether `ok` holds on every rank (rank 0's checkpoint written: its answer reaches all)."""
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        if self.d.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag) == 0
+        return self.any_of(0 if ok else 1) == (0,)
 
     def checkpointed(self) -> None:
         self.last_checkpoint = time.monotonic()
