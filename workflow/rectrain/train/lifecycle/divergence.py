@@ -27,10 +27,9 @@ import torch
 
 from rectrain import atomic
 from rectrain.distributed import Dist, barrier
-from rectrain.log import PROGRESS_LOGGER
+from rectrain.log import PROGRESS_LOGGER, utc_now
 from rectrain.train.lifecycle.checkpoint import DIVERGED
 from rectrain.train.lifecycle.stop import Agreed
-from rectrain.train.provenance import now
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ def stop(watch: Watch, where: str, bad: list[str] = (), count: int = 0) -> None:
     text = line(watch, where, bad, count)
     if watch.d.master:
         atomic.write_json(
-            watch.ck_dir / DIVERGED, {"time": now(), "where": where, **_last(watch.detector), "line": text}
+            watch.ck_dir / DIVERGED, {"time": utc_now(), "where": where, **_last(watch.detector), "line": text}
         )
     barrier(watch.d)  # the marker is on disk before a first rank's exit makes torchrun end the others
     # rank 0's line also reaches the terminal the run was started from (rectrain.log), not only its log
