@@ -13,6 +13,7 @@ from rectrain.train.cluster import (
     slurm_endpoint,
     srun_per_node,
 )
+from rectrain.train.local_copy import stage_key
 
 EXPANSIONS = {"gpu[07-09]": "gpu07\ngpu08\ngpu09\n", "gpu[08-09]": "gpu08\ngpu09\n", "n1": "n1\n"}
 
@@ -188,6 +189,8 @@ def test_launch_stages_pairs_before_torchrun(monkeypatch, capsys, tmp_path):
         ],
     )
     cmd = err.strip().splitlines()[-1]
-    assert f"--rec {tmp_path / 'local' / 'demo' / 'train.rec'}" in cmd
+    staged = tmp_path / "local" / stage_key(fast / "train.rec")  # demo-<hash of the source folder's real path>
+    assert staged.name.startswith("demo-")
+    assert f"--rec {staged / 'train.rec'}" in cmd
     assert "--stage-to-local" not in cmd
-    assert (tmp_path / "local" / "demo" / "train.idx").is_file()
+    assert (staged / "train.idx").is_file()

@@ -21,11 +21,15 @@ def test_idx_arrays_equal_read_idx(tmp_path):
     assert list(zip(keys.tolist(), offsets.tolist(), strict=True)) == read_idx(idx)
 
 
-def test_idx_arrays_take_extra_fields_and_a_missing_last_newline_like_read_idx(tmp_path):
+def test_idx_arrays_take_a_missing_last_newline_and_refuse_extra_fields_like_read_idx(tmp_path):
     idx = tmp_path / "x.idx"
-    idx.write_text("3\t0\textra\n1\t40\n2\t80")
+    idx.write_text("3\t0\n1\t40\n2\t80")
     keys, offsets = idx_arrays(idx)
     assert keys.tolist() == [3, 1, 2] and offsets.tolist() == [0, 40, 80]
+    # DALI stops reading an .idx at a line with a third field: one strict parser refuses it (issue 38)
+    idx.write_text("3\t0\textra\n1\t40\n")
+    with pytest.raises(RecordIOError, match=r"x\.idx:1: expected 'key<TAB>offset'"):
+        idx_arrays(idx)
 
 
 @pytest.mark.parametrize("text", ["0\t0\n1\tten\n", "0\t0\n\n1\t8\n", "0\n"])

@@ -57,11 +57,7 @@ def complete(ck_dir: Path) -> bool:
 
 def _link(src: Path, dest: Path) -> None:
     """dest becomes src's bytes, atomically: a hard link, else (no links on this filesystem) a copy."""
-    with atomic.replacing(dest) as tmp:
-        try:
-            os.link(src, tmp)
-        except OSError:
-            shutil.copy2(src, tmp)
+    atomic.link_or_write(src, dest, lambda tmp: shutil.copy2(src, tmp))
 
 
 def clear(out: Path) -> None:
