@@ -13,6 +13,7 @@ torch's own StepLR, which its references/classification/train.py steps once per 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -164,6 +165,22 @@ def test_ffcv_preset_resolution_of_every_epoch_equals_ffcvs_schedule(name):
     theirs = [ffcv_resolution(e, v) for e in range(v["epochs"])]
     assert ours == theirs
     assert ours[0] == 160 and ours[-1] == 192, "the ramp must reach FFCV's max_res"
+
+
+RAMP_COMMENT = re.compile(r"progressive:\s*# (\d+) px through epoch (\d+), (\d+) px from epoch (\d+) ")
+
+
+@pytest.mark.parametrize("name", sorted(FFCV))
+def test_ffcv_preset_ramp_comment_states_the_epochs_get_resolution_gives(name):
+    """The comment on `progressive:` names the last epoch at min_res and the first at max_res; they are
+    derived here from FFCV's get_resolution over the preset's values, so the comment cannot drift."""
+    v, text = FFCV[name], (RECIPES / f"{name}.yaml").read_text()
+    found = RAMP_COMMENT.search(text)
+    assert found, f"{name}.yaml: the progressive: comment must read '<min> px through epoch N, <max> px from epoch M '"
+    theirs = [ffcv_resolution(e, v) for e in range(v["epochs"])]
+    last_min = max(e for e, px in enumerate(theirs) if px == v["min_res"])
+    first_max = theirs.index(v["max_res"])
+    assert tuple(int(g) for g in found.groups()) == (v["min_res"], last_min, v["max_res"], first_max)
 
 
 @pytest.mark.parametrize("name", sorted(FFCV))
