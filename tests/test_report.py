@@ -543,6 +543,19 @@ def test_a_preset_run_shows_the_published_top1_beside_full_imagenets_projected_t
     assert table.index("160 px") < table.index("192 px") and "85.3" in table and "128.0" in table
 
 
+@pytest.mark.parametrize("ran, asked", [(512, 4096), (4096, 4096)])
+def test_time_to_accuracy_says_plainly_when_the_global_batch_that_ran_is_not_the_recipes(tmp_path, ran, asked):
+    data = progressive_run(tmp_path)
+    data.run.update(global_batch=ran, recipe_global_batch=asked, batch_size=ran // 2, grad_accum=1)
+    html = build(data, whole({**config(), "recipe": RN50_40}), repo=tmp_path)
+    panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
+    if ran != asked:
+        assert "This run trained at a global batch of 512, not the recipe's 4096" in panel
+        assert "256 per device x grad_accum 1 x 2 process(es)" in panel and "another recipe" in panel
+    else:
+        assert "Global batch 4096, the recipe's." in panel and "not the recipe's 4096" not in panel
+
+
 def test_a_preset_on_a_dataset_not_like_imagenet_shows_the_published_top1_without_a_projection(tmp_path):
     from rectrain.report.projection import per_resolution, time_to_accuracy
 

@@ -19,6 +19,9 @@ every image).  With batch_size auto the per-device batch is cut so an epoch has 
 MIN_STEPS_PER_EPOCH optimizer steps; the plan's global batch is then the smaller one, so train.lr
 scales with what each step really averages, and the reason names the numbers.  A number in
 train.batch_size is never changed: the report's few-steps finding says what it costs.
+
+A number in train.batch_size with train.global_batch set is the per-device micro-batch, and
+grad_accum is derived to keep the global batch (rectrain.train.globalbatch), as a preset asks.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from rectrain.loaders import DaliOptions, LoaderSpec, image_dtype, resolve_loade
 from rectrain.recordio import idx_arrays
 from rectrain.settings import TrainSettings
 from rectrain.train import checkpoint as ckpt
-from rectrain.train import memory
+from rectrain.train import globalbatch, memory
 from rectrain.train.optim import make_optimizer
 from rectrain.train.resolution import largest, resolutions
 
@@ -65,6 +68,20 @@ class BatchPlan:
 def auto_global_batch(batch) -> int:
     """The global batch 'auto' keeps, from the train block's `batch` part (rectrain.settings)."""
     return batch.global_batch or DEFAULT_AUTO_GLOBAL_BATCH
+
+
+def fixed_accum(batch, world_size: int) -> int:
+    """A numeric train.batch_size's gradient accumulation: derived to keep train.global_batch when it is
+    set (rectrain.train.globalbatch; raises ConfigError when it cannot be kept), else train.grad_accum."""
+    if globalbatch.numeric_with_global(batch.batch_size, batch.global_batch):
+        return globalbatch.derived_accum(batch.global_batch, int(batch.batch_size), world_size, int(batch.grad_accum))
+    return int(batch.grad_accum)
+
+
+def recipe_global_batch(batch) -> int | None:
+    """The global batch the config asks for (run.json's recipe_global_batch, beside the one that ran):
+    train.global_batch, 256 under batch_size auto without it, None for a number without it."""
+    return auto_global_batch(batch) if batch.batch_size == "auto" else batch.global_batch
 
 
 def wanted(batch, world_size: int) -> int:
@@ -110,8 +127,13 @@ def plan(
     `train_images` can fill (module doc), and, when that does not fit, accumulates gradients over
     smaller batches so the global batch stays - or reuses the checkpoint's plan `previous`."""
     if batch.batch_size != "auto":
-        fixed, accum = int(batch.batch_size), int(batch.grad_accum)
-        return BatchPlan(fixed, accum, world_size, preflight or {}, f"train.batch_size: {fixed}")
+        fixed, accum = int(batch.batch_size), fixed_accum(batch, world_size)
+        reason = f"train.batch_size: {fixed}"
+        if globalbatch.numeric_with_global(batch.batch_size, batch.global_batch):
+            reason += (
+                f" per device x grad_accum {accum} (derived) x {world_size} = train.global_batch {batch.global_batch}"
+            )
+        return BatchPlan(fixed, accum, world_size, preflight or {}, reason)
     cap, capped = dataset_cap(batch, world_size, train_images)
     want = cap or wanted(batch, world_size)
     reason = f"batch_size auto: global batch {auto_global_batch(batch)} over {world_size} process(es)"
@@ -265,7 +287,12 @@ def _measured_plan(
     try_step = memory.cuda_try_step(trial, budget)
     want = dataset_cap(batch, d.world_size, images)[0] or wanted(batch, d.world_size)
     fits, found = memory.preflight(
-        try_step, want, auto=auto, gpu=gpu, world_size=d.world_size, accum=int(batch.grad_accum)
+        try_step,
+        want,
+        auto=auto,
+        gpu=gpu,
+        world_size=d.world_size,
+        accum=1 if auto else fixed_accum(batch, d.world_size),
     )
     if auto:  # every rank must use the same batch: the smallest GPU decides
         fits = int(min(all_gather(fits, d)))
