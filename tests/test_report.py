@@ -209,6 +209,11 @@ def test_a_resolution_sweep_shows_one_row_per_resolution_and_names_the_headline(
         *("256 px (headline)", "293", "61.25 %", "95.00 %", "1.0500", "40", "300"),
         *("224 px", "256", "58.75 %", "92.50 %", "1.1000", "40", "400"),
     ]
+    # each epoch's validation is labelled as not the final protocol (issue 36)
+    note = re.sub(r"\s+", " ", _between(html, '<p class="muted" id="epoch-val-protocol">', "</p>"))
+    assert "one centre crop at 64 px (train.val_resolution), no flip TTA - not the final evaluation's protocol" in note
+    assert "with its mirror's at 256 px" in note
+    assert "<th>val top-1 (single view)</th>" in html
 
 
 def test_one_resolution_is_named_in_the_summary_without_a_table(tmp_path):
@@ -227,6 +232,10 @@ def test_one_resolution_is_named_in_the_summary_without_a_table(tmp_path):
     html = build(data, whole(config()), repo=tmp_path)
     assert "on 40 val images at 64 px (shorter side 73, centre crop) (dali loader" in html
     assert 'id="eval-resolutions"' not in html
+    note = re.sub(r"\s+", " ", _between(html, '<p class="muted" id="epoch-val-protocol">', "</p>"))
+    assert note.strip().endswith("one centre crop at 64 px (train.val_resolution), no flip TTA."), (
+        "the final protocol's"
+    )
 
 
 def test_healthy_cpu_only_run_says_no_problems_and_has_no_gpu_plot(tmp_path):

@@ -68,7 +68,7 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
     for e in epochs:
         steps_wall = sum(float(r["wall_s"]) for r in per_rank_epoch["0", e["epoch"]])
         assert steps_wall == pytest.approx(float(e["wall_s"]), rel=0.05), "step times must account for the epoch"
-        assert 0 <= float(e["val_top1"]) <= 1 and float(e["images_per_s"]) > 0
+        assert 0 <= float(e["val_single_view_top1"]) <= 1 and float(e["images_per_s"]) > 0
 
     system = rows(out / "system.csv")
     assert list(system[0]) == SYSTEM_BASE_COLUMNS, "no GPU here: GPU columns must be absent"
