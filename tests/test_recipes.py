@@ -244,7 +244,8 @@ def test_presets_cover_the_issues_list():
 
 # A preset shortened on the command line, as a user tries one on the demo before committing a box to it:
 # 3 epochs, a 32 -> 64 px ramp, tiny demo data without planted defects (its few images would exceed the
-# pack's skipped-share limit), batch 16 so an epoch has a few steps.
+# pack's skipped-share limit), batch 16 per device: grad_accum 32 keeps the preset's global batch of 1024
+# (2 processes), one optimizer step per epoch on 120 images - what docs/recipes.md says the run shows.
 SHORTENED = [
     "train={epochs: 3, image_size: 64, val_resolution: 64, batch_size: 16,"
     " progressive: {min_res: 32, max_res: 64, start_ramp: 0, end_ramp: 2}}",
@@ -278,3 +279,11 @@ def test_a_preset_shortened_on_the_command_line_runs_the_demo_and_reports_time_t
         == [32, 64, 64]
     )
     assert "32 px" in panel and "64 px" in panel
+    assert (run["batch_size"], run["grad_accum"], run["global_batch"], run["recipe_global_batch"]) == (
+        16,
+        32,
+        1024,
+        1024,
+    )
+    assert "Global batch 1024, the recipe's." in panel
+    assert 'id="finding-few_steps"' in html, "the Diagnosis says why the shortened preset's top-1 is no result"

@@ -54,6 +54,8 @@ def few_steps(data: RunData, report: ReportSettings) -> Finding | None:
     padded = run.get("padding_per_epoch")
     padded = f" ({padded} images repeated per epoch to fill the last batch)" if padded else ""
     fix = f"Set train.batch_size: {batch}" if batch else "Set a smaller train.batch_size"
+    if run.get("recipe_global_batch") and batch:  # a set global batch is kept whatever the batch_size
+        fix = f"Set train.global_batch: {batch * world} (a preset's is ImageNet's: a small set needs a smaller one)"
     return Finding(
         id="few_steps",
         severity="critical" if n <= 1 else "warning",
