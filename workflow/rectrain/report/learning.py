@@ -15,6 +15,7 @@ import pandas as pd
 
 from rectrain.report.diagnosis import Finding
 from rectrain.report.inputs import RunData
+from rectrain.report.stats import train_setting
 from rectrain.settings import ReportSettings
 
 
@@ -108,9 +109,21 @@ def at_chance(data: RunData, report: ReportSettings, steps_finding: Finding | No
         fix=(
             f"Most likely {why}. Give it more optimizer steps: a smaller train.batch_size on a small "
             "dataset, more train.epochs; check train.lr (it is for a global batch of 256 and scales linearly) "
-            "and that the train and val splits hold the same classes."
+            "and that the train and val splits hold the same classes." + slow_setting_note(data.run)
         ),
     )
+
+
+def slow_setting_note(run: Mapping) -> str:
+    """The long-run recipe settings this run used that slow a short one, with the value to try
+    (bench/RESULTS.md, "Defaults on a small real-image set"); "" when it used none."""
+    if train_setting(run, "zero_init_residual") is True:
+        return (
+            " This run zero-initialised each residual branch (train.zero_init_residual: true, an ImageNet "
+            "long-run setting), which slows a short run on a small set: try train.zero_init_residual: false "
+            "(the schema's default; bench/RESULTS.md)."
+        )
+    return ""
 
 
 def class_label(row: Mapping) -> str:
