@@ -292,7 +292,7 @@ def _measured_plan(
         auto=auto,
         gpu=gpu,
         world_size=d.world_size,
-        accum=1 if auto else fixed_accum(batch, d.world_size),
+        accum=int(batch.grad_accum) if auto else fixed_accum(batch, d.world_size),
     )
     if auto:  # every rank must use the same batch: the smallest GPU decides
         fits = int(min(all_gather(fits, d)))
