@@ -61,7 +61,8 @@ def summary(results: Path, tables: Path) -> str:
         lines.append(
             "epochs: "
             + "; ".join(
-                f"{int(r.epoch)}: {r.images_per_s:.0f} img/s, val top-1 {r.val_top1:.3f}" for r in epochs.itertuples()
+                f"{int(r.epoch)}: {r.images_per_s:.0f} img/s, val top-1 {r.val_single_view_top1:.3f}"
+                for r in epochs.itertuples()
             )
         )
         lines.append(f"data-wait share (steady steps, all ranks): {wait:.3f}" if wait is not None else "no steps")

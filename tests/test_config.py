@@ -214,12 +214,6 @@ def test_a_ramp_the_epochs_end_before_and_a_pack_smaller_than_its_largest_crop_w
     assert any("'pack.resize' = 80" in m and "largest training crop 96 px" in m for m in messages), messages
 
 
-def test_global_batch_without_auto_batch_warns(caplog):
-    with caplog.at_level("WARNING", logger="rectrain.snakefile.checks"):
-        check_config(merged({"train": {"global_batch": 512, "batch_size": 32}}), SCHEMA, workdir=REPO)
-    assert any("'train.global_batch' = 512" in r.message and "ignored" in r.message for r in caplog.records)
-
-
 def test_model_list_is_read_from_the_cache_for_this_torchvision_version(tmp_path, monkeypatch):
     version = importlib.metadata.version("torchvision")
     cache = tmp_path / "rectrain" / f"torchvision-{version}-models.json"

@@ -70,7 +70,9 @@ def test_real_run_trains_without_validation_and_the_report_says_there_is_no_val_
     assert "epoch 0: train loss" in train_log and ", no val split, " in train_log
     with open(work / "results" / "noval" / "train" / "epochs.csv", newline="") as f:
         epochs = list(csv.DictReader(f))
-    assert [(e["epoch"], e["val_loss"], e["val_top1"], e["val_top5"]) for e in epochs] == [("0", "", "", "")]
+    assert [
+        (e["epoch"], e["val_single_view_loss"], e["val_single_view_top1"], e["val_single_view_top5"]) for e in epochs
+    ] == [("0", "", "", "")]
     assert float(epochs[0]["train_loss"]) > 0
     html = (work / "results" / "report.html").read_text()
     assert "none: this dataset has no val split (index.absent_splits: [val]), so nothing was evaluated" in html

@@ -13,6 +13,7 @@ torch's own StepLR, which its references/classification/train.py steps once per 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -166,6 +167,22 @@ def test_ffcv_preset_resolution_of_every_epoch_equals_ffcvs_schedule(name):
     assert ours[0] == 160 and ours[-1] == 192, "the ramp must reach FFCV's max_res"
 
 
+RAMP_COMMENT = re.compile(r"progressive:\s*# (\d+) px through epoch (\d+), (\d+) px from epoch (\d+) ")
+
+
+@pytest.mark.parametrize("name", sorted(FFCV))
+def test_ffcv_preset_ramp_comment_states_the_epochs_get_resolution_gives(name):
+    """The comment on `progressive:` names the last epoch at min_res and the first at max_res; they are
+    derived here from FFCV's get_resolution over the preset's values, so the comment cannot drift."""
+    v, text = FFCV[name], (RECIPES / f"{name}.yaml").read_text()
+    found = RAMP_COMMENT.search(text)
+    assert found, f"{name}.yaml: the progressive: comment must read '<min> px through epoch N, <max> px from epoch M '"
+    theirs = [ffcv_resolution(e, v) for e in range(v["epochs"])]
+    last_min = max(e for e, px in enumerate(theirs) if px == v["min_res"])
+    first_max = theirs.index(v["max_res"])
+    assert tuple(int(g) for g in found.groups()) == (v["min_res"], last_min, v["max_res"], first_max)
+
+
 @pytest.mark.parametrize("name", sorted(FFCV))
 def test_ffcv_preset_sets_ffcvs_optimizer_model_and_test_values(name):
     v, cfg = FFCV[name], preset(name)
@@ -227,7 +244,8 @@ def test_presets_cover_the_issues_list():
 
 # A preset shortened on the command line, as a user tries one on the demo before committing a box to it:
 # 3 epochs, a 32 -> 64 px ramp, tiny demo data without planted defects (its few images would exceed the
-# pack's skipped-share limit), batch 16 so an epoch has a few steps.
+# pack's skipped-share limit), batch 16 per device: grad_accum 32 keeps the preset's global batch of 1024
+# (2 processes), one optimizer step per epoch on 120 images - what docs/recipes.md says the run shows.
 SHORTENED = [
     "train={epochs: 3, image_size: 64, val_resolution: 64, batch_size: 16,"
     " progressive: {min_res: 32, max_res: 64, start_ramp: 0, end_ramp: 2}}",
@@ -261,3 +279,11 @@ def test_a_preset_shortened_on_the_command_line_runs_the_demo_and_reports_time_t
         == [32, 64, 64]
     )
     assert "32 px" in panel and "64 px" in panel
+    assert (run["batch_size"], run["grad_accum"], run["global_batch"], run["recipe_global_batch"]) == (
+        16,
+        32,
+        1024,
+        1024,
+    )
+    assert "Global batch 1024, the recipe's." in panel
+    assert 'id="finding-few_steps"' in html, "the Diagnosis says why the shortened preset's top-1 is no result"

@@ -209,6 +209,11 @@ def test_a_resolution_sweep_shows_one_row_per_resolution_and_names_the_headline(
         *("256 px (headline)", "293", "61.25 %", "95.00 %", "1.0500", "40", "300"),
         *("224 px", "256", "58.75 %", "92.50 %", "1.1000", "40", "400"),
     ]
+    # each epoch's validation is labelled as not the final protocol (issue 36)
+    note = re.sub(r"\s+", " ", _between(html, '<p class="muted" id="epoch-val-protocol">', "</p>"))
+    assert "one centre crop at 64 px (train.val_resolution), no flip TTA - not the final evaluation's protocol" in note
+    assert "with its mirror's at 256 px" in note
+    assert "<th>val top-1 (single view)</th>" in html
 
 
 def test_one_resolution_is_named_in_the_summary_without_a_table(tmp_path):
@@ -227,6 +232,10 @@ def test_one_resolution_is_named_in_the_summary_without_a_table(tmp_path):
     html = build(data, whole(config()), repo=tmp_path)
     assert "on 40 val images at 64 px (shorter side 73, centre crop) (dali loader" in html
     assert 'id="eval-resolutions"' not in html
+    note = re.sub(r"\s+", " ", _between(html, '<p class="muted" id="epoch-val-protocol">', "</p>"))
+    assert note.strip().endswith("one centre crop at 64 px (train.val_resolution), no flip TTA."), (
+        "the final protocol's"
+    )
 
 
 def test_healthy_cpu_only_run_says_no_problems_and_has_no_gpu_plot(tmp_path):
@@ -541,6 +550,19 @@ def test_a_preset_run_shows_the_published_top1_beside_full_imagenets_projected_t
     assert "epochs.csv's resolution column" in panel
     table = panel[panel.index('<table id="per-resolution">') :]
     assert table.index("160 px") < table.index("192 px") and "85.3" in table and "128.0" in table
+
+
+@pytest.mark.parametrize("ran, asked", [(512, 4096), (4096, 4096)])
+def test_time_to_accuracy_says_plainly_when_the_global_batch_that_ran_is_not_the_recipes(tmp_path, ran, asked):
+    data = progressive_run(tmp_path)
+    data.run.update(global_batch=ran, recipe_global_batch=asked, batch_size=ran // 2, grad_accum=1)
+    html = build(data, whole({**config(), "recipe": RN50_40}), repo=tmp_path)
+    panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
+    if ran != asked:
+        assert "This run trained at a global batch of 512, not the recipe's 4096" in panel
+        assert "256 per device x grad_accum 1 x 2 process(es)" in panel and "another recipe" in panel
+    else:
+        assert "Global batch 4096, the recipe's." in panel and "not the recipe's 4096" not in panel
 
 
 def test_a_preset_on_a_dataset_not_like_imagenet_shows_the_published_top1_without_a_projection(tmp_path):

@@ -56,6 +56,20 @@ def test_a_run_that_learned_nothing_gets_the_three_learning_findings_with_number
     assert 'id="finding-no_problems"' not in diagnosis
 
 
+def test_a_run_with_a_set_global_batch_is_told_a_global_batch_the_dataset_fills(tmp_path):
+    """train.global_batch set (a preset's 1024, say): a smaller batch_size would keep it (issue 36)."""
+    data = loaded(write_small_custom_run(tmp_path, recipe_global_batch=256))
+    steps = next(f for f in learning.findings(data, REPORT) if f.id == "few_steps")
+    assert "Set train.global_batch: 36" in steps.fix, "150 images over 2 processes x 4 steps: 18 x 2"
+
+
+@pytest.mark.parametrize("zero_init", [True, False])
+def test_a_run_at_chance_with_zero_init_residual_is_told_the_value_to_try(tmp_path, zero_init):
+    data = loaded(write_small_custom_run(tmp_path, config={"zero_init_residual": zero_init}))
+    chance = next(f for f in learning.findings(data, REPORT) if f.id == "chance_accuracy")
+    assert ("try train.zero_init_residual: false" in chance.fix) is zero_init
+
+
 def test_a_run_that_learned_has_no_learning_findings(tmp_path):
     """The synthetic healthy run: 20 steps per epoch, top-1 57.5 % of 4 classes, predictions spread."""
     paths = write_run(tmp_path)

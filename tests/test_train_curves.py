@@ -73,11 +73,14 @@ def test_an_epoch_gets_node_0_s_cpu_and_per_gpu_means_over_its_own_samples(tmp_p
 def test_an_epoch_s_values_are_written_at_its_last_step(tmp_path):
     c = curves.Curves(tmp_path, steps_per_epoch=5, steps_done=0)
     stats = {"train_loss": 1.5, "wall_s": 12.0, "data_wait_shares": [0.1, 0.3]}
-    val = {"val_top1": 0.4, "val_top5": 0.9}
+    val = {"val_single_view_top1": 0.4, "val_single_view_top5": 0.9}
     c.epoch(1, curves.epoch_values(stats, val, efficiency=None), {"cpu_busy_percent": 55.0})
     c.close()
     got = scalars(tmp_path / ckpt.CURVES)
-    assert got["epoch/val_top1"] == [(10, 0.4000000059604645)] and got["epoch/data_wait_share/rank1"][0][0] == 10
+    assert (
+        got["epoch/val_single_view_top1"] == [(10, 0.4000000059604645)]
+        and got["epoch/data_wait_share/rank1"][0][0] == 10
+    )
     assert "epoch/input_efficiency" not in got, "not measured (no calibration): no point"
 
 

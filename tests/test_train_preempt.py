@@ -158,7 +158,10 @@ def check_curves_continue(folder, steps_per_epoch, epochs):
     acc.Reload()
     steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     per_line = {"train/loss", "train/lr", "train/images_per_s", "train/data_wait_share/rank0", "train/resolution_px"}
-    per_epoch = {f"epoch/{t}" for t in ("train_loss", "val_top1", "val_top5", "seconds", "cpu_busy_percent")}
+    per_epoch = {
+        f"epoch/{t}"
+        for t in ("train_loss", "val_single_view_top1", "val_single_view_top5", "seconds", "cpu_busy_percent")
+    }
     per_epoch |= {"epoch/iowait_percent", "epoch/data_wait_share/rank0", "epoch/data_wait_share/rank1"}
     assert per_line | per_epoch <= set(steps), sorted(steps)
     for tag, got in steps.items():

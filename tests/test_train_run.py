@@ -39,9 +39,10 @@ def run_train(data, out, env_extra=None, timeout=240, extra=(), **cfg):
 
 @pytest.mark.slow
 def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_path):
-    """Plain `python -m rectrain.train` (no RANK): relaunches as 2 gloo ranks, says so, no KeyError."""
+    """Plain `python -m rectrain.train` (no RANK): relaunches as 2 gloo ranks, says so, no KeyError.
+    train.global_batch 32 with batch_size 8: the 2 ranks accumulate 2 micro-batches per step (issue 36)."""
     out = tmp_path / "train"
-    proc = run_train(data, out, cpu_processes=2, epochs=2, workers="auto", extra=["--threads", "4"])
+    proc = run_train(data, out, cpu_processes=2, epochs=2, workers="auto", global_batch=32, extra=["--threads", "4"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "KeyError" not in proc.stderr
     assert "relaunching through torchrun with 2 processes" in proc.stderr
@@ -67,7 +68,7 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
     for e in epochs:
         steps_wall = sum(float(r["wall_s"]) for r in per_rank_epoch["0", e["epoch"]])
         assert steps_wall == pytest.approx(float(e["wall_s"]), rel=0.05), "step times must account for the epoch"
-        assert 0 <= float(e["val_top1"]) <= 1 and float(e["images_per_s"]) > 0
+        assert 0 <= float(e["val_single_view_top1"]) <= 1 and float(e["images_per_s"]) > 0
 
     system = rows(out / "system.csv")
     assert list(system[0]) == SYSTEM_BASE_COLUMNS, "no GPU here: GPU columns must be absent"
@@ -75,6 +76,7 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
 
     info = json.loads((out / "run.json").read_text())
     assert info["world_size"] == 2 and info["backend"] == "gloo" and info["loader"] == "dali"
+    assert (info["batch_size"], info["grad_accum"], info["global_batch"], info["recipe_global_batch"]) == (8, 2, 32, 32)
     assert info["padding_per_epoch"] == 2 * 3 * 8 - 45 and info["finished"]
     assert info["config"]["workers"] == "auto" and info["workers"] == 2, "auto: 4 cores shared by 2 local ranks"
     model = load(out / "model.pt")

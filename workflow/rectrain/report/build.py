@@ -21,6 +21,7 @@ from rectrain.report.stats import (
     gpu_util_mean,
     overall_data_wait_share,
     steady_steps,
+    train_setting,
 )
 from rectrain.settings import RecipeSettings, WholeSettings
 
@@ -177,6 +178,11 @@ def class_views(table: pd.DataFrame, n: int) -> dict[str, pd.DataFrame]:
     }
 
 
+def epoch_val_px(run: dict) -> int | None:
+    """The centre crop of each epoch's validation: train.val_resolution, null = train.image_size."""
+    return train_setting(run, "val_resolution") or train_setting(run, "image_size")
+
+
 def epoch_rows(epochs: pd.DataFrame) -> tuple[list[dict], list[dict]]:
     """(every epoch, the rows shown): short runs whole; long runs the first and last EPOCH_ENDS
     epochs, every k-th (about EPOCHS_SHOWN rows in all) and the best val top-1, each shown row marked
@@ -185,8 +191,8 @@ def epoch_rows(epochs: pd.DataFrame) -> tuple[list[dict], list[dict]]:
         return [], []
     e = epochs.sort_values("epoch").reset_index(drop=True)
     e["best"] = False
-    if "val_top1" in e and e["val_top1"].notna().any():
-        e.loc[e["val_top1"].idxmax(), "best"] = True
+    if "val_single_view_top1" in e and e["val_single_view_top1"].notna().any():
+        e.loc[e["val_single_view_top1"].idxmax(), "best"] = True
     every = e.assign(skipped=0).to_dict("records")
     if len(e) <= EPOCHS_SHOWN:
         return every, every
@@ -380,6 +386,7 @@ def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO) ->
         "epochs": all_epochs,
         "epoch_summary": shown_epochs,
         "epochs_collapsed": len(shown_epochs) < len(all_epochs),
+        "epoch_val_px": epoch_val_px(data.run),
         "classes": {name: view.to_dict("records") for name, view in views.items()},
         "n_classes": len(data.per_class),
         "manifests": data.manifests,

@@ -15,6 +15,7 @@ import pandas as pd
 
 from rectrain.report.diagnosis import Finding
 from rectrain.report.inputs import RunData
+from rectrain.report.stats import train_setting
 from rectrain.settings import ReportSettings
 
 # What a run that does not learn most likely needs: the report's findings and the console's early
@@ -62,6 +63,8 @@ def few_steps(data: RunData, report: ReportSettings) -> Finding | None:
     padded = run.get("padding_per_epoch")
     padded = f" ({padded} images repeated per epoch to fill the last batch)" if padded else ""
     fix = f"Set train.batch_size: {batch}" if batch else "Set a smaller train.batch_size"
+    if run.get("recipe_global_batch") and batch:  # a set global batch is kept whatever the batch_size
+        fix = f"Set train.global_batch: {batch * world} (a preset's is ImageNet's: a small set needs a smaller one)"
     return Finding(
         id="few_steps",
         severity="critical" if n <= 1 else "warning",
@@ -111,8 +114,20 @@ def at_chance(data: RunData, report: ReportSettings, steps_finding: Finding | No
             f"class's share of the val images)"
         ),
         threshold=f"top-1 at most report.chance_factor = {factor:g} x chance",
-        fix=f"Most likely {why}. {MORE_STEPS_FIX}",
+        fix=f"Most likely {why}. {MORE_STEPS_FIX}" + slow_setting_note(data.run),
     )
+
+
+def slow_setting_note(run: Mapping) -> str:
+    """The long-run recipe settings this run used that slow a short one, with the value to try
+    (bench/RESULTS.md, "Defaults on a small real-image set"); "" when it used none."""
+    if train_setting(run, "zero_init_residual") is True:
+        return (
+            " This run zero-initialised each residual branch (train.zero_init_residual: true, an ImageNet "
+            "long-run setting), which slows a short run on a small set: try train.zero_init_residual: false "
+            "(the schema's default; bench/RESULTS.md)."
+        )
+    return ""
 
 
 def class_label(row: Mapping) -> str:

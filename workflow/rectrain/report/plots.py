@@ -208,12 +208,16 @@ def learning_plot(epochs: pd.DataFrame) -> str | None:
         return None
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=WIDE)
     e = epochs.sort_values("epoch")
-    for col, label in (("train_loss", "train loss"), ("val_loss", "val loss")):
+    for col, label in (("train_loss", "train loss"), ("val_single_view_loss", "val loss (single view)")):
         if col in e and e[col].notna().any():
             loss_ax.plot(e["epoch"], e[col], marker="o", label=label)
     loss_ax.set(xlabel="epoch", ylabel="loss", title="Loss per epoch")
     loss_ax.legend(fontsize="small")
-    for col, label in (("train_acc", "train top-1"), ("val_top1", "val top-1"), ("val_top5", "val top-5")):
+    for col, label in (
+        ("train_acc", "train top-1"),
+        ("val_single_view_top1", "val top-1 (single view)"),
+        ("val_single_view_top5", "val top-5 (single view)"),
+    ):
         if col in e and e[col].notna().any():
             acc_ax.plot(e["epoch"], 100 * e[col], marker="o", label=label)
     acc_ax.set(xlabel="epoch", ylabel="accuracy (%)", ylim=(0, 100), title="Accuracy per epoch")

@@ -172,6 +172,15 @@ class TimeToAccuracy:
     train_s: float | None  # projected: full ImageNet training, each epoch at its resolution's measured rate
     val_s: float | None  # projected: validating 50,000 images once per epoch at the evaluate stage's rate
     note: str | None  # why there is no projection
+    global_batch: int | None = None  # what ran (run.json)
+    recipe_global_batch: int | None = None  # what the config asked for (run.json; None: not recorded or none)
+
+    @property
+    def batch_differs(self) -> bool:
+        """This run averaged another global batch per step than the recipe's: another recipe (its LR scaled)."""
+        return (
+            None not in (self.global_batch, self.recipe_global_batch) and self.global_batch != self.recipe_global_batch
+        )
 
     @property
     def total_s(self) -> float | None:
@@ -225,4 +234,5 @@ def time_to_accuracy(
         train_s = sum(IMAGENET_TRAIN / rate[r] for r in res_of.values())
         val_rate = metrics.get("images_per_s")
         val_s = epochs * IMAGENET_VAL / val_rate if val_rate else None
-    return TimeToAccuracy(recipe, epochs, schedule_of(res_of), train_s, val_s, note)
+    batches = (run.get("global_batch"), run.get("recipe_global_batch"))
+    return TimeToAccuracy(recipe, epochs, schedule_of(res_of), train_s, val_s, note, *batches)

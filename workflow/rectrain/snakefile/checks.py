@@ -26,6 +26,7 @@ from rectrain.config import (
 )
 from rectrain.data.fit import TYPICAL_ASPECT, Fit, pack_fit
 from rectrain.snakefile.byo import byo_problems
+from rectrain.train.globalbatch import global_batch_problems
 from rectrain.train.resolution import largest
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ def cross_check(config: dict) -> list[str]:
             f"'evaluate.resize' = {ev['resize']}; set evaluate.resize >= {crop}, or null for {crop} / 0.875"
         )
     problems += progressive_problems(train["progressive"])
+    problems += global_batch_problems(train)  # train.devices auto: checked by the onstart hook (prestart)
     models = known_models()
     if models is not None and train["model"] not in models:
         near = sorted(m for m in models if m.startswith(train["model"].rstrip("0123456789")))[:8]
@@ -175,11 +177,6 @@ def cross_warnings(config: dict) -> list[str]:
     pack, train = config["pack"], config["train"]
     lines = stored_size_warnings(pack, train["image_size"])
     lines += progressive_warnings(pack, train)
-    if train["global_batch"] is not None and train["batch_size"] != "auto":
-        lines.append(
-            f"'train.global_batch' = {train['global_batch']} is used only with batch_size: auto and is ignored "
-            f"with batch_size: {train['batch_size']}"
-        )
     return lines
 
 

@@ -11,6 +11,8 @@ so `workflow.local_exec` is always true during the parse) and why the train job 
   other nodes and this login node's GPUs say nothing, so the job checks them where it runs.
 - A pack or check_recordio job's pair in fast storage that another working directory's run published
   (rectrain.data.pairowner) is refused now: Snakemake would delete it before the job could refuse it.
+- train.global_batch with a numeric batch_size and train.devices auto is checked against the
+  processes this machine's GPUs give (a GPU list or cpu was checked while parsing).
 - The train job learns whether Snakemake forced it (rectrain.train.lifecycle.finished.FORCED_ENV): forced, it
   trains again; otherwise it republishes a finished run it matches.
 
@@ -27,6 +29,8 @@ from snakemake.exceptions import WorkflowError
 from rectrain.config import format_problems
 from rectrain.data import pairowner
 from rectrain.snakefile.checks import device_problems, node_problems, precision_problems
+from rectrain.snakefile.resources import scheduled_gpus
+from rectrain.train.globalbatch import global_batch_problems
 from rectrain.train.lifecycle.finished import FORCED_ENV
 
 TRAIN_RULE = "train"
@@ -47,6 +51,8 @@ def before_jobs(workflow, config: dict) -> None:
         train = config["train"]
         problems += device_problems(train["devices"]) + node_problems(train["nodes"])
         problems += precision_problems(train["devices"], train["precision"])
+        if train["devices"] == "auto":  # its process count is known only here, from this machine's GPUs
+            problems += global_batch_problems(train, scheduled_gpus("auto"))
     if problems:
         raise WorkflowError(format_problems(problems))
 

@@ -24,6 +24,9 @@ Resuming on another world size (2 GPUs -> 1, 1 -> 2, another node count): the ch
 is kept (`regroup`), with 'auto' and a numeric train.batch_size alike: the per-device batch and
 grad_accum are recomputed so batch x accum x world size is the checkpoint's, and the LR (scaled by the
 global batch) and its schedule (counting optimizer steps) go on unchanged.
+
+A number in train.batch_size with train.global_batch set is the per-device micro-batch, and
+grad_accum is derived to keep the global batch (rectrain.train.globalbatch), as a preset asks.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from rectrain.distributed import Dist, all_gather
 from rectrain.loaders import DaliOptions, LoaderSpec, image_dtype, resolve_loader, resolve_workers
 from rectrain.recordio import idx_arrays
 from rectrain.settings import TrainSettings
-from rectrain.train import memory
+from rectrain.train import globalbatch, memory
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.optim import make_optimizer
 from rectrain.train.resolution import largest, resolutions
@@ -74,6 +77,20 @@ class BatchPlan:
 def auto_global_batch(batch) -> int:
     """The global batch 'auto' keeps, from the train block's `batch` part (rectrain.settings)."""
     return batch.global_batch or DEFAULT_AUTO_GLOBAL_BATCH
+
+
+def fixed_accum(batch, world_size: int) -> int:
+    """A numeric train.batch_size's gradient accumulation: derived to keep train.global_batch when it is
+    set (rectrain.train.globalbatch; raises ConfigError when it cannot be kept), else train.grad_accum."""
+    if globalbatch.numeric_with_global(batch.batch_size, batch.global_batch):
+        return globalbatch.derived_accum(batch.global_batch, int(batch.batch_size), world_size, int(batch.grad_accum))
+    return int(batch.grad_accum)
+
+
+def recipe_global_batch(batch) -> int | None:
+    """The global batch the config asks for (run.json's recipe_global_batch, beside the one that ran):
+    train.global_batch, 256 under batch_size auto without it, None for a number without it."""
+    return auto_global_batch(batch) if batch.batch_size == "auto" else batch.global_batch
 
 
 def wanted(batch, world_size: int) -> int:
@@ -123,8 +140,13 @@ def plan(
         if regrouped:
             return regrouped
     if batch.batch_size != "auto":
-        fixed, accum = int(batch.batch_size), int(batch.grad_accum)
-        return BatchPlan(fixed, accum, world_size, preflight or {}, f"train.batch_size: {fixed}")
+        fixed, accum = int(batch.batch_size), fixed_accum(batch, world_size)
+        reason = f"train.batch_size: {fixed}"
+        if globalbatch.numeric_with_global(batch.batch_size, batch.global_batch):
+            reason += (
+                f" per device x grad_accum {accum} (derived) x {world_size} = train.global_batch {batch.global_batch}"
+            )
+        return BatchPlan(fixed, accum, world_size, preflight or {}, reason)
     cap, capped = dataset_cap(batch, world_size, train_images)
     want = cap or wanted(batch, world_size)
     reason = f"batch_size auto: global batch {auto_global_batch(batch)} over {world_size} process(es)"
@@ -309,7 +331,12 @@ def _measured_plan(
     try_step = memory.cuda_try_step(trial, budget)
     want = dataset_cap(batch, d.world_size, images)[0] or wanted(batch, d.world_size)
     fits, found = memory.preflight(
-        try_step, want, auto=auto, gpu=gpu, world_size=d.world_size, accum=int(batch.grad_accum)
+        try_step,
+        want,
+        auto=auto,
+        gpu=gpu,
+        world_size=d.world_size,
+        accum=int(batch.grad_accum) if auto else fixed_accum(batch, d.world_size),
     )
     if auto:  # every rank must use the same batch: the smallest GPU decides
         fits = int(min(all_gather(fits, d)))

@@ -11,7 +11,7 @@ A run that starts over moves the curves aside with its checkpoints (rectrain.tra
 Tags (docs/watching.md says what each is):
   per progress line   train/loss (rank 0's steps since the last line), train/lr, train/images_per_s (all
                       ranks), train/data_wait_share/rank0, train/loss_scale (fp16), train/resolution_px
-  per epoch           epoch/train_loss, epoch/val_top1, epoch/val_top5, epoch/seconds, epoch/input_efficiency,
+  per epoch           epoch/train_loss, epoch/val_single_view_top1, epoch/val_single_view_top5, epoch/seconds, epoch/input_efficiency,
                       epoch/data_wait_share/rank<r>, epoch/gpu_util_percent/gpu<i>,
                       epoch/gpu_mem_used_mb/gpu<i>, epoch/cpu_busy_percent, epoch/iowait_percent (node 0's
                       system samples during the epoch)
@@ -105,8 +105,9 @@ def epoch_values(stats: dict, val: dict, efficiency: float | None) -> dict:
     """An epoch's tags (without the epoch/ prefix) from train_one_epoch's stats and the validation."""
     values = {
         "train_loss": stats["train_loss"],
-        "val_top1": val["val_top1"],
-        "val_top5": val["val_top5"],
+        # one centre crop, no flip TTA: not the final evaluation's protocol, and named so (as in epochs.csv)
+        "val_single_view_top1": val["val_single_view_top1"],
+        "val_single_view_top5": val["val_single_view_top5"],
         "seconds": stats["wall_s"],
         "input_efficiency": efficiency,
     }

@@ -33,7 +33,7 @@ from rectrain.train.telemetry import CsvLog
 log = logging.getLogger(__name__)
 
 # epochs.csv's val columns stay empty for a dataset without a val split.
-NO_VAL = {"val_loss": None, "val_top1": None, "val_top5": None, "val_images": 0}
+NO_VAL = {"val_single_view_loss": None, "val_single_view_top1": None, "val_single_view_top5": None, "val_images": 0}
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,12 @@ def validate(
     t = all_reduce_tally(t, step.dist.device)
     n = max(t.images, 1)
     top1 = float(t.confusion.diagonal().sum()) / n
-    return {"val_loss": t.loss_sum / n, "val_top1": top1, "val_top5": t.top5_hits / n, "val_images": t.images}
+    return {
+        "val_single_view_loss": t.loss_sum / n,
+        "val_single_view_top1": top1,
+        "val_single_view_top5": t.top5_hits / n,
+        "val_images": t.images,
+    }
 
 
 def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: Books) -> None:
@@ -191,9 +196,9 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         epoch=epoch,
         train_loss=stats["train_loss"],
         train_acc=stats["train_acc"],
-        val_loss=val["val_loss"],
-        val_top1=val["val_top1"],
-        val_top5=val["val_top5"],
+        val_single_view_loss=val["val_single_view_loss"],
+        val_single_view_top1=val["val_single_view_top1"],
+        val_single_view_top5=val["val_single_view_top5"],
         images_per_s=stats["images"] / stats["wall_s"],
         wall_s=stats["wall_s"],
         resolution=crop,
@@ -213,7 +218,7 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         saved,
     )
     opt_steps = -(-run.train_loader.batches_per_epoch // run.plan.grad_accum)
-    early_warning.warn(epoch, stats["train_loss"], val["val_top1"], len(run.classes), opt_steps)
+    early_warning.warn(epoch, stats["train_loss"], val["val_single_view_top1"], len(run.classes), opt_steps)
     if books.curves:
         ceiling = calibrate.rate_at(books.calibration, crop)
         efficiency = stats["steady"] / ceiling if ceiling and stats["steady"] else None
@@ -222,9 +227,12 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
 
 
 def val_text(val: dict) -> str:
-    if val["val_loss"] is None:
+    if val["val_single_view_loss"] is None:
         return "no val split"
-    return f"val loss {val['val_loss']:.3f} top-1 {val['val_top1']:.3f} top-5 {val['val_top5']:.3f}"
+    return (
+        f"val (single view, no flip TTA) loss {val['val_single_view_loss']:.3f} "
+        f"top-1 {val['val_single_view_top1']:.3f} top-5 {val['val_single_view_top5']:.3f}"
+    )
 
 
 def efficiency_note(stats: dict, calibration: dict | None, resolution: int) -> str:

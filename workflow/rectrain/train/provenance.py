@@ -11,7 +11,7 @@ from rectrain import distributed
 from rectrain.distributed import Dist
 from rectrain.log import utc_now
 from rectrain.storage import device_info
-from rectrain.train import telemetry
+from rectrain.train import batchplan, telemetry
 from rectrain.train.resolution import resolutions
 from rectrain.train.run import Run
 
@@ -50,7 +50,8 @@ def run_info(
         "precision": s.model.precision,
         "batch_size": plan.batch,
         "grad_accum": plan.grad_accum,
-        "global_batch": plan.global_batch,
+        "global_batch": plan.global_batch,  # what ran
+        "recipe_global_batch": batchplan.recipe_global_batch(s.batch),  # what the config asked for (None: nothing)
         "epochs": s.optim.epochs,
         "image_size": res.image_size,
         # the training crop of every epoch (px) and the schedule that made it (null: image_size throughout)

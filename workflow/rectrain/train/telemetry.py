@@ -28,14 +28,17 @@ from rectrain import atomic
 log = logging.getLogger(__name__)
 
 STEP_COLUMNS = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compute_s", "images", "loss", "lr"]
-# resolution: the epoch's training crop in px (train.progressive; image_size without a schedule)
+# resolution: the epoch's training crop in px (train.progressive; image_size without a schedule).
+# val_single_view_*: each epoch's validation, one centre crop at train.val_resolution without flip TTA -
+# not the evaluate stage's protocol (evaluate.resolutions, evaluate.flip_tta: the image and its mirror),
+# so it can read a few tenths below metrics.json for the same weights; the name says which it is.
 EPOCH_COLUMNS = [
     "epoch",
     "train_loss",
     "train_acc",
-    "val_loss",
-    "val_top1",
-    "val_top5",
+    "val_single_view_loss",
+    "val_single_view_top1",
+    "val_single_view_top5",
     "images_per_s",
     "wall_s",
     "resolution",

@@ -195,6 +195,8 @@ def _run(args: argparse.Namespace, cfg: dict) -> int | None:
         status = relaunch_or_single(s.launch, s.stops.stop_signals, args.argv, args.single_process, ck_dir)
         if status is not None:
             return status
+    # a global batch this world size cannot keep is refused in one line, before any rank builds anything
+    batchplan.fixed_accum(s.batch, int(os.environ["WORLD_SIZE"]))
     try:
         train(args, s)
     except stop.Stopped:
