@@ -31,7 +31,7 @@ FORCED_ENV = "RECTRAIN_TRAIN_FORCED"
 # checkpoints/<FOLDER>/: the finished run's published outputs, moved aside with its checkpoints.
 FOLDER = "finished"
 # The train rule's outputs in --out, model.pt last (the rule's marker of a finished run).
-PUBLISHED = ("steps.csv", "epochs.csv", "system.csv", "run.json", "model.pt")
+PUBLISHED = ("steps.csv", "epochs.csv", "system.csv", "run.json", "weights.safetensors", "model.pt")
 
 
 def forced(env=None) -> bool:

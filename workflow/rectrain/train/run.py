@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -19,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rectrain import model as models
-from rectrain import sources
+from rectrain import modelspec, sources
 from rectrain.distributed import Dist
 from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
 from rectrain.settings import TrainSettings
@@ -32,10 +33,12 @@ from rectrain.train.step import Step
 log = logging.getLogger(__name__)
 
 
-def code_fingerprint() -> dict:
-    """sha256 of each training source file (the train rule's code input, rectrain.sources): a checkpoint
-    written by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
-    return sources.fingerprint("train")
+def code_fingerprint(model: str) -> dict:
+    """sha256 of each training source file (the train rule's code input, rectrain.sources) and of the
+    files defining train.model's network when it is your own (rectrain.modelspec): a checkpoint written
+    by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
+    own = {f"model:{f}": hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in modelspec.sources(model)}
+    return {**sources.fingerprint("train"), **own}
 
 
 def set_backend_flags(cudnn_benchmark: bool, device: torch.device) -> None:
@@ -51,6 +54,7 @@ def make_model(part, num_classes: int, device: torch.device):
         part.channels_last,
         zero_init_residual=part.zero_init_residual,
         blurpool=part.blurpool,
+        model_args=part.model_args,
     ).to(device)
     return model, torch.nn.CrossEntropyLoss(label_smoothing=part.label_smoothing)
 
@@ -122,7 +126,7 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
     )
     data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
     identity = ckpt.RunIdentity(
-        ckpt.maths_config(s.as_dict()), plan.batch, plan.grad_accum, d.world_size, data, code_fingerprint()
+        ckpt.maths_config(s.as_dict()), plan.batch, plan.grad_accum, d.world_size, data, code_fingerprint(s.model.model)
     )
     return Run(
         args=args,
