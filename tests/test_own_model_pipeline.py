@@ -88,13 +88,14 @@ def work(tmp_path_factory):
     deadline = time.monotonic() + 900
     launcher = launcher_of(first, deadline)
     steps = work / "results" / "demo" / "train" / "telemetry" / "steps_rank0.csv"
-    while not (steps.is_file() and any(line.startswith("1,1,") for line in steps.read_text().splitlines())):
+    # steps_rank0.csv rows: rank, epoch, step, ...
+    while not (steps.is_file() and any(line.startswith("0,1,") for line in steps.read_text().splitlines())):
         assert first.poll() is None and time.monotonic() < deadline, "the train job never reached epoch 1"
         time.sleep(0.05)
     launcher.send_signal(signal.SIGTERM)
     out, _ = first.communicate(timeout=600)
     log_file = work / "logs" / "train" / "demo.log"
-    assert first.returncode != 0 and "exit status 75" in out, out[-3000:]
+    assert first.returncode != 0 and "exit status 75" in out, out[-8000:]
     stopped_at = re.search(r"it resumes at (epoch 1 step \d+)", log_file.read_text()).group(1)
     rerun = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TIMM = "timm:"
+# train.init_weights' prefix for torchvision's weight enums (rectrain.train.init_weights)
+TORCHVISION_WEIGHTS = "torchvision:"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rectrain import modelspec
 from rectrain.config import ConfigError
+from rectrain.modelspec import TORCHVISION_WEIGHTS as TORCHVISION
 from rectrain.tables import read_classes
 
 # The class count tried before the index stage has counted the dataset's: any K tells a head sized by
@@ -18,7 +19,14 @@ PROBE_CLASSES = 7
 
 def check_model(train: dict, classes_tsv: str | Path) -> None:
     """Build train.model as the train job will, with the dataset's class count when the index has
-    written it, and check its logits' shape; a problem raises ConfigError."""
+    written it, and check its logits' shape; a problem raises ConfigError.  train.init_weights, when a
+    path, must be a file."""
+    init = train["init_weights"]
+    if init is not None and not init.startswith(TORCHVISION) and not Path(init).is_file():
+        raise ConfigError(
+            f"config key 'train.init_weights' = {init!r}: no such file; give a weights.safetensors, a model.pt "
+            "or a state dict saved by torch (or torchvision:<Enum>.<NAME>), or null for a random init"
+        )
     if modelspec.parse(train["model"]).kind == "torchvision":
         return
     from rectrain import model as models  # torch: only for a model that is not torchvision's

@@ -26,6 +26,7 @@ from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
 from rectrain.settings import TrainSettings
 from rectrain.tables import read_classes
 from rectrain.train import checkpoint as ckpt
+from rectrain.train import init_weights
 from rectrain.train.batchplan import BatchPlan, loader_spec, val_loader_spec
 from rectrain.train.optim import make_optimizer
 from rectrain.train.step import Step
@@ -46,8 +47,9 @@ def set_backend_flags(cudnn_benchmark: bool, device: torch.device) -> None:
     torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cudnn_benchmark)
 
 
-def make_model(part, num_classes: int, device: torch.device):
-    """(model on device, in channels_last when asked; the loss), from the train block's `model` part."""
+def make_model(part, num_classes: int, device: torch.device, master: bool = True):
+    """(model on device, in channels_last when asked, from train.init_weights when set; the loss), from
+    the train block's `model` part."""
     model = models.build(
         part.model,
         num_classes,
@@ -55,7 +57,10 @@ def make_model(part, num_classes: int, device: torch.device):
         zero_init_residual=part.zero_init_residual,
         blurpool=part.blurpool,
         model_args=part.model_args,
-    ).to(device)
+    )
+    if part.init_weights:
+        init_weights.apply(model, part.init_weights, master)
+    model = model.to(device)
     return model, torch.nn.CrossEntropyLoss(label_smoothing=part.label_smoothing)
 
 
@@ -78,7 +83,7 @@ def prepare_rank(args: argparse.Namespace, s: TrainSettings, d: Dist) -> RankPar
     torch.manual_seed(s.launch.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     classes = read_classes(args.classes)
     set_backend_flags(s.model.cudnn_benchmark, d.device)
-    model, loss_fn = make_model(s.model, len(classes), d.device)
+    model, loss_fn = make_model(s.model, len(classes), d.device, d.master)
     workers = resolve_workers(s.loaders.workers, d.local_world_size, cores)
     log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, s.loaders.workers)
     spec = loader_spec(s, d, args.rec, args.idx, workers)
