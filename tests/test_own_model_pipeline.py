@@ -14,7 +14,7 @@ import time
 
 import pytest
 import yaml
-from helpers import REPO, VENV_BIN, copy_workflow, scheduled_rules, snakemake
+from helpers import REPO, VENV_BIN, copy_workflow, job_headers, launcher_of, scheduled_rules, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -61,18 +61,6 @@ def dry_run(work) -> set[str]:
     proc = smk(work, "-n", REPORT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return set(scheduled_rules(proc.stdout))
-
-
-def launcher_of(proc: subprocess.Popen, deadline: float):
-    import psutil
-
-    while time.monotonic() < deadline:
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            if "rectrain.train.launch" in " ".join(p.cmdline()):
-                return p
-        assert proc.poll() is None, "Snakemake ended before the train job started"
-        time.sleep(0.1)
-    raise AssertionError("no train job started")
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +125,27 @@ def test_changing_train_model_args_retrains(work):
                      cwd=work, snakefile=work / "Snakefile")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert set(scheduled_rules(proc.stdout)) == {"train", "evaluate", "report"}
+
+
+def test_a_timm_model_trains_is_evaluated_through_its_weights_and_loads_with_timm_alone(work):
+    """The same data, train.model: timm:resnet18 (zero_init_residual through timm's zero_init_last):
+    train, evaluate and report run; weights.json's top-1 is the evaluate stage's, and the file loads
+    strictly into timm.create_model(name, num_classes=K)."""
+    import json
+
+    import timm
+    from safetensors.torch import load_file
+
+    cfg = {**TINY, "train": {**TINY["train"], "model": "timm:resnet18", "model_args": {}, "zero_init_residual": True}}
+    (work / "timm.yaml").write_text(yaml.safe_dump(cfg))
+    proc = snakemake("--directory", str(work), "--cores", "2", REPORT, "--configfile", str(work / "timm.yaml"),
+                     cwd=work, snakefile=work / "Snakefile", timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {rule for rule, _ in job_headers(proc.stdout)} >= {"train", "evaluate", "report"}
+    results = work / "results" / "demo"
+    published = json.loads((results / "train" / "weights.json").read_text())
+    metrics = json.loads((results / "eval" / "metrics.json").read_text())
+    assert published["model"] == "timm:resnet18" and published["top1"] == metrics["top1"]
+    net = timm.create_model("resnet18", num_classes=published["num_classes"])
+    net.load_state_dict(load_file(str(results / "train" / "weights.safetensors")), strict=True)
+    assert "timm:resnet18" in (work / REPORT).read_text()

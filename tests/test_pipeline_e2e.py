@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, VENV_BIN, copy_workflow, job_reasons, scheduled_rules, snakemake
+from helpers import REPO, VENV_BIN, copy_workflow, job_reasons, launcher_of, scheduled_rules, snakemake
 from helpers.config_edits import another_value, block_keys, filled
 
 from rectrain.sources import STAGE_ENTRIES, stage_sources
@@ -510,20 +510,6 @@ def test_unlock_after_a_killed_run_then_the_same_command_finishes(pipeline):
     rerun = pipeline.smk(*command, timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "Nothing to be done" in pipeline.smk("-n", REPORT).stdout
-
-
-def launcher_of(proc, deadline):
-    """The train job's `python -m rectrain.train.launch` under the Snakemake process `proc`."""
-    import psutil
-
-    while time.monotonic() < deadline:
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if "rectrain.train.launch" in p.cmdline():
-                    return p
-        assert proc.poll() is None, "Snakemake ended before the train job started"
-        time.sleep(0.1)
-    raise AssertionError("no train job started")
 
 
 def test_a_train_job_signalled_mid_epoch_exits_75_and_the_same_command_resumes_it_and_completes(pipeline):
