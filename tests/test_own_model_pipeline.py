@@ -14,7 +14,7 @@ import time
 
 import pytest
 import yaml
-from helpers import REPO, VENV_BIN, copy_workflow, job_headers, launcher_of, scheduled_rules, snakemake
+from helpers import REPO, VENV_BIN, copy_workflow, job_headers, launcher_of, readme_python, scheduled_rules, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -127,6 +127,36 @@ def test_changing_train_model_args_retrains(work):
     assert set(scheduled_rules(proc.stdout)) == {"train", "evaluate", "report"}
 
 
+def test_own_models_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_the_evaluate_stage_logits(
+    work, tmp_path, monkeypatch
+):
+    """README's rectrain.model.load_weights lines, in a new process in the working directory, rebuild
+    the network of the test's own file from weights.safetensors and give the evaluate stage's logits."""
+    import torch
+
+    from rectrain import metrics, weights
+    from rectrain.evaluate import model_from_weights
+    from rectrain.train.checkpoint import load
+
+    monkeypatch.chdir(work)  # train.model's file is relative to the working directory
+    path = "results/demo/train/" + weights.FILE
+    torch.manual_seed(0)
+    batch = torch.randn(4, 3, 32, 32)
+    torch.save(batch, tmp_path / "batch.pt")
+    with torch.inference_mode():  # fp32: the run's precision
+        expected = metrics.predict(model_from_weights(path, load("results/demo/train/model.pt")), batch)
+    rectrain_lines = readme_python("Using the trained weights")[1]
+    script = rectrain_lines + (
+        f"import torch\nwith torch.inference_mode():\n"
+        f"    torch.save(model(torch.load({str(tmp_path / 'batch.pt')!r})), {str(tmp_path / 'out.pt')!r})\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
+    proc = subprocess.run([str(VENV_BIN / "python"), "-c", script], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=0, atol=1e-5)
+
+
 def test_a_timm_model_trains_is_evaluated_through_its_weights_and_loads_with_timm_alone(work):
     """The same data, train.model: timm:resnet18 (zero_init_residual through timm's zero_init_last):
     train, evaluate and report run; weights.json's top-1 is the evaluate stage's, and the file loads
@@ -141,7 +171,7 @@ def test_a_timm_model_trains_is_evaluated_through_its_weights_and_loads_with_tim
     proc = snakemake("--directory", str(work), "--cores", "2", REPORT, "--configfile", str(work / "timm.yaml"),
                      cwd=work, snakefile=work / "Snakefile", timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {rule for rule, _ in job_headers(proc.stdout)} >= {"train", "evaluate", "report"}
+    assert {rule for rule, _ in job_headers(proc.stdout + proc.stderr)} >= {"train", "evaluate", "report"}
     results = work / "results" / "demo"
     published = json.loads((results / "train" / "weights.json").read_text())
     metrics = json.loads((results / "eval" / "metrics.json").read_text())

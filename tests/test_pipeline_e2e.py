@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, VENV_BIN, copy_workflow, job_reasons, launcher_of, scheduled_rules, snakemake
+from helpers import REPO, VENV_BIN, copy_workflow, job_reasons, launcher_of, readme_python, scheduled_rules, snakemake
 from helpers.config_edits import another_value, block_keys, filled
 
 from rectrain.sources import STAGE_ENTRIES, stage_sources
@@ -129,13 +129,6 @@ def test_pipeline_produces_report_and_learns(pipeline):
         last_epoch = list(csv.DictReader(fh))[-1]
     val_top1 = float(last_epoch["val_top1"])
     assert abs(val_top1 - metrics["top1"]) <= 1 / 120 + 1e-9, (val_top1, metrics)
-
-
-def readme_python(section: str) -> list[str]:
-    """The ```python blocks of README.md's `section` (## heading), as written."""
-    text = (REPO / "README.md").read_text()
-    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", body, re.S)
 
 
 def test_published_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_the_evaluate_stage_logits(

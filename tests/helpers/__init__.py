@@ -82,3 +82,10 @@ def launcher_of(proc, deadline):
         assert proc.poll() is None, "Snakemake ended before the train job started"
         time.sleep(0.1)
     raise AssertionError("no train job started")
+
+
+def readme_python(section: str) -> list[str]:
+    """The ```python blocks of README.md's `section` (## heading), as written."""
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", body, re.S)
