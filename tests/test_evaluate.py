@@ -413,3 +413,25 @@ def test_a_tally_counted_under_inference_mode_is_summed_into_a_normal_tensor(tmp
         dist.destroy_process_group()
     assert not summed.confusion.is_inference()
     assert summed.images == 6 and summed.top5_hits == 5 and summed.loss_sum == 1.5
+
+
+def test_with_published_weights_it_evaluates_the_file_and_records_its_top1_in_weights_json(val_set, tmp_path):
+    """The weights file, not the checkpoint's tensors, is what is evaluated: a file whose head swaps
+    classes 0 and 2 scores what that network scores, and weights.json records that top-1."""
+    from rectrain import weights
+
+    state = {k: v.clone() for k, v in val_set["model"].state_dict().items()}
+    for key in ("fc.weight", "fc.bias"):
+        state[key] = state[key][[2, 1, 0, 3]]
+    classes = pd.read_csv(val_set["classes"], sep="\t", keep_default_na=False).to_dict("records")
+    about = weights.describe({"image_size": CROP}, {"model": "resnet18", "blurpool": False}, classes, 3, {})
+    path = tmp_path / weights.FILE
+    weights.save(state, about, path)
+    from_ckpt = evaluate(val_set, "torch", tmp_path / "ckpt")
+    m = run(cfg("torch"), val_set["ckpt"], val_set["rec"], val_set["idx"], val_set["classes"],
+            str(tmp_path / "eval"), weights_file=str(path), weights_json=str(tmp_path / weights.JSON))  # fmt: skip
+    assert from_ckpt["top1"] > 0.9 and m["top1"] < 0.6, (from_ckpt["top1"], m["top1"])
+    published = json.loads((tmp_path / weights.JSON).read_text())
+    assert published["top1"] == m["top1"] and published["top5"] == m["top5"] and m["weights"] == str(path)
+    assert published["test_resolutions"] == [{"crop": CROP, "resize": RESIZE, "top1": m["top1"], "top5": m["top5"]}]
+    assert published["classes"][1]["name"] == "<script>alert(1)</script>" and published["model"] == "resnet18"

@@ -38,7 +38,7 @@ TINY = {
     },
 }
 TRAIN = "results/demo/train"
-PUBLISHED = ["model.pt", "steps.csv", "epochs.csv", "system.csv", "run.json"]
+PUBLISHED = ["model.pt", "weights.safetensors", "steps.csv", "epochs.csv", "system.csv", "run.json"]
 
 
 @pytest.fixture(scope="module")

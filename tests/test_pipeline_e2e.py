@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import subprocess
+import textwrap
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import VENV_BIN, copy_workflow, job_reasons, scheduled_rules, snakemake
+from helpers import REPO, VENV_BIN, copy_workflow, job_reasons, launcher_of, readme_python, scheduled_rules, snakemake
 from helpers.config_edits import another_value, block_keys, filled
 
 from rectrain.sources import STAGE_ENTRIES, stage_sources
@@ -128,6 +129,51 @@ def test_pipeline_produces_report_and_learns(pipeline):
         last_epoch = list(csv.DictReader(fh))[-1]
     val_single_view_top1 = float(last_epoch["val_single_view_top1"])
     assert abs(val_single_view_top1 - metrics["top1"]) <= 1 / 120 + 1e-9, (val_single_view_top1, metrics)
+
+
+def test_published_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_the_evaluate_stage_logits(
+    pipeline, tmp_path
+):
+    """weights.safetensors, loaded in a new process by README's lines alone (plain torchvision, and
+    rectrain.model.load_weights), computes the evaluate stage's logits on a batch to 1e-5, in the run's
+    precision; weights.json's top-1 is the evaluate stage's; the tensors are the final checkpoint's."""
+    import torch
+
+    from rectrain import metrics, weights
+    from rectrain import model as models
+    from rectrain.evaluate import model_from_weights
+    from rectrain.train.lifecycle.checkpoint import load
+
+    train = pipeline.work / "results" / "demo" / "train"
+    ckpt = load(train / "model.pt")
+    assert torch.equal(weights.tensors(train / weights.FILE)["fc.weight"], ckpt["model"]["fc.weight"])
+    published = json.loads((train / weights.JSON).read_text())
+    evaluated = json.loads((pipeline.work / "results" / "demo" / "eval" / "metrics.json").read_text())
+    assert published["top1"] == evaluated["top1"] and evaluated["weights"].endswith(weights.FILE)
+    assert published["model"] == "resnet18" and published["epochs_trained"] == pipeline.config["train"]["epochs"]
+    assert len(published["classes"]) == published["num_classes"] == 10
+    precision = ckpt["config"]["precision"]
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    batch = torch.randn(4, 3, 64, 64)
+    torch.save(batch, tmp_path / "batch.pt")
+    # the evaluate stage's network and forward pass (rectrain.metrics.tally's)
+    with torch.inference_mode(), models.autocast(torch.device("cpu"), precision):
+        expected = metrics.predict(model_from_weights(str(train / weights.FILE), ckpt), batch)
+    torchvision_lines, rectrain_lines = readme_python("Using the trained weights")
+    for lines, name in ((torchvision_lines, "model"), (rectrain_lines, "model")):
+        script = lines + textwrap.dedent(f"""
+            import torch
+            torch.set_num_threads(1)
+            with torch.inference_mode(), torch.autocast("cpu", dtype={{"bf16": torch.bfloat16, "fp16": torch.float16}}
+                    .get("{precision}"), enabled="{precision}" != "fp32"):
+                torch.save({name}(torch.load({str(tmp_path / "batch.pt")!r})).float(), {str(tmp_path / "out.pt")!r})
+        """)
+        env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
+        proc = subprocess.run([str(VENV_BIN / "python"), "-c", script], cwd=pipeline.work, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=0, atol=1e-5)
 
 
 def test_unchanged_config_schedules_nothing(pipeline, tmp_path):
@@ -457,20 +503,6 @@ def test_unlock_after_a_killed_run_then_the_same_command_finishes(pipeline):
     rerun = pipeline.smk(*command, timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "Nothing to be done" in pipeline.smk("-n", REPORT).stdout
-
-
-def launcher_of(proc, deadline):
-    """The train job's `python -m rectrain.train.launch` under the Snakemake process `proc`."""
-    import psutil
-
-    while time.monotonic() < deadline:
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if "rectrain.train.launch" in p.cmdline():
-                    return p
-        assert proc.poll() is None, "Snakemake ended before the train job started"
-        time.sleep(0.1)
-    raise AssertionError("no train job started")
 
 
 def test_a_train_job_signalled_mid_epoch_exits_75_and_the_same_command_resumes_it_and_completes(pipeline):

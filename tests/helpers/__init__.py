@@ -1,11 +1,13 @@
 """Test helpers shared by several test modules (tests import them from here, never from conftest.py
 or from another test module): the repo root, this checkout's Snakemake, a copy of the workflow, dry-run parsing."""
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,3 +68,24 @@ def scheduled_rules(dryrun_stdout: str) -> dict:
     return {
         m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M) if m.group(1) != "total"
     }
+
+
+def launcher_of(proc, deadline):
+    """The train job's `python -m rectrain.train.launch` under the Snakemake process `proc`."""
+    import psutil
+
+    while time.monotonic() < deadline:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "rectrain.train.launch" in p.cmdline():
+                    return p
+        assert proc.poll() is None, "Snakemake ended before the train job started"
+        time.sleep(0.1)
+    raise AssertionError("no train job started")
+
+
+def readme_python(section: str) -> list[str]:
+    """The ```python blocks of README.md's `section` (## heading), as written."""
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", body, re.S)

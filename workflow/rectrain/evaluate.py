@@ -1,8 +1,14 @@
-"""Evaluate the final checkpoint on the val .rec: metrics.json and per_class.csv.
+"""Evaluate the published weights on the val .rec: metrics.json and per_class.csv, and weights.json.
 
 python -m rectrain.evaluate --config-json '<evaluate block>' --checkpoint results/<ds>/train/model.pt \
+    --weights results/<ds>/train/weights.safetensors --weights-json results/<ds>/train/weights.json \
     --rec <fast>/<ds>/val.rec --idx <fast>/<ds>/val.idx --classes results/<ds>/index/classes.tsv \
     --out results/<ds>/eval
+
+With --weights the network evaluated is the published weights file (rebuilt from it alone,
+rectrain.model.load_weights), not the checkpoint's tensors, and --weights-json records the top-1 measured
+on it beside the file's description (rectrain.weights); the checkpoint still gives the run's settings
+(loader, precision, devices).  Without --weights the checkpoint's own tensors are evaluated.
 
 Devices: the same plan as training (rectrain.distributed.plan_processes on the checkpoint's train config).
 With several GPUs the command re-executes itself under torchrun, one process per GPU, each reading a
@@ -34,7 +40,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rectrain import cli, distributed, settings, usage, watchdog
+from rectrain import cli, distributed, settings, usage, watchdog, weights
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.data import pairowner
@@ -61,11 +67,28 @@ class Resolution:
 # Checkpoint -> model
 
 
+def model_from_weights(path: str, ckpt: dict) -> torch.nn.Module:
+    """The published weights file's network, checked to be the checkpoint's run (its class count)."""
+    model = models.load_weights(path)
+    about = weights.description(path)
+    if int(about["num_classes"]) != int(ckpt["num_classes"]) or about["model"] != ckpt["model_name"]:
+        raise ValueError(
+            f"{path} holds {about['model']} with {about['num_classes']} classes but the checkpoint is "
+            f"{ckpt['model_name']} with {ckpt['num_classes']}: they are from different runs; rerun the train rule"
+        )
+    return model
+
+
 def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     missing = [k for k in ("model", "model_name", "num_classes", "image_size") if k not in ckpt]
     if missing:
         raise KeyError(f"checkpoint lacks {missing}: it was not written by rectrain.train; rerun the train rule")
-    model = models.build(ckpt["model_name"], int(ckpt["num_classes"]), blurpool=bool(ckpt.get("blurpool", False)))
+    model = models.build(
+        ckpt["model_name"],
+        int(ckpt["num_classes"]),
+        blurpool=bool(ckpt.get("blurpool", False)),
+        model_args=(ckpt.get("config") or {}).get("model_args"),
+    )
     model.load_state_dict(ckpt["model"])
     return model.eval()
 
@@ -263,16 +286,27 @@ def evaluation_progress(
     return progress
 
 
-def run(evaluate: EvaluateSettings, checkpoint: str, rec: str, idx: str, classes_path: str, out: str) -> dict | None:
-    """Evaluate in this process (one rank of torchrun, or alone), once per evaluate.resolutions entry.
-    Returns the metrics on rank 0."""
+def run(
+    evaluate: EvaluateSettings,
+    checkpoint: str,
+    rec: str,
+    idx: str,
+    classes_path: str,
+    out: str,
+    *,
+    weights_file: str | None = None,
+    weights_json: str | None = None,
+) -> dict | None:
+    """Evaluate in this process (one rank of torchrun, or alone), once per evaluate.resolutions entry:
+    the network of `weights_file` when given (and its top-1 recorded in `weights_json`), else the
+    checkpoint's.  Returns the metrics on rank 0."""
     ckpt = load_checkpoint(checkpoint)
     train_cfg = ckpt.get("config") or {}
     # The same process group set-up and collective timeout as training.
     d = distributed.setup(train_cfg.get("devices") != "cpu", train_cfg.get("collective_timeout_s", 600))
     try:
         classes = class_table(classes_path, int(ckpt["num_classes"]))
-        p = passes(evaluate, ckpt, rec, idx, d)
+        p = passes(evaluate, ckpt, rec, idx, d, weights_file)
         todo = resolutions(evaluate, ckpt)
         # A rank stalled in reading leaves its peers in the all_reduce below, which the collective timeout
         # ends; but a single process, or every rank stalled at once (a hung filesystem), has no pending
@@ -284,9 +318,13 @@ def run(evaluate: EvaluateSettings, checkpoint: str, rec: str, idx: str, classes
             return None
         rows = [row(t, res) for t, res in zip(tallies, todo, strict=True)]
         m = metrics(rows, p.kind, checkpoint, bool(evaluate.flip_tta))
+        if weights_file:
+            m["weights"] = str(weights_file)
         # num_classes: top-5 of 5 classes or fewer is 1.0 by construction; usage: this stage's own CPU and memory
         m.update(num_classes=int(tallies[0].confusion.shape[0]), usage=used)
         write_outputs(Path(out), m, per_class(tallies[0].confusion, classes))
+        if weights_file and weights_json:
+            weights.write_json(weights_file, weights_json, weights_evaluation(m))
         log_rows(rows, bool(evaluate.flip_tta))
         if train_cfg.get("tensorboard", True):  # the checkpoint's train.tensorboard
             curves.evaluation(Path(checkpoint).parent, rows)
@@ -295,9 +333,22 @@ def run(evaluate: EvaluateSettings, checkpoint: str, rec: str, idx: str, classes
         distributed.teardown()
 
 
-def passes(evaluate: EvaluateSettings, ckpt: dict, rec: str, idx: str, d: distributed.Dist) -> Passes:
+def weights_evaluation(m: dict) -> dict:
+    """What weights.json records of this evaluation: the headline top-1/top-5 and every test resolution's."""
+    return {
+        "top1": m["top1"],
+        "top5": m["top5"],
+        "val_images": m["images"],
+        "flip_tta": m["flip_tta"],
+        "test_resolutions": [{k: r[k] for k in ("crop", "resize", "top1", "top5")} for r in m["resolutions"]],
+    }
+
+
+def passes(
+    evaluate: EvaluateSettings, ckpt: dict, rec: str, idx: str, d: distributed.Dist, weights_file: str | None = None
+) -> Passes:
     """The model on this rank's device (channels_last on a GPU) and what each pass needs beside it."""
-    model = model_from_checkpoint(ckpt).to(d.device)
+    model = (model_from_weights(weights_file, ckpt) if weights_file else model_from_checkpoint(ckpt)).to(d.device)
     channels_last = d.device.type == "cuda"
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -327,6 +378,8 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--idx", required=True)
     ap.add_argument("--classes", required=True, help="classes.tsv of the index (label, wnid, name)")
     ap.add_argument("--out", required=True, help="folder for metrics.json and per_class.csv")
+    ap.add_argument("--weights", help="the published weights.safetensors to evaluate (else the checkpoint's tensors)")
+    ap.add_argument("--weights-json", help="weights.json to write beside --weights, with the top-1 measured on it")
     ap.add_argument("--single-process", action="store_true", help="never relaunch under torchrun")
 
 
@@ -339,7 +392,16 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
             cmd, env = relaunch
             log.info("one process per training GPU: %s", " ".join(cmd))
             os.execve(cmd[0], cmd, env)
-    run(settings.view("evaluate", cfg), args.checkpoint, args.rec, args.idx, args.classes, args.out)
+    run(
+        settings.view("evaluate", cfg),
+        args.checkpoint,
+        args.rec,
+        args.idx,
+        args.classes,
+        args.out,
+        weights_file=args.weights,
+        weights_json=args.weights_json,
+    )
 
 
 def main(argv=None) -> int:

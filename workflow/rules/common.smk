@@ -14,17 +14,20 @@ from rectrain.driver_check import DEVICES_ENV
 from rectrain.snakefile.checks import check_config
 from rectrain.snakefile.datasets import refuse_demo_name_for_own_data
 from rectrain.snakefile.jobenv import export_operational, prepare_job_env
+from rectrain.snakefile.modelcheck import check_model
 from rectrain.snakefile.params import block_params, index_classes_file, report_params
 from rectrain.snakefile.prestart import before_jobs
 from rectrain.snakefile.resources import scheduled_gpus, train_rule_resources
 from rectrain.private import apply as apply_private
 from rectrain.sources import stage_sources
+from rectrain.modelspec import TORCHVISION_WEIGHTS, sources as model_sources
 
 prepare_job_env(Path(workflow.basedir) / "workflow")
 
 try:
     check_config(config, Path(workflow.basedir) / "config" / "schema.yaml")
     refuse_demo_name_for_own_data(config)
+    check_model(config["train"], f"results/{config['dataset']}/index/classes.tsv")
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
 
@@ -67,6 +70,11 @@ cfg_json = functools.partial(block_params, config)
 def code(stage):
     """The stage's source files (its import closure): editing one reruns that stage and what follows."""
     return [str(p) for p in stage_sources(stage, Path(workflow.basedir) / "workflow" / "rectrain")]
+
+
+def init_weights_input(value):
+    """{"init_weights": path} when train.init_weights names a file (not torchvision:...), else {}."""
+    return {} if value is None or value.startswith(TORCHVISION_WEIGHTS) else {"init_weights": value}
 
 
 def all_cores(wildcards):

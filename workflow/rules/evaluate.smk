@@ -1,19 +1,22 @@
-# evaluate: the final checkpoint on the val .rec -> top-1/top-5, loss and per-class accuracy.
+# evaluate: the published weights on the val .rec -> top-1/top-5, loss and per-class accuracy, and
+# weights.json beside the weights (their description and the top-1 measured here on that very file).
 # Model, classes and image size come from the checkpoint, so params carry only the evaluate block
 # (editing train.* reruns evaluate through the new checkpoint, not through params). With several
 # training GPUs the job runs one process per GPU under torchrun; see workflow/rectrain/evaluate.py.
 
 
 rule evaluate:
-    """Evaluate model.pt on the val split: metrics.json and per_class.csv."""
+    """Evaluate weights.safetensors on the val split: metrics.json, per_class.csv, weights.json."""
     input:
         unpack(val_pair),
         checkpoint=f"results/{DS}/train/model.pt",
+        weights=f"results/{DS}/train/weights.safetensors",
         classes=f"results/{DS}/index/classes.tsv",
         code=code("evaluate"),
     output:
         metrics=report(f"results/{DS}/eval/metrics.json", caption="../report/metrics.rst", category="Evaluation"),
         per_class=report(f"results/{DS}/eval/per_class.csv", caption="../report/per_class.rst", category="Evaluation"),
+        weights_json=f"results/{DS}/train/weights.json",
     log:
         f"logs/evaluate/{DS}.log",
     benchmark:
@@ -28,8 +31,9 @@ rule evaluate:
         cfg=cfg_json("evaluate"),
         out=lambda wildcards, output: os.path.dirname(output.metrics),
     message:
-        f"evaluate {DS} val: {{input.checkpoint}} -> {{params.out}} (log: {{log}})"
+        f"evaluate {DS} val: {{input.weights}} -> {{params.out}} (log: {{log}})"
     shell:
         "python -m rectrain.evaluate --config-json {params.cfg:q} --checkpoint {input.checkpoint:q}"
+        " --weights {input.weights:q} --weights-json {output.weights_json:q}"
         " --rec {input.rec:q} --idx {input.idx:q} --classes {input.classes:q} --out {params.out:q}"
         " > {log:q} 2>&1"

@@ -8,18 +8,23 @@
 
 
 rule train:
-    """Train with DDP under torchrun (GPUs, or CPU processes): model.pt, telemetry, run.json; resumes from last.pt."""
+    """Train with DDP under torchrun (GPUs, or CPU processes): model.pt, weights.safetensors, telemetry, run.json; resumes from last.pt."""
     input:
         # validated after every epoch, unless the dataset has no val split (index.absent_splits)
         **({"val_rec": f"{FAST}/val.rec", "val_idx": f"{FAST}/val.idx"} if HAS_VAL else {}),
+        **init_weights_input(config["train"]["init_weights"]),
         rec=f"{FAST}/train.rec",
         idx=f"{FAST}/train.idx",
         classes=f"results/{DS}/index/classes.tsv",
         # part of the resume fingerprint: a repack is another run's data
         manifest=f"results/{DS}/pack/train.manifest.json",
         code=code("train"),
+        # train.model's own file and the local modules it imports (none for torchvision and timm names)
+        model_code=model_sources(config["train"]["model"]),
+        # train.init_weights when it is a file: replacing it starts the run again
     output:
         model=f"results/{DS}/train/model.pt",
+        weights=f"results/{DS}/train/weights.safetensors",
         steps=f"results/{DS}/train/steps.csv",
         epochs=f"results/{DS}/train/epochs.csv",
         system=f"results/{DS}/train/system.csv",

@@ -121,11 +121,14 @@ def cross_check(config: dict) -> list[str]:
     problems += progressive_problems(train["progressive"])
     problems += global_batch_problems(train)  # train.devices auto: checked by the onstart hook (prestart)
     models = known_models()
-    if models is not None and train["model"] not in models:
+    # timm:<name> and your own factory are built and checked by rectrain.snakefile.modelcheck
+    torchvision_name = ":" not in train["model"]
+    if torchvision_name and models is not None and train["model"] not in models:
         near = sorted(m for m in models if m.startswith(train["model"].rstrip("0123456789")))[:8]
         problems.append(
             f"config key 'train.model' = {train['model']!r} is not a torchvision model"
             + (f" (similar: {', '.join(near)})" if near else " (torchvision.models.list_models() lists them)")
+            + "; timm:<name>, path/to/file.py:factory or package.module:factory name other networks"
         )
     return problems
 

@@ -108,18 +108,23 @@ def fused_supported(device: torch.device) -> bool:
 
 
 def make_optimizer(optim, model, global_batch: int, opt_steps_per_epoch: int, *, family: str, precision: str):
-    """(SGD with nesterov, the LR schedule, GradScaler for fp16) for the global batch, from the train
+    """(SGD with nesterov, or AdamW with train.optimizer: adamw; the LR schedule, GradScaler for fp16) for the global batch, from the train
     block's `optim` part, the model family (train.model: the default weight decay) and train.precision.  The fused
     kernel takes the GradScaler's scale and found-inf flag as tensors (SGD._step_supports_amp_scaling),
     so an fp16 step skips an overflowed update on the device instead of reading the flag on the host."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.SGD(
-        param_groups(model, weight_decay(optim, family), optim.decay_norm_and_bias),
-        lr=optim.lr * global_batch / 256,
-        momentum=optim.momentum,
-        nesterov=optim.nesterov and optim.momentum > 0,
-        fused=bool(optim.fused_sgd) and fused_supported(device),
-    )
+    groups = param_groups(model, weight_decay(optim, family), optim.decay_norm_and_bias)
+    lr = optim.lr * global_batch / 256
+    if optim.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(groups, lr=lr, fused=bool(optim.fused_sgd) and fused_supported(device))
+    else:
+        optimizer = torch.optim.SGD(
+            groups,
+            lr=lr,
+            momentum=optim.momentum,
+            nesterov=optim.nesterov and optim.momentum > 0,
+            fused=bool(optim.fused_sgd) and fused_supported(device),
+        )
     sched = schedule(optim, opt_steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: sched.factor(s))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")

@@ -1,5 +1,6 @@
 """What a run writes in --out: the live telemetry while it trains (out/telemetry/, appended to on
-resume), and at the end the published outputs, model.pt last (the rule's marker of a finished run)."""
+resume), and at the end the published outputs - weights.safetensors (rectrain.weights) for use
+elsewhere, model.pt last (the rule's marker of a finished run)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import os
 import shutil
 
+from rectrain import weights
 from rectrain.atomic import write_json
 from rectrain.log import utc_now
 from rectrain.storage import block_device_for
@@ -48,8 +50,22 @@ def telemetry_logs(run: Run, start_epoch: int, start_step: int = 0):
             sampler.stop()
 
 
+def weights_description(run: Run, final: dict) -> dict:
+    """weights.safetensors' description (rectrain.weights.describe) of the finished checkpoint `final`:
+    the recipe is the train block less its operational keys (what the checkpoint's identity compares)."""
+    s = run.settings
+    return weights.describe(
+        s.resolution.as_dict(),
+        {"model": s.model.model, "model_args": dict(s.model.model_args), "blurpool": bool(s.model.blurpool)},
+        run.classes,
+        epoch=int(final["epoch"]) + 1,
+        recipe=ckpt.maths_config(s.as_dict()),
+    )
+
+
 def finish(run: Run, info: dict) -> None:
-    """Publish the outputs on rank 0: merged telemetry, run.json (`info`, now finished), and model.pt last;
+    """Publish the outputs on rank 0: merged telemetry, run.json (`info`, now finished), the weights
+    (weights.safetensors) and model.pt last;
     then keep them beside the checkpoints (checkpoints/finished/) and mark the run finished."""
     live, out = run.out / "telemetry", run.out
     finished.clear(out)
@@ -58,7 +74,9 @@ def finish(run: Run, info: dict) -> None:
     shutil.copyfile(live / "epochs.csv", out / "epochs.csv")
     shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
     write_json(out / "run.json", {**info, "finished": utc_now()})
-    ckpt.save_atomic(ckpt.load(run.ck_dir / "last.pt"), out / "model.pt")
+    final = ckpt.load(run.ck_dir / "last.pt")
+    weights.save(final["model"], weights_description(run, final), out / weights.FILE)
+    ckpt.save_atomic(final, out / "model.pt")
     finished.keep(out, run.ck_dir)
     ckpt.mark_finished(run.ck_dir, out / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))
     log.info("done: %s", out / "model.pt")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -19,11 +20,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rectrain import model as models
-from rectrain import sources
+from rectrain import modelspec, sources
 from rectrain.distributed import Dist
 from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
 from rectrain.settings import TrainSettings
 from rectrain.tables import read_classes
+from rectrain.train import init_weights
 from rectrain.train.batchplan import BatchPlan, loader_spec, val_loader_spec
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.optim import make_optimizer
@@ -32,10 +34,12 @@ from rectrain.train.step import Step
 log = logging.getLogger(__name__)
 
 
-def code_fingerprint() -> dict:
-    """sha256 of each training source file (the train rule's code input, rectrain.sources): a checkpoint
-    written by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
-    return sources.fingerprint("train")
+def code_fingerprint(model: str) -> dict:
+    """sha256 of each training source file (the train rule's code input, rectrain.sources) and of the
+    files defining train.model's network when it is your own (rectrain.modelspec): a checkpoint written
+    by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
+    own = {f"model:{f}": hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in modelspec.sources(model)}
+    return {**sources.fingerprint("train"), **own}
 
 
 def set_backend_flags(cudnn_benchmark: bool, device: torch.device) -> None:
@@ -43,15 +47,20 @@ def set_backend_flags(cudnn_benchmark: bool, device: torch.device) -> None:
     torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cudnn_benchmark)
 
 
-def make_model(part, num_classes: int, device: torch.device):
-    """(model on device, in channels_last when asked; the loss), from the train block's `model` part."""
+def make_model(part, num_classes: int, device: torch.device, master: bool = True):
+    """(model on device, in channels_last when asked, from train.init_weights when set; the loss), from
+    the train block's `model` part."""
     model = models.build(
         part.model,
         num_classes,
         part.channels_last,
         zero_init_residual=part.zero_init_residual,
         blurpool=part.blurpool,
-    ).to(device)
+        model_args=part.model_args,
+    )
+    if part.init_weights:
+        init_weights.apply(model, part.init_weights, master)
+    model = model.to(device)
     return model, torch.nn.CrossEntropyLoss(label_smoothing=part.label_smoothing)
 
 
@@ -74,7 +83,7 @@ def prepare_rank(args: argparse.Namespace, s: TrainSettings, d: Dist) -> RankPar
     torch.manual_seed(s.launch.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     classes = read_classes(args.classes)
     set_backend_flags(s.model.cudnn_benchmark, d.device)
-    model, loss_fn = make_model(s.model, len(classes), d.device)
+    model, loss_fn = make_model(s.model, len(classes), d.device, d.master)
     workers = resolve_workers(s.loaders.workers, d.local_world_size, cores)
     log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, s.loaders.workers)
     spec = loader_spec(s, d, args.rec, args.idx, workers)
@@ -133,7 +142,7 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
     )
     data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
     identity = ckpt.RunIdentity(
-        ckpt.maths_config(s.as_dict()), plan.batch, plan.grad_accum, d.world_size, data, code_fingerprint()
+        ckpt.maths_config(s.as_dict()), plan.batch, plan.grad_accum, d.world_size, data, code_fingerprint(s.model.model)
     )
     return Run(
         args=args,

@@ -33,7 +33,7 @@ MARKER = "finished.json"
 # checkpoints/<FOLDER>/: the finished run's published outputs, moved aside with its checkpoints.
 FOLDER = "finished"
 # The train rule's outputs in --out, model.pt last (the rule's marker of a finished run).
-PUBLISHED = ("steps.csv", "epochs.csv", "system.csv", "run.json", "model.pt")
+PUBLISHED = ("steps.csv", "epochs.csv", "system.csv", "run.json", "weights.safetensors", "model.pt")
 
 
 def marker(ck_dir: Path) -> Path:

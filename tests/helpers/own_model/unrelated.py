@@ -1,0 +1,1 @@
+NOTE = "not imported by the network"

@@ -1,0 +1,76 @@
+"""train.init_weights (rectrain.train.init_weights): a new run from given weights - a published
+weights.safetensors, a checkpoint, or torchvision's weight enum read from torch's cache - with the head
+replaced, and said, when the class count differs."""
+
+import logging
+
+import pytest
+import torch
+import torchvision
+
+from rectrain import model as models
+from rectrain import weights
+from rectrain.train import init_weights
+
+CLASSES = [{"label": k, "wnid": f"n{k:08d}", "name": str(k)} for k in range(3)]
+
+
+@pytest.fixture
+def published(tmp_path):
+    torch.manual_seed(1)
+    net = models.build("resnet18", 3).eval()
+    about = weights.describe({"image_size": 32}, {"model": "resnet18", "blurpool": False}, CLASSES, 2, {})
+    weights.save(net.state_dict(), about, tmp_path / weights.FILE)
+    return net, str(tmp_path / weights.FILE)
+
+
+def test_the_same_class_count_starts_from_exactly_the_published_network(published):
+    net, path = published
+    torch.manual_seed(2)
+    fresh = models.build("resnet18", 3)
+    init_weights.apply(fresh, path)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(fresh.eval()(x), net(x), rtol=0, atol=0)
+
+
+def test_another_class_count_replaces_the_head_and_says_so(published, caplog):
+    net, path = published
+    fresh = models.build("resnet18", 5)
+    with caplog.at_level(logging.INFO):
+        init_weights.apply(fresh, path)
+    assert torch.equal(fresh.layer4[1].conv2.weight, net.layer4[1].conv2.weight)
+    assert fresh.fc.weight.shape == (5, 512)
+    assert "the head is replaced" in caplog.text and "fc.weight (3, 512) -> (5, 512)" in caplog.text
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_naming_the_key(tmp_path):
+    torch.save({"model": models.build("resnet34", 3).state_dict()}, tmp_path / "model.pt")
+    with pytest.raises(ValueError, match=r"train.init_weights .* does not fit train.model: .*layer1.2"):
+        init_weights.apply(models.build("resnet18", 3), str(tmp_path / "model.pt"))
+
+
+def test_torchvision_weights_come_from_torchs_cache_without_network(tmp_path, monkeypatch, caplog):
+    """ResNet18_Weights.IMAGENET1K_V1's file placed where torch.hub caches it: read from there."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    enum = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+    cache = tmp_path / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.manual_seed(3)
+    source = torchvision.models.resnet18()
+    torch.save(source.state_dict(), cache / enum.url.rsplit("/", 1)[1])
+    fresh = models.build("resnet18", 10)
+    with caplog.at_level(logging.INFO):
+        init_weights.apply(fresh, "torchvision:ResNet18_Weights.IMAGENET1K_V1")
+    assert torch.equal(fresh.conv1.weight, source.conv1.weight)
+    assert "fc.weight (1000, 512) -> (10, 512)" in caplog.text
+
+
+def test_a_missing_init_weights_file_is_refused_before_any_job_naming_the_key(tmp_path):
+    import json
+
+    from rectrain.config import ConfigError, stage_block
+    from rectrain.snakefile.modelcheck import check_model
+
+    block = stage_block("train", json.dumps({"init_weights": str(tmp_path / "absent.safetensors")}))
+    with pytest.raises(ConfigError, match=r"train.init_weights' = .*absent.safetensors.*no such file"):
+        check_model(block, tmp_path / "classes.tsv")

@@ -1,0 +1,181 @@
+"""A model of the test's own through the whole pipeline (issue 33 item 1): a network defined in
+tests/helpers/own_model/net.py (copied into the scratch working directory as nets/, with the local module
+it imports) trains with DDP over two CPU processes, is stopped by SIGTERM mid-epoch and resumed by the
+same command, is evaluated through its published weights, and the report names it as configured.
+Editing its file or its local import reruns train, evaluate and report; editing another file there
+reruns nothing; changing train.model_args retrains."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+from helpers import REPO, VENV_BIN, copy_workflow, job_headers, launcher_of, readme_python, scheduled_rules, snakemake
+
+pytestmark = pytest.mark.slow
+
+MODEL = "nets/net.py:tiny"
+TINY = {
+    "demo": {
+        "classes": 3,
+        "train_per_class": 24,
+        "val_per_class": 2,
+        "min_size": 40,
+        "max_size": 64,
+        "bad_files": False,
+    },
+    "train": {
+        "devices": "cpu",
+        "cpu_processes": 2,
+        "image_size": 32,
+        "epochs": 2,
+        "batch_size": 4,
+        "workers": 1,
+        "model": MODEL,
+        # steps of ~0.3 s: long enough to signal the job inside epoch 1
+        "model_args": {"width": 8, "step_delay_s": 0.3},
+        "zero_init_residual": False,
+        "optimizer": "adamw",
+        "lr": 0.002,
+        "weight_decay": 0.05,
+        "precision": "fp32",
+        "calibration_steps": 1,
+        "calibration_warmup_steps": 1,
+        "sample_interval_s": 0.2,
+        "progress_s": 1,
+    },
+}
+REPORT = "results/demo/report.html"
+
+
+def smk(work, *args, timeout=600):
+    return snakemake("--directory", str(work), *args, "--configfile", str(work / "own.yaml"),
+                     cwd=work, snakefile=work / "Snakefile", timeout=timeout)  # fmt: skip
+
+
+def dry_run(work) -> set[str]:
+    proc = smk(work, "-n", REPORT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return set(scheduled_rules(proc.stdout))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """The tiny pipeline with the test's own model, SIGTERMed inside epoch 1 and finished by the same command."""
+    work = copy_workflow(tmp_path_factory.mktemp("own_model"))
+    shutil.copytree(REPO / "tests" / "helpers" / "own_model", work / "nets")
+    (work / "own.yaml").write_text(yaml.safe_dump(TINY))
+    args = [str(VENV_BIN / "snakemake"), "--snakefile", str(work / "Snakefile"), "--directory", str(work)]
+    command = [*args, "--cores", "2", REPORT, "--configfile", str(work / "own.yaml")]
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    first = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 900
+    launcher = launcher_of(first, deadline)
+    steps = work / "results" / "demo" / "train" / "telemetry" / "steps_rank0.csv"
+    # steps_rank0.csv rows: rank, epoch, step, ...
+    while not (steps.is_file() and any(line.startswith("0,1,") for line in steps.read_text().splitlines())):
+        assert first.poll() is None and time.monotonic() < deadline, "the train job never reached epoch 1"
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=600)
+    log_file = work / "logs" / "train" / "demo.log"
+    assert first.returncode != 0 and "exit status 75" in out, out[-8000:]
+    stopped_at = re.search(r"it resumes at (epoch 1 step \d+)", log_file.read_text()).group(1)
+    rerun = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"continuing at {stopped_at}" in log_file.read_text()
+    return work
+
+
+def test_own_model_trains_over_two_processes_resumes_after_sigterm_is_evaluated_and_reported(work):
+    import json
+
+    results = work / "results" / "demo"
+    run = json.loads((results / "train" / "run.json").read_text())
+    assert run["model"] == MODEL and run["world_size"] == 2, run
+    metrics = json.loads((results / "eval" / "metrics.json").read_text())
+    published = json.loads((results / "train" / "weights.json").read_text())
+    assert metrics["images"] == 6 and published["top1"] == metrics["top1"]
+    assert published["model"] == MODEL and published["model_args"] == TINY["train"]["model_args"]
+    assert MODEL in (work / REPORT).read_text()
+    assert dry_run(work) == set(), "a finished run is up to date"
+
+
+def test_editing_the_model_or_its_local_import_reruns_train_evaluate_report_and_another_file_nothing(work):
+    downstream = {"train", "evaluate", "report"}
+    for name in ("net.py", "blocks.py"):
+        f = work / "nets" / name
+        original = f.read_text()
+        f.write_text(original + "\n# edited\n")
+        assert dry_run(work) == downstream, name
+        f.write_text(original)
+    unrelated = work / "nets" / "unrelated.py"
+    unrelated.write_text(unrelated.read_text() + "# edited\n")
+    assert dry_run(work) == set()
+
+
+def test_changing_train_model_args_retrains(work):
+    edited = {**TINY, "train": {**TINY["train"], "model_args": {"width": 12, "step_delay_s": 0.3}}}
+    (work / "args.yaml").write_text(yaml.safe_dump(edited))
+    proc = snakemake("--directory", str(work), "-n", REPORT, "--configfile", str(work / "args.yaml"),
+                     cwd=work, snakefile=work / "Snakefile")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert set(scheduled_rules(proc.stdout)) == {"train", "evaluate", "report"}
+
+
+def test_own_models_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_the_evaluate_stage_logits(
+    work, tmp_path, monkeypatch
+):
+    """README's rectrain.model.load_weights lines, in a new process in the working directory, rebuild
+    the network of the test's own file from weights.safetensors and give the evaluate stage's logits."""
+    import torch
+
+    from rectrain import metrics, weights
+    from rectrain.evaluate import model_from_weights
+    from rectrain.train.lifecycle.checkpoint import load
+
+    monkeypatch.chdir(work)  # train.model's file is relative to the working directory
+    path = "results/demo/train/" + weights.FILE
+    torch.manual_seed(0)
+    batch = torch.randn(4, 3, 32, 32)
+    torch.save(batch, tmp_path / "batch.pt")
+    with torch.inference_mode():  # fp32: the run's precision
+        expected = metrics.predict(model_from_weights(path, load("results/demo/train/model.pt")), batch)
+    rectrain_lines = readme_python("Using the trained weights")[1]
+    script = rectrain_lines + (
+        f"import torch\nwith torch.inference_mode():\n"
+        f"    torch.save(model(torch.load({str(tmp_path / 'batch.pt')!r})), {str(tmp_path / 'out.pt')!r})\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
+    proc = subprocess.run([str(VENV_BIN / "python"), "-c", script], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=0, atol=1e-5)
+
+
+def test_a_timm_model_trains_is_evaluated_through_its_weights_and_loads_with_timm_alone(work):
+    """The same data, train.model: timm:resnet18 (zero_init_residual through timm's zero_init_last):
+    train, evaluate and report run; weights.json's top-1 is the evaluate stage's, and the file loads
+    strictly into timm.create_model(name, num_classes=K)."""
+    import json
+
+    import timm
+    from safetensors.torch import load_file
+
+    cfg = {**TINY, "train": {**TINY["train"], "model": "timm:resnet18", "model_args": {}, "zero_init_residual": True}}
+    (work / "timm.yaml").write_text(yaml.safe_dump(cfg))
+    proc = snakemake("--directory", str(work), "--cores", "2", REPORT, "--configfile", str(work / "timm.yaml"),
+                     cwd=work, snakefile=work / "Snakefile", timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {rule for rule, _ in job_headers(proc.stdout + proc.stderr)} >= {"train", "evaluate", "report"}
+    results = work / "results" / "demo"
+    published = json.loads((results / "train" / "weights.json").read_text())
+    metrics = json.loads((results / "eval" / "metrics.json").read_text())
+    assert published["model"] == "timm:resnet18" and published["top1"] == metrics["top1"]
+    net = timm.create_model("resnet18", num_classes=published["num_classes"])
+    net.load_state_dict(load_file(str(results / "train" / "weights.safetensors")), strict=True)
+    assert "timm:resnet18" in (work / REPORT).read_text()

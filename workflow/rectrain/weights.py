@@ -1,0 +1,92 @@
+"""The published weights: results/<ds>/train/weights.safetensors and weights.json beside it.
+
+weights.safetensors holds the trained network's state_dict with the architecture library's own key
+names (safetensors: tensors and a string header only, nothing is unpickled on load), so a torchvision
+model without BlurPool loads it with `torchvision.models.get_model(name, num_classes=K)
+.load_state_dict(load_file(path), strict=True)`.  Its header's metadata (METADATA_KEY, JSON) describes
+the network - the architecture as configured, the classes in label order, the normalisation, the
+training resolution, the recipe, the epochs trained - so rectrain.model.load_weights can rebuild it from
+the file alone (BlurPool included, which plain torchvision has no layer for).
+
+The train stage writes the file when a run finishes (rectrain.train.outputs.finish); the evaluate stage
+evaluates that file and writes weights.json: the same description, plus the test resolutions and the
+top-1 it measured on it (so the number in weights.json is the file's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from rectrain import atomic
+from rectrain.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD
+
+FILE = "weights.safetensors"
+JSON = "weights.json"
+# The safetensors header's metadata key holding the description (metadata values must be strings).
+METADATA_KEY = "rectrain"
+
+
+def normalisation() -> dict:
+    """What the loaders feed the network: RGB scaled to [0, 1], minus mean, over std (torchvision's
+    ImageNet constants; the loaders apply them to 0-255 values, the same thing)."""
+    return {
+        "space": "RGB in [0, 1]",
+        "mean": [round(m / 255, 6) for m in IMAGENET_MEAN],
+        "std": [round(s / 255, 6) for s in IMAGENET_STD],
+    }
+
+
+def describe(train_cfg: dict, model_cfg: dict, classes: list[dict], epoch: int, recipe: dict) -> dict:
+    """The file's description: `model_cfg` {model, model_args, blurpool} as configured, the classes in
+    label order (label, wnid, name), the normalisation, training's resolution, the recipe and the
+    number of epochs trained."""
+    return {
+        "format": "state_dict with the architecture library's key names (rectrain.model.load_weights rebuilds it)",
+        **model_cfg,
+        "num_classes": len(classes),
+        "classes": [{"label": int(c["label"]), "wnid": str(c["wnid"]), "name": str(c["name"])} for c in classes],
+        "normalisation": normalisation(),
+        "train_resolution": int(train_cfg["image_size"]),
+        "val_resolution": train_cfg.get("val_resolution"),
+        "crop_ratio": EVAL_CROP_FRACTION,
+        "epochs_trained": int(epoch),
+        "recipe": recipe,
+    }
+
+
+def save(state_dict: dict, description: dict, path: str | os.PathLike) -> None:
+    """state_dict as safetensors with `description` in its header, atomically.  Tensors are saved
+    contiguous (a channels_last network's convolution weights are not) and on the CPU."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    meta = {METADATA_KEY: json.dumps(description)}
+    atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def description(path: str | os.PathLike) -> dict:
+    """The description in a weights file's header; a file without one was not written by rectrain."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if METADATA_KEY not in meta:
+        raise ValueError(
+            f"{path} has no rectrain description in its header: it was not published by rectrain's train "
+            "stage; load its tensors with safetensors.torch.load_file and the library that made them"
+        )
+    return json.loads(meta[METADATA_KEY])
+
+
+def tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def write_json(weights_path: str | os.PathLike, out: str | os.PathLike, evaluation: dict) -> dict:
+    """weights.json: the file's description, its name, and `evaluation` (the evaluate stage's top-1,
+    top-5 and test resolutions, measured on this file)."""
+    data = {"weights": Path(weights_path).name, **description(weights_path), **evaluation}
+    atomic.write_json(out, data)
+    return data
