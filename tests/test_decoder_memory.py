@@ -5,9 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO
 
 
+@pytest.mark.slow  # 9 s of DALI pipelines: make test, not make check
 def test_the_decoder_memory_rehearsal_runs_every_variant_padding_and_thread_count_through_rectrains_loader(tmp_path):
     out = tmp_path / "tables"
     done = subprocess.run(

@@ -130,6 +130,7 @@ def alive_in_session(sid: int) -> list[str]:
     return alive
 
 
+@pytest.mark.slow  # a whole check killed mid-way (8 s): make test, not make check
 def test_check_killed_by_a_signal_still_writes_the_summary(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(

@@ -96,6 +96,7 @@ def seconds(text: str) -> int:
     return sum(int(n) * UNIT_S[unit] for n, unit in re.findall(r"(\d+) (s|min|h|d)\b", text))
 
 
+@pytest.mark.slow  # a real training (10-18 s): make test, not make check
 def test_single_process_run_says_so_and_logs_progress_between_epoch_lines(data, tmp_path):
     proc = run_train(data, tmp_path / "t", epochs=2, progress_s=0.001, extra=["--single-process"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -157,6 +158,7 @@ def moved_aside(out):
     return {d.name: sorted(p.name for p in d.iterdir()) for d in folder.iterdir()} if folder.exists() else {}
 
 
+@pytest.mark.slow  # a real training (10-18 s): make test, not make check
 def test_changed_config_does_not_resume_and_moves_the_old_runs_checkpoints_aside(data, tmp_path):
     out = tmp_path / "t"
     assert run_train(data, out, epochs=2, extra=SINGLE, **FAST).returncode == 0
@@ -178,6 +180,7 @@ def killed_after_epoch_0(data, out, **cfg):
     return killed
 
 
+@pytest.mark.slow  # a real training (10-18 s): make test, not make check
 def test_killed_run_restarted_with_another_lr_starts_over_and_keeps_the_old_checkpoints_aside(data, tmp_path):
     out = tmp_path / "t"
     killed_after_epoch_0(data, out)
@@ -193,6 +196,7 @@ def test_killed_run_restarted_with_another_lr_starts_over_and_keeps_the_old_chec
     assert torch.equal(kept["model"]["classifier.1.weight"], old["model"]["classifier.1.weight"])
 
 
+@pytest.mark.slow  # a real training (10-18 s): make test, not make check
 def test_killed_run_restarted_with_another_lr_under_resume_always_continues_and_records_it(data, tmp_path):
     out = tmp_path / "t"
     killed_after_epoch_0(data, out, keep_checkpoints=1)
@@ -245,6 +249,7 @@ def test_forced_rerun_retrains_but_a_job_killed_after_its_last_checkpoint_only_f
     assert torch.equal(kept["model"]["classifier.1.weight"], finished["model"]["classifier.1.weight"])
 
 
+@pytest.mark.slow  # a real training (10-18 s): make test, not make check
 def test_finished_run_whose_outputs_were_removed_is_republished_from_its_kept_outputs_without_training(data, tmp_path):
     """What Snakemake leaves after a rerun that failed inside the job: every output removed, the
     checkpoints and checkpoints/finished/ kept.  Not forced, the same run: published again, no step run."""
