@@ -8,34 +8,21 @@ import os
 
 import pytest
 import yaml
-from helpers import copy_workflow, job_headers, scheduled_rules, snakemake
+from helpers import copy_workflow, job_headers, scheduled_rules, snakemake, tiny_demo, tiny_train
 
 from rectrain.train.lifecycle.checkpoint import load
 
 pytestmark = pytest.mark.slow
 
 TINY = {
-    "demo": {
-        "classes": 3,
-        "train_per_class": 12,
-        "val_per_class": 2,
-        "min_size": 40,
-        "max_size": 64,
-        "bad_files": False,
-    },
-    "train": {
-        "devices": "cpu",
-        "cpu_processes": 1,
-        "image_size": 32,
-        "epochs": 1,
-        "batch_size": 8,
-        "workers": 1,
-        "model": "squeezenet1_1",
-        "precision": "fp32",
-        "calibration_steps": 2,
-        "calibration_warmup_steps": 1,
-        "sample_interval_s": 0.2,
-    },
+    "demo": tiny_demo(train_per_class=12),
+    "train": tiny_train(
+        cpu_processes=1,
+        epochs=1,
+        batch_size=8,
+        model="squeezenet1_1",
+        calibration_steps=2,
+    ),
 }
 TRAIN = "results/demo/train"
 PUBLISHED = ["model.pt", "weights.safetensors", "steps.csv", "epochs.csv", "system.csv", "run.json"]

@@ -14,40 +14,38 @@ import time
 
 import pytest
 import yaml
-from helpers import REPO, VENV_BIN, copy_workflow, job_headers, launcher_of, readme_python, scheduled_rules, snakemake
+from helpers import (
+    REPO,
+    VENV_BIN,
+    copy_workflow,
+    job_headers,
+    launcher_of,
+    readme_python,
+    scheduled_rules,
+    snakemake,
+    tiny_demo,
+    tiny_train,
+)
 
 pytestmark = pytest.mark.slow
 
 MODEL = "nets/net.py:tiny"
 TINY = {
-    "demo": {
-        "classes": 3,
-        "train_per_class": 24,
-        "val_per_class": 2,
-        "min_size": 40,
-        "max_size": 64,
-        "bad_files": False,
-    },
-    "train": {
-        "devices": "cpu",
-        "cpu_processes": 2,
-        "image_size": 32,
-        "epochs": 2,
-        "batch_size": 4,
-        "workers": 1,
-        "model": MODEL,
+    "demo": tiny_demo(train_per_class=24),
+    "train": tiny_train(
+        model=MODEL,
         # steps of ~0.3 s: long enough to signal the job inside epoch 1
-        "model_args": {"width": 8, "step_delay_s": 0.3},
-        "zero_init_residual": False,
-        "optimizer": "adamw",
-        "lr": 0.002,
-        "weight_decay": 0.05,
-        "precision": "fp32",
-        "calibration_steps": 1,
-        "calibration_warmup_steps": 1,
-        "sample_interval_s": 0.2,
-        "progress_s": 1,
-    },
+        model_args={"width": 8, "step_delay_s": 0.3},
+        zero_init_residual=False,
+        optimizer="adamw",
+        lr=0.002,
+        weight_decay=0.05,
+        cpu_processes=2,
+        epochs=2,
+        batch_size=4,
+        calibration_steps=1,
+        progress_s=1,
+    ),
 }
 REPORT = "results/demo/report.html"
 

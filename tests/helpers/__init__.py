@@ -89,3 +89,22 @@ def readme_python(section: str) -> list[str]:
     text = (REPO / "README.md").read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", body, re.S)
+
+
+def tiny_demo(train_per_class: int) -> dict:
+    """A demo block of 3 classes of small images and no planted defects: a whole pipeline in seconds."""
+    return {
+        "classes": 3,
+        "train_per_class": train_per_class,
+        "val_per_class": 2,
+        "min_size": 40,
+        "max_size": 64,
+        "bad_files": False,
+    }
+
+
+def tiny_train(**keys) -> dict:
+    """A train block for such a demo on CPU processes, fp32 at 32 px, system samples every 0.2 s, with the
+    test's own `keys` over it."""
+    base = {"devices": "cpu", "image_size": 32, "workers": 1, "precision": "fp32", "sample_interval_s": 0.2}
+    return {**base, "calibration_warmup_steps": 1, **keys}
