@@ -6,13 +6,13 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from helpers.train_data import packed_dataset, rows, tiny_train_config
 
 from rectrain.train.lifecycle.checkpoint import load
+from rectrain.train.local_copy import stage_key
 
 TELEMETRY = [
     "model.pt",
@@ -92,8 +92,8 @@ def test_two_localhost_nodes_match_the_standalone_run(data, tmp_path):
     for n, (p, log) in enumerate(zip(nodes, logs, strict=True)):
         assert p.returncode == 0, f"node {n}:\n{log[-3000:]}"
         assert "--nnodes=2" in log and "--rdzv_backend=c10d" in log and f"--rdzv_endpoint={endpoint}" in log
-        # staged under the shared folder's own name (packed<k>: pytest numbers it by the session's earlier ones)
-        staged = tmp_path / f"local{n}" / Path(data[data.index("--rec") + 1]).parent.name
+        # staged under the shared folder's name and its real path's hash (rectrain.train.local_copy.stage_key)
+        staged = tmp_path / f"local{n}" / stage_key(data[data.index("--rec") + 1])
         assert (staged / "train.rec").is_file() and (staged / "val.idx").is_file(), log[-2000:]
 
     for name in TELEMETRY:

@@ -42,6 +42,22 @@ def test_training_sources_include_what_the_old_hand_list_missed():
     assert {"recordio.py", "storage.py", "atomic.py", "train/local_copy.py", "loaders/dali.py"} <= train
 
 
+# Each stage's package, in pipeline order: a stage's closure holds no module of a later stage's package.
+STAGE_PACKAGES = [("train", "train/"), ("evaluate", "evaluate.py"), ("report", "report/")]
+
+
+@pytest.mark.parametrize("stage", ["demo_data", "index_raw", "pack", "check_recordio", "train", "evaluate"])
+def test_no_stage_imports_a_later_stages_code_so_editing_that_never_reruns_it(stage):
+    order = [s for s, _ in STAGE_PACKAGES]
+    later = (
+        [prefix for s, prefix in STAGE_PACKAGES if s not in order[: order.index(stage) + 1]]
+        if stage in order
+        else [prefix for _, prefix in STAGE_PACKAGES]
+    )
+    mine = rel(stage_sources(stage))
+    assert not [p for p in mine if p.startswith(tuple(later))], f"{stage} imports a later stage's code"
+
+
 def test_report_sources_include_its_template_and_of_training_only_the_telemetry_contract():
     # the report imports the telemetry column names (the files' contract); no other training code
     report = rel(stage_sources("report"))

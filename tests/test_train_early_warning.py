@@ -4,7 +4,7 @@ or a training loss still at an untrained network's, with the report's likely cau
 import logging
 import math
 
-from rectrain.report.learning import MORE_STEPS_FIX
+from rectrain.advice import MORE_STEPS_FIX
 from rectrain.train import early_warning
 
 

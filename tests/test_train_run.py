@@ -243,7 +243,7 @@ def test_forced_rerun_retrains_but_a_job_killed_after_its_last_checkpoint_only_f
     assert "epoch 0: train loss" in forced.stderr, "a forced rerun trains again"
     assert {r["epoch"] for r in rows(out / "steps.csv")} == {"0"} and (out / "model.pt").exists()
     ((folder, files),) = moved_aside(out).items()  # the finished run's checkpoints, moved aside whole
-    assert files == ["epoch_0.pt", "finished", "finished.json", "last.pt"]
+    assert files == ["epoch_0.pt", "finished", "finished.json", "last.pt", "tensorboard"]
     assert "Z-a-forced-rerun-that-run-finished" in folder
     kept = load(out / "checkpoints" / "replaced" / folder / "last.pt")
     assert torch.equal(kept["model"]["classifier.1.weight"], finished["model"]["classifier.1.weight"])

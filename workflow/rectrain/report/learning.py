@@ -13,18 +13,11 @@ from typing import Mapping
 
 import pandas as pd
 
+from rectrain.advice import MORE_STEPS_FIX
 from rectrain.report.diagnosis import Finding
 from rectrain.report.inputs import RunData
 from rectrain.report.stats import train_setting
 from rectrain.settings import ReportSettings
-
-# What a run that does not learn most likely needs: the report's findings and the console's early
-# warnings during training (rectrain.train.early_warning) name the same.
-MORE_STEPS_FIX = (
-    "Give it more optimizer steps: a smaller train.batch_size on a small dataset, more train.epochs; check "
-    "train.lr (it is for a global batch of 256 and scales linearly) and that the train and val splits hold the "
-    "same classes."
-)
 
 
 def optimizer_steps_per_epoch(steps: pd.DataFrame, run: Mapping) -> int | None:

@@ -12,9 +12,9 @@ import functools
 import logging
 import math
 
+from rectrain.advice import MORE_STEPS_FIX
 from rectrain.config import stage_block
 from rectrain.log import PROGRESS_LOGGER
-from rectrain.report.learning import MORE_STEPS_FIX
 
 # The first epoch is often near chance on any dataset (warm-up): warnings start after the second.
 FIRST_EPOCH = 1

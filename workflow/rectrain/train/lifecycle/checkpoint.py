@@ -52,8 +52,6 @@ log = logging.getLogger(__name__)
 # Written beside the checkpoints once model.pt is published: this run is complete (finished.py: torch-free,
 # so the launcher reads it without importing torch).
 FINISHED, finished_marker = finished.MARKER, finished.marker
-# Written beside the checkpoints once model.pt is published: this run is complete.
-FINISHED = "finished.json"
 # Written beside the checkpoints when the ranks stopped on divergence (rectrain.train.lifecycle.divergence).
 DIVERGED = "diverged.json"
 # The run's TensorBoard curves, beside the checkpoints folder (rectrain.train.curves.FOLDER); a run

@@ -104,7 +104,6 @@ class MidEpoch:
     def poll(self, step: int) -> Decision:
         faults.signal_at(self.run.d.rank, self.epoch, step)
         faults.pause_at(self.run.d.rank, self.epoch, step, stopping=lambda: self.agreement.request.signum != 0)
-        return self.agreement.poll()
         return self.agreement.poll(self.detector.tripped)
 
     def act(self, decision: Decision, steps_done: int, totals: dict) -> None:

@@ -22,8 +22,9 @@ repeats.  Every rank's RNG is then seeded afresh from (train.seed, epoch, rank).
 run.json keep every change (`world_sizes`: epoch, world size, batch, grad_accum).  A world size that
 does not divide the global batch is refused, naming both plans and the process counts that keep it.
 
-Starting over never deletes: the checkpoints here are moved aside (checkpoint.move_aside, a rename)
-into checkpoints/replaced/<UTC time>-<what differed>/ and the log line says where and why.
+Starting over never deletes the run it replaces: the checkpoints here are moved aside (checkpoint.move_aside,
+a rename) into checkpoints/replaced/<UTC time>-<what differed>/ and the log line says where and why;
+only runs beyond the newest train.keep_replaced there are deleted, each named, with the folder's size.
 
 A finished run (checkpoint.FINISHED present: Snakemake deleted the job's outputs and started it
 again) is never continued.  Under auto and always it is republished, without training, from the
