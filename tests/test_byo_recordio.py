@@ -305,6 +305,12 @@ def test_an_im2rec_pair_trains_evaluates_and_the_report_says_where_the_data_came
     assert "train: from an existing pair</b> (recordio.train; not packed here)" in html
     assert f"{(pairs / 'train.rec').resolve()}" in html and "used in place (symlinked into fast storage)" in html
     assert scheduled_rules(smk(work, "-n", "results/report.html").stdout) == {}  # finished: nothing left to run
+    # The same pair checked again (its manifest's timings differ): the training command that follows
+    # republishes the finished run, it does not train again (issue 38 item 10).
+    again = smk(work, "--cores", "2", "results/report.html", "--forcerun", "check_recordio", timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    train_log = (work / "logs" / "train" / "byo.log").read_text()
+    assert "restored the finished run's outputs" in train_log and "epoch 0: train loss" not in train_log, train_log
     # the recordio block's keys: operational ones rerun nothing, the others the check and what follows
     for key, value, expected in [
         ("threads", 1, set()),
