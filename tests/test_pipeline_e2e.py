@@ -20,12 +20,21 @@ import subprocess
 import textwrap
 import time
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, VENV_BIN, copy_workflow, job_reasons, launcher_of, readme_python, scheduled_rules, snakemake
+from helpers import (
+    REPO,
+    VENV_BIN,
+    copy_workflow,
+    dryruns,
+    job_reasons,
+    launcher_of,
+    readme_python,
+    scheduled_rules,
+    snakemake,
+)
 from helpers.config_edits import another_value, block_keys, filled
 
 from rectrain.sources import STAGE_ENTRIES, stage_sources
@@ -93,20 +102,19 @@ def dryrun_edited(run, cfgfile: Path, blocks: dict) -> set[str]:
     return set(scheduled_rules(proc.stdout))
 
 
-# A dry-run only reads the finished run (Snakemake takes no lock for one: persistence warn_only), so the
-# one-key edits run side by side, one Snakemake per core: most of a dry-run is Snakemake's own start-up.
-DRYRUN_WORKERS = max(1, min(4, os.cpu_count() or 1))
-
-
 def dryruns_each_alone(run, tmp_path, edits: list[tuple[str, str, object]]) -> list[set[str]]:
-    """For each (block, key, value), on its own: the stages a dry-run schedules after that one edit."""
-
-    def one(i):
-        block, key, value = edits[i]
-        return dryrun_edited(run, tmp_path / f"edited-{i}.yaml", {block: {key: value}})
-
-    with ThreadPoolExecutor(DRYRUN_WORKERS) as pool:
-        return list(pool.map(one, range(len(edits))))
+    """For each (block, key, value), on its own: the stages a dry-run schedules after that one edit
+    (one Snakemake process answers them all; each answer is a dry-run of its own config file)."""
+    files = []
+    for i, (block, key, value) in enumerate(edits):
+        edited = json.loads(json.dumps(run.config))
+        edited.setdefault(block, {})[key] = value
+        files.append(tmp_path / f"edited-{i}.yaml")
+        files[-1].write_text(yaml.safe_dump(edited))
+    answers = dryruns([[REPORT, "--configfile", f] for f in files], run.work, run.snakefile)
+    failed = {f"{b}.{k} = {v!r}": out[-2000:] for (b, k, v), (ok, out) in zip(edits, answers, strict=True) if not ok}
+    assert not failed, failed
+    return [set(scheduled_rules(out)) for _, out in answers]
 
 
 def updated_inputs(reason: str) -> set[str]:
@@ -314,17 +322,19 @@ def test_every_module_a_stage_imports_makes_that_stage_rerun(pipeline):
     for train), nothing another stage imports."""
     by_stage = closures(pipeline.package)
     modules = set().union(*by_stage.values())
-    with edited(sorted(modules)), ThreadPoolExecutor(DRYRUN_WORKERS) as pool:
+    with edited(sorted(modules)):
         # --allowed-rules keeps the earlier stages out of the DAG (their outputs count as source
         # files); otherwise Snakemake stops at "input files updated by another job" and never
         # says which of this job's own inputs changed.
-        procs = pool.map(
-            lambda stage: pipeline.smk("-n", STAGE_TARGET[stage], "--allowed-rules", stage, "--quiet", "host"), CHAIN
+        answers = dryruns(
+            [[STAGE_TARGET[stage], "--allowed-rules", stage, "--quiet", "host"] for stage in CHAIN],
+            pipeline.work,
+            pipeline.snakefile,
         )
-        for stage, proc in zip(CHAIN, list(procs), strict=True):
-            assert proc.returncode == 0, proc.stderr
-            reasons = job_reasons(proc.stdout).get(stage, [])
-            assert len(reasons) == 1, f"{stage}: expected one scheduled job, got {reasons}\n{proc.stdout[-3000:]}"
+        for stage, (ok, out) in zip(CHAIN, answers, strict=True):
+            assert ok, out[-3000:]
+            reasons = job_reasons(out).get(stage, [])
+            assert len(reasons) == 1, f"{stage}: expected one scheduled job, got {reasons}\n{out[-3000:]}"
             named = {Path(f).resolve() for f in updated_inputs(reasons[0])}
             for module in sorted(modules):
                 rel = module.relative_to(pipeline.package)
