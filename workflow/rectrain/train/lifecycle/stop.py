@@ -26,9 +26,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
 from rectrain.distributed import Dist
 
 log = logging.getLogger(__name__)
@@ -125,6 +122,10 @@ class Agreement:
         self.interval_s = float(interval_min) * 60
         self.last_checkpoint = time.monotonic()
         self.group = None
+        # torch here, not at the top: the launcher imports this module for EXIT_STOPPED and the signals
+        # (rectrain.distributed says why)
+        import torch.distributed as dist
+
         if d.world_size > 1 and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")  # CPU tensors: no wait for the GPU
 
@@ -139,6 +140,9 @@ class Agreement:
 
     def any_of(self, *values: int) -> tuple[int, ...]:
         """Each of `values` as the most over every rank (an all-reduce MAX; each rank passes its own)."""
+        import torch
+        import torch.distributed as dist
+
         flags = torch.tensor(values, dtype=torch.int64)
         if self.d.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
