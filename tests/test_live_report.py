@@ -166,12 +166,16 @@ def live_run(root, *, host="gpu-node-17", torn=True):
 
 
 def test_the_live_page_shows_the_banner_the_epochs_so_far_and_the_evaluation_still_to_come(tmp_path, monkeypatch):
-    train = live_run(tmp_path)
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"report": {"title": "demo"}}))
+    live_run(tmp_path)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"report": {"title": "watching"}}))
     monkeypatch.chdir(tmp_path)
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "results").rglob("*") if p.is_file()}
+    written, real = [], live.atomic.write_text  # whole or not at all: a reader never sees half a page
+    monkeypatch.setattr(live.atomic, "write_text", lambda p, t: written.append(str(p)) or real(p, t))
     assert live.main(["--configfile", "run.yaml"]) == 0
+    assert written == [os.path.join("results", "demo", "live.html")]
     html = (tmp_path / "results/demo/live.html").read_text()
+    assert "<title>[training] watching - demo</title>" in html  # the config file's title, the demo's dataset
     assert 'id="live-banner" class="live-training"' in html
     assert "In progress: epoch 2 (of 4) step 5/20" in html and "2 of 4 epoch(s) done" in html
     # 15 steps, then one more epoch of 20, at 0.5 s a step; no gap between epochs in these rows
@@ -182,7 +186,6 @@ def test_the_live_page_shows_the_banner_the_epochs_so_far_and_the_evaluation_sti
     after = {p: p.stat().st_mtime_ns for p in (tmp_path / "results").rglob("*") if p.is_file()}
     assert set(after) - set(before) == {tmp_path / "results/demo/live.html"}
     assert all(after[p] == t for p, t in before.items()), "the live report wrote a file of the run"
-    assert train.joinpath("run.json").exists()
 
 
 def test_a_killed_run_on_this_host_is_shown_killed_with_the_training_left(tmp_path, monkeypatch):
@@ -202,12 +205,30 @@ def test_before_training_wrote_run_json_the_command_says_so_in_one_line(tmp_path
     assert not (tmp_path / "results/demo/live.html").exists()
 
 
-def test_the_page_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
-    """live.html goes through rectrain.atomic: a reader never sees half a page."""
-    live_run(tmp_path)
+@pytest.mark.parametrize(
+    ("name", "state", "headline"),
+    [
+        ("stopped.json", "stopped", "Stopped: at epoch 2 (of 4) step 5/20"),
+        ("diverged.json", "diverged", "Diverged: stopped at epoch 2 step 5"),
+    ],
+)
+def test_a_run_that_stopped_or_diverged_in_this_launch_is_shown_so(tmp_path, monkeypatch, name, state, headline):
+    train = live_run(tmp_path, host=socket.gethostname())
+    info = {
+        "time": "2026-12-03T09:30:00+00:00",
+        "signal": "SIGTERM",
+        "after": "epoch 2 step 5",
+        "where": "epoch 2 step 5",
+    }
+    (train / "checkpoints").mkdir()
+    (train / "checkpoints" / name).write_text(
+        json.dumps({**info, "line": "rank 0: training diverged at epoch 2 step 5"})
+    )
     monkeypatch.chdir(tmp_path)
-    written = []
-    real = live.atomic.write_text
-    monkeypatch.setattr(live.atomic, "write_text", lambda p, t: written.append(p) or real(p, t))
     assert live.main([]) == 0
-    assert [str(p) for p in written] == [os.path.join("results", "demo", "live.html")]
+    html = (tmp_path / "results/demo/live.html").read_text()
+    assert f'class="live-{state}"' in html and headline in html
+    if state == "diverged":
+        assert "rank 0: training diverged at epoch 2 step 5" in html
+    else:
+        assert "stopped cleanly (SIGTERM" in html and "of training left when it goes on" in html

@@ -23,9 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason=NO_C
 EPOCHS, STEPS = 3, 5  # 36 train images, batch 8: 5 steps an epoch (4 images repeated)
 TINY = {
     "demo": tiny_demo(train_per_class=12),
-    "train": tiny_train(
-        cpu_processes=1, epochs=EPOCHS, batch_size=8, model="squeezenet1_1", calibration_steps=2, progress_s=1
-    ),
+    "train": tiny_train(cpu_processes=1, epochs=EPOCHS, batch_size=8, model="squeezenet1_1", calibration_steps=2),
 }
 TELEMETRY = "results/demo/train/telemetry"
 
