@@ -82,6 +82,12 @@ def test_no_time_left_is_claimed_before_a_step_was_measured():
     assert inprogress.time_left_s(pos, inprogress.pace(pd.DataFrame(columns=STEP_COLUMNS))) is None
 
 
+def test_a_run_past_its_last_epoch_but_not_finished_is_said_to_publish_not_to_train_an_epoch_more():
+    pos = inprogress.Position(epochs=3, done=3, epoch=3, step=0, steps_per_epoch=5)
+    status = inprogress.Status(inprogress.TRAINING, "a process", pos, inprogress.Pace(0.5, 1.0), 0.0, 1.0)
+    assert inprogress.banner(status)["headline"] == "In progress: all 3 epochs trained, publishing the outputs"
+
+
 def marker(ck, name, when):
     ck.mkdir(parents=True, exist_ok=True)
     (ck / name).write_text(json.dumps({"time": when, "signal": "SIGTERM", "after": "epoch 1 step 2", "where": "x"}))

@@ -241,6 +241,8 @@ def banner(s: Status, now: float | None = None) -> dict:
     elif s.state == DIVERGED_STATE:
         head = f"Diverged: stopped at {s.marker.get('where')}"
         lines = [done, s.marker.get("line") or s.why]
+    elif s.state == TRAINING and pos.done >= pos.epochs:
+        head, lines = f"In progress: all {pos.epochs} epochs trained, publishing the outputs", [s.why]
     elif s.state == TRAINING:
         end = end_time(s.left_s, now)
         head = f"In progress: {_at(pos)}"
