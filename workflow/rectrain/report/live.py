@@ -95,7 +95,7 @@ def _run(args: argparse.Namespace, cfg) -> None:
     page = {**inprogress.banner(status), "final": str(results / "report.html")}
     html = build(data, whole, live=page)
     out = atomic.write_text(results / PAGE, html)
-    logger.info("%s: %s (%.2f MB, %.1f s)", out, page["headline"], len(html) / 1e6, time.perf_counter() - t)
+    logger.info("%s: %s (%.2f MB, %.1f s)", out.resolve(), page["headline"], len(html) / 1e6, time.perf_counter() - t)
 
 
 def main(argv=None) -> int:
