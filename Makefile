@@ -63,6 +63,12 @@ run: $(STAMP)
 	@for f in $(CONFIG); do test -f "$$f" || { echo "make run: config file $$f not found" >&2; exit 2; }; done
 	$(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) $(TARGET) --configfile $(CONFIG)
 
+# The report of a run still training, stopped or killed: results/<dataset>/live.html, built again at each
+# call (docs/watching.md). CONFIG as for make run; empty: the demo. Snakemake's lock does not stop it.
+.PHONY: live
+live: $(STAMP)
+	$(PY) -m rectrain.report.live $(if $(CONFIG),--configfile $(CONFIG))
+
 dryrun: $(STAMP)
 	$(VENV)/bin/snakemake -n results/report.html
 
