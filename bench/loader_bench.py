@@ -273,15 +273,14 @@ def _cell(xs: list[float]) -> str:
 def print_tables(table: dict, names: list[str]) -> None:
     """One table per metric (median over rounds, [spread]), then the targets, judged on the steady
     figures: the ones that describe a real epoch of ImageNet, where start-up is amortised to nothing."""
+    refs = ["ceiling", "imagefolder", *(["dali-before"] if "dali-before" in names else [])]
     for metric, values in table.items():
-        print(f"\n{metric}\n| loader | {metric} | vs ceiling | vs ImageFolder |\n|---|---:|---:|---:|")
+        head = " | ".join(f"vs {ref}" for ref in refs)
+        print(f"\n{metric}\n| loader | {metric} | {head} |\n|---|---:|{'---:|' * len(refs)}")
         for name in names:
-            vs = {ref: _ratios(values, name, ref) if ref in values else [] for ref in ("ceiling", "imagefolder")}
             xs = values[name]
-            print(
-                f"| {name} | {statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}] | "
-                f"{_cell(vs['ceiling'])} | {_cell(vs['imagefolder'])} |"
-            )
+            cells = " | ".join(_cell(_ratios(values, name, ref) if ref in values else []) for ref in refs)
+            print(f"| {name} | {statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}] | {cells} |")
     if not {"dali", "ceiling", "imagefolder"} <= set(names):
         return
     for metric in METRICS[:2]:
