@@ -1,8 +1,13 @@
 """index.classes and index.per_class through Snakemake (issue 35): three of the demo's five classes and
 at most 5 train images of each are indexed, packed (counted in the manifests and read back by mxnet),
-trained and evaluated on, and the report says it is a subset.  The raw root is the Kaggle layout
-(the demo's train/<wnid>/ and its flat val_flat/ labelled by LOC_val_solution.csv, its val/<wnid>/
-removed); the other layouts take the subset alike (tests/test_index_subset.py)."""
+trained and evaluated on, and the report says it is a subset.  One run covers the two layouts the
+demo's own runs do not: train from the official archive (archives/ILSVRC2012_img_train.tar, one tar
+per class, read in place: the pack reads nested tar members), val from Kaggle's flat val_flat/
+labelled by LOC_val_solution.csv (the demo's train/ and val/ folders removed, so auto-detection takes
+both).  Class folders run through Snakemake in every demo pipeline (tests/test_pipeline_e2e.py); the
+archive's val tar and the devkit's ground truth take the subset alike at the index stage
+(tests/test_index_subset.py, every layout; tests/test_index.py reads the val tar's members as the
+same bytes as the folders' files)."""
 
 import csv
 import json
@@ -41,7 +46,8 @@ def work(tmp_path_factory):
     """A finished subset pipeline: the working folder, and Snakemake's output."""
     base = tmp_path_factory.mktemp("subset")
     demo.generate(view("demo", {**stage_block("demo", "{}"), **DEMO}), base / "raw")
-    shutil.rmtree(base / "raw" / "val")  # val from val_flat/ and the Kaggle CSV
+    for folders in ("train", "val"):  # train from the archive, val from val_flat/ and the Kaggle CSV
+        shutil.rmtree(base / "raw" / folders)
     config = {
         "dataset": "sub",
         "raw": str(base / "raw"),
@@ -63,6 +69,11 @@ def test_only_the_chosen_classes_and_images_are_packed_trained_and_evaluated(wor
     assert json.loads((results / "eval" / "metrics.json").read_text())["images"] == 3 * DEMO["val_per_class"]
     log = (work / "logs" / "index_raw" / "sub.log").read_text()
     assert "LOC_val_solution.csv" in log, "the flat val of the Kaggle layout"
+    assert "archives/ILSVRC2012_img_train.tar (per-class tars, read in place)" in log, "train from the archive"
+    with open(results / "index" / "train.tsv", newline="") as fh:
+        train = list(csv.DictReader(fh, delimiter="\t"))
+    assert len(train) == 3 * PER_CLASS
+    assert all(r["source"].startswith(f"archives/ILSVRC2012_img_train.tar::{r['wnid']}.tar::") for r in train)
     assert "kept 3 of 5 classes, at most 5 train images per class: 15 of 40 train images, 6 of 10 val images" in log
     html = (results / "report.html").read_text()
     assert "<b>A subset:</b> 3 of 1000 ImageNet classes, at most 5 images per class" in html
