@@ -53,6 +53,7 @@ import torch
 
 from rectrain import watchdog
 from rectrain.distributed import Dist, all_gather
+from rectrain.log import CONSOLE_LINE
 from rectrain.progress import Progress
 from rectrain.train import resolution, telemetry
 from rectrain.train.lifecycle import checkpoint as ckpt
@@ -311,7 +312,8 @@ def compiled_note(cal: dict) -> str:
 def setup_key(run: Run) -> dict:
     """What a calibration's img/s depends on: the devices (GPU models and memory, CPU cores), the
     processes, the model and its numerics, the batch plan, the resolutions and the calibration's own
-    bounds.  run.json records it (`calibration_setup`): a resume with the same one reuses the measurement."""
+    bounds.  run.json and checkpoints/calibration.json record it (`calibration_setup`): a resume with the
+    same one reuses the measurement."""
     s, res = run.settings, run.settings.resolution
     tel = s.telemetry
     return {
@@ -331,7 +333,8 @@ def setup_key(run: Run) -> dict:
 
 
 def reused_or_measured(run: Run, previous_run_json: Path, resumed: bool) -> dict:
-    """On a resume whose previous run.json measured the same `setup_key`: that calibration, said so
+    """On a resume whose previous run (its run.json, or checkpoints/calibration.json) measured the same
+    `setup_key`: that calibration, said so
     (24-40 s of a short run saved); else calibrate_run.  Rank 0 decides for every rank (each must run
     the calibration's steps, or none)."""
     key = setup_key(run)
@@ -345,6 +348,7 @@ def reused_or_measured(run: Run, previous_run_json: Path, resumed: bool) -> dict
             "resolutions as the run this one resumes",
             previous_run_json,
             total_rate(found),
+            extra=CONSOLE_LINE,
         )
     return found
 
