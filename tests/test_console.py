@@ -1,10 +1,13 @@
-"""A stage run by a rule writes its log to a file; its progress lines also reach the terminal the job
-was started from (rectrain.log.console_handler), and nothing else does."""
+"""A stage run by a rule writes its log to a file; its console lines also reach the console: through
+the Snakemake process's relay (rectrain.snakefile.console), else the terminal the job was started from
+(rectrain.log.console_handler), and nothing else does."""
 
 import logging
+import os
 
 from rectrain import log as stage_log
 from rectrain.progress import Progress
+from rectrain.snakefile.console import Relay, report_line
 
 
 def restore_after(fn):
@@ -55,3 +58,72 @@ def test_a_rank_in_a_session_of_its_own_finds_the_terminal_by_its_path(tmp_path,
     handler.handle(logging.makeLogRecord({"name": "rectrain.progress", "msg": "epoch 0 (of 4) step 2/5"}))
     handler.flush()
     assert (tmp_path / "pts").read_text() == "[train] epoch 0 (of 4) step 2/5\n"
+
+
+def relay_reader(tmp_path):
+    """A FIFO standing in for the Snakemake process's relay, and its read end (opened as the relay opens it)."""
+    path = tmp_path / "relay"
+    os.mkfifo(path)
+    return path, os.open(path, os.O_RDWR | os.O_NONBLOCK)
+
+
+def test_without_a_terminal_the_console_lines_reach_snakemakes_relay_and_nothing_else_does(tmp_path, monkeypatch):
+    """stdout a file or a pipe, no terminal at all (nohup, CI): progress lines and the lines marked
+    CONSOLE_LINE (epoch, resuming, moved aside) go to the relay; the rest of the log does not."""
+    path, reader = relay_reader(tmp_path)
+    monkeypatch.setattr(stage_log, "CONSOLE", str(tmp_path / "no-terminal" / "tty"))
+    monkeypatch.setenv(stage_log.RELAY_ENV, str(path))
+    monkeypatch.delenv("RECTRAIN_CONSOLE", raising=False)
+
+    def run():
+        stage_log.setup("train")
+        logging.getLogger("rectrain.progress").info("epoch 1 (of 2) step 3/10")
+        logging.getLogger("rectrain.train.epochs").info("epoch 1: train loss 1.1", extra=stage_log.CONSOLE_LINE)
+        logging.getLogger("rectrain.train.lifecycle.resume").info("resuming from last.pt", extra=stage_log.CONSOLE_LINE)
+        logging.getLogger("rectrain.train.run").info("2 loader workers")
+
+    restore_after(run)
+    try:
+        assert os.read(reader, 65536).decode() == (
+            "[train] epoch 1 (of 2) step 3/10\n[train] epoch 1: train loss 1.1\n[train] resuming from last.pt\n"
+        )
+    finally:
+        os.close(reader)
+
+
+def test_a_relay_fifo_nobody_reads_is_passed_over_without_blocking(tmp_path, monkeypatch):
+    """A FIFO left by a Snakemake that has ended (or named on another node) has no reader: the stage
+    neither waits for one nor fails, and falls back to the terminal."""
+    path = tmp_path / "relay"
+    os.mkfifo(path)
+    monkeypatch.setenv(stage_log.RELAY_ENV, str(path))
+    monkeypatch.setattr(stage_log, "CONSOLE", str(tmp_path / "tty"))
+    monkeypatch.delenv("RECTRAIN_CONSOLE", raising=False)
+    monkeypatch.delenv("RECTRAIN_TTY", raising=False)
+    handler = stage_log.console_handler("train", False)
+    handler.handle(logging.makeLogRecord({"name": "rectrain.progress", "msg": "epoch 0 (of 4) step 2/5"}))
+    handler.flush()
+    assert (tmp_path / "tty").read_text() == "[train] epoch 0 (of 4) step 2/5\n"
+
+
+def test_the_relay_copies_each_jobs_lines_to_snakemakes_stderr_and_removes_its_fifo_at_the_end(tmp_path):
+    out_r, out_w = os.pipe()
+    relay = Relay(out_w)
+    try:
+        with open(relay.path, "a", buffering=1) as job_a, open(relay.path, "a", buffering=1) as job_b:
+            job_a.write("[train] epoch 0: train loss 2.0\n")
+            job_b.write("[evaluate] evaluation batch 2/2\n")
+        relay.drain()
+        assert os.read(out_r, 65536).decode() == "[train] epoch 0: train loss 2.0\n[evaluate] evaluation batch 2/2\n"
+    finally:
+        relay.close()
+        os.close(out_r)
+        os.close(out_w)
+    assert not relay.folder.exists()
+
+
+def test_the_run_ends_naming_the_report_copy_it_wrote_else_the_datasets_report(tmp_path):
+    own, copy = tmp_path / "results" / "demo" / "report.html", tmp_path / "results" / "report.html"
+    assert report_line([own, copy]) == f"report: {copy}"
+    assert report_line([own]) == f"report: {own}"
+    assert report_line([]) is None, "a run that wrote no report names none"

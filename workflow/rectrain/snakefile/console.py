@@ -36,11 +36,12 @@ class Relay:
         os.mkfifo(self.path, 0o600)
         # Read and write: the pipe never reads as closed when the last job closes its end.
         self.fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # drain() also runs in a signal handler (rectrain.snakefile.stopping)
+        self.closed = False
         threading.Thread(target=self._copy, name="rectrain-console", daemon=True).start()
 
     def _copy(self) -> None:
-        while True:
+        while not self.closed:
             select.select([self.fd], [], [], 1.0)
             self.drain()
 
@@ -58,6 +59,8 @@ class Relay:
                     os.write(self.out_fd, data)
 
     def close(self) -> None:
+        """The last lines, then the FIFO gone (the read end stays open until the process ends)."""
+        self.closed = True
         self.drain()
         shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,8 +91,9 @@ class Stop:
                 f"waits up to {STOP_GRACE_S} s for it), then this run ends"
             )
         self.forward(signum)
-        # Snakemake's own SIGTERM handling: start no new job, end once the running ones have
-        self.workflow.scheduler.exit_gracefully()
+        # Snakemake's own SIGTERM handling: start no new job, end once the running ones have.  From a
+        # thread: it takes the scheduler's lock, which the main thread this handler interrupts may hold.
+        threading.Thread(target=self.workflow.scheduler.exit_gracefully, daemon=True).start()
 
     def forward(self, signum: int) -> None:
         for proc in job_commands(psutil.Process()):
@@ -109,7 +111,8 @@ class Stop:
     def say(self, text: str) -> None:
         if self.relay is not None:
             self.relay.drain()  # the jobs' last lines first
-        print(f"[rectrain] {text}", file=self.out, flush=True)
+        # one unbuffered write: a signal handler may interrupt a buffered write to the same stream
+        os.write(self.out.fileno(), f"[rectrain] {text}\n".encode())
 
     def finish(self) -> None:
         """At exit (Snakemake has ended: its lock released, its log written): after a clean stop, the
