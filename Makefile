@@ -52,16 +52,19 @@ check: $(STAMP) $(MXSTAMP) style
 	$(PY) -m pytest tests $(PYTEST_PARALLEL) -m "not slow" -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# Snakemake's last line names the report it wrote (rectrain.snakefile.hooks).
+# The last line names the report, also when it was up to date (Snakemake names it only when it wrote it:
+# RECTRAIN_REPORT_LINE=0 keeps it from saying it twice).
 report: $(STAMP)
-	$(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) results/report.html
+	RECTRAIN_REPORT_LINE=0 $(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) results/report.html
+	@test ! -f results/report.html || echo "report: $(abspath results/report.html)"
 
 # Your own config without Snakemake's argument rules (--configfile takes every word after it, so the
 # target goes before it): make run CONFIG=config/my-data.yaml [TARGET=...] [SNAKEMAKE_ARGS=-n].
 run: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make run: say which config, e.g. make run CONFIG=config/my-data.yaml" >&2; exit 2; }
 	@for f in $(CONFIG); do test -f "$$f" || { echo "make run: config file $$f not found" >&2; exit 2; }; done
-	$(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) $(TARGET) --configfile $(CONFIG)
+	RECTRAIN_REPORT_LINE=0 $(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) $(TARGET) --configfile $(CONFIG)
+	@for f in $(filter %report.html,$(TARGET)); do test ! -f "$$f" || echo "report: $(CURDIR)/$$f"; done
 
 # From another shell: stop the run going in this folder as SIGTERM to its Snakemake process does - training
 # writes its checkpoint, every job ends, and that run exits with status 75 (docs/watching.md).

@@ -4,6 +4,9 @@ the Snakemake process's relay (rectrain.snakefile.console), else the terminal th
 
 import logging
 import os
+import subprocess
+
+from helpers import REPO
 
 from rectrain import log as stage_log
 from rectrain.progress import Progress
@@ -127,3 +130,29 @@ def test_the_run_ends_naming_the_report_copy_it_wrote_else_the_datasets_report(t
     assert report_line([own, copy]) == f"report: {copy}"
     assert report_line([own]) == f"report: {own}"
     assert report_line([]) is None, "a run that wrote no report names none"
+
+
+def make_run_with_snakemake_exiting(tmp_path, status: int, target: str) -> subprocess.CompletedProcess:
+    """`make run` from this checkout's Makefile in `tmp_path`, its Snakemake a stand-in exiting `status`."""
+    fake = tmp_path / "venv"
+    (fake / "bin").mkdir(parents=True, exist_ok=True)
+    (fake / "bin" / "snakemake").write_text(f"#!/bin/sh\nexit {status}\n")
+    (fake / "bin" / "snakemake").chmod(0o755)
+    (tmp_path / "my.yaml").write_text("dataset: demo\n")
+    return subprocess.run(
+        ["make", "-f", str(REPO / "Makefile"), "-o", f"{fake}/.installed", "run", "CONFIG=my.yaml",
+         f"TARGET={target}", f"VENV={fake}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_make_run_ends_naming_the_report_when_snakemake_succeeded_and_not_after_a_stop(tmp_path):
+    report = tmp_path / "results" / "report.html"
+    report.parent.mkdir()
+    report.write_text("<html></html>")
+    done = make_run_with_snakemake_exiting(tmp_path, 0, "results/report.html")
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == f"report: {report}", done.stdout
+    stopped = make_run_with_snakemake_exiting(tmp_path, 75, "results/report.html")
+    assert stopped.returncode != 0 and "report:" not in stopped.stdout, stopped.stdout
+    other = make_run_with_snakemake_exiting(tmp_path, 0, "results/demo/train/model.pt")
+    assert other.returncode == 0 and "report:" not in other.stdout, "a run asked for no report names none"
