@@ -150,7 +150,7 @@ def train_run(run: Run, request: StopRequest) -> None:
         return
     if resumed.world_sizes:
         run = dataclasses.replace(run, world_sizes=resumed.world_sizes)
-    calibration = calibrate.reused_or_measured(run, run.ck_dir / ckpt.CALIBRATION, resumed.continues)
+    calibration = calibrate.reused_or_measured(run, run.out / calibrate.KEPT, resumed.continues)
     info = provenance.run_info(
         run,
         resumed.start_epoch,
@@ -162,7 +162,7 @@ def train_run(run: Run, request: StopRequest) -> None:
     info["calibration_setup"] = calibrate.setup_key(run)  # a resume on the same setup reuses the calibration
     if d.master:
         write_json(run.out / "run.json", info)
-        write_json(run.ck_dir / ckpt.CALIBRATION, {key: info[key] for key in ("calibration", "calibration_setup")})
+        calibrate.keep(run.out / calibrate.KEPT, info)
         provenance.log_start(run)
     if resumed.rng_states is not None:
         ckpt.set_rng_state(resumed.rng_states[d.rank])

@@ -54,9 +54,6 @@ log = logging.getLogger(__name__)
 FINISHED, finished_marker = finished.MARKER, finished.marker
 # Written beside the checkpoints when the ranks stopped on divergence (rectrain.train.lifecycle.divergence).
 DIVERGED = "diverged.json"
-# The run's calibration and what it was measured on, beside the checkpoints: run.json is an output that
-# Snakemake removes when a job fails or stops, so a resume through Snakemake reads it from here.
-CALIBRATION = "calibration.json"
 # The run's TensorBoard curves, beside the checkpoints folder (rectrain.train.curves.FOLDER); a run
 # moved aside takes them along, so a new run's curves start apart.
 CURVES = "tensorboard"
@@ -318,12 +315,11 @@ def _slug(reason: str) -> str:
 
 
 def run_files(ck_dir: Path) -> list[str]:
-    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED, DIVERGED,
-    CALIBRATION and the folder of its kept outputs (rectrain.train.lifecycle.finished)."""
+    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED, DIVERGED
+    and the folder of its kept outputs (rectrain.train.lifecycle.finished)."""
     ck_dir = Path(ck_dir)
     epochs = sorted((p.name for p in ck_dir.glob("epoch_*.pt") if EPOCH_FILE.fullmatch(p.name)), key=_epoch_of)
-    kept = ("last.pt", FINISHED, DIVERGED, CALIBRATION, finished.FOLDER)
-    return epochs + [n for n in kept if (ck_dir / n).exists()]
+    return epochs + [n for n in ("last.pt", FINISHED, DIVERGED, finished.FOLDER) if (ck_dir / n).exists()]
 
 
 def _epoch_of(name: str) -> int:
