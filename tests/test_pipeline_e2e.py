@@ -507,6 +507,14 @@ def test_unlock_after_a_killed_run_then_the_same_command_finishes(pipeline):
     assert "Nothing to be done" in pipeline.smk("-n", REPORT).stdout
 
 
+def still_running(proc: psutil.Process) -> bool:
+    """Whether `proc` is still there and not just its exit status waiting to be read (a zombie has ended)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_sigint_to_snakemake_alone_mid_epoch_ends_every_job_in_one_line_with_status_75_and_the_rerun_resumes(pipeline):
     """SIGINT to the Snakemake process only (not its process group: what `kill -INT` from another shell
     sends; Snakemake 9 alone let training run on) once epoch 1 has steps, with no terminal and the console
@@ -551,8 +559,8 @@ def test_sigint_to_snakemake_alone_mid_epoch_ends_every_job_in_one_line_with_sta
     first.send_signal(signal.SIGINT)
     out, _ = first.communicate(timeout=STOP_GRACE_S + 60)
     took = time.monotonic() - signalled
-    left = [p for p in run_processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not left, f"still running after the run ended: {[p.cmdline()[:3] for p in left]}"
+    left = [p.pid for p in run_processes if still_running(p)]
+    assert not left, f"processes of the run still running after Snakemake ended: {left}"
     assert took < STOP_GRACE_S, f"the stop took {took:.0f} s, past torchrun's grace time {STOP_GRACE_S} s"
     assert first.returncode == EXIT_STOPPED, out[-3000:]
     last = out.strip().splitlines()[-1]
