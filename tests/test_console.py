@@ -156,3 +156,18 @@ def test_make_run_ends_naming_the_report_when_snakemake_succeeded_and_not_after_
     assert stopped.returncode != 0 and "report:" not in stopped.stdout, stopped.stdout
     other = make_run_with_snakemake_exiting(tmp_path, 0, "results/demo/train/model.pt")
     assert other.returncode == 0 and "report:" not in other.stdout, "a run asked for no report names none"
+
+
+def test_a_console_that_has_gone_ends_the_console_lines_not_the_stage_and_is_not_reported_per_line(
+    tmp_path, monkeypatch, capsys
+):
+    """Snakemake killed (kill -9) while training goes on: its relay has no reader any more."""
+    path, reader = relay_reader(tmp_path)
+    monkeypatch.setenv(stage_log.RELAY_ENV, str(path))
+    monkeypatch.delenv("RECTRAIN_CONSOLE", raising=False)
+    handler = stage_log.console_handler("train", False)
+    os.close(reader)  # the Snakemake process is gone
+    record = logging.makeLogRecord({"name": "rectrain.progress", "msg": "epoch 0 (of 4) step 2/5"})
+    handler.handle(record)
+    handler.handle(record)
+    assert capsys.readouterr().err == "", "no 'Logging error' traceback per line"

@@ -132,6 +132,14 @@ def _open_relay(path: str):
     return os.fdopen(fd, "a", buffering=1)  # one write per line: atomic in a pipe (under PIPE_BUF)
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """The console lines' handler: a console that has gone (Snakemake killed, its pipe without a reader,
+    the terminal closed) ends them, not the stage, and is not reported once per line in its log."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.setLevel(logging.CRITICAL + 1)
+
+
 def is_console_line(record: logging.LogRecord) -> bool:
     return record.name == PROGRESS_LOGGER or getattr(record, "console", False)
 
@@ -150,7 +158,7 @@ def console_handler(tag: str, elapsed: bool) -> logging.Handler | None:
         path = terminal_path()
         if path:  # torchrun starts the ranks in new sessions, without /dev/tty
             os.environ[TTY_ENV] = path
-    handler = logging.StreamHandler(stream)
+    handler = _ConsoleHandler(stream)
     handler.setFormatter(_StageFormatter(tag, elapsed))
     handler.addFilter(is_console_line)
     return handler
