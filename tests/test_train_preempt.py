@@ -24,7 +24,7 @@ from rectrain.loaders.dali import DaliLoader
 from rectrain.loaders.pytorch import TorchLoader
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import midepoch
-from rectrain.train.lifecycle.stop import EXIT_STOPPED
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 N_TRAIN = 45
 # Tiny and fast on a CPU; batch 4 over 2 ranks: 6 steps per epoch (23 records a rank, 1 padded).

@@ -15,7 +15,7 @@ from test_train_preempt import run_train
 
 from rectrain import model as models
 from rectrain.train import optim
-from rectrain.train.lifecycle.stop import EXIT_STOPPED
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 sys.path.insert(0, str(REPO / "bench"))
 

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 import pytest
 from helpers.train_data import config_json, packed_dataset, rows
 
-from rectrain.train.lifecycle.stop import EXIT_STOPPED
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 # 48 images, batch 4: 6 steps per epoch on 2 processes, 12 micro-steps (6 optimizer steps) on 1.
 N_TRAIN = 48

@@ -11,8 +11,8 @@ answer at the same step, even when only one rank was signalled - and then all ch
 group of CPU tensors even when training uses NCCL, so it never waits for the GPU (bench/RESULTS.md
 has its cost).
 
-EXIT_STOPPED = 75 (EX_TEMPFAIL of sysexits.h: "try again later") is the exit status of every rank, of
-the launcher (rectrain.train.lifecycle.supervise) and so of the train job after a stop whose checkpoint was
+EXIT_STOPPED (75, rectrain.train.lifecycle.status) is the exit status of every rank, of the launcher
+(rectrain.train.lifecycle.supervise) and so of the train job after a stop whose checkpoint was
 written: rerunning the same command resumes at the next step.
 """
 
@@ -30,7 +30,6 @@ from rectrain.distributed import Dist
 
 log = logging.getLogger(__name__)
 
-EXIT_STOPPED = 75
 # A stop signal repeated this long after the first dumps the rank's stacks (StopRequest).
 STUCK_S = 10.0
 
