@@ -142,8 +142,14 @@ def make_run_with_snakemake_exiting(tmp_path, status: int, target: str) -> subpr
     return subprocess.run(
         ["make", "-f", str(REPO / "Makefile"), "-o", f"{fake}/.installed", "run", "CONFIG=my.yaml",
          f"TARGET={target}", f"VENV={fake}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, env=outside_make(),
     )  # fmt: skip
+
+
+def outside_make() -> dict:
+    """The environment without an enclosing make's (`make test` runs pytest): a sub-make would print
+    'Entering directory' lines and join the outer make's jobserver."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
 
 
 def test_make_run_ends_naming_the_report_when_snakemake_succeeded_and_not_after_a_stop(tmp_path):

@@ -483,9 +483,11 @@ def test_snakemake_report_bundles_the_report_and_key_outputs(pipeline, tmp_path)
 
 
 def wait_for_lock(proc: subprocess.Popen, work: Path, timeout=120):
+    """Until Snakemake's lock is whole: it writes its input lock, then its output lock, each file then its
+    lines; a kill between them (a loaded machine) left only input keys, which lock out no other run."""
     locks = work / ".snakemake" / "locks"
     deadline = time.monotonic() + timeout
-    while not any(locks.glob("*.lock")):
+    while not any(p.stat().st_size > 0 for p in locks.glob("*.output.lock")):
         assert proc.poll() is None and time.monotonic() < deadline, "Snakemake never took its lock"
         time.sleep(0.05)
 
