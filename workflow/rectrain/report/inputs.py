@@ -42,6 +42,7 @@ class RunData:
     benchmarks: pd.DataFrame  # one row per rule: rule, s, max_rss, io_in, io_out, cpu_time, mean_load
     paths: dict[str, str] = field(default_factory=dict)
     image_sizes: pd.DataFrame | None = None  # width, height of a sample of the packed train images
+    check: dict | None = None  # the check stage's report.json, once it has run (rectrain.check)
 
 
 # The pack's reason for a non-JPEG payload ("PNG content named as JPEG re-encoded as JPEG"), true only
@@ -138,8 +139,9 @@ def sample_image_sizes(manifest: dict | None, n: int = SIZE_SAMPLE) -> pd.DataFr
     return pd.DataFrame(sizes, columns=["width", "height"]) if sizes else None
 
 
-def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: str) -> RunData:
-    """Every stage's outputs; eval_dir None: a dataset without a val split, so no evaluation (metrics {})."""
+def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: str, *, check=None) -> RunData:
+    """Every stage's outputs; eval_dir None: a dataset without a val split, so no evaluation (metrics {});
+    check: the check stage's report.json when it has run, else None."""
     train_dir, pack_dir, index_dir = map(Path, (train_dir, pack_dir, index_dir))
     manifests = {}
     for split in ("train", "val"):
@@ -177,4 +179,5 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
             "index": str(index_dir),
         },
         image_sizes=sample_image_sizes(manifests.get("train")),
+        check=_json(Path(check), "check") if check else None,
     )
