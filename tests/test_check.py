@@ -101,6 +101,11 @@ def test_unset_weights_and_a_plain_state_dict_without_its_architecture_are_refus
         check.known_weights(settings(weights=str(tmp_path / "sd.pt")))
     with pytest.raises(check.CheckError, match="does not fit check.model 'resnet34'"):
         check.known_weights(settings(weights=str(tmp_path / "sd.pt"), model="resnet34"))
+    from safetensors.torch import save_file
+
+    save_file(torchvision.models.resnet18().state_dict(), str(tmp_path / "other.safetensors"))
+    with pytest.raises(check.CheckError, match="a safetensors file rectrain did not publish: set check.model"):
+        check.known_weights(settings(weights=str(tmp_path / "other.safetensors")))
     known = check.known_weights(settings(weights=str(tmp_path / "sd.pt"), model="resnet18"))
     assert known.published_top1 is None and len(known.wnids) == 1000
 

@@ -137,7 +137,13 @@ def rectrain_known(source: str) -> Known:
     from rectrain import model as models
     from rectrain import weights
 
-    about = weights.description(source)
+    try:
+        about = weights.description(source)
+    except ValueError:
+        raise CheckError(
+            f"check.weights {source!r} is a safetensors file rectrain did not publish: set check.model to its "
+            "architecture (its head ImageNet-1k's 1000 classes in the standard order)"
+        ) from None
     beside = Path(source).with_name(weights.JSON)
     measured = json.loads(beside.read_text()) if beside.is_file() else {}
     headline = (measured.get("test_resolutions") or [{}])[0]
