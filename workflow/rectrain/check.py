@@ -360,6 +360,7 @@ def run(check, rec: str, idx: str, classes_path: str, out: str, val_index: str |
         "weights": known.source,
         "top1": scores["top1"],
         "top5": scores["top5"],
+        "loss": scores["loss"],
         "images": t.images,
         "classes": k,
         "weight_classes": len(known.wnids),
