@@ -18,7 +18,7 @@ SNAKEMAKE_ARGS ?=
 # Jobs started by Snakemake find this interpreter first.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test check report run dryrun lint style format env mxnet-env clean gpu-check
+.PHONY: test check report run stop dryrun lint style format env mxnet-env clean gpu-check
 
 env: $(STAMP)
 
@@ -52,16 +52,34 @@ check: $(STAMP) $(MXSTAMP) style
 	$(PY) -m pytest tests $(PYTEST_PARALLEL) -m "not slow" -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
+# The last line names the report, also when it was up to date (Snakemake names it only when it wrote it:
+# RECTRAIN_REPORT_LINE=0 keeps it from saying it twice).
 report: $(STAMP)
-	$(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) results/report.html
-	@echo "report: $(abspath results/report.html)"
+	RECTRAIN_REPORT_LINE=0 $(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) results/report.html
+	@test ! -f results/report.html || echo "report: $(abspath results/report.html)"
 
 # Your own config without Snakemake's argument rules (--configfile takes every word after it, so the
 # target goes before it): make run CONFIG=config/my-data.yaml [TARGET=...] [SNAKEMAKE_ARGS=-n].
 run: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make run: say which config, e.g. make run CONFIG=config/my-data.yaml" >&2; exit 2; }
 	@for f in $(CONFIG); do test -f "$$f" || { echo "make run: config file $$f not found" >&2; exit 2; }; done
-	$(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) $(TARGET) --configfile $(CONFIG)
+	RECTRAIN_REPORT_LINE=0 $(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) $(TARGET) --configfile $(CONFIG)
+	@for f in $(filter %report.html,$(TARGET)); do test ! -f "$$f" || echo "report: $(CURDIR)/$$f"; done
+
+# From another shell: stop the run going in this folder as SIGTERM to its Snakemake process does - training
+# writes its checkpoint, every job ends, and that run exits with status 75 (docs/watching.md).
+RUN_PID := .snakemake/rectrain-run.pid
+stop:
+	@pid=$$(cat $(RUN_PID) 2>/dev/null); \
+	if [ -z "$$pid" ] || ! ps -p "$$pid" -o args= | grep -q snakemake; then \
+	  echo "make stop: no run is going in this folder (no Snakemake process in $(RUN_PID))"; exit 0; fi; \
+	kill -TERM "$$pid" && echo "make stop: asked Snakemake (pid $$pid) to stop; it ends after training's checkpoint"
+
+# The report of a run still training, stopped or killed: results/<dataset>/live.html, built again at each
+# call (docs/watching.md). CONFIG as for make run; empty: the demo. Snakemake's lock does not stop it.
+.PHONY: live
+live: $(STAMP)
+	$(PY) -m rectrain.report.live $(if $(CONFIG),--configfile $(CONFIG))
 
 dryrun: $(STAMP)
 	$(VENV)/bin/snakemake -n results/report.html

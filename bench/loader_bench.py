@@ -6,6 +6,9 @@ Generates ImageNet-like JPEGs (~500x375, ~110 KB), writes them both as an ImageF
 .rec/.idx (bytes passed through, as `pack.resize: 0` does), then measures steady-state train-mode
 throughput (random-resized-crop + flip + normalise) of
   dali         rectrain's DALI loader from the .rec (CPU decode here; the default train.loader)
+  dali-before  the DALI loader as it was at --before-ref (git show), imported beside today's: the
+               mxnet reader's contiguous shard through its 16384-record shuffle buffer, before
+               issue 36 gave it a new permutation every epoch (only with --only ... dali-before)
   torch        rectrain's pure-PyTorch loader from the .rec
   imagefolder  torchvision ImageFolder + DataLoader on the raw folders (the classic recipe)
   ceiling      PIL decode + RandomResizedCrop in `cores` processes, no batching, no tensors
@@ -23,10 +26,13 @@ within-round ratios.  The targets are judged on the two steady figures.
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import io
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +42,12 @@ import numpy as np
 import psutil
 from PIL import Image
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow"))  # this checkout's rectrain, not an installed one
+
 TARGETS = {"ceiling": 0.90, "imagefolder": 1.5}
+# The last commit whose DALI loader read a contiguous shard through the mxnet reader's shuffle buffer.
+BEFORE_REF = "e178b28f57511dbb92c646c19ba5e3e86236f278"
 
 
 def make_jpeg(rng: np.random.Generator, size=(500, 375), quality=90) -> bytes:
@@ -121,14 +132,27 @@ def _timed_passes(make_iter, n_images: int, passes: int) -> tuple[float, float, 
     return seen / elapsed, seen / cpu, total
 
 
+def before_dali_loader(ref: str, folder: Path):
+    """The DaliLoader class of `ref`'s loaders/dali.py, imported beside today's (git show; the file in `folder`)."""
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{ref}:workflow/rectrain/loaders/dali.py"], capture_output=True, check=True
+    ).stdout
+    path = folder / "dali_before.py"
+    path.write_bytes(source)
+    spec = importlib.util.spec_from_file_location("rectrain.loaders.dali_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DaliLoader
+
+
 def bench_rectrain(
-    kind: str, rec: str, idx: str, cores: int, image_size: int, batch: int, n: int, passes: int
+    kind: str, rec: str, idx: str, cores: int, image_size: int, batch: int, n: int, passes: int, make=None
 ) -> float:
+    """`kind` through build_loader, or the loader class `make` (dali-before)."""
     from rectrain.loaders import LoaderSpec, build_loader
 
-    loader = build_loader(
-        kind, LoaderSpec(rec, idx, batch_size=batch, image_size=image_size, train=True, workers=cores)
-    )
+    spec = LoaderSpec(rec, idx, batch_size=batch, image_size=image_size, train=True, workers=cores)
+    loader = make(spec) if make else build_loader(kind, spec)
     return _timed_passes(lambda e: (len(y) for _, y in loader.epoch(e)), n, passes)
 
 
@@ -181,11 +205,13 @@ def main(argv=None) -> None:
     ap.add_argument("--passes", type=int, default=2, help="timed passes over the data per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=["dali", "torch", "imagefolder", "ceiling"])
+    ap.add_argument("--before-ref", default=BEFORE_REF, help="the commit whose DALI loader dali-before runs")
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="loader_bench_") as tmp:
         t0 = time.perf_counter()
         folder, rec, idx, mean_bytes = build_data(Path(tmp), args.images)
+        old_dali = before_dali_loader(args.before_ref, Path(tmp)) if "dali-before" in args.only else None
         print(
             f"{args.images} JPEGs 500x375, mean {mean_bytes / 1024:.0f} KB, generated in "
             f"{time.perf_counter() - t0:.0f} s; {args.cores} cores; crop {args.image_size}; batch {args.batch}",
@@ -194,6 +220,9 @@ def main(argv=None) -> None:
         runs = {
             "dali": lambda: bench_rectrain(
                 "dali", rec, idx, args.cores, args.image_size, args.batch, args.images, args.passes
+            ),
+            "dali-before": lambda: bench_rectrain(
+                "dali", rec, idx, args.cores, args.image_size, args.batch, args.images, args.passes, make=old_dali
             ),
             "torch": lambda: bench_rectrain(
                 "torch", rec, idx, args.cores, args.image_size, args.batch, args.images, args.passes
@@ -211,6 +240,7 @@ def main(argv=None) -> None:
                 before = os.times()
                 wall_ips, steady_per_cpu, images = runs[name]()
                 after = os.times()
+                gc.collect()  # the loader's pipeline goes before the next loader builds one
                 # CPU seconds of this process and of its finished children (loader workers, pool).
                 whole_per_cpu = images / sum(after[i] - before[i] for i in range(4))
                 for metric, value in zip(METRICS, (wall_ips, steady_per_cpu, whole_per_cpu), strict=True):
@@ -243,15 +273,14 @@ def _cell(xs: list[float]) -> str:
 def print_tables(table: dict, names: list[str]) -> None:
     """One table per metric (median over rounds, [spread]), then the targets, judged on the steady
     figures: the ones that describe a real epoch of ImageNet, where start-up is amortised to nothing."""
+    refs = ["ceiling", "imagefolder", *(["dali-before"] if "dali-before" in names else [])]
     for metric, values in table.items():
-        print(f"\n{metric}\n| loader | {metric} | vs ceiling | vs ImageFolder |\n|---|---:|---:|---:|")
+        head = " | ".join(f"vs {ref}" for ref in refs)
+        print(f"\n{metric}\n| loader | {metric} | {head} |\n|---|---:|{'---:|' * len(refs)}")
         for name in names:
-            vs = {ref: _ratios(values, name, ref) if ref in values else [] for ref in ("ceiling", "imagefolder")}
             xs = values[name]
-            print(
-                f"| {name} | {statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}] | "
-                f"{_cell(vs['ceiling'])} | {_cell(vs['imagefolder'])} |"
-            )
+            cells = " | ".join(_cell(_ratios(values, name, ref) if ref in values else []) for ref in refs)
+            print(f"| {name} | {statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}] | {cells} |")
     if not {"dali", "ceiling", "imagefolder"} <= set(names):
         return
     for metric in METRICS[:2]:

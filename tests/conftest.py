@@ -55,6 +55,7 @@ LONGEST_FIRST = [
     "test_train_world_size.py",
     "test_datasets_side_by_side.py",
     "test_subset_pipeline.py",
+    "test_live_report_run.py",
     "test_train_run.py",
     "test_train_preempt.py",
     "test_small_set_learns.py",

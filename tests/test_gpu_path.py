@@ -215,11 +215,13 @@ def test_dali_outputs_leave_the_pipeline_on_the_gpu_when_training_on_one(decode)
     of the pipeline on the GPU (DALI copies them on its stream), never as DALI-owned pinned host memory
     that torch would copy asynchronously while DALI refills it. Checked on the pipeline's graph."""
     pytest.importorskip("nvidia.dali")
-    from rectrain.loaders.dali import _pipeline
+    import numpy as np
+
+    from rectrain.loaders.dali import EpochRecords, _pipeline
 
     def outputs(on_gpu):
         pipe = _pipeline(
-            rec="x.rec", idx="x.idx", shard_id=0, num_shards=1, train=True, image_size=32, eval_resize=36,
+            records=EpochRecords(None, np.arange(2), 2), image_size=32, eval_resize=36,
             decode_device=decode if on_gpu else "cpu", decoder_kwargs={}, on_gpu=on_gpu,
             batch_size=2, num_threads=1, device_id=0 if on_gpu else None, prefetch_queue_depth=2, seed=1,
         )  # fmt: skip

@@ -1,14 +1,13 @@
 """A model of the test's own through the whole pipeline (issue 33 item 1): a network defined in
 tests/helpers/own_model/net.py (copied into the scratch working directory as nets/, with the local module
-it imports) trains with DDP over two CPU processes, is stopped by SIGTERM mid-epoch and resumed by the
-same command, is evaluated through its published weights, and the report names it as configured.
+it imports) trains with DDP over two CPU processes, is stopped mid-epoch by `make stop` (SIGTERM to the
+Snakemake process alone) and resumed by the same command, is evaluated through its published weights, and the report names it as configured.
 Editing its file or its local import reruns train, evaluate and report; editing another file there
 reruns nothing; changing train.model_args retrains."""
 
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 
@@ -26,6 +25,8 @@ from helpers import (
     tiny_demo,
     tiny_train,
 )
+
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,8 @@ def dry_run(work) -> set[str]:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    """The tiny pipeline with the test's own model, SIGTERMed inside epoch 1 and finished by the same command."""
+    """The tiny pipeline with the test's own model, stopped by `make stop` inside epoch 1 (the run ends in
+    one line, status 75) and finished by the same command."""
     work = copy_workflow(tmp_path_factory.mktemp("own_model"))
     shutil.copytree(REPO / "tests" / "helpers" / "own_model", work / "nets")
     (work / "own.yaml").write_text(yaml.safe_dump(TINY))
@@ -72,24 +74,29 @@ def work(tmp_path_factory):
     env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     first = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 900
-    launcher = launcher_of(first, deadline)
+    launcher_of(first, deadline)
     steps = work / "results" / "demo" / "train" / "telemetry" / "steps_rank0.csv"
     # steps_rank0.csv rows: rank, epoch, step, ...
     while not (steps.is_file() and any(line.startswith("0,1,") for line in steps.read_text().splitlines())):
         assert first.poll() is None and time.monotonic() < deadline, "the train job never reached epoch 1"
         time.sleep(0.05)
-    launcher.send_signal(signal.SIGTERM)
+    # `make stop` from another shell: SIGTERM to the Snakemake process named in its pid file
+    stop = subprocess.run(["make", "-f", str(REPO / "Makefile"), "stop"], cwd=work, capture_output=True, text=True)
+    assert f"asked Snakemake (pid {first.pid}) to stop" in stop.stdout, stop.stdout + stop.stderr
     out, _ = first.communicate(timeout=600)
+    assert not (work / ".snakemake" / "rectrain-run.pid").exists(), "the pid file goes with its Snakemake"
     log_file = work / "logs" / "train" / "demo.log"
-    assert first.returncode != 0 and "exit status 75" in out, out[-8000:]
     stopped_at = re.search(r"it resumes at (epoch 1 step \d+)", log_file.read_text()).group(1)
+    assert first.returncode == EXIT_STOPPED and "Error in rule" not in out, out[-8000:]
+    assert out.strip().splitlines()[-1].startswith("[rectrain] stopped on SIGTERM after epoch 1 step "), out[-3000:]
+    assert out.strip().endswith(f"continue at {stopped_at} (exit status 75: stopped, resumable)"), out[-3000:]
     rerun = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"continuing at {stopped_at}" in log_file.read_text()
     return work
 
 
-def test_own_model_trains_over_two_processes_resumes_after_sigterm_is_evaluated_and_reported(work):
+def test_own_model_trains_over_two_processes_resumes_after_make_stop_is_evaluated_and_reported(work):
     import json
 
     results = work / "results" / "demo"

@@ -20,15 +20,16 @@ import subprocess
 import textwrap
 import time
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from helpers import (
     REPO,
     VENV_BIN,
     copy_workflow,
+    dryruns,
     job_headers,
     job_reasons,
     launcher_of,
@@ -39,6 +40,7 @@ from helpers import (
 from helpers.config_edits import another_value, block_keys, filled
 
 from rectrain.sources import STAGE_ENTRIES, stage_sources
+from rectrain.train.lifecycle.status import EXIT_STOPPED, STOP_GRACE_S
 
 pytestmark = pytest.mark.slow
 
@@ -103,20 +105,19 @@ def dryrun_edited(run, cfgfile: Path, blocks: dict) -> set[str]:
     return set(scheduled_rules(proc.stdout))
 
 
-# A dry-run only reads the finished run (Snakemake takes no lock for one: persistence warn_only), so the
-# one-key edits run side by side, one Snakemake per core: most of a dry-run is Snakemake's own start-up.
-DRYRUN_WORKERS = max(1, min(4, os.cpu_count() or 1))
-
-
 def dryruns_each_alone(run, tmp_path, edits: list[tuple[str, str, object]]) -> list[set[str]]:
-    """For each (block, key, value), on its own: the stages a dry-run schedules after that one edit."""
-
-    def one(i):
-        block, key, value = edits[i]
-        return dryrun_edited(run, tmp_path / f"edited-{i}.yaml", {block: {key: value}})
-
-    with ThreadPoolExecutor(DRYRUN_WORKERS) as pool:
-        return list(pool.map(one, range(len(edits))))
+    """For each (block, key, value), on its own: the stages a dry-run schedules after that one edit
+    (one Snakemake process answers them all; each answer is a dry-run of its own config file)."""
+    files = []
+    for i, (block, key, value) in enumerate(edits):
+        edited = json.loads(json.dumps(run.config))
+        edited.setdefault(block, {})[key] = value
+        files.append(tmp_path / f"edited-{i}.yaml")
+        files[-1].write_text(yaml.safe_dump(edited))
+    answers = dryruns([[REPORT, "--configfile", f] for f in files], run.work, run.snakefile)
+    failed = {f"{b}.{k} = {v!r}": out[-2000:] for (b, k, v), (ok, out) in zip(edits, answers, strict=True) if not ok}
+    assert not failed, failed
+    return [set(scheduled_rules(out)) for _, out in answers]
 
 
 def updated_inputs(reason: str) -> set[str]:
@@ -466,17 +467,19 @@ def test_every_module_a_stage_imports_makes_that_stage_rerun(pipeline):
     for train), nothing another stage imports."""
     by_stage = closures(pipeline.package)
     modules = set().union(*by_stage.values())
-    with edited(sorted(modules)), ThreadPoolExecutor(DRYRUN_WORKERS) as pool:
+    with edited(sorted(modules)):
         # --allowed-rules keeps the earlier stages out of the DAG (their outputs count as source
         # files); otherwise Snakemake stops at "input files updated by another job" and never
         # says which of this job's own inputs changed.
-        procs = pool.map(
-            lambda stage: pipeline.smk("-n", STAGE_TARGET[stage], "--allowed-rules", stage, "--quiet", "host"), CHAIN
+        answers = dryruns(
+            [[STAGE_TARGET[stage], "--allowed-rules", stage, "--quiet", "host"] for stage in CHAIN],
+            pipeline.work,
+            pipeline.snakefile,
         )
-        for stage, proc in zip(CHAIN, list(procs), strict=True):
-            assert proc.returncode == 0, proc.stderr
-            reasons = job_reasons(proc.stdout).get(stage, [])
-            assert len(reasons) == 1, f"{stage}: expected one scheduled job, got {reasons}\n{proc.stdout[-3000:]}"
+        for stage, (ok, out) in zip(CHAIN, answers, strict=True):
+            assert ok, out[-3000:]
+            reasons = job_reasons(out).get(stage, [])
+            assert len(reasons) == 1, f"{stage}: expected one scheduled job, got {reasons}\n{out[-3000:]}"
             named = {Path(f).resolve() for f in updated_inputs(reasons[0])}
             for module in sorted(modules):
                 rel = module.relative_to(pipeline.package)
@@ -657,24 +660,46 @@ def test_unlock_after_a_killed_run_then_the_same_command_finishes(pipeline):
     assert "Nothing to be done" in pipeline.smk("-n", REPORT).stdout
 
 
-def test_a_train_job_signalled_mid_epoch_exits_75_and_the_same_command_resumes_it_and_completes(pipeline):
-    """SIGTERM to the running train job (its launcher: what SLURM or a kill sends to the job) once epoch 1
-    has steps; the job checkpoints mid-epoch and fails with status 75; the same Snakemake command then
-    resumes that epoch at the next step and the pipeline completes (--forcerun train: the first run is a
-    new training; the rerun finds no finished run and resumes)."""
-    # Two epochs, not the demo's four: a stop in epoch 1 and its resume are all this test needs.
+def still_running(proc: psutil.Process) -> bool:
+    """Whether `proc` is still there and not just its exit status waiting to be read (a zombie has ended)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_sigint_to_snakemake_alone_mid_epoch_ends_every_job_in_one_line_with_status_75_and_the_rerun_resumes(pipeline):
+    """SIGINT to the Snakemake process only (not its process group: what `kill -INT` from another shell
+    sends; Snakemake 9 alone let training run on) once epoch 1 has steps, with no terminal and the console
+    a pipe: training checkpoints mid-epoch, every process of the run has ended within torchrun's grace
+    time, the run ends with one line saying what was kept and how to go on instead of Snakemake's error
+    block, and exits 75.  The same command, its console a file, then resumes that epoch at the next step,
+    reuses the calibration and completes; both consoles hold the progress, epoch and resume lines, and
+    the second ends naming the report (--forcerun train: the first run is a new training; the rerun
+    finds no finished run and resumes)."""
+    # Two epochs, not the demo's four: a stop in epoch 1 and its resume are all this test needs; a
+    # progress line every second (an operational key) so that both short runs write some.
     epochs = 2
     shortened = pipeline.work / "two-epochs.yaml"
-    shortened.write_text(yaml.safe_dump({**pipeline.config, "train": {**pipeline.config["train"], "epochs": epochs}}))
+    train_block = {**pipeline.config["train"], "epochs": epochs, "progress_s": 1}
+    shortened.write_text(yaml.safe_dump({**pipeline.config, "train": train_block}))
     command = ["--cores", "2", "--forcerun", "train", REPORT, "--configfile", str(shortened)]
     args = [str(VENV_BIN / "snakemake"), "--snakefile", str(pipeline.snakefile), "--directory", str(pipeline.work)]
     env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("RECTRAIN_TTY", None)
+    # a session of its own: no terminal to fall back on, the console lines must come through Snakemake
     first = subprocess.Popen(
-        [*args, *command], cwd=pipeline.work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*args, *command],
+        cwd=pipeline.work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 900
     train = pipeline.work / "results" / "demo" / "train"
-    launcher = launcher_of(first, deadline)  # its shell has emptied the log: what is there now is this job's
+    launcher_of(first, deadline)  # its shell has emptied the log: what is there now is this job's
     log_file, steps = pipeline.work / "logs" / "train" / "demo.log", train / "telemetry" / "steps_rank0.csv"
     while "epoch 0: train loss" not in log_file.read_text():  # steps_rank0.csv is this run's from then on
         assert first.poll() is None and time.monotonic() < deadline, "the train job never finished epoch 0"
@@ -682,17 +707,52 @@ def test_a_train_job_signalled_mid_epoch_exits_75_and_the_same_command_resumes_i
     while not any(line.startswith("0,1,") for line in steps.read_text().splitlines()):
         assert first.poll() is None and time.monotonic() < deadline, "the train job never reached epoch 1"
         time.sleep(0.05)
-    launcher.send_signal(signal.SIGTERM)
-    out, _ = first.communicate(timeout=600)
-    assert first.returncode != 0 and "exit status 75" in out, out[-3000:]
+    run_processes = psutil.Process(first.pid).children(recursive=True)  # shell, launcher, torchrun, ranks
+    signalled = time.monotonic()
+    first.send_signal(signal.SIGINT)
+    out, _ = first.communicate(timeout=STOP_GRACE_S + 60)
+    took = time.monotonic() - signalled
+    left = [p.pid for p in run_processes if still_running(p)]
+    assert not left, f"processes of the run still running after Snakemake ended: {left}"
+    assert took < STOP_GRACE_S, f"the stop took {took:.0f} s, past torchrun's grace time {STOP_GRACE_S} s"
+    assert first.returncode == EXIT_STOPPED, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"\[rectrain\] stopped on SIGINT after epoch 1 step \d+ of \d+: the checkpoint results/demo/train/"
+        r"checkpoints/last\.pt holds the run; run the same command again to continue at epoch 1 step \d+ "
+        r"\(exit status 75: stopped, resumable\)",
+        last,
+    ), out[-3000:]
+    assert "Error in rule" not in out and "did not complete successfully" not in out, out[-3000:]
     log = log_file.read_text()
-    assert "rank 0: stopped by SIGTERM after" in log and "rank 1: stopped by SIGTERM after" in log, log[-3000:]
+    assert "rank 0: stopped by SIGINT after" in log and "rank 1: stopped by SIGINT after" in log, log[-3000:]
     stopped_at = re.search(r"it resumes at (epoch \d+(?: step \d+)?)", log).group(1)
+    assert stopped_at in last
+    # the console (a pipe): progress lines and the epoch line, with validation's top-1 and top-5
+    assert re.search(r"^\[train +[\d.]+s\] epoch 0 \(of 2\) step \d+/10 ", out, re.M), out[-3000:]
+    assert re.search(r"^\[train +[\d.]+s\] epoch 0: train loss .* top-1 [\d.]+ top-5 [\d.]+", out, re.M), out[-3000:]
 
-    rerun = pipeline.smk(*command, timeout=900)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    log = log_file.read_text()
-    assert f"continuing at {stopped_at}" in log, log[-3000:]
+    console = pipeline.work / "rerun.log"
+    with open(console, "w") as fh:
+        rerun = subprocess.run(
+            [*args, *command],
+            cwd=pipeline.work,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+            start_new_session=True,
+        )
+    text = console.read_text()
+    assert rerun.returncode == 0, text[-3000:]
+    assert f"continuing at {stopped_at}" in log_file.read_text(), log_file.read_text()[-3000:]
+    # the console (a file) has the same lines as the log, one each: the resume, the reused calibration,
+    # progress, the epoch line; and last the report's path
+    assert re.search(rf"^\[train +[\d.]+s\] resuming from .*continuing at {stopped_at}$", text, re.M), text[-3000:]
+    assert re.search(r"^\[train +[\d.]+s\] calibration reused from ", text, re.M), text[-3000:]
+    assert re.search(r"^\[train +[\d.]+s\] epoch 1 \(of 2\) step \d+/10 ", text, re.M), text[-3000:]
+    assert re.search(r"^\[train +[\d.]+s\] epoch 1: train loss .* top-1 [\d.]+ top-5 [\d.]+", text, re.M), text[-3000:]
+    assert f"report: {(pipeline.work / REPORT).resolve()}" in text.splitlines(), text[-3000:]
     with open(train / "steps.csv", newline="") as f:
         keys = [(r["rank"], r["epoch"], r["step"]) for r in csv.DictReader(f)]
     assert len(keys) == len(set(keys)) == 2 * epochs * 10, "every (rank, epoch, step) once: 600 images, 2 x 32"

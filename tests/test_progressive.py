@@ -23,7 +23,7 @@ from rectrain.loaders.pytorch import TorchLoader
 from rectrain.report import build, efficiency, load
 from rectrain.train.batchplan import loader_spec, preflight_inputs
 from rectrain.train.lifecycle import checkpoint as ckpt
-from rectrain.train.lifecycle.stop import EXIT_STOPPED
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 from rectrain.train.resolution import resolutions
 from rectrain.train.run import make_model
 from rectrain.train.telemetry import STEP_COLUMNS

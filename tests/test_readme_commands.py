@@ -31,6 +31,8 @@ SKIPPED = {
     r"^git clone ": "this test's fresh copy of the repository is that step",
     r"^apt-get install ": "installs system packages as root (tests/test_slurm.py's own set-up)",
     r"pytest tests/test_slurm\.py": "a test itself: a real single-host SLURM, as root (tests/test_slurm.py)",
+    r"^make live\b": "builds the report of a run in progress, which a fresh copy has not started: "
+    "tests/test_live_report_run.py runs it against a real training, mid-run and killed",
     r"^tensorboard --logdir ": "starts TensorBoard's web server, which runs until stopped; the event files it "
     "shows are read back with tensorboard's own reader (tests/test_train_curves.py, tests/test_train_preempt.py)",
 }

@@ -4,42 +4,17 @@ diagnosis is in the DOM, and data names stay text."""
 import base64
 import io
 import re
-import shutil
-import subprocess
 
 import pytest
+from helpers.browser import CHROMIUM, NO_CHROMIUM, chromium
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run, write_small_custom_run
 from helpers.views import whole
 from PIL import Image, ImageStat
 
 from rectrain.report import build, load
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium; .ci/run installs it)"
-)
-# Offline and hermetic: no first-run UI, no background network, a fresh profile per run.
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 TWO_GPUS = {0: (90.0, 9000.0, 11264.0), 1: (88.0, 9000.0, 11264.0)}
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-quic",
-    "--hide-scrollbars",
-]
-
-
-def chromium(tmp_path, *args, timeout=120):
-    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
-    proc = subprocess.run(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,10 @@ def test_rule_params_and_the_resume_identity_hold_the_same_keys():
 def test_a_job_gets_the_configured_operational_values_back(monkeypatch):
     """The Snakefile exports them (not params); stage_block puts them under the given block, so the
     stage's config holds what was configured, not the schema's defaults."""
-    monkeypatch.delenv(OPERATIONAL_ENV, raising=False)
+    # set, then removed: monkeypatch then takes back what export_operational writes (a bare delenv of
+    # an absent variable records nothing, and the export leaked into later tests on this worker)
+    monkeypatch.setenv(OPERATIONAL_ENV, "{}")
+    monkeypatch.delenv(OPERATIONAL_ENV)
     config = {
         "pack": {"threads": 3, "read_order": "storage", "progress_s": 2.5, "quality": 80},
         "train": {"progress_s": 7, "workers": "auto", "lr": 0.2},

@@ -34,3 +34,14 @@ def test_a_resume_on_the_same_setup_reuses_the_calibration_and_says_so(tmp_path,
     assert calibrate.reused_or_measured(fake_run(), run_json, resumed=False) == {"measured": "again"}
     run_json.write_text(json.dumps({"calibration": MEASURED}))  # written before the setup was recorded
     assert calibrate.reused_or_measured(fake_run(), run_json, resumed=True) == {"measured": "again"}
+
+
+def test_the_calibration_kept_in_the_telemetry_folder_is_reused_once_snakemake_removed_run_json(tmp_path, monkeypatch):
+    """A stopped train job fails in Snakemake's eyes, which removes its run.json: the calibration the
+    run kept beside its live telemetry is what the resume reads."""
+    out = tmp_path / "train"
+    info = {"calibration": MEASURED, "calibration_setup": calibrate.setup_key(fake_run()), "model": "resnet18"}
+    calibrate.keep(out / calibrate.KEPT, info)
+    assert not (out / "run.json").exists()
+    monkeypatch.setattr(calibrate, "calibrate_run", lambda run: {"measured": "again"})
+    assert calibrate.reused_or_measured(fake_run(), out / calibrate.KEPT, resumed=True) == MEASURED

@@ -113,6 +113,7 @@ def test_ranks_beyond_the_gpus_share_them_round_robin():
 def test_shared_gpu_ranks_join_over_gloo_and_own_gpu_ranks_over_nccl(monkeypatch, gpus, backend, device):
     """Rank 1 of 2 with `gpus` visible: NCCL refuses two ranks on one GPU, so sharing ranks use gloo."""
     import torch
+    import torch.distributed
 
     from rectrain import distributed
 
@@ -120,13 +121,13 @@ def test_shared_gpu_ranks_join_over_gloo_and_own_gpu_ranks_over_nccl(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: joined.setdefault("set", dev))
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(
-        distributed.dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw)
+        torch.distributed, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw)
     )
     for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(distributed.dist, "get_backend", lambda: joined["backend"])
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: joined["backend"])
     d = distributed.setup(True, 60)
     assert d.device == torch.device("cuda", device) == joined["set"]
     assert joined["backend"] == d.backend == backend and ("device_id" in joined) == (backend == "nccl")
@@ -154,3 +155,20 @@ def test_scheduled_gpus_asks_nvml_only_where_its_library_loads(monkeypatch):
     monkeypatch.setattr(resources.ctypes, "CDLL", lambda name: object())
     monkeypatch.setattr(telemetry, "gpu_inventory", lambda: [{"index": 0}, {"index": 1}])
     assert resources.scheduled_gpus("auto") == 2
+
+
+def test_the_launcher_imports_no_torch_so_each_training_start_skips_its_seconds_of_import():
+    """The train rule's launcher only plans processes and starts torchrun (which imports torch itself);
+    torch at its import cost ~2-3 s of CPU per training start on the 2-core CI machine."""
+    probe = "import sys, rectrain.train.launch; print(sorted(m for m in ('torch', 'torchvision') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_no_gpu_device_node_means_no_gpu_without_asking_torch(monkeypatch):
+    from rectrain import distributed
+
+    monkeypatch.setattr(distributed.glob, "glob", lambda pattern: [])
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch now fails: it must not be asked
+    assert distributed.visible_gpu_count() == 0

@@ -2,8 +2,6 @@
 
 import argparse
 import io
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,9 +12,10 @@ from PIL import Image
 
 from rectrain.distributed import Dist
 from rectrain.loaders import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, build_loader, train_padding
-from rectrain.loaders.dali import DALI_TENSOR_INIT_BYTES, PAGE_BYTES, SHUFFLE_BUFFER, DaliLoader, record_buffer_bytes
+from rectrain.loaders.dali import DaliLoader
+from rectrain.loaders.order import train_order
 from rectrain.loaders.pytorch import TorchLoader
-from rectrain.recordio import IRHeader, RecordWriter, pack_record
+from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record
 from rectrain.train.batchplan import loader_spec
 from rectrain.train.run import make_loaders
 
@@ -93,6 +92,23 @@ def test_two_ranks_see_every_record_once_per_epoch(id_rec, kind):
     assert orders[0] != orders[1], "train order must change between epochs"
 
 
+def test_two_dali_epochs_read_different_orders_each_a_new_permutation_of_all_records_dealt_across_ranks(id_rec):
+    """Read from the records' ids (label = id): each rank's epoch is train_order's - a permutation of
+    the whole set from (seed, epoch), dealt round-robin - not a fixed shard of the .rec in file order."""
+    rec, idx = id_rec
+    file_ids = IndexedRecordReader(rec, idx).file_keys  # the record ids in .rec order
+    n, world, batch = 67, 2, 4
+    read = {}
+    for rank in range(world):
+        loader = DaliLoader(LoaderSpec(rec, idx, batch_size=batch, image_size=16, rank=rank, world_size=world, seed=7))
+        for epoch in (0, 1):
+            read[rank, epoch] = [i for _, y in loader.epoch(epoch) for i in y.tolist()]
+            assert read[rank, epoch] == file_ids[train_order(n, rank, world, batch, 7, epoch)].tolist()
+    for rank in range(world):
+        assert read[rank, 0] != read[rank, 1], "two epochs read the same order"
+        assert set(read[rank, 0]) != set(read[rank, 1]), "a rank keeps the same records every epoch"
+
+
 @pytest.mark.parametrize("kind", ["dali", "torch"])
 def test_eval_shards_are_exact_without_padding(id_rec, kind):
     rec, idx = id_rec
@@ -126,10 +142,9 @@ def test_dali_cpu_batches_the_consumer_keeps_are_never_overwritten(id_rec):
 
 
 def test_dali_builds_each_pipeline_only_once_every_earlier_one_of_train_and_validation_is_gone(id_rec):
-    """Two DALI pipelines alive at once make the newer reader copy every sample instead of sharing the
-    mapped .rec (each reader reserves `initial_fill` shared mappings from one process-wide budget): ~1.7 GB
-    more per rank and +0.4-1.5 CPU-s at an epoch's start when the last epoch's train pipeline, or the
-    validation pipeline kept between passes, was still alive (bench/RESULTS.md).  A finished pass's
+    """Two DALI pipelines alive at once hold two sets of threads and buffers, and two mxnet readers made
+    the newer one copy every sample instead of sharing the mapped .rec: ~1.7 GB more per rank and
+    +0.4-1.5 CPU-s at an epoch's start (bench/RESULTS.md; validation still reads through one).  A finished pass's
     pipeline must be gone before the next is built, whichever loader builds it; one its consumer left
     early stays for state() and goes at that loader's next build."""
     import weakref
@@ -236,53 +251,3 @@ def test_per_epoch_validation_runs_at_train_val_resolution(colour_rec, val_resol
     seen = [(images.shape[2:], y) for images, y in val_loader.epoch(0)]
     assert {shape for shape, _ in seen} == {(crop, crop)}
     assert sorted(torch.cat([y for _, y in seen]).tolist()) == sorted(labels)
-
-
-# Run in a fresh interpreter: the growth of its heap across one restore is the restore's alone.
-RESTORE_MEMORY = """
-import sys
-from rectrain.loaders import LoaderSpec
-from rectrain.loaders.dali import DaliLoader
-
-
-def heap_bytes():
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmData")) * 1024
-
-
-rec, idx, state = sys.argv[1:4]
-spec = LoaderSpec(rec, idx, batch_size=4, image_size=32, rank=1, world_size=2, workers=1)
-before = heap_bytes()
-batches = sum(1 for _ in DaliLoader(spec).epoch(1, 2, open(state, "rb").read()))
-print(heap_bytes() - before, batches)
-"""
-
-
-def test_a_dali_epoch_resumed_mid_way_reserves_memory_for_its_records_not_a_megabyte_per_shuffle_slot(id_rec, tmp_path):
-    """A DALI pipeline restored from its checkpoint kept the reader's default 1 MiB per sample for each
-    of the 16384 slots of its shuffle buffer: 17-33 GB more heap per rank on every mid-epoch resume, and
-    the process's next fork failed with ENOMEM (CI).  Sized to the records, it is a fraction of 1 GiB."""
-    spec = LoaderSpec(*id_rec, batch_size=4, image_size=32, rank=1, world_size=2, workers=1)
-    first = DaliLoader(spec)
-    for taken, _ in enumerate(first.epoch(1), 1):
-        if taken == 2:
-            break
-    (tmp_path / "state").write_bytes(first.state())
-    proc = subprocess.run(
-        [sys.executable, "-c", RESTORE_MEMORY, *id_rec, str(tmp_path / "state")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    grown, batches = map(int, proc.stdout.split()[-2:])
-    assert batches == first.batches_per_epoch - 2, "the restored epoch yields only its remaining batches"
-    bound = SHUFFLE_BUFFER * DALI_TENSOR_INIT_BYTES // 16  # 1 GiB
-    assert grown < bound, f"the restore grew the heap by {grown / 2**30:.1f} GiB (bound {bound / 2**30:.1f} GiB)"
-
-
-def test_the_dali_readers_sample_allocation_is_the_mean_record_page_rounded_and_at_most_dalis_default(tmp_path):
-    rec = tmp_path / "x.rec"
-    rec.write_bytes(b"\0" * 10 * 110_000)
-    assert record_buffer_bytes(str(rec), 10) == 110_592  # 27 pages of 4 KiB
-    assert record_buffer_bytes(str(rec), 1) == DALI_TENSOR_INIT_BYTES, "a 1.1 MB mean is capped"
-    assert record_buffer_bytes(str(rec), 10_000) == PAGE_BYTES, "at least a page"

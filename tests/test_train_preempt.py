@@ -24,7 +24,7 @@ from rectrain.loaders.dali import DaliLoader
 from rectrain.loaders.pytorch import TorchLoader
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import midepoch
-from rectrain.train.lifecycle.stop import EXIT_STOPPED
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 N_TRAIN = 45
 # Tiny and fast on a CPU; batch 4 over 2 ranks: 6 steps per epoch (23 records a rank, 1 padded).
@@ -57,6 +57,23 @@ def test_a_loader_resumed_mid_epoch_from_its_state_yields_the_uninterrupted_batc
     got = head + rest
     assert len(got) == len(ref) == 6
     for k, ((xa, ya), (xb, yb)) in enumerate(zip(ref, got, strict=True)):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb), f"batch {k} differs after the resume"
+
+
+def test_the_gpu_paths_dali_iterator_ends_at_the_epochs_last_batch_and_resumes_from_its_checkpoint_exactly(data):
+    """On a GPU the DALI loader runs its pipeline through DALIGenericIterator, which stops at the external
+    source's end of the epoch; driven here on the CPU (no GPU in CI): every batch, then a resume."""
+
+    def batches(iterator):
+        for batch in iterator:
+            yield batch[0]["images"].clone(), batch[0]["labels"].clone()
+
+    ref = list(batches(DaliLoader(spec_of(data, workers=1))._iterator(3)))
+    first = DaliLoader(spec_of(data, workers=1))._iterator(3)
+    head = [next(batches(first)) for _ in range(2)]
+    rest = list(batches(DaliLoader(spec_of(data, workers=1))._iterator(3, first.checkpoints()[0])))
+    assert len(ref) == len(head + rest) == 6
+    for k, ((xa, ya), (xb, yb)) in enumerate(zip(ref, head + rest, strict=True)):
         assert torch.equal(ya, yb) and torch.equal(xa, xb), f"batch {k} differs after the resume"
 
 

@@ -14,9 +14,8 @@ from helpers.train_data import packed_dataset, rows, tiny_train_settings, train_
 from test_train_preempt import run_train
 
 from rectrain import model as models
-from rectrain.loaders import epoch_seed
 from rectrain.train import optim
-from rectrain.train.lifecycle.stop import EXIT_STOPPED
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -222,16 +221,14 @@ def test_ddp_with_bucket_views_static_graph_and_a_compression_hook_keeps_the_ran
     assert torch.equal(a["fc"], b["fc"]) and a["static"] is (accum == 1)
 
 
-def test_two_epochs_of_a_40k_record_shard_are_decorrelated_by_the_dali_shuffle_buffer(tmp_path):
-    """Measured (bench/shuffle_bench.py): 0.971 at DALI's default buffer of 1024, 0.010 at 16384."""
-    from shuffle_bench import position_correlation, reader_order, write_id_rec
+def test_two_epochs_of_the_dali_loaders_order_are_uncorrelated_and_rebatch_pairs_as_a_full_permutation(tmp_path):
+    """bench/shuffle_bench.py's figures on 40k records, 2 ranks, from the loader itself (the mxnet
+    reader's buffer it replaced: correlation 0.992 and 10x the pairs at ImageNet's size)."""
+    from shuffle_bench import batch_cooccurrence, loader_orders, position_correlation, write_idx_only
 
-    from rectrain.loaders import dali
-
-    rec, idx = write_id_rec(tmp_path, 40000)
-    seeds = [epoch_seed(0, e, 0) for e in (0, 2)]  # rank 0 reads shard 0 in epochs 0 and 2
-    a, b = (reader_order(rec, idx, s, dali.SHUFFLE_BUFFER) for s in seeds)
-    assert sorted(a) == sorted(b) and len(a) == 20000, "the same shard, every record once"
-    assert abs(position_correlation(a, b)) < 0.1
-    default = [reader_order(rec, idx, s, 1024) for s in seeds]
-    assert position_correlation(*default) > 0.9, "the measurement sees DALI's default buffer's correlation"
+    n = 40000
+    orders, held = loader_orders(*write_idx_only(tmp_path, n), ranks=2, batch=64, epochs=2)
+    assert abs(position_correlation(orders[0, 0], orders[0, 1], n)) < 0.03
+    again, full = batch_cooccurrence(orders[0, 0], [orders[0, 1], orders[1, 1]], 64, n)
+    assert again < 1.2 * full, f"{again:.5f} of the pairs met again, a full permutation's share is {full:.5f}"
+    assert held < 48 * n, f"{held / n:.0f} bytes per record for the order"

@@ -2,6 +2,7 @@
 or from another test module): the repo root, this checkout's Snakemake, a copy of the workflow, dry-run parsing."""
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -42,6 +43,21 @@ def snakemake(*args, cwd=REPO, timeout=300, check=False, snakefile=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def dryruns(arglists: list[list[str]], cwd: Path, snakefile: Path, timeout=600) -> list[tuple[bool, str]]:
+    """`snakemake -n ARGS` for each argument list, all in one Snakemake process (helpers/dryrun_batch.py):
+    (succeeded, stdout and stderr together) per list, in order."""
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    prefix = ["--snakefile", str(snakefile), "--directory", str(cwd)]
+    proc = subprocess.run(
+        [str(VENV_BIN / "python"), str(Path(__file__).with_name("dryrun_batch.py"))],
+        input=json.dumps([prefix + [str(a) for a in args] for args in arglists]),
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(f"the dry-run batch failed:\n{proc.stderr[-4000:]}")
+    return [(a["ok"], a["out"]) for a in json.loads(proc.stdout)]
 
 
 # A job's header on the console: the rule's message (workflow/rules/*.smk), which names the rule first.

@@ -29,6 +29,8 @@ import yaml
 
 # config/schema.yaml of this checkout: every key, its type and its default.
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+# The generated demo's config, which the Snakefile reads under the given ones when none names a raw root.
+DEMO_CONFIG = SCHEMA_PATH.parent / "config.yaml"
 
 # Every block's operational values (x-rerun: false), as JSON, from the Snakefile to the jobs it starts.
 OPERATIONAL_ENV = "RECTRAIN_OPERATIONAL"
@@ -249,6 +251,27 @@ def complete_config(given: dict, schema_path=SCHEMA_PATH) -> dict:
         if isinstance(merged.get(block, {}), dict):
             merged[block] = {**ops, **merged.get(block, {})}
     return fill_defaults(merged, schema_path)
+
+
+def from_files(paths: list, demo_config=DEMO_CONFIG) -> dict:
+    """The whole config `snakemake --configfile <paths>` runs with, for a command that runs outside
+    Snakemake (rectrain.report.live): the files merged in order as Snakemake merges them, over the
+    demo's config/config.yaml when none names a raw root (the Snakefile's rule), completed from the schema."""
+    from snakemake.utils import update_config  # Snakemake's own merge: nested blocks key by key
+
+    given: dict = {}
+    for path in paths:
+        try:
+            update_config(given, yaml.safe_load(Path(path).read_text()) or {})
+        except OSError as err:
+            raise ConfigError(
+                f"config file {path} cannot be read ({err.strerror}): give the file `make run` was given"
+            ) from None
+    if given.get("raw") is None:
+        demo = yaml.safe_load(Path(demo_config).read_text())
+        update_config(demo, given)
+        given = demo
+    return complete_config(given)
 
 
 def exported_operational() -> dict:

@@ -10,12 +10,16 @@ torchrun - not us - sets RANK / LOCAL_RANK / WORLD_SIZE, watches the ranks and n
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+# torch is imported by the functions a rank calls, not here: the train rule's launcher imports this
+# module for its plan and command only, and importing torch cost it ~2-3 s of CPU per training start.
+if TYPE_CHECKING:
+    import torch
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # torchrun's default rendezvous port; multi-node jobs derive theirs from it (rectrain.train.cluster).
@@ -36,8 +40,17 @@ class ProcessPlan:
 TORCHRUN = "rectrain.torchrun"  # torch.distributed.run without its traceback on a stop signal
 
 
+# Where a GPU is usable its driver shows a device node: NVIDIA's, WSL2's GPU paravirtualisation, ROCm's.
+GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
+
+
 def visible_gpu_count() -> int:
-    """GPUs this process may use (honours CUDA_VISIBLE_DEVICES); 0 without CUDA."""
+    """GPUs this process may use (honours CUDA_VISIBLE_DEVICES); 0 without CUDA.  Without any GPU
+    device node the answer is 0 without importing torch."""
+    if not any(glob.glob(pattern) for pattern in GPU_DEVICE_NODES):
+        return 0
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -146,6 +159,9 @@ def setup(use_gpu: bool, timeout_s: float) -> Dist:
     """What every rank does first (nanoGPT-style): its device, NCCL on GPUs (gloo on CPU, or when ranks
     share a GPU, which NCCL refuses), and a collective timeout so a lost peer ends the job instead of
     hanging it."""
+    import torch
+    import torch.distributed as dist
+
     # Without a launcher (evaluation on one device, a test): rank 0 of 1.
     rank, world, local = (int(os.environ.get(v, d)) for v, d in zip(LAUNCH_VARS, (0, 1, 0), strict=True))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -169,11 +185,16 @@ def setup(use_gpu: bool, timeout_s: float) -> Dist:
 
 
 def teardown() -> None:
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
     t = torch.tensor(values, dtype=torch.float64, device=d.device)
     if d.world_size > 1:
         dist.all_reduce(t)
@@ -183,6 +204,8 @@ def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
 def all_gather(obj, d: Dist) -> list:
     if d.world_size == 1:
         return [obj]
+    import torch.distributed as dist
+
     out = [None] * d.world_size
     dist.all_gather_object(out, obj)
     return out
@@ -190,4 +213,6 @@ def all_gather(obj, d: Dist) -> list:
 
 def barrier(d: Dist) -> None:
     if d.world_size > 1:
+        import torch.distributed as dist
+
         dist.barrier()

@@ -11,22 +11,27 @@ characters are written as Python escapes (ESC as \\x1b, a right-to-left override
 bytes of a non-UTF-8 name as \\xNN; in the message's arguments (the names) line breaks and tabs too, so a
 name cannot forge a log line.
 
-A rule sends a stage's output to its log file, so its progress lines (rectrain.progress) would be
-seen only there; when stderr is not a terminal but the process has one (Snakemake started from a
-shell), the progress lines are also written to that terminal (/dev/tty, and by its own path,
-RECTRAIN_TTY, in torchrun's ranks, which run in sessions of their own).  RECTRAIN_CONSOLE=0 turns
-that off.
+A rule sends a stage's output to its log file, so its console lines would be seen only there: the
+progress lines (rectrain.progress) and the lines logged with `extra=CONSOLE_LINE` (training's epoch
+lines, resuming, starting over, moving a run aside).  When stderr is not a terminal, they are also
+written to the console: under Snakemake, to the relay pipe the Snakemake process reads and copies to
+its own stderr (RELAY_ENV, rectrain.snakefile.console), so they are on the console whether that is a
+terminal, a file or a pipe (`> run.log 2>&1`, nohup), one line each, in the order they came; without
+one, to the terminal the process still has (/dev/tty, and by its own path, RECTRAIN_TTY, in torchrun's
+ranks, which run in sessions of their own).  RECTRAIN_CONSOLE=0 turns that off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import functools
 import logging
 import math
 import os
 import re
+import stat
 import sys
 import time
 
@@ -37,6 +42,10 @@ CONSOLE = "/dev/tty"
 PROGRESS_LOGGER = "rectrain.progress"
 # The terminal's own path (/dev/pts/3), for child processes in a session of their own (torchrun's ranks).
 TTY_ENV = "RECTRAIN_TTY"
+# The Snakemake process's relay pipe (a FIFO's path): console lines written there reach its console.
+RELAY_ENV = "RECTRAIN_CONSOLE_RELAY"
+# `log.info(..., extra=CONSOLE_LINE)`: a line for the console too, not only the stage's log.
+CONSOLE_LINE = {"console": True}
 
 
 _BIDI = "\u202a-\u202e\u2066-\u2069"
@@ -108,20 +117,50 @@ def terminal_path() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _open_relay(path: str):
+    """The Snakemake process's relay FIFO, opened once per process for writing; None when no process
+    reads it (opened without blocking: a FIFO left from another run, or on another node, has no reader)."""
+    try:
+        if not stat.S_ISFIFO(os.stat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    # Blocking writes from here on: a line waits for room in the pipe rather than being lost.
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return os.fdopen(fd, "a", buffering=1)  # one write per line: atomic in a pipe (under PIPE_BUF)
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """The console lines' handler: a console that has gone (Snakemake killed, its pipe without a reader,
+    the terminal closed) ends them, not the stage, and is not reported once per line in its log."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.setLevel(logging.CRITICAL + 1)
+
+
+def is_console_line(record: logging.LogRecord) -> bool:
+    return record.name == PROGRESS_LOGGER or getattr(record, "console", False)
+
+
 def console_handler(tag: str, elapsed: bool) -> logging.Handler | None:
-    """A handler for the progress lines on the terminal, when stderr goes elsewhere (a rule's log) and
-    the process has a terminal; None otherwise (a test, a batch job, stderr already the terminal)."""
+    """A handler for the console lines, when stderr goes elsewhere (a rule's log): to Snakemake's relay
+    pipe, else to the terminal the process has; None otherwise (a test, a batch job, stderr already the
+    terminal)."""
     if os.environ.get("RECTRAIN_CONSOLE") == "0" or sys.stderr.isatty():
         return None
-    stream = _open_console(os.environ.get(TTY_ENV) or CONSOLE)
+    stream = _open_relay(os.environ[RELAY_ENV]) if os.environ.get(RELAY_ENV) else None
     if stream is None:
-        return None
-    path = terminal_path()
-    if path:  # torchrun starts the ranks in new sessions, without /dev/tty
-        os.environ[TTY_ENV] = path
-    handler = logging.StreamHandler(stream)
+        stream = _open_console(os.environ.get(TTY_ENV) or CONSOLE)
+        if stream is None:
+            return None
+        path = terminal_path()
+        if path:  # torchrun starts the ranks in new sessions, without /dev/tty
+            os.environ[TTY_ENV] = path
+    handler = _ConsoleHandler(stream)
     handler.setFormatter(_StageFormatter(tag, elapsed))
-    handler.addFilter(lambda record: record.name == PROGRESS_LOGGER)
+    handler.addFilter(is_console_line)
     return handler
 
 

@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
 
-from rectrain.train.lifecycle.stop import EXIT_STOPPED
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 # A stopped rank's status, and those of the ranks the agent ended after it (SIGTERM, then SIGKILL)
 STOP_STATUSES = {EXIT_STOPPED, -signal.SIGTERM, -signal.SIGKILL}

@@ -13,6 +13,7 @@ from rectrain.config import ConfigError
 from rectrain.driver_check import DEVICES_ENV
 from rectrain.snakefile.checks import check_config
 from rectrain.snakefile.datasets import refuse_demo_name_for_own_data
+from rectrain.snakefile.hooks import on_start, on_success
 from rectrain.snakefile.jobenv import export_operational, prepare_job_env
 from rectrain.snakefile.modelcheck import check_model
 from rectrain.snakefile.params import block_params, index_classes_file, report_params
@@ -36,6 +37,13 @@ except ConfigError as err:
 # this machine's GPUs when the jobs run here, and whether Snakemake forced the train job.
 onstart:
     before_jobs(workflow, config)
+    # the jobs' console lines on Snakemake's console, terminal or not; SIGINT/SIGTERM stop training cleanly
+    on_start(workflow, f"results/{config['dataset']}/train/checkpoints")
+
+
+# The run's last line: the report it wrote.
+onsuccess:
+    on_success()
 
 
 # Operational keys (x-rerun: false in the schema: intervals, timeouts, thread and worker counts, ...)

@@ -1,32 +1,32 @@
-"""DALI loader from the .rec: fn.readers.mxnet sharded by rank, decode on the GPU ("mixed") when there
-is one and on the CPU otherwise, random-resized-crop + flip + normalise in the pipeline.  The crop
-follows train.decode (rectrain.loaders.DECODE_PATHS): roi = ROI decode + resize, full = full-image
-decode + fn.random_resized_crop, cpu = roi on the CPU even with a GPU.  crop_mirror_normalize writes
-the images in the training's dtype (float16 under fp16; bfloat16 where this DALI has the type, else
+"""DALI loader from the .rec: decode on the GPU ("mixed") when there is one and on the CPU otherwise,
+random-resized-crop + flip + normalise in the pipeline.  The crop follows train.decode
+(rectrain.loaders.DECODE_PATHS): roi = ROI decode + resize, full = full-image decode +
+fn.random_resized_crop, cpu = roi on the CPU even with a GPU.  crop_mirror_normalize writes the
+images in the training's dtype (float16 under fp16; bfloat16 where this DALI has the type, else
 float32) and, with channels_last, HWC, so torch sees channels_last without a copy.
 
-Train pipelines are rebuilt each epoch with shard (rank + epoch) % world, a seed from
-(seed, epoch, rank) and the epoch's crop size (LoaderSpec.crop_at, train.progressive): every record
-once per epoch across ranks, shards rotate like DALI's default, and a resumed run replays exactly the
-epochs it missed, at their resolutions.  Within an epoch they are built with DALI's
-checkpointing on: `state()` is the pipeline's own checkpoint after the batches this loader has yielded
-(DALI counts the batches its consumer took, not those waiting in the prefetch queue), and
-`epoch(e, start, state)` rebuilds the epoch's pipeline from it - reader position and shuffle buffer,
-the crop and flip generators - and yields the epoch's remaining batches, the ones an uninterrupted
-epoch would have yielded (tests/test_train_preempt.py checks them pixel for pixel).  Last batch: FILL for train (equal full
-batches on every rank, padding repeats the shard's last record and is counted), PARTIAL for eval
-(padding dropped, every record exactly once).  On the CPU the train pipeline is run directly, not
-through DALIGenericIterator: batches land in reused buffers and nothing past the epoch is decoded
-(DaliLoader._host_batches).
+Training reads its records in the order of rectrain.loaders.order.train_order - a new permutation of
+the whole dataset every epoch from (seed, epoch), dealt across the ranks as torch's DistributedSampler
+does, the torch loader's order too - fed through fn.external_source (EpochRecords) from the one .rec
+by the .idx's offsets.  A pipeline is built per epoch with a seed from (seed, epoch, rank) and the
+epoch's crop size (LoaderSpec.crop_at, train.progressive), so a resumed run replays exactly the epochs
+it missed, at their resolutions.  Within an epoch it is built with DALI's checkpointing on: `state()`
+is the pipeline's checkpoint after the batches this loader has yielded (DALI counts the batches its
+consumer took, not those waiting in the prefetch queue): the batch index the external source resumes
+at and the crop and flip generators' states - the order itself needs nothing saved.  `epoch(e, start,
+state)` rebuilds the epoch's pipeline from it and yields the epoch's remaining batches, the ones an
+uninterrupted epoch would have yielded (tests/test_train_preempt.py checks them pixel for pixel).
+Every training batch is full (the order is padded, the padding counted); evaluation reads its
+shard with DALI's mxnet reader in file order, PARTIAL (padding dropped, every record exactly once).
+On the CPU the train pipeline is run directly, not through DALIGenericIterator: batches land in
+reused buffers and nothing past the epoch is decoded (DaliLoader._host_batches).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-import os
 import re
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,7 +47,8 @@ from rectrain.loaders import (
     train_batches_per_epoch,
     train_padding,
 )
-from rectrain.recordio import idx_arrays
+from rectrain.loaders.order import train_order
+from rectrain.recordio import IndexedRecordReader, header_label, idx_arrays, unpack_record
 
 
 def decoder_args(decode_device: str, opts: DaliOptions, jpeg_engine: bool) -> dict:
@@ -98,70 +99,75 @@ def train_crop(jpegs, crop: str, decode_device: str, decoder_kwargs: dict, image
     return fn.resize(images, size=[image_size, image_size])
 
 
-# Records in the mxnet reader's shuffle buffer (its initial_fill; DALI's default 1024).  The reader
-# reads its shard in file order through this buffer, so two epochs of one shard (a rank's every other
-# epoch with 2 ranks) have correlated orders: on a 40k-record .rec (20k a shard) the position
-# correlation is 0.971 at 1024, 0.679 at 4096, 0.282 at 8192, 0.010 at 16384 (bench/shuffle_bench.py).
-# The cost is host memory per rank: 16384 x the mean record (~1.7 GiB at ImageNet's ~110 KB JPEGs,
-# ~0.4 GiB at pack.resize 256), mapped pages of the .rec while only one pipeline holds them
-# (DaliLoader._release_pipelines).  It decorrelates only shards up to ~20k records: the
-# correlation follows buffer / shard size (0.679 at 16384 on an 80k shard), so a 640k-record ImageNet
-# shard stays close to the order of the .rec.  No reader setting can do better from one .rec: DALI's
-# RecordIO loader sorts the index's offsets and reads them in file order (dali/operators/reader/loader/
-# recordio_loader.h), and `shuffle_after_epoch` (DALI 2.x only) reorders whole files; DALI's own
-# ImageNet examples shuffle through the default 1024-sample buffer (see bench/RESULTS.md).
-SHUFFLE_BUFFER = 16384
+class EpochRecords:
+    """fn.external_source's batch callback for one rank's training epoch: batch k is the records at
+    positions k x batch ... of `order` (rectrain.loaders.order.train_order), read from the one .rec
+    by their .idx offsets (IndexedRecordReader: os.pread on one descriptor per process), as (encoded
+    images as uint8 arrays, int64 labels from the records' headers).  DALI passes the iteration
+    index and, in a pipeline restored from its checkpoint, goes on from the iteration the checkpoint
+    was taken at, so a batch's records follow from (seed, epoch, rank, batch index) alone.  Past the
+    epoch's last batch: StopIteration, the end of the pass.
 
-# What DALI's reader allocates for each sample before reading into it (its `tensor_init_bytes`, default
-# 1 MiB).  A pipeline restored from a checkpoint (a mid-epoch resume) keeps that allocation for every
-# slot of its shuffle buffer: 16384 slots, measured 16-34 GB more heap per rank, never touched but
-# counted at a fork (on the 24 GB test box the process's next fork failed with ENOMEM) and against a
-# strict overcommit limit (bench/dali_resume_memory.py, bench/RESULTS.md).  The .rec's mean record,
-# page-rounded, is what a slot holds when the reader copies records instead of sharing the mapped file.
-DALI_TENSOR_INIT_BYTES = 1 << 20
-PAGE_BYTES = 4096
+    Called in the consumer's thread (DALI's non-parallel external source) while DALI's threads decode
+    earlier batches: a batch of 64 records of ~107 KB from the page cache costs ~2.4 CPU-ms, against
+    ~230 CPU-ms to decode and crop them on the CPU (bench/RESULTS.md, "DALI loader: a new order every
+    epoch"), so no worker processes (external_source's parallel mode) to copy the bytes through."""
+
+    def __init__(self, reader: IndexedRecordReader, order: np.ndarray, batch_size: int):
+        self.reader, self.order, self.batch_size = reader, order, batch_size
+        self.batches = len(order) // batch_size
+
+    def __call__(self, iteration: int):
+        if iteration >= self.batches:
+            raise StopIteration
+        b = self.batch_size
+        images, labels = [], np.empty(b, np.int64)
+        for j, i in enumerate(self.order[iteration * b : (iteration + 1) * b].tolist()):
+            header, data = unpack_record(self.reader.nth(i)[1])
+            images.append(np.frombuffer(data, np.uint8))
+            labels[j] = header_label(header)
+        return images, labels
 
 
-def record_buffer_bytes(rec: str, records: int) -> int:
-    """The reader's per-sample allocation for this .rec: its mean record rounded up to a page, at most
-    DALI's default (a larger record grows its buffer once, as it did before)."""
-    mean = os.path.getsize(rec) / max(1, records)
-    return min(DALI_TENSOR_INIT_BYTES, max(PAGE_BYTES, math.ceil(mean / PAGE_BYTES) * PAGE_BYTES))
+@dataclass(frozen=True)
+class EvalShard:
+    """What an evaluation pipeline reads: shard `shard_id` of `num_shards` of the pair, in file order."""
+
+    rec: str
+    idx: str
+    shard_id: int
+    num_shards: int
 
 
 @pipeline_def
 def _pipeline(
     *,
-    rec: str,
-    idx: str,
-    shard_id: int,
-    num_shards: int,
-    train: bool,
+    records: EpochRecords | EvalShard,
     image_size: int,
     eval_resize: int,
     decode_device: str,
     decoder_kwargs: dict,
     on_gpu: bool,
-    sample_bytes: int = DALI_TENSOR_INIT_BYTES,
     crop: str = "roi",
     dtype=types.FLOAT,
     layout: str = "HWC",
 ):
-    """Normalised images (DALI type `dtype`, `layout` HWC or CHW) + float labels, one rank's shard;
-    both on the GPU when on_gpu.  `sample_bytes`: the reader's allocation per sample
-    (record_buffer_bytes).  `crop`: the train crop's path (train_crop)."""
-    jpegs, labels = fn.readers.mxnet(
-        path=rec,
-        index_path=idx,
-        shard_id=shard_id,
-        num_shards=num_shards,
-        random_shuffle=train,
-        initial_fill=SHUFFLE_BUFFER,
-        tensor_init_bytes=sample_bytes,
-        pad_last_batch=True,
-        stick_to_shard=True,
-        name="Reader",
-    )
+    """Normalised images (DALI type `dtype`, `layout` HWC or CHW) + labels; both on the GPU when
+    on_gpu.  `records`: a training epoch's EpochRecords (random-resized-crop of train.decode's path
+    `crop`, train_crop, and a flip) or an EvalShard (resize + centre crop)."""
+    train = isinstance(records, EpochRecords)
+    if train:
+        jpegs, labels = fn.external_source(source=records, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
+    else:
+        jpegs, labels = fn.readers.mxnet(
+            path=records.rec,
+            index_path=records.idx,
+            shard_id=records.shard_id,
+            num_shards=records.num_shards,
+            pad_last_batch=True,
+            stick_to_shard=True,
+            name="Reader",
+        )
     if train:
         images = train_crop(jpegs, crop, decode_device, decoder_kwargs, image_size)
         mirror = fn.random.coin_flip(probability=0.5)
@@ -223,8 +229,9 @@ class DaliLoader:
 
     def __init__(self, spec: LoaderSpec):
         self.spec = spec
-        self.size = len(idx_arrays(spec.idx)[0])
-        self.sample_bytes = record_buffer_bytes(spec.rec, self.size)
+        # Training reads records by their offsets (EpochRecords): the .idx's arrays, a few int64 a record.
+        self.reader = IndexedRecordReader(spec.rec, spec.idx) if spec.train else None
+        self.size = len(self.reader) if spec.train else len(idx_arrays(spec.idx)[0])
         w, b = spec.world_size, spec.batch_size
         self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
@@ -233,24 +240,26 @@ class DaliLoader:
         self._eval_iter = None  # the last validation pass's, until the next build
         self._dali_dtype, self.image_dtype = output_type(spec.dtype)
 
+    def _records(self, epoch: int) -> EpochRecords | EvalShard:
+        s = self.spec
+        if not s.train:
+            return EvalShard(s.rec, s.idx, s.rank, s.world_size)
+        order = train_order(self.size, s.rank, s.world_size, s.batch_size, s.seed, epoch)
+        return EpochRecords(self.reader, order, s.batch_size)
+
     def _build(self, epoch: int, checkpoint: bytes | None = None):
         s = self.spec
-        pairowner.refuse_changed(s.rec, s.idx)  # DALI reopens the pair every epoch: a brought pair replaced mid-run
+        pairowner.refuse_changed(s.rec, s.idx)  # a brought pair replaced mid-run
         gpu = s.on_gpu
         device_id = (torch.device(s.device).index or 0) if gpu else None
         decode_device = "mixed" if s.gpu_decodes else "cpu"
         pipe = _pipeline(
-            rec=s.rec,
-            idx=s.idx,
-            shard_id=(s.rank + epoch) % s.world_size if s.train else s.rank,
-            num_shards=s.world_size,
-            train=s.train,
+            records=self._records(epoch),
             image_size=s.crop_at(epoch),
             eval_resize=s.eval_resize,
             decode_device=decode_device,
             decoder_kwargs=decoder_args(decode_device, s.dali, decode_device == "mixed" and s.jpeg_engine),
             on_gpu=gpu,
-            sample_bytes=self.sample_bytes,
             crop="full" if decode_path(s.decode) == "full" else "roi",
             dtype=self._dali_dtype,
             layout="HWC" if s.channels_last else "CHW",
@@ -266,11 +275,13 @@ class DaliLoader:
         return pipe
 
     def _iterator(self, epoch: int, checkpoint: bytes | None = None) -> DALIGenericIterator:
+        """A pass's iterator: a training epoch's ends at EpochRecords' StopIteration, an evaluation
+        shard's at the reader's end (PARTIAL: its padding dropped)."""
         s = self.spec
         return DALIGenericIterator(
             self._build(epoch, checkpoint),
             ["images", "labels"],
-            reader_name="Reader",
+            reader_name=None if s.train else "Reader",
             last_batch_policy=LastBatchPolicy.FILL if s.train else LastBatchPolicy.PARTIAL,
             auto_reset=False,  # one pass per iterator: each epoch builds its own (epoch)
         )
@@ -283,11 +294,11 @@ class DaliLoader:
 
     def _release_pipelines(self) -> None:
         """Before a pipeline is built: drop this loader's last one and every other loader's finished pass
-        (train or validation).  Alive beside the new one, an old reader still holds its reservation of
-        shared .rec mappings (`initial_fill` of them), so the new reader falls back to copying every
-        sample it reads: ~1.7 GB more host memory per rank with the 16384-sample buffer and 1.5-3 CPU-s
-        before the epoch's first batch (bench/RESULTS.md, "DALI loader: the epoch boundary").  Done
-        here, not when a pass ends, so the teardown stays out of the epoch's timed steps."""
+        (train or validation), so only one pipeline's threads, prefetched batches and reader buffers are
+        alive at a time.  (An mxnet reader alive beside a new one once made the new one copy every
+        sample instead of sharing the mapped .rec: bench/RESULTS.md, "DALI loader: the epoch boundary";
+        validation still reads through one.)  Done here, not when a pass ends, so the teardown stays out
+        of the epoch's timed steps."""
         for loader in [self, *_FINISHED]:
             loader._train_iter = loader._train_pipe = loader._eval_iter = None
         _FINISHED.clear()
@@ -296,8 +307,8 @@ class DaliLoader:
         """The CPU train pipeline's batches, run without DALIGenericIterator: it copies each batch into
         a fresh torch.empty, and on the CPU that allocation costs 4x the copy (see _HostBuffers); and
         it keeps the prefetch queue full to the end, so prefetch_queue_depth batches of the next epoch
-        are decoded and thrown away with the pipeline.  Here nothing past the epoch is scheduled.  The
-        reader pads the shard's last batch itself (pad_last_batch), as the iterator's FILL does."""
+        are decoded and thrown away with the pipeline.  Here nothing past the epoch is scheduled (the
+        order is padded to full batches: train_order)."""
         remaining = self.batches_per_epoch - start
         self._release_pipelines()
         pipe = self._train_pipe = self._build(epoch, state if start else None)
@@ -315,15 +326,13 @@ class DaliLoader:
             yield batch
 
     def epoch(self, epoch: int, start: int = 0, state: bytes | None = None):
-        """Iterator of (images, labels) for one epoch; from batch `start` on with the `state()` taken
-        there (a restored pipeline would run on into the next epoch: the remaining batches are counted)."""
+        """Iterator of (images, labels) for one epoch; from batch `start` on with the `state()` taken there."""
         if self.spec.train and not self.spec.on_gpu:
             self._train_iter = None
             it = ([batch] for batch in self._host_batches(epoch, start, state))  # the iterator's shape
         elif self.spec.train:
             self._release_pipelines()
             it = self._train_iter = self._iterator(epoch, state if start else None)
-            it = itertools.islice(it, self.batches_per_epoch - start)
         else:
             self._release_pipelines()
             it = self._eval_iter = self._iterator(0)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
@@ -35,15 +34,11 @@ from rectrain.loaders import (
     LoaderSpec,
     epoch_seed,
     jpeg,
+    order,
     train_batches_per_epoch,
     train_padding,
 )
-from rectrain.recordio import IndexedRecordReader, unpack_record
-
-
-def _label(header) -> int:
-    label = header.label
-    return int(label[0] if isinstance(label, tuple) else label)
+from rectrain.recordio import IndexedRecordReader, header_label, unpack_record
 
 
 def augment(spec: LoaderSpec, epoch: int = 0):
@@ -86,16 +81,16 @@ class RecordDataset(Dataset):
     def _item(self, i: int):
         header, data = unpack_record(self.reader.nth(i)[1])
         if not self.decode:
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8), _label(header), header.id
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8), header_label(header), header.id
         try:
             image = jpeg.decode(data)
         except (OSError, ValueError) as err:
             raise RecordDecodeError(f"{self.reader.rec_path} record {i} (id {header.id}): {err}") from None
-        return (self.transform(image) if self.transform else image), _label(header), header.id
+        return (self.transform(image) if self.transform else image), header_label(header), header.id
 
 
 class ShardSampler(Sampler[int]):
-    """Indices of one rank's share of an epoch.
+    """Indices of one rank's share of an epoch (rectrain.loaders.order: the DALI loader's order too).
 
     train (pad_to_batch): every rank gets ceil(ceil(N/world)/batch) full batches, the permutation
     padded from its start as DistributedSampler pads; eval: every index exactly once, no padding."""
@@ -103,6 +98,8 @@ class ShardSampler(Sampler[int]):
     def __init__(
         self, n: int, rank: int, world_size: int, batch_size: int, *, shuffle: bool, seed: int, pad_to_batch: bool
     ):
+        if shuffle != pad_to_batch:
+            raise ValueError("ShardSampler: shuffle and pad_to_batch go together (training) or not at all (eval)")
         self.n, self.rank, self.world, self.batch = n, rank, world_size, batch_size
         self.shuffle, self.seed, self.pad = shuffle, seed, pad_to_batch
         self.epoch = 0
@@ -110,19 +107,10 @@ class ShardSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _order(self) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.n)
-        g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch, 0))
-        return torch.randperm(self.n, generator=g).numpy()
-
     def __iter__(self):
-        # An array, not a list of Python ints: ImageNet's epoch order is 1.28 M entries.
-        order = self._order()
-        if self.pad:
-            total = self.world * train_batches_per_epoch(self.n, self.world, self.batch) * self.batch
-            order = np.resize(order, total)  # the permutation repeated from its start, as DistributedSampler pads
-        return map(int, order[self.rank :: self.world])
+        if self.shuffle:
+            return map(int, order.train_order(self.n, self.rank, self.world, self.batch, self.seed, self.epoch))
+        return map(int, order.eval_order(self.n, self.rank, self.world))
 
     def __len__(self) -> int:
         if self.pad:

@@ -352,9 +352,9 @@ def time_to_accuracy(data: RunData, recipe: RecipeSettings, like_imagenet: bool)
     }
 
 
-def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO) -> str:
+def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO, live: dict | None = None) -> str:
     """The report as one self-contained HTML string (config: the whole config's view, rectrain.settings.whole:
-    the report reads the report, recipe and dataset keys, and shows every block)."""
+    it reads the report, recipe and dataset keys, shows every block); live: an unfinished run's banner (inprogress)."""
     report = config.report
     findings = diagnose(
         data.steps,
@@ -411,4 +411,4 @@ def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO) ->
         "run": data.run,
         "paths": data.paths,
     }
-    return environment().get_template("report.html.j2").render(**context)
+    return environment().get_template("report.html.j2").render(**context, live=live)

@@ -6,6 +6,7 @@ empty system.csv) become empty tables, never errors; missing required files name
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import logging
@@ -139,10 +140,34 @@ def sample_image_sizes(manifest: dict | None, n: int = SIZE_SAMPLE) -> pd.DataFr
     return pd.DataFrame(sizes, columns=["width", "height"]) if sizes else None
 
 
-def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: str, *, check=None) -> RunData:
-    """Every stage's outputs; eval_dir None: a dataset without a val split, so no evaluation (metrics {});
-    check: the check stage's report.json when it has run, else None."""
-    train_dir, pack_dir, index_dir = map(Path, (train_dir, pack_dir, index_dir))
+def read_complete_csv(path: Path, columns: list[str]) -> pd.DataFrame:
+    """A CSV a running process is still appending to (the live telemetry): only its complete lines - a
+    row being written has no line end yet - with the header's number of fields; an empty table with
+    `columns` when it is missing or has no header yet."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return pd.DataFrame(columns=columns)
+    lines = raw[: raw.rfind(b"\n") + 1].splitlines()
+    if not lines:
+        return pd.DataFrame(columns=columns)
+    width = lines[0].count(b",")
+    rows = [line for line in lines[1:] if line.count(b",") == width]
+    return pd.read_csv(io.BytesIO(b"\n".join([lines[0], *rows])))
+
+
+@dataclass
+class Upstream:
+    """What the stages before training wrote: the pack manifests, classes, benchmarks, image sizes."""
+
+    manifests: dict[str, dict]
+    classes: pd.DataFrame
+    benchmarks: pd.DataFrame
+    image_sizes: pd.DataFrame | None
+
+
+def load_upstream(pack_dir, index_dir, benchmarks: list, dataset: str) -> Upstream:
+    pack_dir, index_dir = Path(pack_dir), Path(index_dir)
     manifests = {}
     for split in ("train", "val"):
         p = pack_dir / f"{split}.manifest.json"
@@ -150,7 +175,19 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
             manifests[split] = _true_reasons(json.loads(p.read_text()))
     if not manifests:
         raise FileNotFoundError(f"no pack manifests in {pack_dir}: rerun the pack stage")
-    classes = _classes(index_dir / "classes.tsv")
+    return Upstream(
+        manifests=manifests,
+        classes=_classes(index_dir / "classes.tsv"),
+        benchmarks=read_benchmarks(benchmark_files(benchmarks, dataset), dataset),
+        image_sizes=sample_image_sizes(manifests.get("train")),
+    )
+
+
+def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: str, *, check=None) -> RunData:
+    """Every stage's outputs; eval_dir None: a dataset without a val split, so no evaluation (metrics {});
+    check: the check stage's report.json when it has run, else None."""
+    train_dir = Path(train_dir)
+    up = load_upstream(pack_dir, index_dir, benchmarks, dataset)
     metrics, per_class = {}, pd.DataFrame()
     if eval_dir is not None:
         eval_dir = Path(eval_dir)
@@ -169,15 +206,19 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
         run=_json(train_dir / "run.json", "train"),
         metrics=metrics,
         per_class=per_class,
-        manifests=manifests,
-        classes=classes,
-        benchmarks=read_benchmarks(benchmark_files(benchmarks, dataset), dataset),
-        paths={
-            "train": str(train_dir),
-            "eval": str(eval_dir) if eval_dir else None,
-            "pack": str(pack_dir),
-            "index": str(index_dir),
-        },
-        image_sizes=sample_image_sizes(manifests.get("train")),
+        manifests=up.manifests,
+        classes=up.classes,
+        benchmarks=up.benchmarks,
+        paths=stage_paths(train_dir, eval_dir, pack_dir, index_dir),
+        image_sizes=up.image_sizes,
         check=_json(Path(check), "check") if check else None,
     )
+
+
+def stage_paths(train_dir, eval_dir, pack_dir, index_dir) -> dict[str, str | None]:
+    return {
+        "train": str(train_dir),
+        "eval": str(eval_dir) if eval_dir else None,
+        "pack": str(pack_dir),
+        "index": str(index_dir),
+    }

@@ -52,7 +52,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from rectrain import watchdog
+from rectrain.atomic import write_json
 from rectrain.distributed import Dist, all_gather
+from rectrain.log import CONSOLE_LINE
 from rectrain.progress import Progress
 from rectrain.train import resolution, telemetry
 from rectrain.train.lifecycle import checkpoint as ckpt
@@ -311,7 +313,8 @@ def compiled_note(cal: dict) -> str:
 def setup_key(run: Run) -> dict:
     """What a calibration's img/s depends on: the devices (GPU models and memory, CPU cores), the
     processes, the model and its numerics, the batch plan, the resolutions and the calibration's own
-    bounds.  run.json records it (`calibration_setup`): a resume with the same one reuses the measurement."""
+    bounds.  run.json and telemetry/calibration.json (KEPT) record it (`calibration_setup`): a resume
+    with the same one reuses the measurement."""
     s, res = run.settings, run.settings.resolution
     tel = s.telemetry
     return {
@@ -330,8 +333,21 @@ def setup_key(run: Run) -> dict:
     }
 
 
+# The run's calibration and what it was measured on, in the live telemetry folder of its --out: run.json
+# has them too, but it is an output Snakemake removes when the job stops, so a resume through Snakemake
+# reads them from here.
+KEPT = Path("telemetry") / "calibration.json"
+
+
+def keep(path: Path, info: dict) -> None:
+    """Rank 0: run.json's `calibration` and `calibration_setup` (from `info`) to `path` (KEPT)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {key: info[key] for key in ("calibration", "calibration_setup")})
+
+
 def reused_or_measured(run: Run, previous_run_json: Path, resumed: bool) -> dict:
-    """On a resume whose previous run.json measured the same `setup_key`: that calibration, said so
+    """On a resume whose previous run (its run.json, or telemetry/calibration.json: KEPT) measured the same
+    `setup_key`: that calibration, said so
     (24-40 s of a short run saved); else calibrate_run.  Rank 0 decides for every rank (each must run
     the calibration's steps, or none)."""
     key = setup_key(run)
@@ -345,6 +361,7 @@ def reused_or_measured(run: Run, previous_run_json: Path, resumed: bool) -> dict
             "resolutions as the run this one resumes",
             previous_run_json,
             total_rate(found),
+            extra=CONSOLE_LINE,
         )
     return found
 

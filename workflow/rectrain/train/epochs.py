@@ -16,6 +16,7 @@ import torch.distributed as dist
 from rectrain import watchdog
 from rectrain.distributed import all_gather, all_reduce_sum, barrier
 from rectrain.loaders import Loader
+from rectrain.log import CONSOLE_LINE
 from rectrain.metrics import all_reduce as all_reduce_tally
 from rectrain.metrics import tally
 from rectrain.progress import Progress, RunProgress
@@ -216,6 +217,7 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         stats["wall_s"],
         efficiency_note(stats, books.calibration, crop),
         saved,
+        extra=CONSOLE_LINE,
     )
     opt_steps = -(-run.train_loader.batches_per_epoch // run.plan.grad_accum)
     early_warning.warn(epoch, stats["train_loss"], val["val_single_view_top1"], len(run.classes), opt_steps)

@@ -23,7 +23,7 @@ from rectrain.data import pairowner
 from rectrain.train import cluster
 from rectrain.train import local_copy as stage
 from rectrain.train.lifecycle import requeue, supervise
-from rectrain.train.lifecycle.stop import EXIT_STOPPED
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ line rank 0 logs as training starts."""
 from __future__ import annotations
 
 import logging
+import socket
 
 import torch
 
@@ -43,6 +44,8 @@ def run_info(
     return {
         "world_size": d.world_size,
         "nodes": s.launch.nodes,
+        # rank 0's host: the live report looks there for the run's processes (rectrain.report.inprogress)
+        "host": socket.gethostname(),
         "devices": local_devices(d),
         "backend": d.backend,
         "loader": loader.kind,

@@ -45,6 +45,7 @@ from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import divergence, failure, stop, supervise
 from rectrain.train.lifecycle.resume import previous_plan, resume
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 from rectrain.train.lifecycle.stop import Agreement, StopRequest
 from rectrain.train.run import Run, build_run, prepare_rank
 from rectrain.train.step import Step, run_steps
@@ -149,7 +150,7 @@ def train_run(run: Run, request: StopRequest) -> None:
         return
     if resumed.world_sizes:
         run = dataclasses.replace(run, world_sizes=resumed.world_sizes)
-    calibration = calibrate.reused_or_measured(run, run.out / "run.json", resumed.continues)
+    calibration = calibrate.reused_or_measured(run, run.out / calibrate.KEPT, resumed.continues)
     info = provenance.run_info(
         run,
         resumed.start_epoch,
@@ -161,6 +162,7 @@ def train_run(run: Run, request: StopRequest) -> None:
     info["calibration_setup"] = calibrate.setup_key(run)  # a resume on the same setup reuses the calibration
     if d.master:
         write_json(run.out / "run.json", info)
+        calibrate.keep(run.out / calibrate.KEPT, info)
         provenance.log_start(run)
     if resumed.rng_states is not None:
         ckpt.set_rng_state(resumed.rng_states[d.rank])
@@ -200,7 +202,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> int | None:
     try:
         train(args, s)
     except stop.Stopped:
-        return stop.EXIT_STOPPED
+        return EXIT_STOPPED
     except divergence.Diverged:
         return divergence.EXIT_DIVERGED
     finally:

@@ -3,6 +3,7 @@ on a stop signal), stops, is requeued under SLURM, fails with an explained line,
 when a finished run is started again.  docs/architecture.md, "Follow one stop signal", walks it in order.
 
 stop        the stop signals and the ranks' per-step agreement
+status      what a stopped run leaves: exit status 75, stopped.json, the grace time (no torch: Snakemake reads it)
 supervise   torchrun as the launcher's child: signals forwarded, a stop mapped to exit status 75
 midepoch    mid-epoch checkpoints: state, write, stop, resume position
 checkpoint  checkpoint files and the run's identity

@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 
 from rectrain import atomic
+from rectrain.log import CONSOLE_LINE
 
 log = logging.getLogger(__name__)
 
@@ -83,4 +84,5 @@ def restore(out: Path, ck_dir: Path) -> None:
         "train.resume: never)",
         ", ".join(PUBLISHED),
         folder(ck_dir),
+        extra=CONSOLE_LINE,
     )

@@ -28,7 +28,8 @@ from rectrain.loaders import Loader
 from rectrain.storage import human_bytes
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import divergence, faults, supervise
-from rectrain.train.lifecycle.stop import EXIT_STOPPED, Agreement, Decision, Stopped
+from rectrain.train.lifecycle.status import EXIT_STOPPED
+from rectrain.train.lifecycle.stop import Agreement, Decision, Stopped
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ def stop(run: Run, decision: Decision, where: str, written: bool, resumes_at: st
     """Every rank: say what was saved and how to continue, then end (Stopped), or fail when nothing was."""
     d, last = run.d, run.ck_dir / "last.pt"
     if d.master and written:  # before the barrier: a peer exiting first makes torchrun signal this rank
-        supervise.mark_stopped(run.ck_dir, decision.signal_name, where)
+        supervise.mark_stopped(run.ck_dir, decision.signal_name, where, resumes_at)
     barrier(d)
     if not written:
         raise RuntimeError(

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rectrain.distributed import all_gather
+from rectrain.log import CONSOLE_LINE
 from rectrain.storage import human_bytes
 from rectrain.train.batchplan import BatchPlan
 from rectrain.train.lifecycle import checkpoint as ckpt
@@ -172,6 +173,7 @@ def bring_back(ck_dir: Path, kept: Path, why_not: str, keep_replaced: int) -> No
             why_not,
             ", ".join(moved),
             dest,
+            extra=CONSOLE_LINE,
         )
     ckpt.move_back(kept, ck_dir)
     bound_replaced(ck_dir, keep_replaced)
@@ -179,6 +181,7 @@ def bring_back(ck_dir: Path, kept: Path, why_not: str, keep_replaced: int) -> No
         "brought back the finished run moved aside to %s: it is this run (the same train config, batch plan, "
         "records, processes and code)",
         kept,
+        extra=CONSOLE_LINE,
     )
 
 
@@ -208,6 +211,7 @@ def start_over(ck_dir: Path, why_not: str, keep_replaced: int) -> None:
             why_not,
             ", ".join(moved),
             dest,
+            extra=CONSOLE_LINE,
         )
         bound_replaced(ck_dir, keep_replaced)
 
@@ -223,6 +227,7 @@ def bound_replaced(ck_dir: Path, keep: int) -> None:
         human_bytes(size),
         keep,
         removed,
+        extra=CONSOLE_LINE,
     )
 
 
@@ -332,6 +337,7 @@ def _say_regrouped(run: Run, last: Path, state: dict, old: BatchPlan, repeated: 
         restarted,
         done,
         continuing,
+        extra=CONSOLE_LINE,
     )
 
 
@@ -356,6 +362,7 @@ def _say_resuming(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -
             "; ".join(despite),
             done,
             continuing,
+            extra=CONSOLE_LINE,
         )
         return
     log.info(
@@ -367,6 +374,7 @@ def _say_resuming(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -
         run.plan.grad_accum,
         run.d.world_size,
         continuing,
+        extra=CONSOLE_LINE,
     )
 
 

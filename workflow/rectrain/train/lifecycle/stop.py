@@ -11,8 +11,8 @@ answer at the same step, even when only one rank was signalled - and then all ch
 group of CPU tensors even when training uses NCCL, so it never waits for the GPU (bench/RESULTS.md
 has its cost).
 
-EXIT_STOPPED = 75 (EX_TEMPFAIL of sysexits.h: "try again later") is the exit status of every rank, of
-the launcher (rectrain.train.lifecycle.supervise) and so of the train job after a stop whose checkpoint was
+EXIT_STOPPED (75, rectrain.train.lifecycle.status) is the exit status of every rank, of the launcher
+(rectrain.train.lifecycle.supervise) and so of the train job after a stop whose checkpoint was
 written: rerunning the same command resumes at the next step.
 """
 
@@ -26,14 +26,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
 from rectrain.distributed import Dist
 
 log = logging.getLogger(__name__)
 
-EXIT_STOPPED = 75
 # A stop signal repeated this long after the first dumps the rank's stacks (StopRequest).
 STUCK_S = 10.0
 
@@ -125,6 +121,10 @@ class Agreement:
         self.interval_s = float(interval_min) * 60
         self.last_checkpoint = time.monotonic()
         self.group = None
+        # torch here, not at the top: the launcher imports this module for EXIT_STOPPED and the signals
+        # (rectrain.distributed says why)
+        import torch.distributed as dist
+
         if d.world_size > 1 and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")  # CPU tensors: no wait for the GPU
 
@@ -139,6 +139,9 @@ class Agreement:
 
     def any_of(self, *values: int) -> tuple[int, ...]:
         """Each of `values` as the most over every rank (an all-reduce MAX; each rank passes its own)."""
+        import torch
+        import torch.distributed as dist
+
         flags = torch.tensor(values, dtype=torch.int64)
         if self.d.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)

@@ -36,21 +36,25 @@ from rectrain import atomic
 from rectrain.distributed import TORCHRUN
 from rectrain.log import PROGRESS_LOGGER, utc_now
 from rectrain.train.lifecycle import finished
-from rectrain.train.lifecycle.stop import EXIT_STOPPED, signal_numbers
+from rectrain.train.lifecycle.status import EXIT_STOPPED, STOP_GRACE_S, STOPPED
+from rectrain.train.lifecycle.stop import signal_numbers
 
 log = logging.getLogger(__name__)
 
 LAUNCH_ID_ENV = "RECTRAIN_LAUNCH_ID"
-STOPPED = "stopped.json"
-# Seconds torchrun's agent waits for the ranks after a stop signal: a step, a checkpoint write
-# (seconds for ResNet-50, bench/RESULTS.md) and the exit, with room for a slow disk.
-STOP_GRACE_S = 300
 TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's default --signals-to-handle
 
 
-def mark_stopped(ck_dir: Path, signal_name: str, where: str) -> None:
-    """Rank 0, after the stop checkpoint is written: what the launcher maps to EXIT_STOPPED."""
-    info = {"launch_id": os.environ.get(LAUNCH_ID_ENV), "signal": signal_name, "after": where, "time": utc_now()}
+def mark_stopped(ck_dir: Path, signal_name: str, where: str, resumes_at: str) -> None:
+    """Rank 0, after the stop checkpoint is written: what the launcher maps to EXIT_STOPPED (and what
+    Snakemake's last line says, rectrain.snakefile.stopping)."""
+    info = {
+        "launch_id": os.environ.get(LAUNCH_ID_ENV),
+        "signal": signal_name,
+        "after": where,
+        "resumes_at": resumes_at,
+        "time": utc_now(),
+    }
     atomic.write_json(Path(ck_dir) / STOPPED, info)
 
 

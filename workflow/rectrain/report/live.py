@@ -1,0 +1,106 @@
+"""The report of a run that is still training, stopped or killed: results/<dataset>/live.html.
+
+    make live CONFIG=config/my-data.yaml     # or: python -m rectrain.report.live --configfile config/my-data.yaml
+
+The final report's page (rectrain.report.build) from what the run has written so far - the live
+telemetry under results/<ds>/train/telemetry/ (complete lines only: a row may be half-written),
+run.json and the stages before training - with a banner on where the run stands
+(rectrain.report.inprogress). No Snakemake rule: it runs while Snakemake holds its lock, reads only,
+and writes live.html alone (atomically), never an output of the pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from rectrain import atomic, cli, config, settings
+from rectrain.config import ConfigError
+from rectrain.report import build, inprogress
+from rectrain.report.inputs import RunData, load_upstream, read_complete_csv, stage_paths
+from rectrain.train.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
+
+logger = logging.getLogger(__name__)
+
+PAGE = "live.html"
+
+
+class NotStarted(RuntimeError):
+    """No run to report on yet."""
+
+
+def _arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--configfile",
+        nargs="*",
+        default=[],
+        help="the config file(s) the run was started with (make run CONFIG=...); none: the demo",
+    )
+
+
+def run_json(train_dir: Path) -> dict:
+    path = train_dir / "run.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NotStarted(
+            f"{path} is missing: no training has started yet, or it is still preparing (calibration); "
+            "start one with make run, or try again in a minute"
+        ) from None
+
+
+def live_steps(telemetry: Path) -> list:
+    """Every rank's step log (steps_rank<r>.csv), complete lines only, in rank order."""
+    logs = sorted(telemetry.glob("steps_rank*.csv"), key=lambda p: int(p.stem.removeprefix("steps_rank") or 0))
+    return [read_complete_csv(p, STEP_COLUMNS) for p in logs]
+
+
+def load_live(results: Path, benchmarks: Path, dataset: str) -> RunData:
+    """The run as far as it got: the live telemetry, run.json, and the stages before training."""
+    train = results / "train"
+    telemetry = train / "telemetry"
+    run = run_json(train)
+    up = load_upstream(results / "pack", results / "index", [benchmarks], dataset)
+    ranks = [s for s in live_steps(telemetry) if not s.empty]
+    return RunData(
+        steps=pd.concat(ranks, ignore_index=True) if ranks else pd.DataFrame(columns=STEP_COLUMNS),
+        system=read_complete_csv(telemetry / "system_node0.csv", SYSTEM_BASE_COLUMNS),
+        epochs=read_complete_csv(telemetry / "epochs.csv", EPOCH_COLUMNS),
+        run=run,
+        metrics={},  # the evaluate stage runs after training
+        per_class=pd.DataFrame(),
+        manifests=up.manifests,
+        classes=up.classes,
+        benchmarks=up.benchmarks,
+        # an eval folder when there is a val split: the page says evaluation comes, not that there is none
+        paths=stage_paths(
+            train, results / "eval" if "val" in up.manifests else None, results / "pack", results / "index"
+        ),
+        image_sizes=up.image_sizes,
+    )
+
+
+def _run(args: argparse.Namespace, cfg) -> None:
+    t = time.perf_counter()
+    whole = settings.whole(config.from_files(args.configfile))
+    results = Path("results") / whole.dataset
+    data = load_live(results, Path("benchmarks"), whole.dataset)
+    status = inprogress.status(results / "train", data)
+    page = {**inprogress.banner(status), "final": str(results / "report.html")}
+    html = build(data, whole, live=page)
+    out = atomic.write_text(results / PAGE, html)
+    logger.info("%s: %s (%.2f MB, %.1f s)", out.resolve(), page["headline"], len(html) / 1e6, time.perf_counter() - t)
+
+
+def main(argv=None) -> int:
+    return cli.main("live", None, _arguments, _run, argv, errors={ConfigError: 2, NotStarted: 1, FileNotFoundError: 1})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
