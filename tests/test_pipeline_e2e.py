@@ -237,6 +237,24 @@ def test_the_check_with_the_demos_own_weights_reproduces_its_top1_exactly_and_th
     assert 'id="data-check"' in html and "through this val .rec (sound)" in html
 
 
+def test_every_module_the_check_imports_makes_the_check_rerun(demo_copy, tmp_path):
+    """The check's code inputs are its import closure (rectrain.sources), as every stage's: with every
+    module of the package (and the check's data files) edited, the check names exactly its own as updated
+    inputs."""
+    _, cfg, _ = run_check(demo_copy, tmp_path, weights="results/demo/train/weights.safetensors")
+    mine = {p.resolve() for p in stage_sources("check", demo_copy.package)}
+    modules = {p.resolve() for p in demo_copy.package.rglob("*.py") if "__pycache__" not in p.parts} | mine
+    with edited(sorted(modules)):
+        args = [CHECK, "--allowed-rules", "check", "--quiet", "host", "--rerun-triggers", "mtime"]
+        [(ok, out)] = dryruns([[*args, "--configfile", cfg]], demo_copy.work, demo_copy.snakefile)
+    assert ok, out[-3000:]
+    reasons = job_reasons(out).get("check", [])
+    assert len(reasons) == 1, out[-3000:]
+    named = {Path(f).resolve() for f in updated_inputs(reasons[0])}
+    assert mine and mine <= named, sorted(str(p.relative_to(demo_copy.package)) for p in mine - named)
+    assert not named & (modules - mine), sorted(str(p.relative_to(demo_copy.package)) for p in named & (modules - mine))
+
+
 def test_the_check_with_the_class_order_permuted_reads_near_chance_and_names_misaligned_labels(demo_copy, tmp_path):
     from rectrain import weights
 
@@ -456,8 +474,11 @@ def edited(paths):
 
 
 def closures(package: Path) -> dict[str, set[Path]]:
-    # check_recordio runs instead of index_raw and pack (recordio.train set): tests/test_byo_recordio.py
-    assert set(STAGE_ENTRIES) == set(CHAIN) | {"check_recordio"}, "a stage was added: extend CHAIN and STAGE_TARGET"
+    # check_recordio runs instead of index_raw and pack (recordio.train set): tests/test_byo_recordio.py;
+    # check runs only when asked for: test_every_module_the_check_imports_makes_the_check_rerun
+    assert set(STAGE_ENTRIES) == set(CHAIN) | {"check_recordio", "check"}, (
+        "a stage was added: extend CHAIN and STAGE_TARGET"
+    )
     return {stage: {p.resolve() for p in stage_sources(stage, package)} for stage in CHAIN}
 
 
