@@ -42,6 +42,7 @@ else:
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/check.smk"
 
 
 # The configured dataset's report; `snakemake results/report.html` also copies it to results/report.html.

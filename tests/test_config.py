@@ -150,6 +150,11 @@ def test_empty_path_string_is_refused_naming_the_key(update):
     assert f"config key '{key}' is an empty string" in refusal(update)
 
 
+def test_check_crop_above_check_resize_is_refused():
+    message = refusal({"check": {"crop": 100, "resize": 90}})
+    assert "config key 'check.crop' = 100 is larger than the image after 'check.resize' = 90" in message
+
+
 def test_evaluate_crop_above_evaluate_resize_is_refused():
     message = refusal({"evaluate": {"crop": 100, "resize": 90}})
     assert "'evaluate.crop'" in message and "centre crop 100" in message and "'evaluate.resize' = 90" in message

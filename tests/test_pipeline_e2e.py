@@ -30,6 +30,7 @@ from helpers import (
     VENV_BIN,
     copy_workflow,
     dryruns,
+    job_headers,
     job_reasons,
     launcher_of,
     readme_python,
@@ -186,6 +187,160 @@ def test_published_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_th
         torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=0, atol=1e-5)
 
 
+# ---------------------------------------------------------------------------------------------
+# The check (issue 33 item 3) and train.init_weights (item 4), on the finished demo run.
+
+CHECK = "results/demo/check/report.json"
+
+
+@pytest.fixture(scope="module")
+def demo_copy(pipeline, tmp_path_factory):
+    """A copy of the finished demo run (its checkpoints left out) for the check rule and the report to run
+    in, leaving the module's run as it was. The copy's code inputs have new absolute paths, so Snakemake
+    there compares modification times only (--rerun-triggers mtime): what the copy kept is up to date."""
+    work = tmp_path_factory.mktemp("checked") / "work"
+    shutil.copytree(pipeline.work, work, symlinks=True, ignore=shutil.ignore_patterns("checkpoints"))
+    return Pipeline(work, pipeline.config)
+
+
+def run_check(run, tmp_path, **check):
+    """The check rule alone on the finished run, with the config's check block set to `check`: (the
+    Snakemake process, the config file, report.json)."""
+    cfg = tmp_path / "check.yaml"
+    cfg.write_text(yaml.safe_dump({**run.config, "check": check}))
+    (run.work / CHECK).unlink(missing_ok=True)  # a new ask: modification times alone would not rerun it
+    proc = run.smk("--cores", "2", CHECK, "--rerun-triggers", "mtime", "--configfile", str(cfg), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [rule for rule, _ in job_headers(proc.stdout + proc.stderr)] == ["check"], (
+        "the finished run is reused, nothing else runs"
+    )
+    return proc, cfg, json.loads((run.work / CHECK).read_text())
+
+
+def test_the_check_with_the_demos_own_weights_reproduces_its_top1_exactly_and_the_report_then_shows_it(
+    demo_copy, tmp_path
+):
+    results = demo_copy.work / "results" / "demo"
+    assert 'id="data-check"' not in (results / "report.html").read_text(), "no check run, none shown"
+    proc, cfg, report = run_check(demo_copy, tmp_path, weights="results/demo/train/weights.safetensors")
+    metrics = json.loads((results / "eval" / "metrics.json").read_text())
+    assert report["top1"] == metrics["top1"] and report["images"] == metrics["images"] == 120
+    # the demo's top-1 may be saturated: its loss, the same sum over the same logits, tells passes apart
+    assert (report["top5"], report["loss"]) == (metrics["top5"], metrics["loss"])
+    assert report["verdict"] == "sound" and "the labels and preprocessing are sound" in report["message"]
+    assert report["message"] in proc.stdout + proc.stderr, "printed, not only recorded"
+    assert report["message"] in (demo_copy.work / "logs" / "check" / "demo.log").read_text()
+    shown = demo_copy.smk("--cores", "2", REPORT, "--rerun-triggers", "mtime", "--configfile", str(cfg))
+    assert shown.returncode == 0, shown.stdout[-3000:] + shown.stderr[-3000:]
+    assert [rule for rule, _ in job_headers(shown.stdout + shown.stderr)] == ["report"]
+    html = (results / "report.html").read_text()
+    assert 'id="data-check"' in html and "through this val .rec (sound)" in html
+
+
+def test_every_module_the_check_imports_makes_the_check_rerun(demo_copy, tmp_path):
+    """The check's code inputs are its import closure (rectrain.sources), as every stage's: with every
+    module of the package (and the check's data files) edited, the check names exactly its own as updated
+    inputs."""
+    _, cfg, _ = run_check(demo_copy, tmp_path, weights="results/demo/train/weights.safetensors")
+    mine = {p.resolve() for p in stage_sources("check", demo_copy.package)}
+    modules = {p.resolve() for p in demo_copy.package.rglob("*.py") if "__pycache__" not in p.parts} | mine
+    with edited(sorted(modules)):
+        args = [CHECK, "--allowed-rules", "check", "--quiet", "host", "--rerun-triggers", "mtime"]
+        [(ok, out)] = dryruns([[*args, "--configfile", cfg]], demo_copy.work, demo_copy.snakefile)
+    assert ok, out[-3000:]
+    reasons = job_reasons(out).get("check", [])
+    assert len(reasons) == 1, out[-3000:]
+    named = {Path(f).resolve() for f in updated_inputs(reasons[0])}
+    assert mine and mine <= named, sorted(str(p.relative_to(demo_copy.package)) for p in mine - named)
+    assert not named & (modules - mine), sorted(str(p.relative_to(demo_copy.package)) for p in named & (modules - mine))
+
+
+def test_the_check_with_the_class_order_permuted_reads_near_chance_and_names_misaligned_labels(demo_copy, tmp_path):
+    from rectrain import weights
+
+    train = demo_copy.work / "results" / "demo" / "train"
+    about = weights.description(train / weights.FILE)
+    wnids = [c["wnid"] for c in about["classes"]]
+    # the header names every logit's class one place off: the labels no longer match the head
+    about["classes"] = [{**c, "wnid": wnids[(k + 1) % len(wnids)]} for k, c in enumerate(about["classes"])]
+    permuted = tmp_path / "permuted" / weights.FILE
+    permuted.parent.mkdir()
+    weights.save(weights.tensors(train / weights.FILE), about, permuted)
+    shutil.copy(train / weights.JSON, permuted.parent / weights.JSON)
+    _, _, report = run_check(demo_copy, tmp_path, weights=str(permuted))
+    assert report["top1"] <= 2 * report["chance"] and report["verdict"] == "misaligned", report
+    assert "the labels are misaligned" in report["message"] and "class folders (val/<wnid>/)" in report["message"]
+
+
+def test_the_check_with_torchvision_weights_reads_them_from_torchs_cache_matched_by_wnid(
+    demo_copy, tmp_path, monkeypatch
+):
+    """torchvision:ResNet18_Weights.IMAGENET1K_V1 from a file placed in torch's cache under the name its
+    URL gives (no network): its 1000 classes matched to the demo's 10 by wnid, its published top-1 and
+    test transforms recorded. The file holds a random network, so the reading is near chance."""
+    import torch
+    import torchvision
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    enum = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+    cache = tmp_path / "torch" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.manual_seed(0)
+    torch.save(torchvision.models.resnet18().state_dict(), cache / enum.url.rsplit("/", 1)[1])
+    _, _, report = run_check(demo_copy, tmp_path, weights="torchvision:ResNet18_Weights.IMAGENET1K_V1")
+    assert (report["classes"], report["weight_classes"], report["images"]) == (10, 1000, 120)
+    assert report["published_top1"] == 0.69758 and "torchvision's metadata" in report["published_where"]
+    assert (report["settings"]["resize"], report["settings"]["centre crop"]) == (256, 224)
+    assert report["verdict"] == "misaligned", report
+
+
+def test_init_weights_from_the_finished_demo_starts_at_the_accuracy_it_ended_with(pipeline, tmp_path):
+    """One epoch of a new run from the demo's published weights (train.init_weights) at a fine-tune's low
+    LR: its first validation is within a few points of the demo's last (a random init reads ~10 %)."""
+    work, fast = pipeline.work, pipeline.work / "results" / "fast_storage" / "demo"
+    config = {**pipeline.config["train"], "epochs": 1, "lr": 0.001, "calibration_steps": 0}
+    config["init_weights"] = str(work / "results" / "demo" / "train" / "weights.safetensors")
+    data = ["--rec", fast / "train.rec", "--idx", fast / "train.idx", "--val-rec", fast / "val.rec",
+            "--val-idx", fast / "val.idx", "--classes", work / "results" / "demo" / "index" / "classes.tsv"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [str(VENV_BIN / "python"), "-m", "rectrain.train", "--config-json", json.dumps(config),
+         *map(str, data), "--out", str(tmp_path / "train")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train.init_weights: started from" in proc.stderr and "the head is replaced" not in proc.stderr
+
+    def val_top1(train_dir):
+        with open(train_dir / "epochs.csv", newline="") as fh:
+            return [float(r["val_single_view_top1"]) for r in csv.DictReader(fh)]
+
+    ended, started = val_top1(work / "results" / "demo" / "train")[-1], val_top1(tmp_path / "train")[0]
+    assert abs(started - ended) <= 0.05, (started, ended)
+
+
+def test_init_weights_from_the_finished_demo_with_another_class_count_replaces_the_head_and_says_so(pipeline, caplog):
+    """The train stage's model set-up (rectrain.train.run.make_model) from the demo's 10-class weights for
+    a dataset of 5 classes: every tensor but the head's is the published one, and the log says so."""
+    import logging
+
+    import torch
+    from helpers.train_data import train_settings
+
+    from rectrain import weights
+    from rectrain.train.run import make_model
+
+    path = pipeline.work / "results" / "demo" / "train" / weights.FILE
+    part = train_settings({"model": "resnet18", "channels_last": False, "init_weights": str(path)}).model
+    with caplog.at_level(logging.INFO, logger="rectrain"):
+        model, _ = make_model(part, 5, torch.device("cpu"))
+    published = weights.tensors(path)
+    assert torch.equal(model.layer4[1].conv2.weight, published["layer4.1.conv2.weight"])
+    assert model.fc.weight.shape == (5, 512)
+    assert "the head is replaced for this dataset's classes" in caplog.text
+    assert "fc.weight (10, 512) -> (5, 512)" in caplog.text
+
+
 def test_unchanged_config_schedules_nothing(pipeline, tmp_path):
     assert dryrun_with(pipeline, tmp_path) == set()
 
@@ -208,6 +363,8 @@ def test_editing_report_thresholds_reruns_report_only(pipeline, tmp_path):
 # The stage that reads each block: an edit there reruns it and every later stage.
 FIRST_STAGE = {"demo": "demo_data", "index": "index_raw", "pack": "pack", "train": "train", "evaluate": "evaluate"}
 FIRST_STAGE["report"] = FIRST_STAGE["recipe"] = "report"  # recipe: what a preset publishes, shown by the report
+# The check runs only when its own target is asked for: editing its block reruns nothing the report needs.
+ONLY_WHEN_ASKED = {"check"}
 # A dataset without its val split packs only train and has no evaluate stage.
 SPECIAL = {("index", "absent_splits"): {"index_raw", "pack", "train", "report"}}
 
@@ -238,7 +395,11 @@ def test_each_output_key_edit_reruns_its_stage_and_the_later_ones(pipeline, tmp_
     edits = list(key_edits(pipeline, operational=False))
     wrong = {}
     for (block, key, value), scheduled in zip(edits, dryruns_each_alone(pipeline, tmp_path, edits), strict=True):
-        expected = SPECIAL.get((block, key), set(CHAIN[CHAIN.index(FIRST_STAGE[block]) :]))
+        expected = (
+            set()
+            if block in ONLY_WHEN_ASKED
+            else SPECIAL.get((block, key), set(CHAIN[CHAIN.index(FIRST_STAGE[block]) :]))
+        )
         if scheduled != expected:
             wrong[f"{block}.{key} = {value!r}"] = (sorted(scheduled), sorted(expected))
     assert not wrong, f"edits that schedule other stages than their own and the later ones (got, expected): {wrong}"
@@ -313,8 +474,11 @@ def edited(paths):
 
 
 def closures(package: Path) -> dict[str, set[Path]]:
-    # check_recordio runs instead of index_raw and pack (recordio.train set): tests/test_byo_recordio.py
-    assert set(STAGE_ENTRIES) == set(CHAIN) | {"check_recordio"}, "a stage was added: extend CHAIN and STAGE_TARGET"
+    # check_recordio runs instead of index_raw and pack (recordio.train set): tests/test_byo_recordio.py;
+    # check runs only when asked for: test_every_module_the_check_imports_makes_the_check_rerun
+    assert set(STAGE_ENTRIES) == set(CHAIN) | {"check_recordio", "check"}, (
+        "a stage was added: extend CHAIN and STAGE_TARGET"
+    )
     return {stage: {p.resolve() for p in stage_sources(stage, package)} for stage in CHAIN}
 
 

@@ -635,3 +635,21 @@ def test_a_subset_run_says_so_projects_full_imagenet_and_keeps_the_published_top
     assert "This run's own top-1" not in panel
     whole_set = build(data, whole({**config(), "recipe": RN50_40}), repo=tmp_path)
     assert 'id="subset"' not in whole_set and "This run's own top-1" in whole_set
+
+
+def test_the_data_check_shows_in_the_summary_only_once_it_has_run(tmp_path, problem_report):
+    """The check stage's report.json (rectrain.check), given with --check, is one summary row; a report
+    built without it has none."""
+    paths = write_run(tmp_path)
+    verdict = {
+        "weights": "torchvision:ResNet50_Weights.IMAGENET1K_V1",
+        "verdict": "misaligned",
+        "message": "near chance <b>",
+    }
+    (tmp_path / "check.json").write_text(json.dumps(verdict))
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo",
+                check=tmp_path / "check.json")  # fmt: skip
+    html = build(data, whole(config()), repo=tmp_path)
+    assert 'id="data-check"' in html and "ResNet50_Weights.IMAGENET1K_V1 through this val .rec (misaligned)" in html
+    assert "near chance &lt;b&gt;" in html, "escaped"
+    assert 'id="data-check"' not in problem_report

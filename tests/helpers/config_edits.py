@@ -31,6 +31,7 @@ EXPLICIT = {
     ("index", "classes"): [["n01440764", "n01443537"], None],  # two of the demo's classes
     ("index", "allow_outside_root"): [["/tmp/rectrain-linked-label-file.txt"], []],
     ("recipe", "published_top1"): [0.772, 0.738],
+    ("check", "weights"): ["torchvision:ResNet18_Weights.IMAGENET1K_V1", None],
     ("recipe", "reference_minutes"): [35.6, 14.9],
 }
 

@@ -56,6 +56,33 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Trained:
+    """What evaluation takes from the run that trained the weights: the network's class count and
+    training resolution, and how that run computed and read images (the check stage, rectrain.check,
+    gives the same for weights trained elsewhere)."""
+
+    num_classes: int
+    image_size: int
+    precision: str = "fp32"
+    loader: str = "dali"
+    gpu_decode: bool = True
+    decode: str = "auto"
+
+
+def trained(ckpt: dict) -> Trained:
+    """A checkpoint's Trained: its model's shape and its train block's precision and decoding."""
+    train_cfg = ckpt.get("config") or {}
+    return Trained(
+        num_classes=int(ckpt["num_classes"]),
+        image_size=int(ckpt["image_size"]),
+        precision=train_cfg.get("precision", "fp32"),
+        loader=train_cfg.get("loader") or "dali",
+        gpu_decode=bool(train_cfg.get("gpu_decode", True)),
+        decode=train_cfg.get("decode", "auto"),
+    )
+
+
+@dataclass(frozen=True)
 class Resolution:
     """One test resolution: images resized to `resize` on their shorter side, then centre-cropped to `crop`."""
 
@@ -93,17 +120,17 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     return model.eval()
 
 
-def loader_kind(evaluate: EvaluateSettings, ckpt: dict) -> str:
+def loader_kind(evaluate: EvaluateSettings, run: Trained) -> str:
     """evaluate.loader, else the loader training used (null in the schema means: as trained)."""
-    return evaluate.loader or (ckpt.get("config") or {}).get("loader") or "dali"
+    return evaluate.loader or run.loader
 
 
-def resolutions(evaluate: EvaluateSettings, ckpt: dict) -> list[Resolution]:
+def resolutions(evaluate: EvaluateSettings, run: Trained) -> list[Resolution]:
     """evaluate.resolutions in order (the first is the headline), each once: null = evaluate.resize /
     evaluate.crop, by default training's image_size / 0.875 and image_size; a number r = a centre crop of
     r px from a shorter side of r / 0.875 (so the model can be tested above the size it trained at, as
     FFCV tests at 256 px what it trained at 160-192)."""
-    crop = int(evaluate.crop or ckpt["image_size"])
+    crop = int(evaluate.crop or run.image_size)
     configured = Resolution(crop, int(evaluate.resize or eval_resize_for(crop)))
     out: list[Resolution] = []
     for r in evaluate.resolutions:
@@ -114,9 +141,8 @@ def resolutions(evaluate: EvaluateSettings, ckpt: dict) -> list[Resolution]:
 
 
 def eval_spec(
-    evaluate: EvaluateSettings, ckpt: dict, rec: str, idx: str, d: distributed.Dist, res: Resolution
+    evaluate: EvaluateSettings, run: Trained, rec: str, idx: str, d: distributed.Dist, res: Resolution
 ) -> LoaderSpec:
-    train_cfg = ckpt.get("config") or {}
     return LoaderSpec(
         rec=rec,
         idx=idx,
@@ -127,8 +153,8 @@ def eval_spec(
         world_size=d.world_size,
         workers=resolve_workers(evaluate.workers, d.local_world_size),
         device=str(d.device),
-        gpu_decode=bool(train_cfg.get("gpu_decode", True)),
-        decode=train_cfg.get("decode", "auto"),  # 'cpu' keeps the decode off the GPU here too
+        gpu_decode=run.gpu_decode,
+        decode=run.decode,  # 'cpu' keeps the decode off the GPU here too
         resize=res.resize,
     )
 
@@ -142,7 +168,7 @@ class Passes:
     """What every resolution's pass over the val .rec shares."""
 
     evaluate: EvaluateSettings
-    ckpt: dict
+    run: Trained
     rec: str
     idx: str
     d: distributed.Dist
@@ -150,14 +176,10 @@ class Passes:
     kind: str  # the loader asked for
     channels_last: bool
 
-    @property
-    def num_classes(self) -> int:
-        return int(self.ckpt["num_classes"])
-
 
 def tally_at(p: Passes, res: Resolution, label: str) -> Tally:
     """The val .rec at one resolution, every rank's tally summed."""
-    spec = eval_spec(p.evaluate, p.ckpt, p.rec, p.idx, p.d, res)
+    spec = eval_spec(p.evaluate, p.run, p.rec, p.idx, p.d, res)
     log.info(
         "rank %d/%d on %s: %s loader, resize %d + centre crop %d%s, batch %d",
         p.d.rank,
@@ -172,13 +194,12 @@ def tally_at(p: Passes, res: Resolution, label: str) -> Tally:
     loader = build_loader(p.kind, spec)
     batches = watchdog.watched(loader.epoch(0), label)
     progress = evaluation_progress(p.evaluate, p.d, loader.batches_per_epoch, label)
-    precision = (p.ckpt.get("config") or {}).get("precision", "fp32")
     t = tally(
         p.model,
         batches,
-        p.num_classes,
+        p.run.num_classes,
         p.d.device,
-        precision,
+        p.run.precision,
         channels_last=p.channels_last,
         progress=progress,
         flip_tta=bool(p.evaluate.flip_tta),
@@ -307,7 +328,7 @@ def run(
     try:
         classes = class_table(classes_path, int(ckpt["num_classes"]))
         p = passes(evaluate, ckpt, rec, idx, d, weights_file)
-        todo = resolutions(evaluate, ckpt)
+        todo = resolutions(evaluate, p.run)
         # A rank stalled in reading leaves its peers in the all_reduce below, which the collective timeout
         # ends; but a single process, or every rank stalled at once (a hung filesystem), has no pending
         # collective: the watchdog ends those, with training's train.watchdog_s.
@@ -348,11 +369,19 @@ def passes(
     evaluate: EvaluateSettings, ckpt: dict, rec: str, idx: str, d: distributed.Dist, weights_file: str | None = None
 ) -> Passes:
     """The model on this rank's device (channels_last on a GPU) and what each pass needs beside it."""
-    model = (model_from_weights(weights_file, ckpt) if weights_file else model_from_checkpoint(ckpt)).to(d.device)
+    model = model_from_weights(weights_file, ckpt) if weights_file else model_from_checkpoint(ckpt)
+    return passes_of(evaluate, trained(ckpt), rec, idx, d, model)
+
+
+def passes_of(
+    evaluate: EvaluateSettings, run: Trained, rec: str, idx: str, d: distributed.Dist, model: torch.nn.Module
+) -> Passes:
+    """`model` on this rank's device (channels_last on a GPU) and what each pass needs beside it."""
+    model = model.to(d.device)
     channels_last = d.device.type == "cuda"
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return Passes(evaluate, ckpt, rec, idx, d, model, loader_kind(evaluate, ckpt), channels_last)
+    return Passes(evaluate, run, rec, idx, d, model, loader_kind(evaluate, run), channels_last)
 
 
 def log_rows(rows: list[dict], flip_tta: bool) -> None:

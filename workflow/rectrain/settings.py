@@ -121,6 +121,7 @@ IndexSettings = block_class("index")
 PackSettings = block_class("pack")
 RecordioSettings = block_class("recordio")
 EvaluateSettings = block_class("evaluate")
+CheckSettings = block_class("check")
 RecipeSettings = block_class("recipe")
 ReportSettings = block_class("report")
 

@@ -30,6 +30,7 @@ STAGE_ENTRIES = {
     "check_recordio": ("rectrain.data.byo_recordio",),
     "train": ("rectrain.train.launch", "rectrain.train.__main__"),
     "evaluate": ("rectrain.evaluate",),
+    "check": ("rectrain.check",),
     "report": ("rectrain.report.__main__",),
 }
 

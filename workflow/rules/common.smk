@@ -85,6 +85,19 @@ def init_weights_input(value):
     return {} if value is None or value.startswith(TORCHVISION_WEIGHTS) else {"init_weights": value}
 
 
+def check_weights_input(value):
+    """{"weights": path} when check.weights names a file (not torchvision:...), else {}: replacing the
+    file reruns the check."""
+    return {} if value is None or value.startswith(TORCHVISION_WEIGHTS) else {"weights": value}
+
+
+def check_report_input(wildcards):
+    """The check's report.json for the report, only once the check has run (and check.weights is set, so
+    an unset block never asks for a check): the report never runs the check itself."""
+    path = f"results/{DS}/check/report.json"
+    return [path] if config["check"]["weights"] is not None and os.path.exists(path) else []
+
+
 def all_cores(wildcards):
     """Every core given with --cores (Snakemake also caps threads at --max-threads). Read when a job
     is expanded, not when the rules are parsed, so commands that run no job (--unlock, --summary,

@@ -12,6 +12,8 @@ rule report:
         eval=rules.evaluate.output if HAS_VAL else [],
         manifests=expand(f"results/{DS}/pack/{{split}}.manifest.json", split=SPLITS),
         classes=f"results/{DS}/index/classes.tsv",
+        # the check's report once it has run (the check runs only when asked for), so running it reruns this
+        check=check_report_input,
         code=code("report"),
         # every covered stage's benchmark file, in pipeline order, taken from the rules themselves
         benchmarks=[
@@ -44,12 +46,13 @@ rule report:
         eval=lambda wildcards, input: f" --eval-dir {shlex.quote(os.path.dirname(input.eval[0]))}" if input.eval else "",
         pack=lambda wildcards, input: os.path.dirname(input.manifests[0]),
         index=lambda wildcards, input: os.path.dirname(input.classes),
+        check=lambda wildcards, input: f" --check {shlex.quote(input.check[0])}" if input.check else "",
     message:
         f"report {DS}: -> {{output}} (log: {{log}})"
     shell:
         "python -m rectrain.report --config-json {params.cfg:q} --train-dir {params.train:q}{params.eval}"
         " --pack-dir {params.pack:q} --index-dir {params.index:q}"
-        " --benchmarks {input.benchmarks:q} --out {output:q} > {log:q} 2>&1"
+        " --benchmarks {input.benchmarks:q}{params.check} --out {output:q} > {log:q} 2>&1"
 
 
 # results/report.html: a copy of the configured dataset's report, so `snakemake results/report.html`

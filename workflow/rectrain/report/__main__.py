@@ -30,13 +30,16 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
         default=["benchmarks"],
         help="benchmark TSV files, or folders holding <rule>/<dataset>.tsv",
     )
+    ap.add_argument("--check", help="the check stage's report.json, when it has run")
     ap.add_argument("--out", required=True)
 
 
 def _run(args: argparse.Namespace, cfg: dict) -> None:
     t = time.perf_counter()
     config = settings.whole(cfg)
-    data = load(args.train_dir, args.eval_dir, args.pack_dir, args.index_dir, args.benchmarks, config.dataset)
+    data = load(
+        args.train_dir, args.eval_dir, args.pack_dir, args.index_dir, args.benchmarks, config.dataset, check=args.check
+    )
     html = build(data, config)
     out = atomic.write_text(args.out, html)  # never a half-written report that looks complete
     logger.info("%s (%.2f MB, %.1f s)", out, len(html) / 1e6, time.perf_counter() - t)

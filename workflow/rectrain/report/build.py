@@ -277,6 +277,7 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
     return {
         "dataset": dataset,
         "model": run.get("model"),
+        "check": data.check,  # the check stage's report.json, once it has run
         "devices": ", ".join(map(str, devices)) or "-",
         "world_size": run.get("world_size"),
         "nodes": run.get("nodes"),

@@ -43,6 +43,7 @@ class RunData:
     benchmarks: pd.DataFrame  # one row per rule: rule, s, max_rss, io_in, io_out, cpu_time, mean_load
     paths: dict[str, str] = field(default_factory=dict)
     image_sizes: pd.DataFrame | None = None  # width, height of a sample of the packed train images
+    check: dict | None = None  # the check stage's report.json, once it has run (rectrain.check)
 
 
 # The pack's reason for a non-JPEG payload ("PNG content named as JPEG re-encoded as JPEG"), true only
@@ -182,8 +183,9 @@ def load_upstream(pack_dir, index_dir, benchmarks: list, dataset: str) -> Upstre
     )
 
 
-def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: str) -> RunData:
-    """Every stage's outputs; eval_dir None: a dataset without a val split, so no evaluation (metrics {})."""
+def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: str, *, check=None) -> RunData:
+    """Every stage's outputs; eval_dir None: a dataset without a val split, so no evaluation (metrics {});
+    check: the check stage's report.json when it has run, else None."""
     train_dir = Path(train_dir)
     up = load_upstream(pack_dir, index_dir, benchmarks, dataset)
     metrics, per_class = {}, pd.DataFrame()
@@ -209,6 +211,7 @@ def load(train_dir, eval_dir, pack_dir, index_dir, benchmarks: list, dataset: st
         benchmarks=up.benchmarks,
         paths=stage_paths(train_dir, eval_dir, pack_dir, index_dir),
         image_sizes=up.image_sizes,
+        check=_json(Path(check), "check") if check else None,
     )
 
 

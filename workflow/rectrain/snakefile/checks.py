@@ -118,6 +118,12 @@ def cross_check(config: dict) -> list[str]:
             f"config key 'evaluate.crop': the centre crop {crop} (from {source}) is larger than the image after "
             f"'evaluate.resize' = {ev['resize']}; set evaluate.resize >= {crop}, or null for {crop} / 0.875"
         )
+    check = config["check"]
+    if check["crop"] is not None and check["resize"] is not None and check["crop"] > check["resize"]:
+        problems.append(
+            f"config key 'check.crop' = {check['crop']} is larger than the image after 'check.resize' = "
+            f"{check['resize']}; set check.resize >= {check['crop']}, or null for {check['crop']} / 0.875"
+        )
     problems += progressive_problems(train["progressive"])
     problems += global_batch_problems(train)  # train.devices auto: checked by the onstart hook (prestart)
     models = known_models()

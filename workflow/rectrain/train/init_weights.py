@@ -23,22 +23,26 @@ log = logging.getLogger(__name__)
 def state_dict(source: str) -> dict[str, torch.Tensor]:
     """The tensors train.init_weights names (see the module doc)."""
     if source.startswith(TORCHVISION):
-        import torchvision
-
-        try:
-            enum = torchvision.models.get_weight(source[len(TORCHVISION) :])
-        except (ValueError, KeyError, AttributeError) as err:
-            raise ValueError(
-                f"train.init_weights {source!r}: not a torchvision weights enum ({err}); "
-                "write it as torchvision:ResNet50_Weights.IMAGENET1K_V1"
-            ) from None
-        return enum.get_state_dict(progress=False)
+        return torchvision_enum(source, "train.init_weights").get_state_dict(progress=False)
     if source.endswith(".safetensors"):
         from rectrain import weights
 
         return weights.tensors(source)
     state = torch.load(source, map_location="cpu", weights_only=True)
     return state["model"] if isinstance(state.get("model"), dict) else state
+
+
+def torchvision_enum(source: str, key: str):
+    """The torchvision weights enum member `source` (torchvision:<Enum>.<member>) names; `key` is the
+    config key that gave it, for the error."""
+    import torchvision
+
+    try:
+        return torchvision.models.get_weight(source[len(TORCHVISION) :])
+    except (ValueError, KeyError, AttributeError) as err:
+        raise ValueError(
+            f"{key} {source!r}: not a torchvision weights enum ({err}); write it as torchvision:ResNet50_Weights.IMAGENET1K_V1"
+        ) from None
 
 
 def apply(model: torch.nn.Module, source: str, master: bool = True) -> None:

@@ -1,0 +1,123 @@
+"""The check stage's parts (rectrain.check): classes matched by wnid, what a gap means in plain words,
+the likely cause of misaligned labels for each val layout, torchvision's weights read from torch's cache,
+and the refusals. The stage end to end on the demo's finished run: tests/test_pipeline_e2e.py."""
+
+import pytest
+import torch
+import torchvision
+
+from rectrain import check
+from rectrain.data.subset import IMAGENET_1K, read_names
+from rectrain.settings import CheckSettings
+
+LAYOUT = "LAYOUT"
+
+
+def settings(**keys) -> CheckSettings:
+    base = dict(weights=None, model=None, crop=None, resize=None, precision=None, loader=None, batch_size=8)
+    return CheckSettings(**{**base, "progress_s": 30, "workers": 1, **keys})
+
+
+def test_the_dataset_classes_come_first_in_label_order_and_the_weights_other_classes_after():
+    order = check.column_order(["a", "b", "c", "d"], ["c", "a"], "w")
+    assert order == [2, 0, 1, 3]
+    net = check.Reordered(torch.nn.Identity(), order)
+    assert net(torch.tensor([[10.0, 11.0, 12.0, 13.0]])).tolist() == [[12.0, 10.0, 11.0, 13.0]]
+
+
+def test_a_dataset_class_the_weights_do_not_know_is_refused_naming_it():
+    with pytest.raises(check.CheckError, match=r"does not know 1 of this dataset's 2 classes \(n99999999, by wnid"):
+        check.column_order(["n01440764"], ["n01440764", "n99999999"], "w")
+
+
+def reading(top1, published, classes=10, weight_classes=10, images=50000):
+    used = {"resize": 256, "centre crop": 224}
+    return check.Reading(top1, images, classes, weight_classes, published, used)
+
+
+def test_within_three_tenths_of_a_point_is_sound():
+    kind, words = check.verdict(reading(0.7590, 0.7613, 1000, 1000), LAYOUT)
+    assert kind == "sound" and "against the published 76.13 % (+0.23 points)" in words and "sound" in words
+
+
+def test_near_chance_reads_as_misaligned_labels_naming_the_layouts_likely_cause():
+    kind, words = check.verdict(reading(0.0011, 0.7613, 1000, 1000), LAYOUT)
+    assert kind == "misaligned" and "the labels are misaligned" in words and words.endswith(f"Likely cause: {LAYOUT}")
+
+
+def test_in_between_reads_as_other_preprocessing_naming_the_settings_used():
+    kind, words = check.verdict(reading(0.70, 0.7613, 1000, 1000), LAYOUT)
+    assert kind == "preprocessing" and "the preprocessing differs" in words
+    assert "Used: resize 256, centre crop 224" in words
+
+
+def test_on_a_subset_the_tolerance_widens_by_sampling_alone():
+    subset = reading(0.752, 0.7613, classes=100, weight_classes=1000, images=5000)
+    assert subset.tolerance() == pytest.approx(2 * (0.7613 * 0.2387 / 5000) ** 0.5)
+    kind, words = check.verdict(subset, LAYOUT)
+    assert kind == "sound" and "over the weights' 1000 classes" in words
+
+
+def test_without_a_published_top1_only_near_chance_is_judged():
+    assert check.verdict(reading(0.05, None), LAYOUT)[0] == "misaligned"
+    kind, words = check.verdict(reading(0.5, None), LAYOUT)
+    assert kind == "unknown" and "publish no top-1" in words
+
+
+@pytest.mark.parametrize(
+    ("source", "cause"),
+    [
+        ("val/n01440764/ILSVRC2012_val_00000001.JPEG", "class folders"),
+        ("val_flat/ILSVRC2012_val_00000001.JPEG", "ground-truth file"),
+        (None, "your own .rec"),
+    ],
+)
+def test_the_likely_cause_follows_the_val_layout(tmp_path, source, cause):
+    val = None
+    if source:
+        val = tmp_path / "val.tsv"
+        val.write_text(f"id\tsource\tlabel\twnid\n0\t{source}\t0\tn01440764\n")
+    assert cause in check.likely_cause(val and str(val))
+
+
+def test_torchvision_weights_come_from_torchs_cache_with_their_published_top1_and_transforms(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    enum = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
+    torch.manual_seed(0)
+    source = torchvision.models.resnet18()
+    torch.save(source.state_dict(), tmp_path / "hub" / "checkpoints" / enum.url.rsplit("/", 1)[1])
+    known = check.known_weights(settings(weights="torchvision:ResNet18_Weights.IMAGENET1K_V1"))
+    assert (known.published_top1, known.crop, known.resize) == (0.69758, 224, 256)
+    assert known.wnids == read_names(IMAGENET_1K) and known.wnids[0] == "n01440764"
+    assert torch.equal(known.model.fc.weight, source.fc.weight)
+
+
+def test_unset_weights_and_a_plain_state_dict_without_its_architecture_are_refused(tmp_path):
+    with pytest.raises(check.CheckError, match="check.weights is null: nothing to check; set it"):
+        check.known_weights(settings())
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "sd.pt")
+    with pytest.raises(check.CheckError, match="does not say its architecture: set check.model"):
+        check.known_weights(settings(weights=str(tmp_path / "sd.pt")))
+    with pytest.raises(check.CheckError, match="does not fit check.model 'resnet34'"):
+        check.known_weights(settings(weights=str(tmp_path / "sd.pt"), model="resnet34"))
+    from safetensors.torch import save_file
+
+    save_file(torchvision.models.resnet18().state_dict(), str(tmp_path / "other.safetensors"))
+    with pytest.raises(check.CheckError, match="a safetensors file rectrain did not publish: set check.model"):
+        check.known_weights(settings(weights=str(tmp_path / "other.safetensors")))
+    known = check.known_weights(settings(weights=str(tmp_path / "sd.pt"), model="resnet18"))
+    assert known.published_top1 is None and len(known.wnids) == 1000
+
+
+def test_the_weights_own_resolution_unless_the_block_sets_one_and_a_resize_below_the_crop_is_refused():
+    known = check.Known(torch.nn.Identity(), ["n01440764"], "w", 0.7, "meta", crop=224, resize=256, precision="bf16")
+    assert check.preprocessing(settings(), known) == (check.evaluate.Resolution(224, 256), "bf16", "dali")
+    assert check.preprocessing(settings(crop=160, precision="fp32"), known)[:2] == (
+        check.evaluate.Resolution(160, 183),
+        "fp32",
+    )
+    with pytest.raises(
+        check.CheckError, match=r"check.resize = 200 is smaller than the centre crop 224 .* set check.resize >= 224"
+    ):
+        check.preprocessing(settings(resize=200), known)
