@@ -7,9 +7,11 @@ MXVENV ?= .venv-mxnet
 MXSTAMP := $(MXVENV)/.installed
 CORES ?= $(shell nproc)
 PYTEST_ARGS ?=
-# Test workers (pytest-xdist) for make test and make check: one per core of the 2-core CI machine;
-# tests/conftest.py keeps each module on one and starts the longest first.
-TEST_WORKERS ?= 2
+# Test workers (pytest-xdist) for make test and make check: three on the 2-core CI machine, whose suite
+# waits a third of its time (schedulers, job start-ups, provoked timeouts): measured 1,012 s of pytest
+# on 3 against 1,142 s on 2 (bench/RESULTS.md). tests/conftest.py keeps each module on one worker and
+# starts the longest first.
+TEST_WORKERS ?= 3
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 # make run: your config file(s), the target, and extra Snakemake options (e.g. SNAKEMAKE_ARGS=-n).
 CONFIG ?=
