@@ -25,6 +25,11 @@ def data(tmp_path_factory):
     return packed_dataset(tmp_path_factory.mktemp("packed"))
 
 
+# Milliseconds per step on this CPU: for tests about what runs, not what is learnt.
+FAST = {"model": "squeezenet1_1", "precision": "fp32", "calibration_steps": 2, "calibration_warmup_steps": 1}
+SINGLE = ["--single-process", "--threads", "1"]
+
+
 def run_train(data, out, env_extra=None, timeout=240, extra=(), **cfg):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(env_extra or {})
@@ -98,7 +103,7 @@ def seconds(text: str) -> int:
 
 @pytest.mark.slow  # a real training (10-18 s): make test, not make check
 def test_single_process_run_says_so_and_logs_progress_between_epoch_lines(data, tmp_path):
-    proc = run_train(data, tmp_path / "t", epochs=2, progress_s=0.001, extra=["--single-process"])
+    proc = run_train(data, tmp_path / "t", epochs=2, progress_s=0.001, extra=SINGLE, **FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "running as a single process (rank 0 of 1) because --single-process was given" in proc.stderr
     assert json.loads((tmp_path / "t" / "run.json").read_text())["world_size"] == 1
@@ -125,16 +130,15 @@ def test_single_process_run_says_so_and_logs_progress_between_epoch_lines(data, 
 def test_killed_run_resumes_at_next_epoch_and_matches_uninterrupted(data, tmp_path):
     """Exact equality holds because every random choice is either restored from the checkpoint (torch,
     numpy, python RNG per rank) or a pure function of (seed, epoch, rank) (the loader's order and crops)."""
-    single = ["--single-process"]
-    ref = run_train(data, tmp_path / "ref", epochs=2, extra=single)
+    ref = run_train(data, tmp_path / "ref", epochs=2, extra=SINGLE, **FAST)
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     out = tmp_path / "resumed"
-    killed = run_train(data, out, env_extra={"RECTRAIN_KILL_AFTER_EPOCH": "0"}, epochs=2, extra=single)
+    killed = run_train(data, out, env_extra={"RECTRAIN_KILL_AFTER_EPOCH": "0"}, epochs=2, extra=SINGLE, **FAST)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert load(out / "checkpoints" / "last.pt")["epoch"] == 0 and not (out / "model.pt").exists()
 
-    resumed = run_train(data, out, epochs=2, extra=single)
+    resumed = run_train(data, out, epochs=2, extra=SINGLE, **FAST)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing at epoch 1" in resumed.stderr
     assert [e["epoch"] for e in rows(out / "epochs.csv")] == ["0", "1"]
@@ -145,11 +149,6 @@ def test_killed_run_resumes_at_next_epoch_and_matches_uninterrupted(data, tmp_pa
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), f"{k} differs after resume"
     assert a["optimizer"]["state"][0]["momentum_buffer"].equal(b["optimizer"]["state"][0]["momentum_buffer"])
-
-
-# Milliseconds per step on this CPU: for tests about what runs, not what is learnt.
-FAST = {"model": "squeezenet1_1", "precision": "fp32", "calibration_steps": 2, "calibration_warmup_steps": 1}
-SINGLE = ["--single-process", "--threads", "1"]
 
 
 def moved_aside(out):
