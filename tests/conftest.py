@@ -1,11 +1,18 @@
 """Test session set-up: this checkout's package on the path of every process the tests start."""
 
-import logging
 import os
-from pathlib import Path
 
-import pytest
-from helpers import REPO
+# OpenMP threads (torch's intra-op pool, libgomp) that finish a parallel region spin for the next one by
+# default: on this 2-core box, beside 2 other test workers, that spinning took a third of a one-process
+# training's CPU (a squeezenet run checkpointing every step: 14.8 CPU-s, 5.7 with PASSIVE; measured with
+# perf, bench/RESULTS.md). Set before torch loads libgomp; every process the tests start inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from helpers import REPO  # noqa: E402
 
 # A second worktree sharing one editable-installed venv must test its own code, in subprocesses too.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "workflow"), os.environ.get("PYTHONPATH")) if p)
