@@ -21,11 +21,12 @@ import pytest
 import torch
 from helpers import REPO, copy_workflow, snakemake
 from helpers.config_edits import filled
+from helpers.views import cross_check_of
 
 from rectrain import settings
 from rectrain.config import SCHEMA_PATH, load_schema
 from rectrain.report.projection import IMAGENET_TRAIN
-from rectrain.snakefile.checks import cross_check, whole_numbers
+from rectrain.snakefile.checks import whole_numbers
 from rectrain.train.optim import make_optimizer
 from rectrain.train.resolution import resolution_at
 
@@ -233,7 +234,7 @@ def test_torchvision_preset_steps_the_lr_at_epochs_30_and_60_as_torch_steplr_doe
 @pytest.mark.parametrize("name", ALL_PRESETS)
 def test_every_preset_validates_over_the_reference_and_the_demo_config(name, base):
     cfg = preset(name, base)  # fill_defaults raises ConfigError naming any bad key
-    assert whole_numbers(cfg, load_schema(SCHEMA_PATH)) + cross_check(cfg) == []
+    assert whole_numbers(cfg, load_schema(SCHEMA_PATH)) + cross_check_of(cfg) == []
     assert cfg["recipe"]["name"] == name and cfg["recipe"]["published_top1"] is not None
     assert cfg["raw"] == (None if base == DEMO else "/data/hdd/ILSVRC2012"), "a preset names no dataset"
 
