@@ -30,10 +30,10 @@ prepare_job_env(Path(workflow.basedir) / "workflow")
 try:
     check_config(config, Path(workflow.basedir) / "config" / "schema.yaml")
     refuse_demo_name_for_own_data(config["dataset"], config["raw"])
-    check_model(config["train"], f"results/{config['dataset']}/index/classes.tsv")
+    TRAIN = train_view(config["train"])
+    check_model(TRAIN.model, TRAIN.resolution.image_size, f"results/{config['dataset']}/index/classes.tsv")
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
-TRAIN = train_view(config["train"])
 
 
 # Once the jobs are planned and before the first starts (nothing removed yet): train.devices against
