@@ -6,7 +6,6 @@ import pytest
 from helpers import REPO
 from helpers.config_edits import filled
 from helpers.train_data import train_settings
-from helpers.views import cross_check_of
 
 from rectrain import settings
 from rectrain.config import ConfigError
@@ -30,8 +29,8 @@ def preset_with(name: str, **train) -> dict:
 def test_a_preset_with_batch_size_64_on_two_cpu_processes_plans_the_presets_global_batch(name, accum):
     """rn18-16ep: 1024 = 64 x 8 x 2; rn50-88ep: 4096 = 64 x 32 x 2 (before: 64 x 1 x 2 = 128, another recipe)."""
     cfg = preset_with(name, **TWO_CPU)
-    assert cross_check_of(cfg) == []
     s = settings.train(cfg["train"])
+    assert global_batch_problems(s.batch, s.launch) == []
     plan = batchplan.plan(s.batch, 2)
     assert (plan.batch, plan.grad_accum, plan.world_size) == (64, accum, 2)
     assert plan.global_batch == cfg["train"]["global_batch"] == batchplan.recipe_global_batch(s.batch)
@@ -51,14 +50,15 @@ def test_an_indivisible_global_batch_is_refused_before_any_job_naming_the_neares
 
 
 def test_a_global_batch_the_processes_do_not_divide_names_only_global_batches_that_work():
-    cfg = preset_with("rn18-16ep", **{**TWO_CPU, "cpu_processes": 3})
-    [problem] = cross_check_of(cfg)
+    train = settings.train(preset_with("rn18-16ep", **{**TWO_CPU, "cpu_processes": 3})["train"])
+    [problem] = global_batch_problems(train.batch, train.launch)
     assert "train.batch_size:" not in problem, "no per-device batch splits 1024 over 3 processes"
     assert "train.global_batch: 960 (grad_accum 5) or 1152 (grad_accum 6)" in problem
 
 
 def test_a_grad_accum_that_contradicts_the_derived_one_is_refused():
-    [problem] = cross_check_of(preset_with("rn18-16ep", **TWO_CPU, grad_accum=4))
+    train = settings.train(preset_with("rn18-16ep", **TWO_CPU, grad_accum=4)["train"])
+    [problem] = global_batch_problems(train.batch, train.launch)
     assert "'train.grad_accum' = 4" in problem and "needs grad_accum 8" in problem
 
 

@@ -16,21 +16,3 @@ def whole(config: dict):
     """The whole-config view (rectrain.settings.whole) of `config` completed from the schema, as the
     report's entry point builds it from its --config-json; `config` itself is left as it was."""
     return settings.whole(complete_config(copy.deepcopy(config)))
-
-
-def cross_check_of(config: dict) -> list[str]:
-    """rectrain.snakefile.checks.cross_check of a completed `config`, handed its blocks and train parts
-    as check_config hands them."""
-    from rectrain.snakefile.checks import cross_check
-
-    blocks = settings.whole(config)
-    train = blocks.train
-    return cross_check(
-        blocks.pack,
-        blocks.evaluate,
-        blocks.check,
-        train.resolution,
-        model=train.model.model,
-        batch=train.batch,
-        launch=train.launch,
-    )
