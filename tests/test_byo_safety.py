@@ -353,8 +353,8 @@ def test_a_fifo_at_parse_time_is_named_a_fifo_not_a_missing_file(tmp_path):
 
     pair = make_pair(tmp_path / "pair", n=4)
     os.mkfifo(tmp_path / "pipe.lst")
-    config = {"recordio": {"train": {**pair, "lst": str(tmp_path / "pipe.lst")}, "val": None, "classes": None}}
-    [problem] = byo_problems(config, "fast", tmp_path)
+    byo = view("recordio", train={**pair, "lst": str(tmp_path / "pipe.lst")})
+    [problem] = byo_problems(byo, "fast", tmp_path)
     assert "recordio.train.lst" in problem and "a named pipe (FIFO), not a regular file" in problem
     assert "no such file" not in problem
 

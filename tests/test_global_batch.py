@@ -9,7 +9,7 @@ from helpers.train_data import train_settings
 
 from rectrain import settings
 from rectrain.config import ConfigError
-from rectrain.snakefile.checks import check_config, cross_check
+from rectrain.snakefile.checks import check_config
 from rectrain.train import batchplan
 from rectrain.train.globalbatch import global_batch_problems
 
@@ -29,8 +29,8 @@ def preset_with(name: str, **train) -> dict:
 def test_a_preset_with_batch_size_64_on_two_cpu_processes_plans_the_presets_global_batch(name, accum):
     """rn18-16ep: 1024 = 64 x 8 x 2; rn50-88ep: 4096 = 64 x 32 x 2 (before: 64 x 1 x 2 = 128, another recipe)."""
     cfg = preset_with(name, **TWO_CPU)
-    assert cross_check(cfg) == []
     s = settings.train(cfg["train"])
+    assert global_batch_problems(s.batch, s.launch) == []
     plan = batchplan.plan(s.batch, 2)
     assert (plan.batch, plan.grad_accum, plan.world_size) == (64, accum, 2)
     assert plan.global_batch == cfg["train"]["global_batch"] == batchplan.recipe_global_batch(s.batch)
@@ -50,24 +50,26 @@ def test_an_indivisible_global_batch_is_refused_before_any_job_naming_the_neares
 
 
 def test_a_global_batch_the_processes_do_not_divide_names_only_global_batches_that_work():
-    cfg = preset_with("rn18-16ep", **{**TWO_CPU, "cpu_processes": 3})
-    [problem] = cross_check(cfg)
+    train = settings.train(preset_with("rn18-16ep", **{**TWO_CPU, "cpu_processes": 3})["train"])
+    [problem] = global_batch_problems(train.batch, train.launch)
     assert "train.batch_size:" not in problem, "no per-device batch splits 1024 over 3 processes"
     assert "train.global_batch: 960 (grad_accum 5) or 1152 (grad_accum 6)" in problem
 
 
 def test_a_grad_accum_that_contradicts_the_derived_one_is_refused():
-    [problem] = cross_check(preset_with("rn18-16ep", **TWO_CPU, grad_accum=4))
+    train = settings.train(preset_with("rn18-16ep", **TWO_CPU, grad_accum=4)["train"])
+    [problem] = global_batch_problems(train.batch, train.launch)
     assert "'train.grad_accum' = 4" in problem and "needs grad_accum 8" in problem
 
 
 def test_devices_auto_is_checked_with_the_gpus_here_and_not_guessed_while_parsing():
     """A GPU count is known to the onstart hook (prestart), not to the parse: None is 'unknown'."""
-    train = preset_with("rn18-16ep", batch_size=96, devices="auto", cpu_processes=2)["train"]
-    assert global_batch_problems(train) == []
-    assert "96 x 2 process(es)" in global_batch_problems(train, gpus_here=0)[0], "no GPU: cpu_processes"
-    assert "96 x 4 process(es)" in global_batch_problems(train, gpus_here=4)[0]
-    assert global_batch_problems(dict(train, batch_size=128), gpus_here=4) == []
+    train = settings.train(preset_with("rn18-16ep", batch_size=96, devices="auto", cpu_processes=2)["train"])
+    assert global_batch_problems(train.batch, train.launch) == []
+    assert "96 x 2 process(es)" in global_batch_problems(train.batch, train.launch, gpus_here=0)[0], "no GPU"
+    assert "96 x 4 process(es)" in global_batch_problems(train.batch, train.launch, gpus_here=4)[0]
+    larger = train.replaced(batch_size=128)
+    assert global_batch_problems(larger.batch, larger.launch, gpus_here=4) == []
 
 
 def test_every_rank_refuses_a_world_size_that_cannot_keep_the_global_batch():

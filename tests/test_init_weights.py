@@ -68,9 +68,10 @@ def test_torchvision_weights_come_from_torchs_cache_without_network(tmp_path, mo
 def test_a_missing_init_weights_file_is_refused_before_any_job_naming_the_key(tmp_path):
     import json
 
+    from rectrain import settings
     from rectrain.config import ConfigError, stage_block
     from rectrain.snakefile.modelcheck import check_model
 
-    block = stage_block("train", json.dumps({"init_weights": str(tmp_path / "absent.safetensors")}))
+    train = settings.train(stage_block("train", json.dumps({"init_weights": str(tmp_path / "absent.safetensors")})))
     with pytest.raises(ConfigError, match=r"train.init_weights' = .*absent.safetensors.*no such file"):
-        check_model(block, tmp_path / "classes.tsv")
+        check_model(train.model, train.resolution.image_size, tmp_path / "classes.tsv")

@@ -76,9 +76,15 @@ def train_block(model, **kw):
     return stage_block("train", json.dumps({"model": model, "zero_init_residual": False, "image_size": 32, **kw}))
 
 
+def checked(model, **kw) -> None:
+    """check_model of train_block(model, **kw), as the Snakefile hands it the block's parts."""
+    train = settings.train(train_block(model, **kw))
+    check_model(train.model, train.resolution.image_size, "no/classes.tsv")
+
+
 def refusal(model, **kw) -> str:
     with pytest.raises(ConfigError) as err:
-        check_model(train_block(model, **kw), "no/classes.tsv")
+        checked(model, **kw)
     line = str(err.value).strip()
     assert "train." in line
     return line
@@ -104,7 +110,7 @@ def test_the_model_file_and_its_local_imports_are_the_sources_and_an_unrelated_f
 def test_a_factory_in_a_file_builds_with_num_classes_and_model_args(user_dir):
     net = models.build("net.py:tiny", 5, model_args={"width": 4})
     assert net(torch.zeros(2, 3, 32, 32)).shape == (2, 5) and net[0].conv.out_channels == 4
-    check_model(train_block("net.py:tiny", model_args={"width": 4}), "no/classes.tsv")
+    checked("net.py:tiny", model_args={"width": 4})
 
 
 def test_a_missing_model_file_is_refused_naming_key_file_and_fix(user_dir):

@@ -6,6 +6,7 @@ train job.  The Snakemake run that proves nothing is removed is tests/test_finis
 from types import SimpleNamespace
 
 import pytest
+from helpers.train_data import train_settings
 from snakemake.exceptions import WorkflowError
 from snakemake_interface_executor_plugins.registry import ExecutorPluginRegistry
 
@@ -37,11 +38,12 @@ def fake_workflow(name: str, train_reason=None):
 def test_a_slurm_run_does_not_check_the_login_nodes_gpus_but_a_local_one_refuses_them(monkeypatch):
     monkeypatch.delenv(FORCED_ENV, raising=False)  # before_jobs sets or clears it in this process
     monkeypatch.setattr(prestart, "device_problems", lambda devices: device_problems(devices, env={}, gpus=NO_GPU))
-    config = {"train": {"devices": [0], "nodes": 1, "precision": "bf16"}}
-    prestart.before_jobs(fake_workflow("slurm", SimpleNamespace(forced=False)), config)
+    train = train_settings({"devices": [0], "nodes": 1, "precision": "bf16"})
+    parts = (train.launch, train.batch, train.model.precision)
+    prestart.before_jobs(fake_workflow("slurm", SimpleNamespace(forced=False)), *parts)
     with pytest.raises(WorkflowError, match=r"config key 'train.devices' = \[0\]"):
-        prestart.before_jobs(fake_workflow("local", SimpleNamespace(forced=False)), config)
-    prestart.before_jobs(fake_workflow("local"), config)  # no train job to run: nothing to refuse
+        prestart.before_jobs(fake_workflow("local", SimpleNamespace(forced=False)), *parts)
+    prestart.before_jobs(fake_workflow("local"), *parts)  # no train job to run: nothing to refuse
 
 
 def test_a_gpu_asked_for_where_none_is_names_the_key_the_gpus_seen_and_the_fix():

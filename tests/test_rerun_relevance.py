@@ -58,7 +58,7 @@ def test_the_process_count_and_batch_keys_are_output_keys_judged_by_the_plan_the
 
 def test_rule_params_and_the_resume_identity_hold_the_same_keys():
     config = {"dataset": "demo", "train": tiny_train_config()}
-    params = json.loads(block_params(config, "train"))
+    params = json.loads(block_params("train", config["train"]))
     assert params == ckpt.maths_config(config["train"]) == output_part("train", config["train"])
     assert not set(params) & {key for key, _ in TRAIN_OPERATIONAL}
     assert json.loads(report_params(config))["train"] == params

@@ -147,6 +147,7 @@ def _holds_string(value) -> bool:
     return isinstance(value, list) and any(_holds_string(v) for v in value)
 
 
+# Every block by nature: the schema validates and completes the config as one document.
 def fill_defaults(config: dict, schema_path=SCHEMA_PATH) -> dict:
     """Validate against the schema and fill its defaults in place (the schema is the only home of a
     default); raise ConfigError naming every bad key."""
@@ -253,10 +254,11 @@ def complete_config(given: dict, schema_path=SCHEMA_PATH) -> dict:
     return fill_defaults(merged, schema_path)
 
 
-def from_files(paths: list, demo_config=DEMO_CONFIG) -> dict:
+def from_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
     """The whole config `snakemake --configfile <paths>` runs with, for a command that runs outside
     Snakemake (rectrain.report.live): the files merged in order as Snakemake merges them, over the
-    demo's config/config.yaml when none names a raw root (the Snakefile's rule), completed from the schema."""
+    demo's config file (demo_config: its path) when none names a raw root (the Snakefile's rule), completed
+    from the schema."""
     from snakemake.utils import update_config  # Snakemake's own merge: nested blocks key by key
 
     given: dict = {}

@@ -125,6 +125,16 @@ CheckSettings = block_class("check")
 RecipeSettings = block_class("recipe")
 ReportSettings = block_class("report")
 
+# The train block's parts by name, for annotations (`batch: TrainBatch`).
+TrainLaunch = train_part_classes()["launch"]
+TrainModel = train_part_classes()["model"]
+TrainBatch = train_part_classes()["batch"]
+TrainLoaders = train_part_classes()["loaders"]
+TrainOptim = train_part_classes()["optim"]
+TrainResolution = train_part_classes()["resolution"]
+TrainStops = train_part_classes()["stops"]
+TrainTelemetry = train_part_classes()["telemetry"]
+
 
 def _is_block(spec: dict) -> bool:
     return spec.get("type") == "object" and "properties" in spec
@@ -141,6 +151,7 @@ def whole_class() -> type:
     return dataclasses.make_dataclass("WholeSettings", fields, frozen=True, namespace={"as_dict": _whole_dict})
 
 
+# Every block by nature: the report's one view of the config it prints and reads several blocks of.
 def whole(config: dict):
     """The completed whole config (rectrain.config.complete_config) as its frozen view: `.dataset`,
     `.report`, `.recipe`, `.train` (TrainSettings), ... - for the report, which reads several blocks

@@ -1,5 +1,4 @@
 # Shared set-up for every stage: config validation, names and paths all rules agree on.
-import functools
 import json
 import os
 import shlex
@@ -20,15 +19,19 @@ from rectrain.snakefile.params import block_params, index_classes_file, report_p
 from rectrain.snakefile.prestart import before_jobs
 from rectrain.snakefile.resources import scheduled_gpus, train_rule_resources
 from rectrain.private import apply as apply_private
+from rectrain.settings import train as train_view
 from rectrain.sources import stage_sources
 from rectrain.modelspec import TORCHVISION_WEIGHTS, sources as model_sources
 
 prepare_job_env(Path(workflow.basedir) / "workflow")
 
+# The config read once: check_config validates and completes it as a whole; the other checks and the
+# onstart hook get only the values, blocks or train parts (rectrain.settings views) they read.
 try:
     check_config(config, Path(workflow.basedir) / "config" / "schema.yaml")
-    refuse_demo_name_for_own_data(config)
-    check_model(config["train"], f"results/{config['dataset']}/index/classes.tsv")
+    refuse_demo_name_for_own_data(config["dataset"], config["raw"])
+    TRAIN = train_view(config["train"])
+    check_model(TRAIN.model, TRAIN.resolution.image_size, f"results/{config['dataset']}/index/classes.tsv")
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
 
@@ -36,7 +39,7 @@ except ConfigError as err:
 # Once the jobs are planned and before the first starts (nothing removed yet): train.devices against
 # this machine's GPUs when the jobs run here, and whether Snakemake forced the train job.
 onstart:
-    before_jobs(workflow, config)
+    before_jobs(workflow, TRAIN.launch, TRAIN.batch, TRAIN.model.precision)
     # the jobs' console lines on Snakemake's console, terminal or not; SIGINT/SIGTERM stop training cleanly
     on_start(workflow, f"results/{config['dataset']}/train/checkpoints")
 
@@ -70,9 +73,13 @@ HAS_VAL = config["recordio"]["val"] is not None if BYO else "val" not in config[
 apply_private(config["private"], ["results", "logs", "benchmarks", ".snakemake", FAST])
 SPLITS = ["train", "val"] if HAS_VAL else ["train"]
 ENV = "../../envs/rectrain.yaml"
+
+
 # A rule's params: carry only its own block's output-changing keys (rectrain.snakefile.params), so a
 # change there reruns that rule and its dependents, and an operational edit reruns nothing.
-cfg_json = functools.partial(block_params, config)
+def cfg_json(block):
+    """The `params: cfg` of the rule that runs `block`'s stage."""
+    return block_params(block, config[block])
 
 
 def code(stage):

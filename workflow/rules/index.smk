@@ -11,7 +11,7 @@ rule index_raw:
         # A real raw root is checked by config validation; its millions of files are not tracked.
         marker=[f"{DEMO_ROOT}/.done"] if config["raw"] is None else [],
         code=code("index_raw"),
-        classes=index_classes_file(config),
+        classes=index_classes_file(config["index"]["classes"]),
     output:
         expand("results/{ds}/index/{name}.tsv", ds=DS, name=["train", "val", "classes", "unclassified"]),
     log:

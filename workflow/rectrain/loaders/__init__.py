@@ -24,49 +24,71 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from rectrain.data import pairowner
+
+# What a loader is asked for lives in its own module (spec.py), which the loaders import without this
+# package's code: re-exported here, where the stages import it from.
+from rectrain.loaders.spec import (
+    AUTO_DECODE,
+    CROP_RATIO,
+    CROP_SCALE,
+    DECODE_PATHS,
+    EVAL_CROP_FRACTION,
+    FULL_DECODE_HW_LOAD,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    TORCHCODEC_FIX,
+    DaliOptions,
+    LoaderSpec,
+    decode_path,
+    epoch_seed,
+    eval_resize_for,
+    train_batches_per_epoch,
+    train_padding,
+)
+
+__all__ = [
+    "AUTO_DECODE",
+    "CROP_RATIO",
+    "CROP_SCALE",
+    "DECODE_PATHS",
+    "EVAL_CROP_FRACTION",
+    "FULL_DECODE_HW_LOAD",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMAGE_DTYPES",
+    "TORCHCODEC_FIX",
+    "DaliOptions",
+    "Loader",
+    "LoaderChoice",
+    "LoaderSpec",
+    "build_loader",
+    "choose_loader",
+    "dali_decode",
+    "dali_import_error",
+    "decode_path",
+    "epoch_seed",
+    "eval_resize_for",
+    "image_dtype",
+    "image_itemsize",
+    "resolve_loader",
+    "resolve_workers",
+    "train_batches_per_epoch",
+    "train_padding",
+]
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-CROP_SCALE = (0.08, 1.0)
-CROP_RATIO = (3 / 4, 4 / 3)
-EVAL_CROP_FRACTION = 0.875
-# The torch loader's GPU decode (rectrain.loaders.jpeg.decode_batch) needs TorchCodec's image decoders.
-TORCHCODEC_FIX = "install torchcodec==0.17.0 (envs/requirements-common.txt)"
-# train.decode: how the DALI loader decodes a training image (dali.py).  roi = the crop window is drawn
-# first and only it is decoded (fn.decoders.image_random_crop); full = the whole image is decoded, with
-# the hardware JPEG engines taking up to all of them, then fn.random_resized_crop (MLPerf's path);
-# cpu = decode, crop and resize on the CPU even with a GPU (the GPU only trains).
-DECODE_PATHS = ("roi", "full", "cpu")
-# auto = roi until a GPU measurement says otherwise: the one H200 run so far (bench/RESULTS.md) measured
-# roi only, so there is nothing yet to choose another path by (bench/gpu_efficiency.py --decodes measures
-# roi against full; issue 25).
-AUTO_DECODE = "roi"
-# The full path's share of images for the hardware JPEG engines, whatever dali_hw_decoder_load says:
-# MLPerf's setting (NVIDIA's ResNet-50 submissions: hw_decoder_load 0.99 with a full decode).  GPUs
-# without the engines ignore it.
-FULL_DECODE_HW_LOAD = 0.99
 # The images' dtype for each train.precision: what autocast would cast the first layer's input to.
 IMAGE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-
-
-def decode_path(setting: str) -> str:
-    """train.decode as the path that runs: auto = AUTO_DECODE."""
-    path = AUTO_DECODE if setting == "auto" else setting
-    if path not in DECODE_PATHS:
-        raise ValueError(f"unknown decode path {setting!r}: set train.decode to auto, {', '.join(DECODE_PATHS)}")
-    return path
 
 
 def image_dtype(precision: str) -> str:
@@ -86,106 +108,6 @@ def image_itemsize(kind: str, dtype: str) -> int:
     return getattr(torch, dtype).itemsize
 
 
-@dataclass(frozen=True)
-class DaliOptions:
-    """Knobs of DALI's mixed (GPU) decoder and pipeline; the train block's dali_* keys."""
-
-    hw_decoder_load: float
-    prefetch_queue_depth: int
-    device_memory_padding: int  # bytes, reserved per decode thread
-    host_memory_padding: int
-    preallocate: tuple[int, int]  # (width, height) of the largest image; 0 = grow on demand
-
-    @classmethod
-    def from_config(cls, loaders) -> "DaliOptions":
-        """From the train block's `loaders` part (rectrain.settings)."""
-        return cls(
-            hw_decoder_load=float(loaders.dali_hw_decoder_load),
-            prefetch_queue_depth=int(loaders.dali_prefetch_queue_depth),
-            device_memory_padding=int(loaders.dali_device_memory_padding),
-            host_memory_padding=int(loaders.dali_host_memory_padding),
-            preallocate=tuple(loaders.dali_preallocate),
-        )
-
-    @classmethod
-    def defaults(cls) -> "DaliOptions":
-        """The schema's defaults (config/schema.yaml is their only home)."""
-        from rectrain import settings
-        from rectrain.config import stage_block
-
-        return cls.from_config(settings.train(stage_block("train", "{}")).loaders)
-
-
-@dataclass(frozen=True)
-class LoaderSpec:
-    rec: str
-    idx: str
-    batch_size: int
-    image_size: int
-    train: bool = True
-    rank: int = 0
-    world_size: int = 1
-    workers: int = 2
-    device: str = "cpu"  # where batches land: "cpu" or "cuda:<local rank>"
-    gpu_decode: bool = True  # decode JPEGs on the GPU when device is cuda
-    seed: int = 0
-    dali: DaliOptions = field(default_factory=DaliOptions.defaults)
-    resize: int | None = None  # eval: the shorter side before the centre crop; None = image_size / 0.875
-    # train: each epoch's crop (train.progressive, rectrain.train.resolution); () = image_size every epoch
-    crops: tuple[int, ...] = ()
-
-    decode: str = "auto"  # train.decode (DECODE_PATHS, or auto)
-    dtype: str = "float32"  # the images' dtype (image_dtype): float32, float16 or bfloat16
-    channels_last: bool = True  # images in NHWC memory (viewed as NCHW), as channels_last training wants
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.device.startswith("cuda")
-
-    def crop_at(self, epoch: int) -> int:
-        """The side of the crops `epoch` yields: its entry of `crops` when training with a schedule (an
-        epoch past the schedule keeps its last), else image_size."""
-        if not (self.train and self.crops):
-            return self.image_size
-        return self.crops[min(max(epoch, 0), len(self.crops) - 1)]
-
-    @property
-    def largest_crop(self) -> int:
-        """The largest crop any epoch yields: what device memory must hold."""
-        return max(self.crops) if self.train and self.crops else self.image_size
-
-    @property
-    def jpeg_engine(self) -> bool:
-        """The batches' GPU has hardware JPEG decoders (rectrain.jpeg_engines): DALI's preallocation
-        hints reserve memory only there (DALI: "applicable only to the mixed backend in NVIDIA Ampere
-        GPU architecture"), so they are passed and counted only there."""
-        import torch
-
-        from rectrain.jpeg_engines import has_hw_jpeg
-
-        if not self.on_gpu:
-            return False
-        try:
-            return has_hw_jpeg(torch.cuda.get_device_name(self.device))
-        except (RuntimeError, AssertionError):  # no driver to ask (a plan made for a GPU not here): none
-            return False
-
-    @property
-    def gpu_decodes(self) -> bool:
-        """JPEGs are to be decoded on the GPU: there is one, train.gpu_decode, and decode is not 'cpu'."""
-        return self.on_gpu and self.gpu_decode and decode_path(self.decode) != "cpu"
-
-    @property
-    def eval_resize(self) -> int:
-        return self.resize or eval_resize_for(self.image_size)
-
-
-def eval_resize_for(crop: int) -> int:
-    """The shorter side a centre crop of `crop` px is taken from: the crop is 0.875 of it, as in
-    torchvision's and FFCV's ImageNet evaluation (224 of 256)."""
-    return int(round(crop / EVAL_CROP_FRACTION))
-
-
 def resolve_workers(setting: int | str, local_ranks: int, cores: int | None = None) -> int:
     """train/evaluate ``workers``: a number as given, or 'auto' = this node's cores shared by the
     ranks on it, so eight GPUs on 16 cores do not start 8 x 12 decode threads."""
@@ -193,20 +115,6 @@ def resolve_workers(setting: int | str, local_ranks: int, cores: int | None = No
         return int(setting)
     cores = cores or len(os.sched_getaffinity(0))
     return max(1, cores // max(1, local_ranks))
-
-
-def train_batches_per_epoch(n: int, world_size: int, batch_size: int) -> int:
-    return math.ceil(math.ceil(n / world_size) / batch_size)
-
-
-def train_padding(n: int, world_size: int, batch_size: int) -> int:
-    """Records yielded twice per epoch across all ranks, so that every rank gets equal full batches."""
-    return world_size * train_batches_per_epoch(n, world_size, batch_size) * batch_size - n
-
-
-def epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    """Seed for one rank's epoch; fits DALI's and torch's seed ranges."""
-    return (seed * 1_000_003 + epoch * 10_007 + rank * 101 + 1) % (2**31 - 1)
 
 
 @functools.lru_cache(maxsize=1)

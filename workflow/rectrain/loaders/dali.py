@@ -34,7 +34,8 @@ from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy, feed_ndarray, to_torch_type
 
 from rectrain.data import pairowner
-from rectrain.loaders import (
+from rectrain.loaders.order import train_order
+from rectrain.loaders.spec import (
     CROP_RATIO,
     CROP_SCALE,
     FULL_DECODE_HW_LOAD,
@@ -47,7 +48,6 @@ from rectrain.loaders import (
     train_batches_per_epoch,
     train_padding,
 )
-from rectrain.loaders.order import train_order
 from rectrain.recordio import IndexedRecordReader, header_label, idx_arrays, unpack_record
 
 

@@ -31,7 +31,7 @@ from torchvision.transforms.v2 import functional as F
 
 from rectrain.data import images
 from rectrain.data.formats import HEAD_BYTES, SUPPORTED_FORMATS, sniff
-from rectrain.loaders import TORCHCODEC_FIX
+from rectrain.loaders.spec import TORCHCODEC_FIX
 
 try:  # libjpeg-turbo through a thin wrapper, as the pack uses it (rectrain.data.images)
     import simplejpeg

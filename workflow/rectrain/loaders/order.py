@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rectrain.loaders import epoch_seed, train_batches_per_epoch
+from rectrain.loaders.spec import epoch_seed, train_batches_per_epoch
 
 
 def permutation(n: int, seed: int, epoch: int) -> np.ndarray:

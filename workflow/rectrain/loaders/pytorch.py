@@ -26,15 +26,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
-from rectrain.loaders import (
+from rectrain.loaders import jpeg, order
+from rectrain.loaders.spec import (
     CROP_RATIO,
     CROP_SCALE,
     IMAGENET_MEAN,
     IMAGENET_STD,
     LoaderSpec,
     epoch_seed,
-    jpeg,
-    order,
     train_batches_per_epoch,
     train_padding,
 )

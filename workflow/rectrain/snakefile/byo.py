@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rectrain.config import shown_path
 from rectrain.safefs import special_file
+from rectrain.settings import RecordioSettings
 
 
 def _not_a_file(path) -> str | None:
@@ -21,14 +22,15 @@ def _not_a_file(path) -> str | None:
     return None if stat.S_ISREG(mode) else f"{special_file(mode)}, not a regular file"
 
 
-def byo_problems(config: dict, fast: str, workdir: Path, written: dict[str, str] | None = None) -> list[str]:
-    """One line per problem, naming the key and the fix; [] when recordio is unset or fine."""
-    byo, written = config["recordio"], written or {}
-    if byo["train"] is None:
-        return ["recordio.val is set but recordio.train is not: name the train pair too"] if byo["val"] else []
+def byo_problems(byo: RecordioSettings, fast: str, workdir: Path, written: dict[str, str] | None = None) -> list[str]:
+    """One line per problem in the recordio block `byo`, naming the key and the fix; [] when it is unset
+    or fine. fast: where the pipeline publishes its own pair."""
+    written = written or {}
+    if byo.train is None:
+        return ["recordio.val is set but recordio.train is not: name the train pair too"] if byo.val else []
     problems = []
     for split in ("train", "val"):
-        for kind, value in (byo[split] or {}).items():
+        for kind, value in (getattr(byo, split) or {}).items():
             path = value if os.path.isabs(value) else workdir / value
             key = f"recordio.{split}.{kind}"
             if why := _not_a_file(path):
@@ -38,7 +40,7 @@ def byo_problems(config: dict, fast: str, workdir: Path, written: dict[str, str]
                     f"{shown_path(key, value, written)} is inside {fast}, where the pipeline publishes its pair: "
                     "move it elsewhere."
                 )
-    classes = byo["classes"]
+    classes = byo.classes
     if classes is not None and (why := _not_a_file(classes if os.path.isabs(classes) else workdir / classes)):
-        problems.append(f"{shown_path('recordio.classes', byo['classes'], written)}: {why}.")
+        problems.append(f"{shown_path('recordio.classes', classes, written)}: {why}.")
     return problems

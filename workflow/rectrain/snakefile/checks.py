@@ -1,7 +1,8 @@
-"""Whole-config checks made while the Snakefile is parsed, before Snakemake removes any output:
-cross-field rules, paths, and combinations that run but are probably not meant. Stages never import
-this module (editing a message here reruns nothing); they complete their own block with
-rectrain.config.stage_block.
+"""Config checks made while the Snakefile is parsed, before Snakemake removes any output:
+cross-field rules, paths, and combinations that run but are probably not meant. check_config alone
+reads the whole config; each check gets the blocks (their rectrain.settings views) or the train
+parts it reads. Stages never import this module (editing a message here reruns nothing); they
+complete their own block with rectrain.config.stage_block.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 import os
 from pathlib import Path
 
-from rectrain import driver_check
+from rectrain import driver_check, settings
 from rectrain.config import (
     SCHEMA_PATH,
     ConfigError,
@@ -25,6 +26,14 @@ from rectrain.config import (
     shown_path,
 )
 from rectrain.data.fit import TYPICAL_ASPECT, Fit, pack_fit
+from rectrain.settings import (
+    CheckSettings,
+    EvaluateSettings,
+    PackSettings,
+    TrainBatch,
+    TrainLaunch,
+    TrainResolution,
+)
 from rectrain.snakefile.byo import byo_problems
 from rectrain.train.globalbatch import global_batch_problems
 from rectrain.train.resolution import largest
@@ -32,11 +41,10 @@ from rectrain.train.resolution import largest
 log = logging.getLogger(__name__)
 
 
-def check_paths(config: dict, workdir: Path, written: dict[str, str] | None = None) -> list[str]:
-    """Paths that must exist (raw) or be creatable and writable (fast_storage). written: the path keys
-    as given before expansion (rectrain.config.path_values), so a message shows both."""
+def check_paths(raw: str | None, fast_storage: str, workdir: Path, written: dict[str, str] | None = None) -> list[str]:
+    """Paths that must exist (raw) or be creatable and writable (pack.fast_storage). written: the path
+    keys as given before expansion (rectrain.config.path_values), so a message shows both."""
     problems, written = [], written or {}
-    raw = config.get("raw")
     if raw is not None:
         raw_path = (workdir / raw) if not os.path.isabs(raw) else Path(raw)
         if not raw_path.is_dir():
@@ -44,34 +52,48 @@ def check_paths(config: dict, workdir: Path, written: dict[str, str] | None = No
                 f"{shown_path('raw', raw, written)}: no such directory. Point it at the ImageNet root "
                 "(holding train/ and val/, or ILSVRC2012_img_train.tar), or set raw: null for the demo set."
             )
-    fast = config["pack"]["fast_storage"]
-    fast_path = (workdir / fast) if not os.path.isabs(fast) else Path(fast)
+    fast_path = (workdir / fast_storage) if not os.path.isabs(fast_storage) else Path(fast_storage)
     existing = fast_path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
-        problems.append(f"{shown_path('pack.fast_storage', fast, written)}: {existing} is a file, not a directory.")
+        problems.append(
+            f"{shown_path('pack.fast_storage', fast_storage, written)}: {existing} is a file, not a directory."
+        )
     elif not os.access(existing, os.W_OK):
         problems.append(
-            f"{shown_path('pack.fast_storage', fast, written)}: {existing} is not writable; "
+            f"{shown_path('pack.fast_storage', fast_storage, written)}: {existing} is not writable; "
             "choose a directory on an SSD you can write to."
         )
     return problems
 
 
+# The Snakefile's entry point: the one function here that sees the whole config, to validate and fill
+# it as one document against the schema and then hand each check only the blocks or parts it reads.
 def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
     """Validate and fill defaults in place, then cross-check keys and paths; raise ConfigError listing
     every problem, and log a warning for each combination that runs but is probably not meant."""
     schema = load_schema(schema_path)
     written = path_values(config, schema)  # before fill_defaults expands them
     fill_defaults(config, schema_path)
-    problems = whole_numbers(config, schema) + cross_check(config)
-    problems += check_paths(config, Path(workdir), written)
-    fast = f"{config['pack']['fast_storage'].rstrip('/')}/{config['dataset']}"
-    problems += byo_problems(config, fast, Path(workdir), written)
+    views = settings.whole(config)
+    train = views.train
+    problems = whole_numbers(config, schema)
+    problems += cross_check(
+        views.pack,
+        views.evaluate,
+        views.check,
+        train.resolution,
+        model=train.model.model,
+        batch=train.batch,
+        launch=train.launch,
+    )
+    problems += check_paths(views.raw, views.pack.fast_storage, Path(workdir), written)
+    fast = f"{views.pack.fast_storage.rstrip('/')}/{views.dataset}"
+    problems += byo_problems(views.recordio, fast, Path(workdir), written)
     if problems:
         raise ConfigError(format_problems(problems))
-    for line in cross_warnings(config):
+    for line in cross_warnings(views.pack, train.resolution, train.optim.epochs):
         log.warning("config: %s", line)
     return config
 
@@ -103,36 +125,44 @@ def whole_numbers(value, schema: dict, path=()) -> list[str]:
     return []
 
 
-def cross_check(config: dict) -> list[str]:
-    """Combinations of keys that every schema check passes but that can only fail in a later job."""
+def cross_check(
+    pack: PackSettings,
+    evaluate: EvaluateSettings,
+    check: CheckSettings,
+    resolution: TrainResolution,
+    *,
+    model: str,
+    batch: TrainBatch,
+    launch: TrainLaunch,
+) -> list[str]:
+    """Combinations of keys that every schema check passes but that can only fail in a later job.
+    model: train.model; batch and launch: the train parts the global batch is checked with."""
     problems = []
     try:
-        pack_fit(config["pack"].get("resize"), config["pack"].get("max_side"))
+        pack_fit(pack.resize, pack.max_side)
     except ConfigError as err:
         problems.append(str(err))
-    train, ev = config["train"], config["evaluate"]
-    crop = ev["crop"] or train["image_size"]
-    if ev["resize"] is not None and crop > ev["resize"]:
-        source = "evaluate.crop" if ev["crop"] else "train.image_size (evaluate.crop: null)"
+    crop = evaluate.crop or resolution.image_size
+    if evaluate.resize is not None and crop > evaluate.resize:
+        source = "evaluate.crop" if evaluate.crop else "train.image_size (evaluate.crop: null)"
         problems.append(
             f"config key 'evaluate.crop': the centre crop {crop} (from {source}) is larger than the image after "
-            f"'evaluate.resize' = {ev['resize']}; set evaluate.resize >= {crop}, or null for {crop} / 0.875"
+            f"'evaluate.resize' = {evaluate.resize}; set evaluate.resize >= {crop}, or null for {crop} / 0.875"
         )
-    check = config["check"]
-    if check["crop"] is not None and check["resize"] is not None and check["crop"] > check["resize"]:
+    if check.crop is not None and check.resize is not None and check.crop > check.resize:
         problems.append(
-            f"config key 'check.crop' = {check['crop']} is larger than the image after 'check.resize' = "
-            f"{check['resize']}; set check.resize >= {check['crop']}, or null for {check['crop']} / 0.875"
+            f"config key 'check.crop' = {check.crop} is larger than the image after 'check.resize' = "
+            f"{check.resize}; set check.resize >= {check.crop}, or null for {check.crop} / 0.875"
         )
-    problems += progressive_problems(train["progressive"])
-    problems += global_batch_problems(train)  # train.devices auto: checked by the onstart hook (prestart)
+    problems += progressive_problems(resolution.progressive)
+    problems += global_batch_problems(batch, launch)  # train.devices auto: checked by the onstart hook (prestart)
     models = known_models()
     # timm:<name> and your own factory are built and checked by rectrain.snakefile.modelcheck
-    torchvision_name = ":" not in train["model"]
-    if torchvision_name and models is not None and train["model"] not in models:
-        near = sorted(m for m in models if m.startswith(train["model"].rstrip("0123456789")))[:8]
+    torchvision_name = ":" not in model
+    if torchvision_name and models is not None and model not in models:
+        near = sorted(m for m in models if m.startswith(model.rstrip("0123456789")))[:8]
         problems.append(
-            f"config key 'train.model' = {train['model']!r} is not a torchvision model"
+            f"config key 'train.model' = {model!r} is not a torchvision model"
             + (f" (similar: {', '.join(near)})" if near else " (torchvision.models.list_models() lists them)")
             + "; timm:<name>, path/to/file.py:factory or package.module:factory name other networks"
         )
@@ -160,39 +190,36 @@ def progressive_problems(ramp: dict | None) -> list[str]:
     return problems
 
 
-def progressive_warnings(pack: dict, train: dict) -> list[str]:
+def progressive_warnings(pack: PackSettings, resolution: TrainResolution, epochs: int) -> list[str]:
     """A train.progressive ramp that runs but not as written: max_res never reached within train.epochs,
     or packed images smaller than the largest crop."""
-    ramp = train["progressive"]
+    ramp = resolution.progressive
     if not ramp or progressive_problems(ramp):
         return []
-    lines, top = [], largest(train["image_size"], ramp, train["epochs"])
+    lines, top = [], largest(resolution.image_size, ramp, epochs)
     if top < ramp["max_res"]:
         lines.append(
-            f"'train.progressive.max_res' = {ramp['max_res']} is never reached: train.epochs = {train['epochs']} ends "
+            f"'train.progressive.max_res' = {ramp['max_res']} is never reached: train.epochs = {epochs} ends "
             f"before 'train.progressive.end_ramp' = {ramp['end_ramp']}, so the largest crop is {top} px; set end_ramp "
-            f"<= {train['epochs'] - 1} to reach it"
+            f"<= {epochs - 1} to reach it"
         )
-    if pack["resize"] and train["image_size"] <= pack["resize"] < top:  # below image_size: warned already
+    if pack.resize and resolution.image_size <= pack.resize < top:  # below image_size: warned already
         lines.append(
-            f"'pack.resize' = {pack['resize']} stores images smaller than the largest training crop {top} px "
+            f"'pack.resize' = {pack.resize} stores images smaller than the largest training crop {top} px "
             "(train.progressive): those epochs train on upscaled crops; set pack.resize >= it (or 0)"
         )
     return lines
 
 
-def cross_warnings(config: dict) -> list[str]:
-    """Combinations that run but waste work or are ignored."""
-    pack, train = config["pack"], config["train"]
-    lines = stored_size_warnings(pack, train["image_size"])
-    lines += progressive_warnings(pack, train)
-    return lines
+def cross_warnings(pack: PackSettings, resolution: TrainResolution, epochs: int) -> list[str]:
+    """Combinations that run but waste work or are ignored. epochs: train.epochs."""
+    return stored_size_warnings(pack, resolution.image_size) + progressive_warnings(pack, resolution, epochs)
 
 
-def stored_size_warnings(pack: dict, image_size: int) -> list[str]:
+def stored_size_warnings(pack: PackSettings, image_size: int) -> list[str]:
     """The pack's stored images smaller than the training crop: every such crop is upscaled. A longest
     side is judged by a 4:3 photo's shorter side (rectrain.data.fit.TYPICAL_ASPECT)."""
-    resize, max_side = pack["resize"], pack.get("max_side")
+    resize, max_side = pack.resize, pack.max_side
     if resize and resize < image_size:
         return [
             f"'pack.resize' = {resize} stores images smaller than 'train.image_size' = {image_size}: "

@@ -9,14 +9,14 @@ from rectrain.config import ConfigError, format_problems
 DEMO_DATASET = "demo"
 
 
-def refuse_demo_name_for_own_data(config: dict) -> None:
+def refuse_demo_name_for_own_data(dataset: str, raw: str | None) -> None:
     """A config with a raw root of its own but no dataset name would write under results/demo/ (the
     schema's default name), replacing the generated demo's outputs: refused, naming the fix."""
-    if config.get("raw") is not None and config.get("dataset") == DEMO_DATASET:
+    if raw is not None and dataset == DEMO_DATASET:
         raise ConfigError(
             format_problems(
                 [
-                    f"config key 'dataset' = 'demo' with raw = {config['raw']!r}: 'demo' is the generated demo's "
+                    f"config key 'dataset' = 'demo' with raw = {raw!r}: 'demo' is the generated demo's "
                     "name, and its outputs under results/demo/ would be replaced by your data's. Name your dataset "
                     "(e.g. dataset: mydata): its outputs go to results/<dataset>/"
                 ]

@@ -15,6 +15,7 @@ from rectrain.atomic import new_temporary
 from rectrain.config import OPERATIONAL_ENV, operational_part
 
 
+# Every block by nature: the jobs of every stage read their operational values back from this one variable.
 def export_operational(config: dict) -> None:
     """Every block's operational values (x-rerun: false in the schema) for the jobs to read back."""
     blocks = {name: operational_part(name, values) for name, values in config.items() if isinstance(values, dict)}

@@ -10,6 +10,7 @@ from pathlib import Path
 from rectrain import modelspec
 from rectrain.config import ConfigError
 from rectrain.modelspec import TORCHVISION_WEIGHTS as TORCHVISION
+from rectrain.settings import TrainModel
 from rectrain.tables import read_classes
 
 # The class count tried before the index stage has counted the dataset's: any K tells a head sized by
@@ -17,30 +18,30 @@ from rectrain.tables import read_classes
 PROBE_CLASSES = 7
 
 
-def check_model(train: dict, classes_tsv: str | Path) -> None:
-    """Build train.model as the train job will, with the dataset's class count when the index has
-    written it, and check its logits' shape; a problem raises ConfigError.  train.init_weights, when a
-    path, must be a file."""
-    init = train["init_weights"]
+def check_model(model: TrainModel, image_size: int, classes_tsv: str | Path) -> None:
+    """Build train.model (`model`: the train block's model part) as the train job will, with the
+    dataset's class count when the index has written it, and check its logits' shape at train.image_size;
+    a problem raises ConfigError.  train.init_weights, when a path, must be a file."""
+    init = model.init_weights
     if init is not None and not init.startswith(TORCHVISION) and not Path(init).is_file():
         raise ConfigError(
             f"config key 'train.init_weights' = {init!r}: no such file; give a weights.safetensors, a model.pt "
             "or a state dict saved by torch (or torchvision:<Enum>.<NAME>), or null for a random init"
         )
-    if modelspec.parse(train["model"]).kind == "torchvision":
+    if modelspec.parse(model.model).kind == "torchvision":
         return
     from rectrain import model as models  # torch: only for a model that is not torchvision's
 
     k = len(read_classes(classes_tsv)) if Path(classes_tsv).is_file() else PROBE_CLASSES
     try:
         net = models.build(
-            train["model"],
+            model.model,
             k,
-            zero_init_residual=bool(train["zero_init_residual"]),
-            blurpool=bool(train["blurpool"]),
-            model_args=train["model_args"],
+            zero_init_residual=bool(model.zero_init_residual),
+            blurpool=bool(model.blurpool),
+            model_args=model.model_args,
         )
-        models.check_logits(net, train["model"], k, int(train["image_size"]))
-        models.check_gradients(net, train["model"], int(train["image_size"]))
+        models.check_logits(net, model.model, k, int(image_size))
+        models.check_gradients(net, model.model, int(image_size))
     except ValueError as err:
         raise ConfigError(str(err)) from None

@@ -12,11 +12,12 @@ import json
 from rectrain.config import output_part
 
 
-def block_params(config: dict, block: str) -> str:
-    """The `params: cfg` of the rule that runs `block`'s stage."""
-    return json.dumps(output_part(block, config[block]), sort_keys=True)
+def block_params(block: str, values: dict) -> str:
+    """The `params: cfg` of the rule that runs `block`'s stage, from that block's `values`."""
+    return json.dumps(output_part(block, values), sort_keys=True)
 
 
+# Every block by nature: the report prints the whole config, so its params hold each block's output part.
 def report_params(config: dict) -> str:
     """The report's params: every block's output part (it prints the config and takes its thresholds
     from `report`), so a finished run's report reruns for a real change anywhere and for no operational one.
@@ -28,13 +29,12 @@ def report_params(config: dict) -> str:
     )
 
 
-def index_classes_file(config: dict) -> list[str]:
-    """index.classes when it names a file (not a list, not a subset shipped with rectrain): an input of
-    index_raw, so editing the file re-indexes as editing the list in the config does."""
+def index_classes_file(classes) -> list[str]:
+    """index.classes (`classes`) when it names a file (not a list, not a subset shipped with rectrain):
+    an input of index_raw, so editing the file re-indexes as editing the list in the config does."""
     from rectrain.config import expand_path
     from rectrain.data.subset import shipped
 
-    classes = config.get("index", {}).get("classes")
     if not isinstance(classes, str) or classes in shipped():
         return []
     return [expand_path(classes, "index.classes")]

@@ -28,6 +28,7 @@ from snakemake.exceptions import WorkflowError
 
 from rectrain.config import format_problems
 from rectrain.data import pairowner
+from rectrain.settings import TrainBatch, TrainLaunch
 from rectrain.snakefile.checks import device_problems, node_problems, precision_problems
 from rectrain.snakefile.resources import scheduled_gpus
 from rectrain.train.globalbatch import global_batch_problems
@@ -39,20 +40,20 @@ PACK_RULE = "pack"
 PAIR_RULES = (PACK_RULE, "check_recordio")
 
 
-def before_jobs(workflow, config: dict) -> None:
+def before_jobs(workflow, launch: TrainLaunch, batch: TrainBatch, precision: str) -> None:
     """The onstart hook: mark a forced train job, and refuse devices or nodes this machine cannot
-    give it, or a pair another run owns, before any output is removed."""
+    give it, or a pair another run owns, before any output is removed. launch and batch: the train
+    block's parts; precision: train.precision."""
     needed = list(workflow.dag.needrun_jobs())
     jobs = [job for job in needed if job.rule.name == TRAIN_RULE]
     mark_forced(any(workflow.dag.reason(job).forced for job in jobs))
-    settings = workflow.executor_plugin.common_settings
-    problems = [] if settings.dryrun_exec or settings.touch_exec else pair_problems(needed)
-    if jobs and checks_gpus_here(settings):
-        train = config["train"]
-        problems += device_problems(train["devices"]) + node_problems(train["nodes"])
-        problems += precision_problems(train["devices"], train["precision"])
-        if train["devices"] == "auto":  # its process count is known only here, from this machine's GPUs
-            problems += global_batch_problems(train, scheduled_gpus("auto"))
+    executor = workflow.executor_plugin.common_settings
+    problems = [] if executor.dryrun_exec or executor.touch_exec else pair_problems(needed)
+    if jobs and checks_gpus_here(executor):
+        problems += device_problems(launch.devices) + node_problems(launch.nodes)
+        problems += precision_problems(launch.devices, precision)
+        if launch.devices == "auto":  # its process count is known only here, from this machine's GPUs
+            problems += global_batch_problems(batch, launch, scheduled_gpus("auto"))
     if problems:
         raise WorkflowError(format_problems(problems))
 

@@ -9,7 +9,12 @@ start call the same functions, so the refusal reads the same wherever it is made
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rectrain.config import ConfigError
+
+if TYPE_CHECKING:
+    from rectrain.settings import TrainBatch, TrainLaunch
 
 
 def numeric_with_global(batch_size, global_batch) -> bool:
@@ -84,16 +89,17 @@ def parse_time_processes(devices, cpu_processes: int, nodes: int, gpus_here: int
     return per_node * int(nodes)
 
 
-def global_batch_problems(train: dict, gpus_here: int | None = None) -> list[str]:
-    """The config check: the train block's global batch with its numeric batch_size on the processes it
-    will run (when known now: see parse_time_processes)."""
-    if not numeric_with_global(train["batch_size"], train["global_batch"]):
+def global_batch_problems(batch: TrainBatch, launch: TrainLaunch, gpus_here: int | None = None) -> list[str]:
+    """The config check: the train block's global batch with its numeric batch_size (`batch`, the train
+    block's batch part) on the processes its `launch` part will run (when known now: see
+    parse_time_processes)."""
+    if not numeric_with_global(batch.batch_size, batch.global_batch):
         return []
-    world = parse_time_processes(train["devices"], train["cpu_processes"], train["nodes"], gpus_here)
+    world = parse_time_processes(launch.devices, launch.cpu_processes, launch.nodes, gpus_here)
     if world is None:
         return []
     try:
-        derived_accum(train["global_batch"], int(train["batch_size"]), world, int(train["grad_accum"]))
+        derived_accum(batch.global_batch, int(batch.batch_size), world, int(batch.grad_accum))
     except ConfigError as err:
         return [str(err)]
     return []
