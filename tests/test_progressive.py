@@ -14,13 +14,13 @@ import pytest
 import torch
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
 from helpers.train_data import config_json, packed_dataset, rows, tiny_train_settings, write_rec
-from helpers.views import whole
+from helpers.views import report_html
 
 from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec
 from rectrain.loaders.dali import DaliLoader
 from rectrain.loaders.pytorch import TorchLoader
-from rectrain.report import build, efficiency, load
+from rectrain.report import efficiency, load
 from rectrain.train.batchplan import loader_spec, preflight_inputs
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle.status import EXIT_STOPPED
@@ -203,7 +203,7 @@ def test_the_report_shows_time_per_epoch_and_img_s_at_each_resolution(tmp_path):
     run["calibration"] = {**make_calibration({0: 1.0, 1: 1.0}), "by_resolution": by}
     (train / "run.json").write_text(json.dumps(run))
     data = load(train, paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, whole({"dataset": "demo", "report": dict(REPORT_CFG), "train": {}}), repo=tmp_path)
+    html = report_html(data, {"dataset": "demo", "report": dict(REPORT_CFG), "train": {}}, repo=tmp_path)
     times = html[html.index('id="per-resolution"') :].split("</table>")[0]
     cells = [row.split("</td>") for row in times.split("<tr>")[2:]]
     assert [c[0].rsplit(">", 1)[1] for c in cells] == ["32 px", "64 px"]

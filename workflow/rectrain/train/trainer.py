@@ -189,9 +189,8 @@ def train_run(run: Run, request: StopRequest) -> None:
     barrier(d)
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> int | None:
-    """The train block `cfg` as rectrain.cli completed it, read once here into its typed view."""
-    s = settings.train(cfg)
+def _run(args: argparse.Namespace, s: settings.TrainSettings) -> int | None:
+    """`s`: the train block's view, as rectrain.cli read it once; each function below gets the parts it reads."""
     if not distributed.launched():
         ck_dir = Path(args.out) / "checkpoints"
         status = relaunch_or_single(s.launch, s.stops.stop_signals, args.argv, args.single_process, ck_dir)
