@@ -119,19 +119,21 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
             stop.handling(s.stops.stop_signals) as request,  # after the watchdog's SIGTERM stack dump: replaces it
         ):
             watchdog.beat("preparing: model, memory preflight, loaders")
-            parts = prepare_rank(args, s, d)
+            parts = prepare_rank(args, d, s.model, s.loaders, s.resolution, seed=s.launch.seed, epochs=s.optim.epochs)
             # batch_size auto reuses it when it fits
             previous = previous_plan(Path(args.out) / "checkpoints", s.batch, s.stops, ckpt.maths_config(s.as_dict()))
-            plan = batchplan.choose_batch(
-                s,
+            preflight = batchplan.Preflight(
                 parts.model,
                 parts.loss_fn,
-                d,
                 len(parts.classes),
                 parts.spec,
-                previous=previous,
+                s.loaders.loader,
+                s.resolution,
+                s.optim,
+                s.model,
                 validated=bool(args.val_rec),
             )
+            plan = batchplan.choose_batch(s.batch, d, preflight, previous=previous)
             run = build_run(args, s, parts, plan)
             train_run(run, request)
     except stop.Agreed:  # a clean stop or a divergence: each said what it kept, no traceback
