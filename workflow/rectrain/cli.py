@@ -10,10 +10,11 @@ description is the docstring of the module that holds `run`; `--config-json` is 
 sets up logging (rectrain.log.setup), completes the config - a block with
 rectrain.config.stage_block, or the whole config (`block=WHOLE`, the report) with complete_config -
 reads it once into the stage's frozen view (rectrain.settings: `settings.view(block, ...)`, the train
-block's TrainSettings, or `settings.whole` for WHOLE), calls `run(args, view)`, and maps the errors a user can fix to the stage's exit codes in one place:
-each is logged as one line `[<tag>] <error>` and its code returned (ConfigError: 1 unless `errors`
-says otherwise); any other exception propagates with its traceback.  A stage that may run itself
-again (under torchrun, srun) finds the command line as given in `args.argv`.
+block's TrainSettings, or `settings.whole` for WHOLE), calls `run(args, view)`, and maps the errors a
+user can fix to the stage's exit codes in one place: each is logged as one line `[<tag>] <error>` and
+its code returned (ConfigError: 1 unless `errors` says otherwise); any other exception propagates with
+its traceback.  A stage that may run itself again (under torchrun, srun) finds the command line as
+given in `args.argv`.
 
 Training's main fits the same shape: `@record` wraps its `main`, which calls `cli.main("train",
 "train", ..., elapsed=True)`; its `run` relaunches under torchrun when not launched, and logs the
