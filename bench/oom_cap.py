@@ -46,7 +46,15 @@ def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
     try:
         workers = resolve_workers(cfg.loaders.workers, d.local_world_size)
         spec = loader_spec(
-            cfg.loaders, cfg.resolution, cfg.model, d, "", "", workers, seed=cfg.launch.seed, epochs=cfg.optim.epochs
+            cfg.loaders,
+            cfg.resolution,
+            cfg.model,
+            d,
+            "",
+            "",
+            workers=workers,
+            seed=cfg.launch.seed,
+            epochs=cfg.optim.epochs,
         )
         inputs = Preflight(model, loss_fn, num_classes, spec, cfg.loaders.loader, cfg.resolution, cfg.optim, cfg.model)
         plan = choose_batch(cfg.batch, d, inputs)

@@ -95,7 +95,7 @@ def train_loader_spec(s, d, rec="", idx="", workers=None):
 
     workers = resolve_workers(s.loaders.workers, d.local_world_size) if workers is None else workers
     return loader_spec(
-        s.loaders, s.resolution, s.model, d, rec, idx, workers, seed=s.launch.seed, epochs=s.optim.epochs
+        s.loaders, s.resolution, s.model, d, rec, idx, workers=workers, seed=s.launch.seed, epochs=s.optim.epochs
     )
 
 

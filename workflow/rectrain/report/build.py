@@ -352,6 +352,24 @@ def time_to_accuracy(data: RunData, recipe: RecipeSettings, like_imagenet: bool)
     }
 
 
+def storage_warnings(manifests: dict) -> list[str]:
+    """The packs' storage warnings, each once (both splits usually share one)."""
+    return list(dict.fromkeys(w for m in manifests.values() if (w := (m.get("storage") or {}).get("warning"))))
+
+
+def _plots(data: RunData, axis, views: dict) -> dict:
+    """The report's figures, by name (rectrain.report.plots)."""
+    return {
+        "throughput": plots.throughput_plot(data.steps, axis),
+        "step_split": plots.step_split_plot(data.steps, axis),
+        "gpu": plots.gpu_plot(data.system, axis),
+        "cpu_io": plots.cpu_io_plot(data.system, axis),
+        "learning": plots.learning_plot(data.epochs),
+        "classes": plots.classes_plot(views["worst"], views["best"]),
+        "stages": plots.stages_plot(data.benchmarks),
+    }
+
+
 def build(
     data: RunData,
     report: ReportSettings,
@@ -401,21 +419,10 @@ def build(
         "classes": {name: view.to_dict("records") for name, view in views.items()},
         "n_classes": len(data.per_class),
         "manifests": data.manifests,
-        # both splits usually share one storage warning: say it once
-        "storage_warnings": list(
-            dict.fromkeys(w for m in data.manifests.values() if (w := (m.get("storage") or {}).get("warning")))
-        ),
+        "storage_warnings": storage_warnings(data.manifests),
         "stages": stage_rows(data),
         "plot_x": axis.words if axis else "",
-        "plots": {
-            "throughput": plots.throughput_plot(data.steps, axis),
-            "step_split": plots.step_split_plot(data.steps, axis),
-            "gpu": plots.gpu_plot(data.system, axis),
-            "cpu_io": plots.cpu_io_plot(data.system, axis),
-            "learning": plots.learning_plot(data.epochs),
-            "classes": plots.classes_plot(views["worst"], views["best"]),
-            "stages": plots.stages_plot(data.benchmarks),
-        },
+        "plots": _plots(data, axis, views),
         "config_yaml": yaml.safe_dump(shown, sort_keys=False, default_flow_style=False),
         "prov": provenance.collect(data.run, repo),
         "run": data.run,

@@ -219,7 +219,7 @@ def why_not_reused(previous: BatchPlan, want: int, world_size: int, fits: int | 
 
 
 def loader_spec(
-    loaders, resolution, arch, d: Dist, rec: str, idx: str, workers: int, *, seed: int, epochs: int
+    loaders, resolution, arch, d: Dist, rec: str, idx: str, *, workers: int, seed: int, epochs: int
 ) -> LoaderSpec:
     """This rank's train loader as the train block asks for it; batch_size 0 until the plan sets it.
     `loaders`, `resolution`, `arch`: the block's loaders, resolution and model parts (the images'

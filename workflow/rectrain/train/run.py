@@ -88,7 +88,7 @@ def prepare_rank(args: argparse.Namespace, d: Dist, arch, loaders, resolution, *
     model, loss_fn = make_model(arch, len(classes), d.device, d.master)
     workers = resolve_workers(loaders.workers, d.local_world_size, cores)
     log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, loaders.workers)
-    spec = loader_spec(loaders, resolution, arch, d, args.rec, args.idx, workers, seed=seed, epochs=epochs)
+    spec = loader_spec(loaders, resolution, arch, d, args.rec, args.idx, workers=workers, seed=seed, epochs=epochs)
     return RankParts(d, classes, model, loss_fn, cores, workers, spec)
 
 
