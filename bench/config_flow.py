@@ -3,22 +3,37 @@
     python bench/config_flow.py [--root workflow/rectrain] [--start train/trainer.py:train] [--quiet]
 
 1. Whole-config functions: every function (or method) with a parameter that holds a whole config
-   block, and the `cfg["key"]` look-ups made on such a parameter.  The rule, by name and annotation:
+   block, and the `cfg["key"]` look-ups made on such a parameter.  Issue 32 (item 3) has each stage
+   build ONE frozen typed view of its block at its entry point (rectrain.settings) and hand the train
+   block on in parts; so the headline counts what should reach no function below an entry point, and
+   lists apart what the issue asks for.  The rule, by annotation and name:
 
-   - a parameter annotated with a whole-block view is one, whatever its name: `TrainSettings`, or
-     any `<Block>Settings` (the frozen views of rectrain.settings: `settings.view(block, ...)`);
-   - a parameter annotated with a part of the train block (`TrainOptim`, `TrainLoaders`, ...: the
-     `Train<Part>` classes settings.train_part_classes makes) is not, whatever its name;
-   - a parameter named after a part (a field of settings.TrainSettings: `optim`, `loaders`,
-     `batch`, ...) is not;
-   - otherwise the name decides: `cfg`, `config`, `conf`, `settings`, or a name ending in `_cfg`,
-     `_config`, `_settings` (`train_cfg`) - unless its annotation says it is no dict at all
-     (`cfg: None` in a stage that takes no block, `bool`, `int`, `str`, `Path`, ...).
+   - counted: a parameter annotated with the whole config's view (`WholeSettings`, settings.whole's
+     class) or with `TrainSettings` (the train block is handed on in parts, not whole), whatever its
+     name;
+   - listed apart (own heading and count, not in the headline): a parameter annotated with the
+     frozen view of ONE non-train block (`PackSettings`, `EvaluateSettings`, `ReportSettings`, ...:
+     `settings.view(block, ...)`), whatever its name - the stage's one view;
+   - neither: a parameter annotated with a part of the train block (`TrainOptim`, `TrainLoaders`, ...:
+     the `Train<Part>` classes settings.train_part_classes makes), or named after a part (a field of
+     settings.TrainSettings: `optim`, `loaders`, `batch`, ...);
+   - otherwise the name decides, and counts: a raw dict named `cfg`, `config`, `conf`, `settings`, or
+     a name ending in `_cfg`, `_config`, `_settings` (`train_cfg`) - unless its annotation says it is
+     no dict at all (`cfg: None` in a stage that takes no block, `bool`, `int`, `str`, `Path`, ...).
+
+   A function with a counted parameter is counted once, even if it also takes a block's view.
+   The issue counted 96 functions in 29 modules (raw dicts, before the views); before this rule
+   split the views off, 67 (a view of any block counted); by this rule, before item 3's entry points
+   and train functions changed: 35 counted, 32 listed apart.  Today: 19 counted in 12 modules - the
+   Snakefile-time checks, config.py's and settings.whole's readers of the raw config (14), the report's entry point
+   (the whole config's view), training's two entry points (launch, trainer: TrainSettings) and the
+   two that keep the whole train block for the Run (trainer.train, run.build_run: Run.settings) -
+   and 39 listed apart (each stage's entry point and the functions handed its one view).
 
    A look-up is a subscript with a string key on such a parameter, inside its function.  The issue
-   counted 176 in 23 files; this rule gives 166 in 24 today.  The output also gives the look-ups the
-   rule leaves out (an alias such as `cfg = run.cfg`, or `run.cfg["key"]` on an object holding the
-   block): with them every `cfg["..."]` of the package is counted.
+   counted 176 in 23 files; today 13 in 4 (the Snakefile-time checks).  The output also gives the
+   look-ups the rule leaves out (an alias such as `cfg = run.cfg`, or `run.cfg["key"]` on an object
+   holding the block): with them every `cfg["..."]` of the package is counted.
 
 2. The walk: from one function (train.trainer.train), the calls that hand the whole block on, depth
    first in source order, as a reader follows them.  A call hands it on when an argument is
@@ -46,8 +61,8 @@
    A call up (`calls_up`) is a call whose callee's module imports the caller's: a layering
    violation, none today (inside an import circle every call across it would be one).
 
-   Today: 52 stops in 15 modules, 6 climbs back, 9 returns, batchplan.py entered 3 times, memory.py
-   and loaders/__init__.py once or never.  The issue's figures (44 stops in 17 modules, 13 climbs,
+   Today: 29 stops in 8 modules, 2 climbs back, 4 returns; batchplan.py, memory.py and
+   loaders/__init__.py are never entered (they are handed the block's parts, never the block).  The issue's figures (44 stops in 17 modules, 13 climbs,
    27 returns; batchplan.py entered 7 times, memory.py 6, loaders/__init__.py 5) came from a reader
    who also followed calls handing on values read from the block - memory.py takes no whole block,
    but the preflight hands it the loader choice, the wanted batch and the spec built from cfg;
@@ -80,7 +95,10 @@ WHOLE_NAMES = frozenset({"cfg", "config", "conf", "settings"})
 WHOLE_SUFFIXES = ("_cfg", "_config", "_settings")
 # settings.TrainSettings' fields, when the package has no settings.py to read them from
 DEFAULT_PARTS = frozenset({"launch", "model", "batch", "loaders", "optim", "resolution", "stops", "telemetry"})
-WHOLE_VIEW = re.compile(r"^(?:\w+\.)*(TrainSettings|[A-Z]\w*Settings)$")
+# Views that count in the headline: the whole config's (settings.whole) and the train block's, which is
+# handed on in parts; any other `<Block>Settings` is one stage's view of its own block, listed apart.
+WHOLE_VIEWS = frozenset({"WholeSettings", "TrainSettings"})
+BLOCK_VIEW = re.compile(r"^(?:\w+\.)*([A-Z]\w*Settings)$")
 PART_VIEW = re.compile(r"^(?:\w+\.)*Train[A-Z]\w*$")
 NOT_A_DICT = frozenset({"None", "bool", "int", "float", "str", "bytes", "Path", "pathlib.Path"})
 FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -232,18 +250,29 @@ def annotation_names(annotation) -> set[str]:
     return set(re.findall(r"[A-Za-z_][\w.]*", text))
 
 
-def is_whole(name: str, annotation, parts: frozenset = DEFAULT_PARTS) -> bool:
-    """Whether a parameter (or field) `name: annotation` holds a whole config block (module doc, rule 1)."""
+def holds(name: str, annotation, parts: frozenset = DEFAULT_PARTS) -> str | None:
+    """What a parameter (or field) `name: annotation` holds (module doc, rule 1): "whole" (a raw config
+    dict, the whole config's view or TrainSettings: counted), "view" (one non-train block's view: listed
+    apart) or None."""
     names = annotation_names(annotation)
     if isinstance(annotation, ast.Constant) and annotation.value is None:
         names = {"None"}
-    if any(WHOLE_VIEW.match(n) for n in names):
-        return True
+    views = {m.group(1) for m in map(BLOCK_VIEW.match, names) if m}
+    if views & WHOLE_VIEWS:
+        return "whole"
+    if views:
+        return "view"
     if any(PART_VIEW.match(n) for n in names) or name in parts:
-        return False
+        return None
     if names and names <= NOT_A_DICT:
-        return False
-    return name in WHOLE_NAMES or name.endswith(WHOLE_SUFFIXES)
+        return None
+    return "whole" if name in WHOLE_NAMES or name.endswith(WHOLE_SUFFIXES) else None
+
+
+def is_whole(name: str, annotation, parts: frozenset = DEFAULT_PARTS) -> bool:
+    """Whether a parameter (or field) holds a config block, whole or one block's view: what the walk
+    follows (a view of another block than train never meets it)."""
+    return holds(name, annotation, parts) is not None
 
 
 def _params(node) -> list:
@@ -259,14 +288,17 @@ class WholeFunction:
     line: int
 
 
-def whole_config_functions(pkg: Package) -> list[WholeFunction]:
+def whole_config_functions(pkg: Package, kind: str = "whole") -> list[WholeFunction]:
+    """The functions with a parameter holding `kind` ("whole": the headline; "view": one block's view
+    and nothing whole, listed apart)."""
     found = []
     for mod in pkg.modules.values():
         for qual, node in mod.defs.items():
             if isinstance(node, FUNCS):
-                whole = [p.arg for p in _params(node) if is_whole(p.arg, p.annotation, pkg.parts)]
-                if whole:
-                    found.append(WholeFunction(mod.rel, qual, whole[0], node.lineno))
+                held = [(holds(p.arg, p.annotation, pkg.parts), p.arg) for p in _params(node)]
+                first = next((h for h in held if h[0] == "whole"), None) or next((h for h in held if h[0]), None)
+                if first and first[0] == kind:
+                    found.append(WholeFunction(mod.rel, qual, first[1], node.lineno))
     return found
 
 
@@ -701,6 +733,7 @@ def import_circles(pkg: Package) -> Circles:
 def measure(pkg: Package, start: tuple = START) -> dict:
     """Every figure the issue gives, measured on `pkg`."""
     functions = whole_config_functions(pkg)
+    views = whole_config_functions(pkg, "view")
     on_param, other = config_lookups(pkg)
     walk = walk_from(pkg, *start)
     entries, returns = walk.entries()
@@ -708,6 +741,8 @@ def measure(pkg: Package, start: tuple = START) -> dict:
     return {
         "functions": functions,
         "function_modules": sorted({f.module for f in functions}),
+        "views": views,
+        "view_modules": sorted({f.module for f in views}),
         "lookups": sum(on_param.values()),
         "lookup_files": len(on_param),
         "other_lookups": sum(other.values()),
@@ -726,6 +761,11 @@ def report(m: dict, quiet: bool = False) -> list[str]:
     lines = [f"whole-config functions: {len(m['functions'])} in {len(m['function_modules'])} modules (issue: 96 in 29)"]
     if not quiet:
         lines += [f"  {f.module}:{f.line} {f.function}({f.param})" for f in m["functions"]]
+    lines.append(
+        f"one block's view (a stage's own view, not counted above): {len(m['views'])} in {len(m['view_modules'])} modules"
+    )
+    if not quiet:
+        lines += [f"  {f.module}:{f.line} {f.function}({f.param})" for f in m["views"]]
     lines.append(
         f"look-ups on a whole-config parameter: {m['lookups']} in {m['lookup_files']} files (issue: 176 in 23);"
         f" {m['other_lookups']} more on aliases and attributes (cfg = run.cfg, run.cfg[...])"

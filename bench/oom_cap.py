@@ -21,9 +21,10 @@ sys.path.insert(0, str(REPO / "workflow"))
 
 from rectrain import settings  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
+from rectrain.loaders import resolve_workers  # noqa: E402
 from rectrain.snakefile.checks import check_config  # noqa: E402
 from rectrain.train import memory  # noqa: E402
-from rectrain.train.batchplan import choose_batch  # noqa: E402
+from rectrain.train.batchplan import Preflight, choose_batch, loader_spec  # noqa: E402
 from rectrain.train.run import make_model, set_backend_flags  # noqa: E402
 
 
@@ -43,7 +44,20 @@ def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
     model, loss_fn = make_model(cfg.model, num_classes, device)
     d = Dist(0, 1, 0, 1, device)
     try:
-        plan = choose_batch(cfg, model, loss_fn, d, num_classes)
+        workers = resolve_workers(cfg.loaders.workers, d.local_world_size)
+        spec = loader_spec(
+            cfg.loaders,
+            cfg.resolution,
+            cfg.model,
+            d,
+            "",
+            "",
+            workers=workers,
+            seed=cfg.launch.seed,
+            epochs=cfg.optim.epochs,
+        )
+        inputs = Preflight(model, loss_fn, num_classes, spec, cfg.loaders.loader, cfg.resolution, cfg.optim, cfg.model)
+        plan = choose_batch(cfg.batch, d, inputs)
         return {"batch": plan.batch, "grad_accum": plan.grad_accum, "report": plan.preflight}
     except memory.BatchDoesNotFit as exc:
         return {"error": str(exc)}

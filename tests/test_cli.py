@@ -2,7 +2,7 @@
 
 import pytest
 
-from rectrain import cli
+from rectrain import cli, settings
 
 
 class Base(Exception):
@@ -17,16 +17,31 @@ def _no_options(parser):
     parser.add_argument("--out")
 
 
-def test_the_block_is_completed_from_the_schema_and_run_gets_the_command_line_as_given():
+def test_the_block_is_completed_from_the_schema_and_run_gets_its_view_and_the_command_line_as_given():
     seen = {}
 
-    def run(args, cfg):
-        seen.update(cfg=cfg, argv=args.argv, out=args.out)
+    def run(args, view):
+        seen.update(view=view, argv=args.argv, out=args.out)
 
     argv = ["--config-json", '{"classes": 3}', "--out", "o"]
     assert cli.main("demo", "demo", _no_options, run, argv) == 0
-    assert seen["cfg"]["classes"] == 3 and "seed" in seen["cfg"], "defaults filled from config/schema.yaml"
+    assert isinstance(seen["view"], settings.DemoSettings), "the block's frozen view, not the raw dict"
+    assert seen["view"].classes == 3 and seen["view"].seed is not None, "defaults filled from config/schema.yaml"
     assert seen["argv"] == argv and seen["out"] == "o"
+
+
+def test_training_gets_its_train_settings_and_the_report_the_whole_configs_view():
+    seen = []
+
+    def run(args, view):
+        seen.append(view)
+
+    assert cli.main("train", "train", _no_options, run, ["--config-json", '{"lr": 0.5}']) == 0
+    assert cli.main("report", cli.WHOLE, _no_options, run, ["--config-json", '{"dataset": "demo"}']) == 0
+    train, whole = seen
+    assert isinstance(train, settings.TrainSettings) and train.optim.lr == 0.5
+    assert isinstance(whole, settings.WholeSettings) and whole.dataset == "demo"
+    assert isinstance(whole.report, settings.ReportSettings) and isinstance(whole.train, settings.TrainSettings)
 
 
 def test_a_config_error_is_one_tagged_line_and_the_stage_exit_code(capsys):

@@ -19,7 +19,7 @@ CLASSES = [{"label": k, "wnid": f"n{k:08d}", "name": str(k)} for k in range(3)]
 def published(tmp_path):
     torch.manual_seed(1)
     net = models.build("resnet18", 3).eval()
-    about = weights.describe({"image_size": 32}, {"model": "resnet18", "blurpool": False}, CLASSES, 2, {})
+    about = weights.describe(32, None, {"model": "resnet18", "blurpool": False}, CLASSES, 2, {})
     weights.save(net.state_dict(), about, tmp_path / weights.FILE)
     return net, str(tmp_path / weights.FILE)
 

@@ -13,15 +13,23 @@ import pandas as pd
 import pytest
 import torch
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
-from helpers.train_data import config_json, packed_dataset, rows, tiny_train_settings, write_rec
-from helpers.views import whole
+from helpers.train_data import (
+    config_json,
+    packed_dataset,
+    preflight_of,
+    rows,
+    tiny_train_settings,
+    train_loader_spec,
+    write_rec,
+)
+from helpers.views import report_html
 
 from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec
 from rectrain.loaders.dali import DaliLoader
 from rectrain.loaders.pytorch import TorchLoader
-from rectrain.report import build, efficiency, load
-from rectrain.train.batchplan import loader_spec, preflight_inputs
+from rectrain.report import efficiency, load
+from rectrain.train.batchplan import preflight_inputs
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle.status import EXIT_STOPPED
 from rectrain.train.resolution import resolutions
@@ -102,7 +110,7 @@ def test_the_preflight_sizes_the_step_and_the_loaders_for_the_largest_resolution
     def inputs(**over):
         cfg = tiny_train_settings(**over)
         model, loss = make_model(cfg.model, 5, torch.device("cpu"))
-        trial, held = preflight_inputs(cfg, model, loss, d, 5, None)
+        trial, held = preflight_inputs(preflight_of(cfg, model, loss, d), d)
         return trial.image_size, [r.bytes(8) for r in held if r]
 
     ramped = inputs(image_size=32, epochs=3, progressive=RAMP)
@@ -113,9 +121,9 @@ def test_the_preflight_sizes_the_step_and_the_loaders_for_the_largest_resolution
 
 def test_the_train_loader_spec_carries_the_schedule_and_none_without_one():
     cfg = tiny_train_settings(image_size=32, epochs=3, progressive=RAMP)
-    train = loader_spec(cfg, Dist(1, 2, 1, 2, torch.device("cpu")), "t.rec", "t.idx", workers=1)
+    train = train_loader_spec(cfg, Dist(1, 2, 1, 2, torch.device("cpu")), "t.rec", "t.idx", workers=1)
     assert [train.crop_at(e) for e in range(3)] == SCHEDULE and train.largest_crop == 96
-    assert loader_spec(tiny_train_settings(), Dist(0, 1, 0, 1, torch.device("cpu")), "", "", 1).crops == ()
+    assert train_loader_spec(tiny_train_settings(), Dist(0, 1, 0, 1, torch.device("cpu")), "", "", 1).crops == ()
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +211,7 @@ def test_the_report_shows_time_per_epoch_and_img_s_at_each_resolution(tmp_path):
     run["calibration"] = {**make_calibration({0: 1.0, 1: 1.0}), "by_resolution": by}
     (train / "run.json").write_text(json.dumps(run))
     data = load(train, paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, whole({"dataset": "demo", "report": dict(REPORT_CFG), "train": {}}), repo=tmp_path)
+    html = report_html(data, {"dataset": "demo", "report": dict(REPORT_CFG), "train": {}}, repo=tmp_path)
     times = html[html.index('id="per-resolution"') :].split("</table>")[0]
     cells = [row.split("</td>") for row in times.split("<tr>")[2:]]
     assert [c[0].rsplit(">", 1)[1] for c in cells] == ["32 px", "64 px"]

@@ -9,11 +9,11 @@ from html.parser import HTMLParser
 import pandas as pd
 import pytest
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
-from helpers.views import view, whole
+from helpers.views import report_html, view
 from PIL import Image
 
 from rectrain.recordio import IRHeader, RecordWriter, pack_record
-from rectrain.report import build, load
+from rectrain.report import load
 from rectrain.report.__main__ import main as report_main
 from rectrain.report.inputs import sample_image_sizes
 
@@ -53,7 +53,7 @@ def config(ds="demo"):
 def render(tmp_path, **kw):
     paths = write_run(tmp_path, **kw)
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    return build(data, whole(config()), repo=tmp_path)
+    return report_html(data, config(), repo=tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +149,9 @@ def test_data_section_says_how_each_split_was_stored(tmp_path):
     paths = write_run(tmp_path, wait_share={0: 0.01})
     train = paths["pack"] / "train.manifest.json"
     train.write_text(json.dumps({**json.loads(train.read_text()), "max_side": 500, "quality": 90}))
-    html = build(
+    html = report_html(
         load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo"),
-        whole(config()),
+        config(),
     )
     data = html[html.index('<section id="data">') :]
     assert "<td>longest side 500 px (larger ones re-encoded at q90)</td>" in data
@@ -175,9 +175,9 @@ def test_an_existing_pair_with_a_kept_png_says_so_and_counts_its_records_per_for
         "formats": {"JPEG": 35, "PNG": 1},
     }
     train.write_text(json.dumps({**json.loads(train.read_text()), "existing": existing}))
-    html = build(
+    html = report_html(
         load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo"),
-        whole(config()),
+        config(),
     )
     data = " ".join(html[html.index('id="existing-train"') :].split())
     assert "1 image(s) the pack would have re-encoded are kept as they are (DALI's decoder read each of them)" in data
@@ -201,7 +201,7 @@ def test_a_resolution_sweep_shows_one_row_per_resolution_and_names_the_headline(
     }
     (paths["eval"] / "metrics.json").write_text(json.dumps(metrics))
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, whole(config()), repo=tmp_path)
+    html = report_html(data, config(), repo=tmp_path)
     assert "top-1 61.25 %, top-5 95.00 % on 40 val images at 256 px (shorter side 293, centre crop, flip TTA)" in html
     table = _between(html, '<table id="eval-resolutions">', "</table>")
     cells = [re.sub(r"\s+", " ", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table)]
@@ -229,7 +229,7 @@ def test_one_resolution_is_named_in_the_summary_without_a_table(tmp_path):
     }
     (paths["eval"] / "metrics.json").write_text(json.dumps(metrics))
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, whole(config()), repo=tmp_path)
+    html = report_html(data, config(), repo=tmp_path)
     assert "on 40 val images at 64 px (shorter side 73, centre crop) (dali loader" in html
     assert 'id="eval-resolutions"' not in html
     note = re.sub(r"\s+", " ", _between(html, '<p class="muted" id="epoch-val-protocol">', "</p>"))
@@ -256,7 +256,7 @@ def test_benchmark_na_values_and_missing_system_rows_are_tolerated(tmp_path):
     (paths["train"] / "system.csv").write_text("time,cpu_percent,iowait_percent,disk_read_mb_s,rss_mb\n")
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     assert set(data.benchmarks["rule"]) == {"demo_data", "index_raw", "pack train", "pack val", "train", "evaluate"}
-    html = build(data, whole(config()), repo=tmp_path)
+    html = report_html(data, config(), repo=tmp_path)
     assert "demo_data 0.4 s" in html
 
 
@@ -321,7 +321,7 @@ def test_provenance_names_the_pipeline_code_commit_wherever_the_workdir_is(tmp_p
     paths = write_run(tmp_path)
     monkeypatch.chdir(tmp_path)  # like snakemake --directory elsewhere
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, whole(config()))
+    html = report_html(data, config())
     assert re.search(r"git commit</th><td>[0-9a-f]{40}", html)
 
 
@@ -457,7 +457,7 @@ def test_time_projection_from_a_run_of_known_throughput(tmp_path):
     assert p.imagenet.run_s == pytest.approx(2 * (1_281_167 / 128 + 125))  # 20,268.2 s
     assert p.measured_run_s == 20 * 60 and p.measured_train_s == 30.0
 
-    html = build(data, whole(config()), repo=tmp_path)
+    html = report_html(data, config(), repo=tmp_path)
     summary = html[html.index('<section id="summary">') : html.index('<section id="diagnosis">')]
     head = summary[summary.index('<div id="projection">') :]
     assert head.index("full ImageNet, 2 epochs<b>5 h 37 min</b><small>2 h 48 min per epoch") < head.index("<table>")
@@ -523,7 +523,7 @@ def test_without_a_resolution_column_every_epoch_counts_at_train_image_size(tmp_
     rows = per_resolution(data.steps, data.epochs, data.run)
     assert [(r.resolution, r.epochs, r.epoch_s) for r in rows] == [(64, 2, 30.0)]
     assert rows[0].train_img_s == pytest.approx(128.0)
-    html = build(data, whole(config()), repo=tmp_path)
+    html = report_html(data, config(), repo=tmp_path)
     panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
     assert 'id="tta-no-recipe"' in panel and "train.image_size (epochs.csv records no resolution)" in panel
 
@@ -540,7 +540,7 @@ def test_a_preset_run_shows_the_published_top1_beside_full_imagenets_projected_t
     assert t.train_s == pytest.approx(2 * 1_281_167 / 128 + 2 * 1_281_167 * 0.75 / 64)
     assert t.val_s == pytest.approx(500.0) and t.total_s == pytest.approx(t.train_s + 500.0)
 
-    html = build(data, whole({**config(), "recipe": RN50_40}), repo=tmp_path)
+    html = report_html(data, {**config(), "recipe": RN50_40}, repo=tmp_path)
     panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
     assert "published top-1, 40 epochs<b>77.2 %</b>" in panel
     assert "projected: full ImageNet on this hardware, 4 epochs<b>14 h 02 min</b>" in panel  # 50,546 s
@@ -556,7 +556,7 @@ def test_a_preset_run_shows_the_published_top1_beside_full_imagenets_projected_t
 def test_time_to_accuracy_says_plainly_when_the_global_batch_that_ran_is_not_the_recipes(tmp_path, ran, asked):
     data = progressive_run(tmp_path)
     data.run.update(global_batch=ran, recipe_global_batch=asked, batch_size=ran // 2, grad_accum=1)
-    html = build(data, whole({**config(), "recipe": RN50_40}), repo=tmp_path)
+    html = report_html(data, {**config(), "recipe": RN50_40}, repo=tmp_path)
     panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
     if ran != asked:
         assert "This run trained at a global batch of 512, not the recipe's 4096" in panel
@@ -595,7 +595,7 @@ def test_a_schedule_resolution_without_a_measured_rate_is_named_instead_of_proje
 
 def test_a_recipe_block_with_only_a_name_renders_with_the_missing_values_marked(tmp_path):
     data = progressive_run(tmp_path)
-    html = build(data, whole({**config(), "recipe": {"name": "mine"}}), repo=tmp_path)
+    html = report_html(data, {**config(), "recipe": {"name": "mine"}}, repo=tmp_path)
     panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
     assert "published top-1<b>- %</b>" in panel and "(source: not given)" in panel
     assert 'id="tta-shortened"' not in panel, "no published epoch count to differ from"
@@ -623,7 +623,7 @@ def test_a_subset_run_says_so_projects_full_imagenet_and_keeps_the_published_top
     wnids = sorted(subset.resolve("imagenet100")[:4])
     data = dataclasses.replace(data, classes=pd.DataFrame({"label": range(4), "wnid": wnids, "name": [""] * 4}))
     index = {"classes": "imagenet100", "per_class": 260}
-    html = build(data, whole({**config(), "recipe": RN50_40, "index": index}), repo=tmp_path)
+    html = report_html(data, {**config(), "recipe": RN50_40, "index": index}, repo=tmp_path)
     table = html[html.index('<section id="data">') :]
     assert (
         '<p id="subset"><b>A subset:</b> 4 of 1000 ImageNet classes, at most 260 images per class (training; '
@@ -633,7 +633,7 @@ def test_a_subset_run_says_so_projects_full_imagenet_and_keeps_the_published_top
     assert "projected: full ImageNet on this hardware, 4 epochs<b>14 h 02 min</b>" in panel, "full ImageNet's count"
     assert 'id="tta-subset"' in panel and "is not comparable with the published top-1" in panel
     assert "This run's own top-1" not in panel
-    whole_set = build(data, whole({**config(), "recipe": RN50_40}), repo=tmp_path)
+    whole_set = report_html(data, {**config(), "recipe": RN50_40}, repo=tmp_path)
     assert 'id="subset"' not in whole_set and "This run's own top-1" in whole_set
 
 
@@ -649,7 +649,7 @@ def test_the_data_check_shows_in_the_summary_only_once_it_has_run(tmp_path, prob
     (tmp_path / "check.json").write_text(json.dumps(verdict))
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo",
                 check=tmp_path / "check.json")  # fmt: skip
-    html = build(data, whole(config()), repo=tmp_path)
+    html = report_html(data, config(), repo=tmp_path)
     assert 'id="data-check"' in html and "ResNet50_Weights.IMAGENET1K_V1 through this val .rec (misaligned)" in html
     assert "near chance &lt;b&gt;" in html, "escaped"
     assert 'id="data-check"' not in problem_report

@@ -8,10 +8,10 @@ import re
 import pytest
 from helpers.browser import CHROMIUM, NO_CHROMIUM, chromium
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run, write_small_custom_run
-from helpers.views import whole
+from helpers.views import report_html
 from PIL import Image, ImageStat
 
-from rectrain.report import build, load
+from rectrain.report import load
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 TWO_GPUS = {0: (90.0, 9000.0, 11264.0), 1: (88.0, 9000.0, 11264.0)}
@@ -29,7 +29,7 @@ def report_file(tmp_path_factory):
         run_overrides={"calibration": make_calibration({0: 88.9, 1: 88.9})},
     )
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
-    html = build(data, whole({"dataset": "demo", "report": dict(REPORT_CFG)}), repo=tmp)
+    html = report_html(data, {"dataset": "demo", "report": dict(REPORT_CFG)}, repo=tmp)
     out = tmp / "report.html"
     out.write_text(html, encoding="utf-8")
     return out
@@ -89,7 +89,7 @@ def full_run_file(tmp_path_factory):
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     assert len(data.steps) == 900_900 and len(data.system) == 225_225
     out = tmp / "report.html"
-    out.write_text(build(data, whole({"dataset": "demo", "report": dict(REPORT_CFG)}), repo=tmp), encoding="utf-8")
+    out.write_text(report_html(data, {"dataset": "demo", "report": dict(REPORT_CFG)}, repo=tmp), encoding="utf-8")
     return out
 
 
@@ -111,7 +111,7 @@ def small_run_file(tmp_path_factory):
     paths = write_small_custom_run(tmp)
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     out = tmp / "report.html"
-    out.write_text(build(data, whole({"dataset": "mydata", "report": dict(REPORT_CFG)}), repo=tmp), encoding="utf-8")
+    out.write_text(report_html(data, {"dataset": "mydata", "report": dict(REPORT_CFG)}, repo=tmp), encoding="utf-8")
     return out
 
 

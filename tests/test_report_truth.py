@@ -8,9 +8,9 @@ import re
 import pandas as pd
 import pytest
 from helpers.synthetic_run import REPORT, REPORT_CFG, write_run, write_small_custom_run
-from helpers.views import whole
+from helpers.views import report_html
 
-from rectrain.report import build, learning, load
+from rectrain.report import learning, load
 from rectrain.report.inputs import repair_reason
 from rectrain.report.projection import imagenet_like
 
@@ -27,7 +27,7 @@ def loaded(paths):
 def small(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("small")
     data = loaded(write_small_custom_run(tmp))
-    return data, build(data, whole(config()), repo=tmp)
+    return data, report_html(data, config(), repo=tmp)
 
 
 def section(html: str, name: str) -> str:
@@ -127,7 +127,7 @@ def test_class_columns_are_named_for_what_they_hold(small, tmp_path):
     classes = section(html, "classes")
     assert "<th>class (folder)</th>" in classes and "<th>wnid</th>" not in classes
     assert "<th>name</th>" not in classes, "every name is empty: no empty column"
-    imagenet = build(loaded(write_run(tmp_path)), whole(config()), repo=tmp_path)
+    imagenet = report_html(loaded(write_run(tmp_path)), config(), repo=tmp_path)
     assert "<th>wnid</th><th>name</th>" in section(imagenet, "classes")
 
 
@@ -152,7 +152,7 @@ def test_a_resumed_run_says_from_where(small, tmp_path):
         '<span id="resumed">(resumed: epochs 2 onwards trained by this job, continuing checkpoints/last.pt '
         "written after epoch 1)</span>" in section(html, "summary")
     )
-    fresh = build(loaded(write_run(tmp_path)), whole(config()), repo=tmp_path)
+    fresh = report_html(loaded(write_run(tmp_path)), config(), repo=tmp_path)
     assert 'id="resumed"' not in fresh
 
 
@@ -166,7 +166,7 @@ def test_a_run_resumed_after_stopping_on_divergence_says_where_it_diverged(tmp_p
     run_json.write_text(
         json.dumps({**json.loads(run_json.read_text()), "resumed_from_epoch": 1, "diverged_before": diverged})
     )
-    html = section(build(loaded(paths), whole(config()), repo=tmp_path), "summary")
+    html = section(report_html(loaded(paths), config(), repo=tmp_path), "summary")
     assert (
         '<span id="diverged">stopped on divergence before: at epoch 1 step 3 (lr 1e+06, loss nan), stopped at '
         "epoch 1 step 4 of 6; resumed from the last good checkpoint</span>" in html
@@ -183,13 +183,13 @@ def test_a_run_whose_number_of_processes_changed_lists_each_with_its_epoch(tmp_p
         {"epoch": 1, "world_size": 1, "batch_size": 4, "grad_accum": 2},
     ]
     run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "world_sizes": sizes}))
-    html = section(build(loaded(paths), whole(config()), repo=tmp_path), "summary")
+    html = section(report_html(loaded(paths), config(), repo=tmp_path), "summary")
     assert (
         '<span id="world-sizes">(the number of processes changed, the global batch kept: epoch 0: 2 process(es), '
         "4 x grad_accum 1; epoch 1: 1 process(es), 4 x grad_accum 2)</span>" in html
     )
     run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "world_sizes": sizes[:1]}))
-    assert 'id="world-sizes"' not in build(loaded(paths), whole(config()), repo=tmp_path), "unchanged: not said"
+    assert 'id="world-sizes"' not in report_html(loaded(paths), config(), repo=tmp_path), "unchanged: not said"
 
 
 def test_stage_cpu_and_memory_come_from_the_stages_own_processes(tmp_path):
@@ -203,7 +203,7 @@ def test_stage_cpu_and_memory_come_from_the_stages_own_processes(tmp_path):
     own = {"cpu_s": 123.4, "max_rss_mb": 876.5, "processes": 1, "measured_by": usage.WHAT}
     for f in (paths["pack"] / "train.manifest.json", paths["train"] / "run.json", paths["eval"] / "metrics.json"):
         f.write_text(json.dumps({**json.loads(f.read_text()), "usage": own}))
-    html = build(loaded(paths), whole(config()), repo=tmp_path)
+    html = report_html(loaded(paths), config(), repo=tmp_path)
     rows = dict(re.findall(r"<tr><td>([a-z_ ]+)</td>(.*?)</tr>", section(html, "stages"), flags=re.S))
     for stage in ("pack train", "train", "evaluate"):
         assert '<td class="n">123.4</td>' in rows[stage] and "876.5" in rows[stage] and "getrusage" in rows[stage]

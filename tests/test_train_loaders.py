@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
-from helpers.train_data import colour_class, tiny_train_settings, write_rec
+from helpers.train_data import colour_class, tiny_train_settings, train_loader_spec, write_rec
 from PIL import Image
 
 from rectrain.distributed import Dist
@@ -16,7 +16,6 @@ from rectrain.loaders.dali import DaliLoader
 from rectrain.loaders.order import train_order
 from rectrain.loaders.pytorch import TorchLoader
 from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record
-from rectrain.train.batchplan import loader_spec
 from rectrain.train.run import make_loaders
 
 
@@ -243,7 +242,7 @@ def test_per_epoch_validation_runs_at_train_val_resolution(colour_rec, val_resol
     image_size. Training itself stays at image_size."""
     (rec, idx), labels = colour_rec
     cfg = tiny_train_settings(image_size=16, val_resolution=val_resolution, loader="torch")
-    spec = loader_spec(cfg, Dist(0, 1, 0, 1, torch.device("cpu")), rec, idx, workers=1)
+    spec = train_loader_spec(cfg, Dist(0, 1, 0, 1, torch.device("cpu")), rec, idx, workers=1)
     args = argparse.Namespace(val_rec=rec, val_idx=idx)
     train_loader, val_loader = make_loaders(args, cfg.loaders.loader, cfg.resolution.val_resolution, spec, batch=8)
     assert (val_loader.spec.image_size, val_loader.spec.eval_resize, val_loader.spec.train) == (crop, shorter, False)

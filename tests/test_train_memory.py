@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.train_data import tiny_train_settings, train_settings
+from helpers.train_data import preflight_of, tiny_train_settings, train_settings
 
 from rectrain.distributed import Dist
 from rectrain.loaders import DaliOptions, LoaderSpec, choose_loader
@@ -203,7 +203,11 @@ def test_without_a_val_split_the_preflight_reserves_nothing_for_a_validation_loa
     model, loss = make_model(cfg.model, 5, torch.device("cpu"))
 
     def held(validated):
-        return [r.what for r in batchplan.preflight_inputs(cfg, model, loss, d, 5, None, validated=validated)[1] if r]
+        return [
+            r.what
+            for r in batchplan.preflight_inputs(preflight_of(cfg, model, loss, d, validated=validated), d)[1]
+            if r
+        ]
 
     assert any("validation loader" in what for what in held(True))
     without = held(False)
@@ -217,8 +221,8 @@ def test_choose_batch_hands_the_preflight_whether_a_val_split_is_validated(monke
     class Seen(Exception):
         pass
 
-    def record(*args, validated=True):
-        seen.append(validated)
+    def record(preflight, d):
+        seen.append(preflight.validated)
         raise Seen
 
     monkeypatch.setattr(batchplan, "preflight_inputs", record)
@@ -226,7 +230,8 @@ def test_choose_batch_hands_the_preflight_whether_a_val_split_is_validated(monke
     cfg = tiny_train_settings()
     for validated in (True, False):
         with pytest.raises(Seen):
-            batchplan.choose_batch(cfg, None, None, d, 5, LoaderSpec("t.rec", "t.idx", 0, 32), validated=validated)
+            spec = LoaderSpec("t.rec", "t.idx", 0, 32)
+            batchplan.choose_batch(cfg.batch, d, preflight_of(cfg, None, None, d, spec=spec, validated=validated))
     assert seen == [True, False]
 
 
@@ -304,7 +309,7 @@ def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypat
     monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
     model, loss_fn = make_model(cfg.model, 5, torch.device("cpu"))
     d = Dist(0, 1, 0, 1, torch.device("cuda", 0))
-    plan = batchplan.choose_batch(cfg, model, loss_fn, d, 5)
+    plan = batchplan.choose_batch(cfg.batch, d, preflight_of(cfg, model, loss_fn, d))
     report = plan.preflight
     assert (plan.batch, plan.grad_accum, plan.global_batch) == (128, 2, 256)
     assert report["auto"] and report["global_batch"] == 256 and report["batch"] == 128 and report["grad_accum"] == 2

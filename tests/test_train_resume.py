@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.train_data import run_identity, train_settings
+from helpers.train_data import preflight_of, run_identity, train_settings
 
 from rectrain.distributed import Dist
+from rectrain.loaders import LoaderSpec
 from rectrain.train import batchplan, memory
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import finished
@@ -375,10 +376,10 @@ def test_a_finished_runs_plan_is_reused_only_when_it_may_be_republished(tmp_path
 def test_auto_batch_on_cpu_reuses_the_checkpoints_plan_as_is():
     d = Dist(0, 2, 0, 2, torch.device("cpu"))
     previous = batchplan.BatchPlan(43, 3, 2)  # planned on a GPU where 50 fitted
-    chosen = batchplan.choose_batch(AUTO, None, None, d, 5, previous=previous)
+    chosen = batchplan.choose_batch(AUTO.batch, d, previous=previous)
     assert (chosen.batch, chosen.grad_accum, chosen.world_size) == (43, 3, 2) and chosen.auto
     assert "the checkpoint's plan 43 x accum 3 reused" in chosen.reason
-    four = batchplan.choose_batch(AUTO, None, None, Dist(0, 4, 0, 4, torch.device("cpu")), 5, previous=previous)
+    four = batchplan.choose_batch(AUTO.batch, Dist(0, 4, 0, 4, torch.device("cpu")), previous=previous)
     assert (four.batch, four.grad_accum) == (64, 1), "4 processes cannot split its 258: planned afresh"
 
 
@@ -418,8 +419,9 @@ def fake_gpu_preflight(monkeypatch):
     monkeypatch.setattr(memory, "cuda_try_step", lambda trial, budget: lambda batch: batch * 10.0)
     monkeypatch.setattr(memory, "preflight", lambda try_step, want, **kw: (fits[0], {"auto": True, "why_lower": None}))
     model = torch.nn.Linear(2, 2)
+    d = Dist(0, 1, 0, 1, torch.device("cuda", 0))
     return fits, lambda previous: batchplan.choose_batch(
-        AUTO, model, None, Dist(0, 1, 0, 1, torch.device("cuda", 0)), 5, previous=previous
+        AUTO.batch, d, preflight_of(AUTO, model, None, d, spec=LoaderSpec("", "", 0, 32)), previous=previous
     )
 
 

@@ -16,7 +16,8 @@ def publish(tmp_path, blurpool: bool, channels_last: bool = False):
     torch.manual_seed(0)
     net = models.build("resnet18", len(CLASSES), channels_last, blurpool=blurpool).eval()
     about = weights.describe(
-        {"image_size": 32, "val_resolution": None},
+        32,
+        None,
         {"model": "resnet18", "blurpool": blurpool},
         CLASSES,
         epoch=2,

@@ -87,6 +87,27 @@ def train_settings(given: dict):
     return settings.train(stage_block("train", json.dumps(given)))
 
 
+def train_loader_spec(s, d, rec="", idx="", workers=None):
+    """batchplan.loader_spec of the train block's view `s`, handed its parts as train.run.prepare_rank
+    does; `workers`: train.workers resolved for `d` unless given."""
+    from rectrain.loaders import resolve_workers
+    from rectrain.train.batchplan import loader_spec
+
+    workers = resolve_workers(s.loaders.workers, d.local_world_size) if workers is None else workers
+    return loader_spec(
+        s.loaders, s.resolution, s.model, d, rec, idx, workers=workers, seed=s.launch.seed, epochs=s.optim.epochs
+    )
+
+
+def preflight_of(s, model, loss_fn, d, num_classes=5, spec=None, validated=True):
+    """batchplan.Preflight as train.trainer builds it from the view `s`; `spec`: the train loader's,
+    by default one without data (train_loader_spec)."""
+    from rectrain.train.batchplan import Preflight
+
+    spec = train_loader_spec(s, d) if spec is None else spec
+    return Preflight(model, loss_fn, num_classes, spec, s.loaders.loader, s.resolution, s.optim, s.model, validated)
+
+
 def config_json(**overrides):
     """The partial train block of a tiny CPU run, as the --config-json a user would type."""
     return json.dumps({**TINY_TRAIN, **overrides})

@@ -16,3 +16,20 @@ def whole(config: dict):
     """The whole-config view (rectrain.settings.whole) of `config` completed from the schema, as the
     report's entry point builds it from its --config-json; `config` itself is left as it was."""
     return settings.whole(complete_config(copy.deepcopy(config)))
+
+
+def report_html(data, config: dict, **kwargs) -> str:
+    """rectrain.report.build's page for `config` completed from the schema, handed what the report's
+    entry point hands it: the blocks it reads, the dataset's name, the whole config to show."""
+    from rectrain.report.build import build
+
+    shown = whole(config)
+    return build(
+        data,
+        shown.report,
+        recipe=shown.recipe,
+        index=shown.index,
+        dataset=shown.dataset,
+        shown=shown.as_dict(),
+        **kwargs,
+    )

@@ -391,8 +391,8 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", required=True, help="the report's JSON file")
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> None:
-    run(settings.view("check", cfg), args.rec, args.idx, args.classes, args.out, args.val_index)
+def _run(args: argparse.Namespace, check: settings.CheckSettings) -> None:
+    run(check, args.rec, args.idx, args.classes, args.out, args.val_index)
 
 
 def main(argv=None) -> int:

@@ -9,10 +9,12 @@ and `if __name__ == "__main__": sys.exit(main())`.  `cli.main` parses the comman
 description is the docstring of the module that holds `run`; `--config-json` is added here),
 sets up logging (rectrain.log.setup), completes the config - a block with
 rectrain.config.stage_block, or the whole config (`block=WHOLE`, the report) with complete_config -
-calls `run(args, cfg)`, and maps the errors a user can fix to the stage's exit codes in one place:
-each is logged as one line `[<tag>] <error>` and its code returned (ConfigError: 1 unless `errors`
-says otherwise); any other exception propagates with its traceback.  A stage that may run itself
-again (under torchrun, srun) finds the command line as given in `args.argv`.
+reads it once into the stage's frozen view (rectrain.settings: `settings.view(block, ...)`, the train
+block's TrainSettings, or `settings.whole` for WHOLE), calls `run(args, view)`, and maps the errors a
+user can fix to the stage's exit codes in one place: each is logged as one line `[<tag>] <error>` and
+its code returned (ConfigError: 1 unless `errors` says otherwise); any other exception propagates with
+its traceback.  A stage that may run itself again (under torchrun, srun) finds the command line as
+given in `args.argv`.
 
 Training's main fits the same shape: `@record` wraps its `main`, which calls `cli.main("train",
 "train", ..., elapsed=True)`; its `run` relaunches under torchrun when not launched, and logs the
@@ -29,6 +31,7 @@ import sys
 from typing import Any, Callable, Mapping, Sequence
 
 from rectrain import log as stage_log
+from rectrain import settings
 from rectrain.config import ConfigError, complete_config, stage_block
 
 WHOLE = "*"  # `block`: the whole config (the report prints every block), completed with complete_config
@@ -40,7 +43,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ct
 log = logging.getLogger(__name__)
 
 Arguments = Callable[[argparse.ArgumentParser], Any]  # adds the stage's options
-Run = Callable[[argparse.Namespace, Any], Any]  # run(args, cfg) -> exit code, or None for 0
+Run = Callable[[argparse.Namespace, Any], Any]  # run(args, view) -> exit code, or None for 0
 
 
 def main(
@@ -62,7 +65,8 @@ def main(
 
     tag: the stage, in `[tag]` before every log line and every mapped error.
     block: its config block ("pack"), WHOLE, or None (no --config-json).
-    arguments(parser): adds the stage's own options.  run(args, cfg): the stage; cfg None without a block.
+    arguments(parser): adds the stage's own options.  run(args, view): the stage; `view` is its block's
+      frozen view (rectrain.settings; WHOLE: the whole config's), None without a block.
     errors: exception type -> exit code, for errors whose message says what to fix (the most specific
       class of the error that is listed wins).
     bare: log lines without the tag (the pack's rule log reads as it always has); the error line keeps it.
@@ -80,8 +84,8 @@ def main(
     stage_log.setup("" if bare else tag, elapsed=elapsed, console_tag=tag)
     codes = {ConfigError: 1, **(errors or {})}
     try:
-        cfg = None if block is None else read_config(block, args.config_json)
-        rc = run(args, cfg)
+        view = None if block is None else typed(block, read_config(block, args.config_json))
+        rc = run(args, view)
     except tuple(codes) as err:
         log.error("%s%s", f"[{tag}] " if bare else "", err)
         return next(codes[k] for k in type(err).__mro__ if k in codes)
@@ -108,6 +112,12 @@ def read_config(block: str, text: str) -> dict:
     if not isinstance(given, dict):
         raise ConfigError(f"--config-json must be a JSON object (the whole config), got {given!r}")
     return complete_config(given)
+
+
+def typed(block: str, values: dict):
+    """The completed `values` as the stage's one frozen view: the whole config's for WHOLE, else the
+    block's (TrainSettings for train)."""
+    return settings.whole(values) if block == WHOLE else settings.view(block, values)
 
 
 def _parser(block, arguments: Arguments, run: Run, doc, passthrough: bool, config_required: bool):

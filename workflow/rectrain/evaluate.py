@@ -40,7 +40,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rectrain import cli, distributed, settings, usage, watchdog, weights
+from rectrain import cli, distributed, usage, watchdog, weights
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.data import pairowner
@@ -412,7 +412,7 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--single-process", action="store_true", help="never relaunch under torchrun")
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> None:
+def _run(args: argparse.Namespace, evaluate: EvaluateSettings) -> None:
     if not distributed.launched() and not args.single_process:
         train_cfg = load_checkpoint(args.checkpoint).get("config") or {}  # the checkpoint's: data, not this stage's
         devices, cpu_processes = train_cfg["devices"], train_cfg["cpu_processes"]
@@ -422,7 +422,7 @@ def _run(args: argparse.Namespace, cfg: dict) -> None:
             log.info("one process per training GPU: %s", " ".join(cmd))
             os.execve(cmd[0], cmd, env)
     run(
-        settings.view("evaluate", cfg),
+        evaluate,
         args.checkpoint,
         args.rec,
         args.idx,

@@ -42,18 +42,25 @@ def normalisation() -> dict:
     }
 
 
-def describe(train_cfg: dict, model_cfg: dict, classes: list[dict], epoch: int, recipe: dict) -> dict:
-    """The file's description: `model_cfg` {model, model_args, blurpool} as configured, the classes in
-    label order (label, wnid, name), the normalisation, training's resolution, the recipe and the
-    number of epochs trained."""
+def describe(
+    train_resolution: int,
+    val_resolution: int | None,
+    architecture: dict,
+    classes: list[dict],
+    epoch: int,
+    recipe: dict,
+) -> dict:
+    """The file's description: `architecture` {model, model_args, blurpool} as configured, the classes in
+    label order (label, wnid, name), the normalisation, training's resolution (train.image_size,
+    train.val_resolution), the recipe and the number of epochs trained."""
     return {
         "format": "state_dict with the architecture library's key names (rectrain.model.load_weights rebuilds it)",
-        **model_cfg,
+        **architecture,
         "num_classes": len(classes),
         "classes": [{"label": int(c["label"]), "wnid": str(c["wnid"]), "name": str(c["name"])} for c in classes],
         "normalisation": normalisation(),
-        "train_resolution": int(train_cfg["image_size"]),
-        "val_resolution": train_cfg.get("val_resolution"),
+        "train_resolution": int(train_resolution),
+        "val_resolution": val_resolution,
         "crop_ratio": EVAL_CROP_FRACTION,
         "epochs_trained": int(epoch),
         "recipe": recipe,

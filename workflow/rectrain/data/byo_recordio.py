@@ -522,8 +522,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="image-check threads (default: recordio.threads)")
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> None:
-    recordio = settings.view("recordio", cfg)
+def _run(args: argparse.Namespace, recordio: settings.RecordioSettings) -> None:
     if not recordio.train:
         raise PairError(
             "recordio.train is not set: name the existing train .rec and .idx (docs/your-data.md, 'Bring your own .rec')"

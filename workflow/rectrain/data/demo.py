@@ -456,8 +456,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="drawing processes (the rule's threads)")
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> None:
-    generate(settings.view("demo", cfg), args.out, processes=args.threads)
+def _run(args: argparse.Namespace, demo: settings.DemoSettings) -> None:
+    generate(demo, args.out, processes=args.threads)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1026,8 +1026,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> None:
-    index = settings.view("index", cfg)
+def _run(args: argparse.Namespace, index: settings.IndexSettings) -> None:
     allow = [expand_path(p, "index.allow_outside_root") for p in index.allow_outside_root]
     found = discover(args.raw, args.layout, index.absent_splits, allow)
     kept = take_subset(found, index.classes, index.per_class, index.seed)

@@ -64,7 +64,7 @@ from typing import Iterator
 
 import numpy as np
 
-from rectrain import cli, safefs, settings, storage, usage
+from rectrain import cli, safefs, storage, usage
 from rectrain.atomic import fsync_path, publish, temporary_prefix, write_json
 from rectrain.config import ConfigError
 from rectrain.data import indextable, pairowner, readorder, space
@@ -684,8 +684,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="worker threads (default: pack.threads)")
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> None:
-    pack = settings.view("pack", cfg)
+def _run(args: argparse.Namespace, pack: PackSettings) -> None:
     pack_fit(pack.resize, pack.max_side)  # resize and max_side both set: refused before the old pair is touched
     _keep_freed_memory()
     with exclusive(args.rec, args.split):

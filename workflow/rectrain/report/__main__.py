@@ -34,13 +34,20 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", required=True)
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> None:
+def _run(args: argparse.Namespace, config: settings.WholeSettings) -> None:
+    """`config`: the whole config's view (the report reads several blocks and shows them all)."""
     t = time.perf_counter()
-    config = settings.whole(cfg)
     data = load(
         args.train_dir, args.eval_dir, args.pack_dir, args.index_dir, args.benchmarks, config.dataset, check=args.check
     )
-    html = build(data, config)
+    html = build(
+        data,
+        config.report,
+        recipe=config.recipe,
+        index=config.index,
+        dataset=config.dataset,
+        shown=config.as_dict(),
+    )
     out = atomic.write_text(args.out, html)  # never a half-written report that looks complete
     logger.info("%s (%.2f MB, %.1f s)", out, len(html) / 1e6, time.perf_counter() - t)
 

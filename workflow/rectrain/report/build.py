@@ -23,7 +23,7 @@ from rectrain.report.stats import (
     steady_steps,
     train_setting,
 )
-from rectrain.settings import RecipeSettings, WholeSettings
+from rectrain.settings import IndexSettings, RecipeSettings, ReportSettings
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The pipeline's own checkout (workflow/rectrain/report/ -> repo root): its commit is the code that
@@ -352,10 +352,38 @@ def time_to_accuracy(data: RunData, recipe: RecipeSettings, like_imagenet: bool)
     }
 
 
-def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO, live: dict | None = None) -> str:
-    """The report as one self-contained HTML string (config: the whole config's view, rectrain.settings.whole:
-    it reads the report, recipe and dataset keys, shows every block); live: an unfinished run's banner (inprogress)."""
-    report = config.report
+def storage_warnings(manifests: dict) -> list[str]:
+    """The packs' storage warnings, each once (both splits usually share one)."""
+    return list(dict.fromkeys(w for m in manifests.values() if (w := (m.get("storage") or {}).get("warning"))))
+
+
+def _plots(data: RunData, axis, views: dict) -> dict:
+    """The report's figures, by name (rectrain.report.plots)."""
+    return {
+        "throughput": plots.throughput_plot(data.steps, axis),
+        "step_split": plots.step_split_plot(data.steps, axis),
+        "gpu": plots.gpu_plot(data.system, axis),
+        "cpu_io": plots.cpu_io_plot(data.system, axis),
+        "learning": plots.learning_plot(data.epochs),
+        "classes": plots.classes_plot(views["worst"], views["best"]),
+        "stages": plots.stages_plot(data.benchmarks),
+    }
+
+
+def build(
+    data: RunData,
+    report: ReportSettings,
+    *,
+    recipe: RecipeSettings,
+    index: IndexSettings,
+    dataset: str,
+    shown: dict,
+    repo: Path | str = CODE_REPO,
+    live: dict | None = None,
+) -> str:
+    """The report as one self-contained HTML string, from the blocks it reads (report, recipe, index: their
+    views) and the dataset's name; shown: the whole config as completed, printed as YAML (no key of it is
+    read); live: an unfinished run's banner (inprogress)."""
     findings = diagnose(
         data.steps,
         data.system,
@@ -374,10 +402,10 @@ def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO, li
     context = {
         "title": report.title,
         "like_imagenet": like_imagenet,
-        "summary": summary(data, config.dataset, rates),
-        "subset": subset_scope(data.classes, config.index),
+        "summary": summary(data, dataset, rates),
+        "subset": subset_scope(data.classes, index),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
-        **time_to_accuracy(data, config.recipe, like_imagenet),
+        **time_to_accuracy(data, recipe, like_imagenet),
         "class_columns": class_columns(data.classes),
         "findings": findings,
         "rates": rates,
@@ -391,22 +419,11 @@ def build(data: RunData, config: WholeSettings, repo: Path | str = CODE_REPO, li
         "classes": {name: view.to_dict("records") for name, view in views.items()},
         "n_classes": len(data.per_class),
         "manifests": data.manifests,
-        # both splits usually share one storage warning: say it once
-        "storage_warnings": list(
-            dict.fromkeys(w for m in data.manifests.values() if (w := (m.get("storage") or {}).get("warning")))
-        ),
+        "storage_warnings": storage_warnings(data.manifests),
         "stages": stage_rows(data),
         "plot_x": axis.words if axis else "",
-        "plots": {
-            "throughput": plots.throughput_plot(data.steps, axis),
-            "step_split": plots.step_split_plot(data.steps, axis),
-            "gpu": plots.gpu_plot(data.system, axis),
-            "cpu_io": plots.cpu_io_plot(data.system, axis),
-            "learning": plots.learning_plot(data.epochs),
-            "classes": plots.classes_plot(views["worst"], views["best"]),
-            "stages": plots.stages_plot(data.benchmarks),
-        },
-        "config_yaml": yaml.safe_dump(config.as_dict(), sort_keys=False, default_flow_style=False),
+        "plots": _plots(data, axis, views),
+        "config_yaml": yaml.safe_dump(shown, sort_keys=False, default_flow_style=False),
         "prov": provenance.collect(data.run, repo),
         "run": data.run,
         "paths": data.paths,

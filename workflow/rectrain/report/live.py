@@ -86,14 +86,22 @@ def load_live(results: Path, benchmarks: Path, dataset: str) -> RunData:
     )
 
 
-def _run(args: argparse.Namespace, cfg) -> None:
+def _run(args: argparse.Namespace, cfg: None) -> None:
     t = time.perf_counter()
     whole = settings.whole(config.from_files(args.configfile))
     results = Path("results") / whole.dataset
     data = load_live(results, Path("benchmarks"), whole.dataset)
     status = inprogress.status(results / "train", data)
     page = {**inprogress.banner(status), "final": str(results / "report.html")}
-    html = build(data, whole, live=page)
+    html = build(
+        data,
+        whole.report,
+        recipe=whole.recipe,
+        index=whole.index,
+        dataset=whole.dataset,
+        shown=whole.as_dict(),
+        live=page,
+    )
     out = atomic.write_text(results / PAGE, html)
     logger.info("%s: %s (%.2f MB, %.1f s)", out.resolve(), page["headline"], len(html) / 1e6, time.perf_counter() - t)
 

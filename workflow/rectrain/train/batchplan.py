@@ -36,11 +36,11 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rectrain.distributed import Dist, all_gather
-from rectrain.loaders import DaliOptions, LoaderSpec, image_dtype, resolve_loader, resolve_workers
+from rectrain.loaders import DaliOptions, LoaderSpec, image_dtype, resolve_loader
 from rectrain.recordio import idx_arrays
-from rectrain.settings import TrainSettings
 from rectrain.train import globalbatch, memory
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.optim import make_optimizer
@@ -218,28 +218,31 @@ def why_not_reused(previous: BatchPlan, want: int, world_size: int, fits: int | 
     return None
 
 
-def loader_spec(s: TrainSettings, d: Dist, rec: str, idx: str, workers: int) -> LoaderSpec:
+def loader_spec(
+    loaders, resolution, arch, d: Dist, rec: str, idx: str, *, workers: int, seed: int, epochs: int
+) -> LoaderSpec:
     """This rank's train loader as the train block asks for it; batch_size 0 until the plan sets it.
-    It draws on five parts (loaders, resolution, the epochs, the seed, the model's precision and layout),
-    so it takes the block."""
-    res, loaders = s.resolution, s.loaders
+    `loaders`, `resolution`, `arch`: the block's loaders, resolution and model parts (the images'
+    precision and layout); `seed`: train.seed; `epochs`: train.epochs (a progressive schedule's length)."""
     return LoaderSpec(
         rec,
         idx,
         batch_size=0,
-        image_size=res.image_size,
+        image_size=resolution.image_size,
         train=True,
         rank=d.rank,
         world_size=d.world_size,
         workers=workers,
         device=str(d.device),
         gpu_decode=loaders.gpu_decode,
-        seed=s.launch.seed,
+        seed=seed,
         dali=DaliOptions.from_config(loaders),
-        crops=tuple(resolutions(res.image_size, res.progressive, s.optim.epochs)) if res.progressive else (),
+        crops=tuple(resolutions(resolution.image_size, resolution.progressive, epochs))
+        if resolution.progressive
+        else (),
         decode=loaders.decode,
-        dtype=image_dtype(s.model.precision),
-        channels_last=s.model.channels_last,
+        dtype=image_dtype(arch.precision),
+        channels_last=arch.channels_last,
     )
 
 
@@ -250,70 +253,73 @@ def val_loader_spec(val_resolution: int | None, spec: LoaderSpec, rec: str, idx:
     return dataclasses.replace(spec, rec=rec, idx=idx, train=False, image_size=size, crops=())
 
 
-def preflight_inputs(
-    s: TrainSettings, model, loss_fn, d: Dist, num_classes: int, spec: LoaderSpec | None, *, validated: bool = True
-):
+@dataclass(frozen=True)
+class Preflight:
+    """What a GPU rank's memory preflight builds its trial step and the loaders' reservations from."""
+
+    model: Any  # torch.nn.Module, on this rank's device
+    loss_fn: Any
+    num_classes: int
+    spec: LoaderSpec  # the train loader's, batch not yet chosen
+    loader: str  # train.loader
+    resolution: Any  # the train block's resolution, optim and model parts (rectrain.settings)
+    optim: Any
+    arch: Any
+    validated: bool = True  # False without a val split: no validation loader will hold anything
+
+
+def preflight_inputs(p: Preflight, d: Dist):
     """(the trial step, what will be held beside it) for choose_batch, at the run's largest training
-    crop (train.progressive): a batch that fits there fits every epoch.  `validated`: False without a
-    val split, where no validation loader will hold anything (its DALI decoder alone is GBs)."""
-    spec = spec or loader_spec(s, d, "", "", resolve_workers(s.loaders.workers, d.local_world_size))
-    choice = resolve_loader(s.loaders.loader, spec)
-    val_spec = val_loader_spec(s.resolution.val_resolution, spec, spec.rec, spec.idx)
+    crop (train.progressive): a batch that fits there fits every epoch.  Without a val split
+    (`p.validated` False) no validation loader is reserved for (its DALI decoder alone is GBs)."""
+    spec, res, arch = p.spec, p.resolution, p.arch
+    choice = resolve_loader(p.loader, spec)
+    val_spec = val_loader_spec(res.val_resolution, spec, spec.rec, spec.idx)
     held = (
         memory.loader_reservation(choice, spec, "training"),
         # dropped between passes (rectrain.loaders.dali), but DALI's memory pool keeps what it took
-        memory.loader_reservation(choice, val_spec, "validation") if validated else None,
-        memory.ddp_reservation(model, d.world_size),
+        memory.loader_reservation(choice, val_spec, "validation") if p.validated else None,
+        memory.ddp_reservation(p.model, d.world_size),
     )
     trial = memory.Trial(
-        model,
-        loss_fn,
-        largest(s.resolution.image_size, s.resolution.progressive, s.optim.epochs),
-        num_classes,
+        p.model,
+        p.loss_fn,
+        largest(res.image_size, res.progressive, p.optim.epochs),
+        p.num_classes,
         d.device,
-        s.model.precision,
-        s.model.channels_last,
-        make_optimizer=lambda: make_optimizer(
-            s.optim, model, 256, 1, family=s.model.model, precision=s.model.precision
-        )[0],
+        arch.precision,
+        arch.channels_last,
+        make_optimizer=lambda: make_optimizer(p.optim, p.model, 256, 1, family=arch.model, precision=arch.precision)[0],
     )
     return trial, held
 
 
-def choose_batch(
-    s: TrainSettings,
-    model,
-    loss_fn,
-    d: Dist,
-    num_classes: int,
-    spec: LoaderSpec | None = None,
-    *,
-    previous: BatchPlan | None = None,
-    validated: bool = True,
-) -> BatchPlan:
-    """This rank's batch plan.  On a GPU, one training step (forward, backward, optimizer step) proves
-    the batch fits beside what the loaders and DDP will hold - or the run stops here with what does fit
-    (rectrain.train.memory).  `spec`: the train loader's (batch not yet chosen); by default the one the
-    train block `s` builds.  `previous`: the checkpoint's plan, preferred with batch_size auto (module doc).
-    `validated`: whether a validation loader will be built (False without a val split)."""
-    auto = s.batch.batch_size == "auto"
-    images = train_images(spec) if auto else None
+def choose_batch(batch, d: Dist, preflight: Preflight | None = None, *, previous: BatchPlan | None = None) -> BatchPlan:
+    """This rank's batch plan for the train block's `batch` part.  On a GPU, one training step (forward,
+    backward, optimizer step) proves the batch fits beside what the loaders and DDP will hold - or the
+    run stops here with what does fit (rectrain.train.memory); `preflight` says what to build them from
+    (on CPU only its spec is read: the train images may cap an 'auto' batch).  `previous`: the
+    checkpoint's plan, preferred with batch_size auto (module doc)."""
+    auto = batch.batch_size == "auto"
+    images = train_images(preflight.spec if preflight else None) if auto else None
     if d.device.type != "cuda":
         skipped = "no GPU: batch_size auto uses global_batch / world_size" if auto else None
         chosen = plan(
-            s.batch,
+            batch,
             d.world_size,
             preflight={"skipped": skipped or "no GPU memory to check on CPU"},
             previous=previous,
             train_images=images,
         )
     else:
-        trial, held = preflight_inputs(s, model, loss_fn, d, num_classes, spec, validated=validated)
-        state = ckpt.host_copy(model.state_dict())  # the trial steps move weights and BatchNorm statistics
+        if preflight is None:
+            raise ValueError("choose_batch on a GPU needs the preflight's inputs (batchplan.Preflight)")
+        trial, held = preflight_inputs(preflight, d)
+        state = ckpt.host_copy(preflight.model.state_dict())  # the trial steps move weights and BatchNorm statistics
         try:
-            chosen = _measured_plan(s.batch, trial, held, d, previous, images)
+            chosen = _measured_plan(batch, trial, held, d, previous, images)
         finally:
-            model.load_state_dict(state)
+            preflight.model.load_state_dict(state)
     regrouped = previous is not None and previous.world_size != d.world_size
     if (regrouped or ((previous or chosen.capped) and chosen.auto)) and d.master:
         log.info("batch plan: %s", chosen.reason)

@@ -39,9 +39,8 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def _run(own: argparse.Namespace, cfg: dict) -> int | None:
-    """`cfg`: the train block as rectrain.cli completed it, read once here into its typed view."""
-    s = settings.train(cfg)
+def _run(own: argparse.Namespace, s: settings.TrainSettings) -> int | None:
+    """`s`: the train block's view, as rectrain.cli read it once (the launcher reads its `launch` part)."""
     launch, argv = s.launch, own.argv
     train_argv = [a for a in argv if a != "--print-only"]
     train_argv = _drop_option(_drop_option(train_argv, "--rdzv-endpoint"), "--stage-to-local")

@@ -55,7 +55,8 @@ def weights_description(run: Run, final: dict) -> dict:
     the recipe is the train block less its operational keys (what the checkpoint's identity compares)."""
     s = run.settings
     return weights.describe(
-        s.resolution.as_dict(),
+        s.resolution.image_size,
+        s.resolution.val_resolution,
         {"model": s.model.model, "model_args": dict(s.model.model_args), "blurpool": bool(s.model.blurpool)},
         run.classes,
         epoch=int(final["epoch"]) + 1,

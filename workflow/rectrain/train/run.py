@@ -77,16 +77,18 @@ class RankParts:
     spec: LoaderSpec  # the train loader's, batch_size 0 until planned
 
 
-def prepare_rank(args: argparse.Namespace, s: TrainSettings, d: Dist) -> RankParts:
+def prepare_rank(args: argparse.Namespace, d: Dist, arch, loaders, resolution, *, seed: int, epochs: int) -> RankParts:
+    """The network, the classes and the train loader's spec of this rank; `arch`, `loaders`, `resolution`:
+    the train block's model, loaders and resolution parts; `seed`: train.seed; `epochs`: train.epochs."""
     cores = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // d.local_world_size))
-    torch.manual_seed(s.launch.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     classes = read_classes(args.classes)
-    set_backend_flags(s.model.cudnn_benchmark, d.device)
-    model, loss_fn = make_model(s.model, len(classes), d.device, d.master)
-    workers = resolve_workers(s.loaders.workers, d.local_world_size, cores)
-    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, s.loaders.workers)
-    spec = loader_spec(s, d, args.rec, args.idx, workers)
+    set_backend_flags(arch.cudnn_benchmark, d.device)
+    model, loss_fn = make_model(arch, len(classes), d.device, d.master)
+    workers = resolve_workers(loaders.workers, d.local_world_size, cores)
+    log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, loaders.workers)
+    spec = loader_spec(loaders, resolution, arch, d, args.rec, args.idx, workers=workers, seed=seed, epochs=epochs)
     return RankParts(d, classes, model, loss_fn, cores, workers, spec)
 
 

@@ -119,19 +119,21 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
             stop.handling(s.stops.stop_signals) as request,  # after the watchdog's SIGTERM stack dump: replaces it
         ):
             watchdog.beat("preparing: model, memory preflight, loaders")
-            parts = prepare_rank(args, s, d)
+            parts = prepare_rank(args, d, s.model, s.loaders, s.resolution, seed=s.launch.seed, epochs=s.optim.epochs)
             # batch_size auto reuses it when it fits
             previous = previous_plan(Path(args.out) / "checkpoints", s.batch, s.stops, ckpt.maths_config(s.as_dict()))
-            plan = batchplan.choose_batch(
-                s,
+            preflight = batchplan.Preflight(
                 parts.model,
                 parts.loss_fn,
-                d,
                 len(parts.classes),
                 parts.spec,
-                previous=previous,
+                s.loaders.loader,
+                s.resolution,
+                s.optim,
+                s.model,
                 validated=bool(args.val_rec),
             )
+            plan = batchplan.choose_batch(s.batch, d, preflight, previous=previous)
             run = build_run(args, s, parts, plan)
             train_run(run, request)
     except stop.Agreed:  # a clean stop or a divergence: each said what it kept, no traceback
@@ -189,9 +191,8 @@ def train_run(run: Run, request: StopRequest) -> None:
     barrier(d)
 
 
-def _run(args: argparse.Namespace, cfg: dict) -> int | None:
-    """The train block `cfg` as rectrain.cli completed it, read once here into its typed view."""
-    s = settings.train(cfg)
+def _run(args: argparse.Namespace, s: settings.TrainSettings) -> int | None:
+    """`s`: the train block's view, as rectrain.cli read it once; each function below gets the parts it reads."""
     if not distributed.launched():
         ck_dir = Path(args.out) / "checkpoints"
         status = relaunch_or_single(s.launch, s.stops.stop_signals, args.argv, args.single_process, ck_dir)

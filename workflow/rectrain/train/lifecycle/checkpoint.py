@@ -163,10 +163,11 @@ def load(path: str | os.PathLike) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def maths_config(cfg: dict) -> dict:
-    """The train block without its operational keys (x-rerun: false in the schema, the same split the
-    rule's params use): a checkpoint written under other intervals, timeouts or worker counts is resumed."""
-    return output_part("train", cfg)
+def maths_config(recorded: dict) -> dict:
+    """The train block, recorded flat (TrainSettings.as_dict(), or a checkpoint's `config`), without its
+    operational keys (x-rerun: false in the schema, the same split the rule's params use): a checkpoint
+    written under other intervals, timeouts or worker counts is resumed."""
+    return output_part("train", recorded)
 
 
 def _sha256(path: str | os.PathLike) -> str:
@@ -262,8 +263,8 @@ class Difference:
 PLAN_KEYS = ("devices", "cpu_processes", "nodes", "batch_size", "grad_accum")
 
 
-def _without_plan_keys(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in PLAN_KEYS}
+def _without_plan_keys(maths: dict) -> dict:
+    return {k: v for k, v in maths.items() if k not in PLAN_KEYS}
 
 
 def differences(state: dict, ident: RunIdentity) -> list[Difference]:

@@ -97,11 +97,11 @@ class ResumeRefused(RuntimeError):
     """train.resume: always, but the checkpoint differs in an item no resume can cross."""
 
 
-def previous_plan(ck_dir: Path, batch, stops, config: dict | None = None) -> BatchPlan | None:
+def previous_plan(ck_dir: Path, batch, stops, maths: dict | None = None) -> BatchPlan | None:
     """The batch plan checkpoints/last.pt was written with, for `batch_size: auto` to reuse and for a run on
     another world size to keep its global batch (batchplan.regroup); None when there is none to reuse (no
-    checkpoint, a finished run, train.resume: never, or under auto one of another train config - `config`:
-    this run's maths config - which this run will not continue).
+    checkpoint, a finished run, train.resume: never, or under auto one of another train config - `maths`:
+    this run's maths config (checkpoint.maths_config) - which this run will not continue).
     `batch`, `stops`: the train block's parts (rectrain.settings)."""
     last = Path(ck_dir) / "last.pt"
     if stops.resume == "never" or not last.exists():
@@ -111,8 +111,8 @@ def previous_plan(ck_dir: Path, batch, stops, config: dict | None = None) -> Bat
     stamp = ckpt.stamp_of(last)
     if not all(isinstance(stamp[k], int) for k in ("batch_size", "grad_accum", "world_size")):
         return None
-    if stops.resume == "auto" and config is not None:
-        same = ckpt.RunIdentity(config, 0, 0, 0, stamp["data"], stamp["code"])
+    if stops.resume == "auto" and maths is not None:
+        same = ckpt.RunIdentity(maths, 0, 0, 0, stamp["data"], stamp["code"])
         if any(d.item == "config" for d in ckpt.differences(stamp, same)):
             return None  # a new run: it plans from its own train.batch_size and grad_accum
     return BatchPlan(stamp["batch_size"], stamp["grad_accum"], stamp["world_size"], reason="the checkpoint's")
