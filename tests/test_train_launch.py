@@ -172,3 +172,43 @@ def test_no_gpu_device_node_means_no_gpu_without_asking_torch(monkeypatch):
     monkeypatch.setattr(distributed.glob, "glob", lambda pattern: [])
     monkeypatch.setitem(sys.modules, "torch", None)  # importing torch now fails: it must not be asked
     assert distributed.visible_gpu_count() == 0
+
+
+def test_a_direct_run_that_relaunches_imports_no_torch_before_torchrun():
+    """`python -m rectrain.train` decides to relaunch (rectrain.train.direct) before importing the trainer:
+    the process that only starts torchrun skips torch's seconds of import and of teardown."""
+    probe = "import sys, rectrain.train.direct; print(sorted(m for m in ('torch', 'torchvision') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "relaunches"),
+    [
+        (["--config-json", '{"devices": "cpu", "cpu_processes": 2}', "--out", "o"], {}, True),
+        (["--config-json", '{"devices": "cpu", "cpu_processes": 1}'], {}, False),
+        (["--config-json", '{"devices": "cpu", "cpu_processes": 2}', "--single-process"], {}, False),
+        (["--config-json", '{"devices": "cpu", "cpu_processes": 2, "nodes": 2}'], {}, False),
+        (
+            ["--config-json", '{"devices": "cpu", "cpu_processes": 2}'],
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+            False,
+        ),
+        (["--config-json", '{"devices": "cpu", "cpu_processes": 2}', "--help"], {}, False),
+        (["--config-json", '{"not_a_key": 1}'], {}, False),
+        (["--config-json", "{not json"], {}, False),
+        (["--rec", "x.rec"], {}, False),
+    ],
+    ids=["two-cpu", "one-cpu", "single-process", "two-nodes", "launched", "help", "bad-key", "bad-json", "no-config"],
+)
+def test_only_a_run_torchrun_must_start_relaunches_early_and_the_trainer_reports_everything_else(
+    monkeypatch, argv, env, relaunches
+):
+    from rectrain.train import direct
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert direct.relaunches(argv) is relaunches

@@ -16,6 +16,11 @@ def _interrupted_while_importing(signum, frame) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_while_importing)
+    from rectrain.train import direct
+
+    if direct.relaunches(sys.argv[1:]):  # this process only starts torchrun: no torch to import
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.exit(direct.main())
     from rectrain.train.trainer import main
 
     # from here a KeyboardInterrupt is the trainer's, and training's stop handling replaces it (train.stop)

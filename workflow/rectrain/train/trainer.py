@@ -37,13 +37,13 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rectrain import cli, distributed, driver_check, settings, usage, watchdog
+from rectrain import cli, distributed, settings, usage, watchdog
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
-from rectrain.train import batchplan, calibrate, curves, outputs, provenance
+from rectrain.train import batchplan, calibrate, curves, direct, outputs, provenance
 from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.lifecycle import checkpoint as ckpt
-from rectrain.train.lifecycle import divergence, failure, stop, supervise
+from rectrain.train.lifecycle import divergence, failure, stop
 from rectrain.train.lifecycle.resume import previous_plan, resume
 from rectrain.train.lifecycle.status import EXIT_STOPPED
 from rectrain.train.lifecycle.stop import Agreement, StopRequest
@@ -53,57 +53,6 @@ from rectrain.train.step import Step, run_steps
 __all__ = ["Step", "run_steps", "main"]  # the step lives in rectrain.train.step; the bench imports it from here
 
 log = logging.getLogger(__name__)
-
-
-def _arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--rec", required=True)
-    ap.add_argument("--idx", required=True)
-    ap.add_argument("--val-rec", help="the val .rec; without it (no val split) no epoch is validated")
-    ap.add_argument("--val-idx")
-    ap.add_argument("--classes", required=True, help="classes.tsv (label, wnid, name)")
-    ap.add_argument("--out", required=True)
-    ap.add_argument(
-        "--manifest",
-        default=None,
-        help="the pack manifest of --rec (results/<ds>/pack/train.manifest.json): resume fingerprint",
-    )
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads for the whole job (default: all)")
-    ap.add_argument(
-        "--single-process",
-        action="store_true",
-        help="without a launcher, run one process instead of relaunching through torchrun",
-    )
-
-
-def relaunch_or_single(launch, stop_signals: list[str], argv: list[str], single: bool, ck_dir: Path) -> int | None:
-    """Called when RANK/WORLD_SIZE/LOCAL_RANK are missing: run the same command under torchrun when the
-    train block's `launch` part asks for several processes, returning its exit status (supervise:
-    EXIT_STOPPED after a stop, `stop_signals`: train.stop_signals), else set this process up as rank 0
-    of 1 (None)."""
-    gpu_count = distributed.visible_gpu_count()
-    driver_check.stop_on_mismatch(launch.devices, gpu_count > 0, "train")
-    procs = distributed.plan_processes(launch.devices, launch.cpu_processes, gpu_count)
-    missing = ", ".join(v for v in distributed.LAUNCH_VARS if v not in os.environ)
-    if procs.nproc > 1 and launch.nodes == 1 and not single:
-        log.info(
-            "started without a launcher (%s not set): relaunching through torchrun with %d processes because %s",
-            missing,
-            procs.nproc,
-            procs.reason,
-        )
-        cmd, env = distributed.torchrun_command(procs, "rectrain.train", argv)
-        return supervise.run_torchrun(cmd, env, ck_dir, stop_signals)
-    if single:
-        why = "--single-process was given"
-    elif launch.nodes > 1:
-        why = "multi-node runs must be started by the launcher"
-    else:
-        why = procs.reason
-    log.info(
-        "started without a launcher (%s not set): running as a single process (rank 0 of 1) because %s", missing, why
-    )
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    return None
 
 
 def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
@@ -195,7 +144,7 @@ def _run(args: argparse.Namespace, s: settings.TrainSettings) -> int | None:
     """`s`: the train block's view, as rectrain.cli read it once; each function below gets the parts it reads."""
     if not distributed.launched():
         ck_dir = Path(args.out) / "checkpoints"
-        status = relaunch_or_single(s.launch, s.stops.stop_signals, args.argv, args.single_process, ck_dir)
+        status = direct.relaunch_or_single(s.launch, s.stops.stop_signals, args.argv, args.single_process, ck_dir)
         if status is not None:
             return status
     # a global batch this world size cannot keep is refused in one line, before any rank builds anything
@@ -213,7 +162,9 @@ def _run(args: argparse.Namespace, s: settings.TrainSettings) -> int | None:
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    return cli.main("train", "train", _arguments, _run, argv, elapsed=True, interrupted=None)  # stop.py handles SIGINT
+    return cli.main(
+        "train", "train", direct.arguments, _run, argv, elapsed=True, interrupted=None
+    )  # stop.py handles SIGINT
 
 
 if __name__ == "__main__":
