@@ -367,8 +367,8 @@ def test_a_cuda_error_in_training_with_batch_size_auto_names_the_planned_batch_a
     and a fix that keeps the global batch - not with batch 0 (a ZeroDivisionError in the handler)."""
     from helpers.train_data import config_json
 
+    from rectrain.train import direct
     from rectrain.train import step as step_module
-    from rectrain.train import trainer
 
     def failing_step(*args, **kwargs):
         as_if_on_an_11gb_card_near_full(monkeypatch)
@@ -377,7 +377,7 @@ def test_a_cuda_error_in_training_with_batch_size_auto_names_the_planned_batch_a
     monkeypatch.setattr(step_module, "_forward_backward", failing_step)
     cfg = config_json(devices="auto", batch_size="auto", global_batch=16, epochs=1, calibration_steps=0)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        trainer.main(["--config-json", cfg, *in_process_run])
+        direct.main(["--config-json", cfg, *in_process_run])
     err = capfd.readouterr().err
     line = next((text for text in err.splitlines() if "rank 0 failed:" in text), "")
     assert f"rank 0 failed: RuntimeError: {ILLEGAL_ACCESS}" in line, err[-3000:]
@@ -393,7 +393,7 @@ def test_a_cuda_error_before_the_batch_is_planned_is_reported_without_a_second_e
     from helpers.train_data import config_json
 
     from rectrain import model as models
-    from rectrain.train import trainer
+    from rectrain.train import direct
 
     def failing_build(*args, **kwargs):
         as_if_on_an_11gb_card_near_full(monkeypatch)
@@ -402,5 +402,5 @@ def test_a_cuda_error_before_the_batch_is_planned_is_reported_without_a_second_e
     monkeypatch.setattr(models, "build", failing_build)
     cfg = config_json(devices="auto", batch_size="auto", epochs=1, calibration_steps=0)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        trainer.main(["--config-json", cfg, *in_process_run])
+        direct.main(["--config-json", cfg, *in_process_run])
     assert f"rank 0 failed: RuntimeError: {ILLEGAL_ACCESS}" in capfd.readouterr().err

@@ -18,11 +18,13 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_while_importing)
     from rectrain.train import direct
 
-    if direct.relaunches(sys.argv[1:]):  # this process only starts torchrun: no torch to import
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.exit(direct.main())
-    from rectrain.train.trainer import main
+    main = direct.main
+    if not direct.relaunches(sys.argv[1:]):  # a rank or a single process trains here: torch now
+        from torch.distributed.elastic.multiprocessing.errors import record
 
+        import rectrain.train.trainer  # noqa: F401  (imported under the handler above, not at the first step)
+
+        main = record(direct.main)  # torchrun reads the error file it writes for a failed rank
     # from here a KeyboardInterrupt is the trainer's, and training's stop handling replaces it (train.stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())

@@ -17,8 +17,17 @@ from pathlib import Path
 from rectrain import cli, distributed, driver_check, settings
 from rectrain.config import ConfigError, stage_block
 from rectrain.train.lifecycle import supervise
+from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 log = logging.getLogger(__name__)
+
+DOC = """Train a network with DistributedDataParallel from the packed .rec (rectrain.train.trainer).
+
+    python -m rectrain.train.launch --config-json '<train block>' --rec train.rec --idx train.idx \\
+        --val-rec val.rec --val-idx val.idx --classes classes.tsv --out results/<ds>/train
+
+Started without a launcher (plain `python -m rectrain.train ...`), it relaunches itself through torchrun
+when the config asks for more than one process, or runs as a single process, and says which."""
 
 
 def arguments(ap: argparse.ArgumentParser) -> None:
@@ -97,16 +106,31 @@ def relaunches(argv: list[str]) -> bool:
     return _under_torchrun(procs, launch, known.single_process)
 
 
-def _relaunch(args: argparse.Namespace, s: settings.TrainSettings) -> int:
-    status = relaunch_or_single(
-        s.launch, s.stops.stop_signals, args.argv, args.single_process, Path(args.out) / "checkpoints"
-    )
-    if status is None:  # relaunches() said it would: the same inputs decide both
-        raise RuntimeError("rectrain.train.direct: asked to relaunch through torchrun, but the plan is one process")
-    return status
+def _run(args: argparse.Namespace, s: settings.TrainSettings) -> int | None:
+    """`s`: the train block's view, as rectrain.cli read it once; each function below gets the parts it reads."""
+    if not distributed.launched():
+        ck_dir = Path(args.out) / "checkpoints"
+        status = relaunch_or_single(s.launch, s.stops.stop_signals, args.argv, args.single_process, ck_dir)
+        if status is not None:
+            return status
+    # torch from here (already imported by rectrain.train's __main__ in a rank or a single process)
+    from rectrain.train import batchplan, trainer
+    from rectrain.train.lifecycle import divergence, stop
+
+    # a global batch this world size cannot keep is refused in one line, before any rank builds anything
+    batchplan.fixed_accum(s.batch, int(os.environ["WORLD_SIZE"]))
+    try:
+        trainer.train(args, s)
+    except stop.Stopped:
+        return EXIT_STOPPED
+    except divergence.Diverged:
+        return divergence.EXIT_DIVERGED
+    finally:
+        distributed.teardown()
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The relaunching process's whole life: the trainer's arguments and config, then torchrun (which
-    handles a stop signal: rectrain.train.lifecycle.supervise)."""
-    return cli.main("train", "train", arguments, _relaunch, argv, elapsed=True, interrupted=None)
+    """`python -m rectrain.train`: a rank (under torchrun), a single process, or the process that starts
+    torchrun. A stop signal is training's to handle (train.lifecycle.stop, supervise), not a Ctrl-C line."""
+    return cli.main("train", "train", arguments, _run, argv, elapsed=True, interrupted=None, doc=DOC)

@@ -4,10 +4,10 @@
         --val-rec val.rec --val-idx val.idx --classes classes.tsv --out results/<ds>/train
 
 (launch execs torchrun, which starts one `python -m rectrain.train` per device with RANK, LOCAL_RANK
-and WORLD_SIZE set).  Started without a launcher - plain `python -m rectrain.train ...`, an IDE's
-Run button - this module relaunches itself through torchrun when the config asks for more than one
-process, or runs as a single process, and says which; it never dies on a missing RANK.  A partial
---config-json block is completed from config/schema.yaml.
+and WORLD_SIZE set; rectrain.train.direct is that command's entry point).  Started without a launcher -
+plain `python -m rectrain.train ...`, an IDE's Run button - it relaunches itself through torchrun when
+the config asks for more than one process, or runs as a single process, and says which; it never dies
+on a missing RANK.  A partial --config-json block is completed from config/schema.yaml.
 
 A run, in order (`train`), each step in its own module of rectrain.train: set up the rank, build the
 model (run.prepare_rank), plan the batch - on a GPU after checking it fits beside what the loaders
@@ -31,26 +31,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
-import sys
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from rectrain import cli, distributed, settings, usage, watchdog
+from rectrain import distributed, settings, usage, watchdog
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
-from rectrain.train import batchplan, calibrate, curves, direct, outputs, provenance
+from rectrain.train import batchplan, calibrate, curves, outputs, provenance
 from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import divergence, failure, stop
 from rectrain.train.lifecycle.resume import previous_plan, resume
-from rectrain.train.lifecycle.status import EXIT_STOPPED
 from rectrain.train.lifecycle.stop import Agreement, StopRequest
 from rectrain.train.run import Run, build_run, prepare_rank
 from rectrain.train.step import Step, run_steps
 
-__all__ = ["Step", "run_steps", "main"]  # the step lives in rectrain.train.step; the bench imports it from here
+__all__ = ["Step", "run_steps", "train"]  # the step lives in rectrain.train.step; the bench imports it from here
 
 log = logging.getLogger(__name__)
 
@@ -138,34 +133,3 @@ def train_run(run: Run, request: StopRequest) -> None:
         epochs_log.close()
         outputs.finish(run, {**info, "usage": used})
     barrier(d)
-
-
-def _run(args: argparse.Namespace, s: settings.TrainSettings) -> int | None:
-    """`s`: the train block's view, as rectrain.cli read it once; each function below gets the parts it reads."""
-    if not distributed.launched():
-        ck_dir = Path(args.out) / "checkpoints"
-        status = direct.relaunch_or_single(s.launch, s.stops.stop_signals, args.argv, args.single_process, ck_dir)
-        if status is not None:
-            return status
-    # a global batch this world size cannot keep is refused in one line, before any rank builds anything
-    batchplan.fixed_accum(s.batch, int(os.environ["WORLD_SIZE"]))
-    try:
-        train(args, s)
-    except stop.Stopped:
-        return EXIT_STOPPED
-    except divergence.Diverged:
-        return divergence.EXIT_DIVERGED
-    finally:
-        distributed.teardown()
-    return None
-
-
-@record
-def main(argv: list[str] | None = None) -> int:
-    return cli.main(
-        "train", "train", direct.arguments, _run, argv, elapsed=True, interrupted=None
-    )  # stop.py handles SIGINT
-
-
-if __name__ == "__main__":
-    sys.exit(main())
