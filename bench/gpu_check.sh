@@ -144,7 +144,14 @@ setup_left() { echo $((SETUP_END - (SECONDS - T0))); }
 step "work folder $WORK, scratch $SCRATCH"
 nvidia-smi -L || echo "nvidia-smi not found"
 run_part environment "$(setup_left)" "$PY" -c "import sys, torch, torchvision; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| torchvision', torchvision.__version__, '| GPUs', torch.cuda.device_count())" \
-    || { FAILED+=("torch/torchvision missing for $PY: this check needs them preinstalled"); exit 2; }
+    || { rc=$?
+         # cut at its limit is not "missing": on a loaded machine importing torch alone can outlast it
+         if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+             FAILED+=("the environment check (importing torch and torchvision) did not finish within its limit: a loaded machine or a slow disk; nothing after it ran")
+         elif [[ "${FAILED[-1]}" != *skipped* ]]; then
+             FAILED+=("torch/torchvision missing for $PY: this check needs them preinstalled")
+         fi
+         exit 2; }
 need_sm=0 need_dali=0
 "$PY" -c "import snakemake" 2>/dev/null || need_sm=1
 "$PY" -c "import nvidia.dali" 2>/dev/null || need_dali=1
