@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from rectrain import cli, distributed, driver_check, settings
-from rectrain.config import ConfigError, stage_block
+from rectrain.config import ConfigError
 from rectrain.train.lifecycle import supervise
 from rectrain.train.lifecycle.status import EXIT_STOPPED
 
@@ -31,7 +31,7 @@ when the config asks for more than one process, or runs as a single process, and
 
 
 def arguments(ap: argparse.ArgumentParser) -> None:
-    """The trainer's command line (rectrain.train.trainer parses the same)."""
+    """The command line of `python -m rectrain.train` (rectrain.cli adds --config-json)."""
     ap.add_argument("--rec", required=True)
     ap.add_argument("--idx", required=True)
     ap.add_argument("--val-rec", help="the val .rec; without it (no val split) no epoch is validated")
@@ -99,7 +99,7 @@ def relaunches(argv: list[str]) -> bool:
     if known.config_json is None:
         return False
     try:
-        launch = settings.train(stage_block("train", known.config_json)).launch
+        launch = cli.typed("train", cli.read_config("train", known.config_json)).launch  # as cli.main reads it
         procs = distributed.plan_processes(launch.devices, launch.cpu_processes, distributed.visible_gpu_count())
     except (ConfigError, ValueError):  # json's decode error is a ValueError
         return False
