@@ -62,6 +62,25 @@ def test_only_the_jobs_first_task_requeues_and_outside_slurm_nothing_is_asked():
     assert slurm.requeued == []
 
 
+@pytest.mark.parametrize(
+    "env, waits",
+    [
+        ({"SLURM_JOB_ID": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, [requeue.FIRST_TASK_WAIT_S]),
+        ({"SLURM_JOB_ID": "3", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, []),
+        ({"SLURM_JOB_ID": "3", "SLURM_NTASKS": "1"}, []),
+        ({}, []),
+    ],
+)
+def test_a_stopped_task_other_than_the_first_waits_for_the_first_to_requeue_before_it_exits(env, waits):
+    """Its exit status 75 at once would make srun (--kill-on-bad-exit) kill the first task before its
+    scontrol requeue: a CI run of tests/test_slurm.py saw task 1 exit first and the job fail."""
+    slept = []
+    requeue.wait_for_first_task(env, slept.append)
+    assert slept == waits
+    if waits:
+        assert f"waits up to {requeue.FIRST_TASK_WAIT_S} s" in requeue.after_stop(env, FakeSlurm(left=60), NOW)
+
+
 def test_a_refused_requeue_names_the_command_and_slurms_reason():
     said = requeue.after_stop({"SLURM_JOB_ID": "5"}, FakeSlurm(left=100, requeue_rc=1), NOW)
     assert "`scontrol requeue 5` failed (Job is not requeueable)" in said

@@ -81,6 +81,8 @@ def _run(own: argparse.Namespace, s: settings.TrainSettings) -> int | None:
     said = requeue.after_stop(os.environ) if status == EXIT_STOPPED else None
     if said:  # under SLURM: back in the queue at the time limit, or why not
         log.info("%s", said)
+    if status == EXIT_STOPPED:
+        requeue.wait_for_first_task(os.environ)
     return status
 
 

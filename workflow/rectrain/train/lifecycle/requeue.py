@@ -22,6 +22,8 @@ WARNING_ENV = "RECTRAIN_SLURM_WARNING_S"
 DEFAULT_WARNING_S = 300  # a step, a checkpoint of ResNet-50's state and its fsync, with room to spare
 # SLURM may send the warning up to a minute early (its event resolution, sbatch(1) --signal).
 EARLY_S = 90
+# How long a stopped task other than the first waits before it exits (wait_for_first_task).
+FIRST_TASK_WAIT_S = 60
 
 
 def stop_warning_s(env) -> int:
@@ -57,7 +59,10 @@ def after_stop(env, run=subprocess.run, now: float | None = None) -> str | None:
     if not job_id:
         return None
     if env.get("SLURM_PROCID", "0") != "0":
-        return "the job's first task decides whether SLURM requeues the job"
+        return (
+            "the job's first task decides whether SLURM requeues the job: this task waits up to "
+            f"{FIRST_TASK_WAIT_S} s for it to end the step"
+        )
     left = seconds_left(job_id, run, now)
     window = stop_warning_s(env) + EARLY_S
     if left is None or left > window:
@@ -77,3 +82,12 @@ def after_stop(env, run=subprocess.run, now: float | None = None) -> str | None:
         f"SLURM job {job_id} stopped {left:.0f} s before its time limit: requeued (same job id, a fresh "
         "time limit); it resumes from the checkpoint when SLURM starts it again"
     )
+
+
+def wait_for_first_task(env, sleep=time.sleep) -> None:
+    """A stopped launcher that is not the job's first task, in a step of several: wait for the first
+    task to end the step (srun then ends this one), at most FIRST_TASK_WAIT_S.  Exiting at once with
+    the stop's non-zero status would make srun (--kill-on-bad-exit) kill the first task before its
+    `scontrol requeue`, and the job would fail instead of going back in the queue."""
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_PROCID", "0") != "0" and int(env.get("SLURM_NTASKS", "1")) > 1:
+        sleep(FIRST_TASK_WAIT_S)
