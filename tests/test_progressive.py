@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
+from helpers import failure_text
 from helpers.synthetic_run import REPORT_CFG, make_calibration, write_run
 from helpers.train_data import (
     config_json,
@@ -159,7 +160,7 @@ def runs(data, tmp_path_factory):
         root = tmp_path_factory.mktemp(f"run_{kind}")
         (root / "shapes").mkdir()
         proc = run_train(data, root / "t", {"RECTRAIN_RECORD_SHAPES": str(root / "shapes")}, loader=kind)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, failure_text(proc.stderr)
         done[kind] = SimpleNamespace(out=root / "t", shapes=shapes_seen(root / "shapes"), log=proc.stderr)
     return done
 

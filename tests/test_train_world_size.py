@@ -13,6 +13,7 @@ import sys
 from collections import Counter, defaultdict
 
 import pytest
+from helpers import failure_text
 from helpers.train_data import config_json, packed_dataset, rows
 
 from rectrain.train.lifecycle.status import EXIT_STOPPED
@@ -58,11 +59,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
     data = packed_dataset(root / "data", n_train=N_TRAIN, n_val=N_VAL, classes=4)
     ref = train(data, root / "ref", 2)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert ref.returncode == 0, failure_text(ref.stderr)
     out, logs = root / "moved", []
     for processes, signal_at, status in ((2, f"0:0:{STEPS}", EXIT_STOPPED), (1, "0:2:3", EXIT_STOPPED), (2, None, 0)):
         proc = train(data, out, processes, signal_at)
-        assert proc.returncode == status, proc.stderr[-3000:]
+        assert proc.returncode == status, failure_text(proc.stderr)
         logs.append(proc.stderr)
     return root / "ref", out, logs
 

@@ -59,7 +59,9 @@ TINY_TRAIN = {
     "batch_size": 8,
     "workers": 1,
     "sample_interval_s": 0.2,
-    "collective_timeout_s": 60,
+    # A peer stalled past this fails the run.  60 s failed a CI run once (a 2-rank run's validation
+    # all-reduce, with two other workers busy); 180 s stays under the tests' 300 s subprocess limits.
+    "collective_timeout_s": 180,
     "calibration_steps": 3,
     "calibration_warmup_steps": 1,
 }
