@@ -90,3 +90,25 @@ def test_a_stage_that_handles_ctrl_c_itself_gets_the_interrupt():
 
     with pytest.raises(KeyboardInterrupt):
         cli.main("train", "train", _no_options, run, ["--config-json", "{}"], interrupted=None)
+
+
+def test_a_process_ended_by_cli_end_keeps_its_exit_status_atexit_handlers_and_unclosed_files(tmp_path):
+    """cli.end skips only the interpreter's last garbage collections (gc.freeze): the status, logging's
+    atexit flush and a file left open (flushed as its last reference goes) are as with sys.exit."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, gc, logging, sys\n"
+        "from rectrain import cli\n"
+        f"logging.basicConfig(filename={str(tmp_path / 'log')!r})\n"
+        "logging.getLogger().error('logged')\n"
+        f"left_open = open({str(tmp_path / 'out')!r}, 'w'); left_open.write('written')\n"
+        "atexit.register(lambda: print('atexit ran, frozen:', gc.get_freeze_count() > 0))\n"
+        "cli.end(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.strip() == "atexit ran, frozen: True"
+    assert (tmp_path / "out").read_text() == "written"
+    assert "logged" in (tmp_path / "log").read_text()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -402,4 +401,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.end(main())

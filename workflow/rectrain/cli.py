@@ -5,7 +5,7 @@ A stage module's `main` is
     def main(argv=None) -> int:
         return cli.main("index", "index", _arguments, _run, argv, errors={LayoutError: 1})
 
-and `if __name__ == "__main__": sys.exit(main())`.  `cli.main` parses the command line (the
+and `if __name__ == "__main__": cli.end(main())` (cli.end: why).  `cli.main` parses the command line (the
 description is the docstring of the module that holds `run`; `--config-json` is added here),
 sets up logging (rectrain.log.setup), completes the config - a block with
 rectrain.config.stage_block, or the whole config (`block=WHOLE`, the report) with complete_config -
@@ -25,10 +25,11 @@ explained failure line before re-raising (exceptions other than the mapped ones 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from rectrain import log as stage_log
 from rectrain import settings
@@ -96,6 +97,16 @@ def main(
         logging.getLogger(stage_log.PROGRESS_LOGGER).error("%s interrupted: %s", tag, interrupted)
         return EXIT_INTERRUPTED
     return 0 if rc is None else rc
+
+
+def end(code: int | None) -> NoReturn:
+    """A stage process's exit with `code` (sys.exit's), without the garbage collections the interpreter
+    runs as it shuts down: a process that imported torch spends 0.6-0.8 CPU-s and as long in wall time
+    in them (bench/RESULTS.md), every rank of every run.  The rest of an exit still happens: atexit
+    handlers (logging's flush), module teardown, every object freed by its reference count (files flush
+    and close).  Only objects in reference cycles are left for the OS to reclaim with the process."""
+    gc.freeze()
+    sys.exit(code)
 
 
 def read_config(block: str, text: str) -> dict:

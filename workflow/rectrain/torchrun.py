@@ -15,6 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
 
+from rectrain import cli
 from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 # A stopped rank's status, and those of the ranks the agent ended after it (SIGTERM, then SIGKILL)
@@ -46,4 +47,4 @@ def run(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    cli.end(run())

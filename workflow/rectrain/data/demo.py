@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import shutil
-import sys
 import tarfile
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -465,4 +464,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.end(main())

@@ -66,7 +66,6 @@ import logging
 import os
 import re
 import stat
-import sys
 import tarfile
 from array import array
 from collections import Counter
@@ -1063,4 +1062,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.end(main())

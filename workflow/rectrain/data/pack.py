@@ -54,7 +54,6 @@ import random
 import shutil
 import socket
 import stat
-import sys
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -729,4 +728,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.end(main())

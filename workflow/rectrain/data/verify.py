@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import time
 
 import numpy as np
@@ -163,4 +162,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.end(main())

@@ -27,4 +27,6 @@ if __name__ == "__main__":
         main = record(direct.main)  # torchrun reads the error file it writes for a failed rank
     # from here a KeyboardInterrupt is the trainer's, and training's stop handling replaces it (train.stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.exit(main())
+    from rectrain import cli
+
+    cli.end(main())

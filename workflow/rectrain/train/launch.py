@@ -131,4 +131,4 @@ def _drop_option(argv: list[str], name: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.end(main())

@@ -38,7 +38,6 @@ import logging
 import os
 import shutil
 import stat
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -351,4 +350,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.end(main())
