@@ -1,5 +1,6 @@
 """`python -m rectrain.train`: the training module (rectrain.train.trainer), launcher-proof."""
 
+import gc
 import os
 import signal
 import sys
@@ -20,10 +21,16 @@ if __name__ == "__main__":
 
     main = direct.main
     if not direct.relaunches(sys.argv[1:]):  # a rank or a single process trains here: torch now
+        # Importing torch, torch._dynamo (torchvision's ops import it) and DALI creates about a million
+        # objects, and the collections they set off cost ~0.5 CPU-s of the ~2.7 (bench/RESULTS.md): none
+        # while importing; frozen after, so the run's own collections skip them.
+        gc.disable()
         from torch.distributed.elastic.multiprocessing.errors import record
 
         import rectrain.train.trainer  # noqa: F401  (imported under the handler above, not at the first step)
 
+        gc.freeze()
+        gc.enable()
         main = record(direct.main)  # torchrun reads the error file it writes for a failed rank
     # from here a KeyboardInterrupt is the trainer's, and training's stop handling replaces it (train.stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)
