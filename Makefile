@@ -9,7 +9,8 @@ CORES ?= $(shell nproc)
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist) for make test and make check: three on the 2-core CI machine, whose suite
 # waits a third of its time (schedulers, job start-ups, provoked timeouts): measured 1,012 s of pytest
-# on 3 against 1,142 s on 2 (bench/RESULTS.md). tests/conftest.py keeps each module on one worker and
+# on 3 against 1,142 s on 2; 4 workers were slower again, 857 s against 809 s on 3 (bench/RESULTS.md,
+# 2026-12-03). tests/conftest.py keeps each module on one worker and
 # starts the longest first.
 TEST_WORKERS ?= 3
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
