@@ -21,7 +21,7 @@ def data(tmp_path_factory):
 @pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_naming_it_and_where_with_every_ranks_stacks(data, tmp_path):
     """Rank 1's loader sleeps before its second batch (RECTRAIN_STALL_RANK) while rank 0 waits for it in
-    the gradient all-reduce; the tests' collective timeout (180 s) is far off, the watchdog (3 s) ends it."""
+    the gradient all-reduce; the tests' collective timeout (240 s) is far off, the watchdog (3 s) ends it."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["RECTRAIN_STALL_RANK"] = "1"
     cfg = config_json(

@@ -102,8 +102,8 @@ def launcher_of(proc, deadline):
 
 def failure_text(stderr: str, tail: int = 3000) -> str:
     """A failed run's stderr for an assertion message: its last `tail` characters, after every Python
-    stack dump above them (faulthandler's, written by each rank torchrun ended while its watchdog ran),
-    so a rank that was elsewhere when its peer failed is shown where it was, not cut off."""
+    stack dump above them (faulthandler's: a stalled rank's watchdog writes every thread's stack), so a
+    rank that was elsewhere when its peer failed is shown where it was, not cut off by the tail."""
     head, end = stderr[:-tail], stderr[-tail:]
     dumps = re.findall(r"^(?:Current thread|Thread) 0x[0-9a-f]+ .*?(?=^\S|\Z)", head, re.M | re.S)
     return "".join(dumps) + ("...\n" if head else "") + end

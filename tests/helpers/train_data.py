@@ -59,9 +59,12 @@ TINY_TRAIN = {
     "batch_size": 8,
     "workers": 1,
     "sample_interval_s": 0.2,
-    # A peer stalled past this fails the run.  60 s failed a CI run once (a 2-rank run's validation
-    # all-reduce, with two other workers busy); 180 s stays under the tests' 300 s subprocess limits.
-    "collective_timeout_s": 180,
+    # A rank that hangs (a CI run once saw one never reach validation's all-reduce, and ignore torchrun's
+    # SIGTERM) is ended by its watchdog, which prints every thread's stack (failure_text keeps them), before
+    # its peer's collective timeout, which would only say the peer timed out.  Both under the tests' 300 s
+    # subprocess limits; 150 s leaves a compiled run's first step its time on a loaded box.
+    "watchdog_s": 150,
+    "collective_timeout_s": 240,
     "calibration_steps": 3,
     "calibration_warmup_steps": 1,
 }
