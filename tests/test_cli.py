@@ -1,5 +1,8 @@
 """The stage CLIs' scaffold (rectrain.cli): config completed, errors mapped to exit codes in one place."""
 
+import subprocess
+import sys
+
 import pytest
 
 from rectrain import cli, settings
@@ -95,9 +98,6 @@ def test_a_stage_that_handles_ctrl_c_itself_gets_the_interrupt():
 def test_a_process_ended_by_cli_end_keeps_its_exit_status_atexit_handlers_and_unclosed_files(tmp_path):
     """cli.end skips only the interpreter's last garbage collections (gc.freeze): the status, logging's
     atexit flush and a file left open (flushed as its last reference goes) are as with sys.exit."""
-    import subprocess
-    import sys
-
     script = (
         "import atexit, gc, logging, sys\n"
         "from rectrain import cli\n"

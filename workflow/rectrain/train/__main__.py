@@ -17,6 +17,7 @@ def _interrupted_while_importing(signum, frame) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_while_importing)
+    from rectrain import cli
     from rectrain.train import direct
 
     main = direct.main
@@ -34,6 +35,4 @@ if __name__ == "__main__":
         main = record(direct.main)  # torchrun reads the error file it writes for a failed rank
     # from here a KeyboardInterrupt is the trainer's, and training's stop handling replaces it (train.stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from rectrain import cli
-
     cli.end(main())

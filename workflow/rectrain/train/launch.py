@@ -78,10 +78,10 @@ def _run(own: argparse.Namespace, s: settings.TrainSettings) -> int | None:
         return None
     # torchrun as a child, not exec'd: a stop signal reaches the ranks and a stop maps to EXIT_STOPPED.
     status = supervise.run_torchrun(cmd, env, _out_dir(train_argv) / "checkpoints", s.stops.stop_signals)
-    said = requeue.after_stop(os.environ) if status == EXIT_STOPPED else None
-    if said:  # under SLURM: back in the queue at the time limit, or why not
-        log.info("%s", said)
     if status == EXIT_STOPPED:
+        said = requeue.after_stop(os.environ)
+        if said:  # under SLURM: back in the queue at the time limit, or why not
+            log.info("%s", said)
         requeue.wait_for_first_task(os.environ)
     return status
 

@@ -58,7 +58,7 @@ def after_stop(env, run=subprocess.run, now: float | None = None) -> str | None:
     job_id = env.get("SLURM_JOB_ID")
     if not job_id:
         return None
-    if env.get("SLURM_PROCID", "0") != "0":
+    if _another_task(env):
         return (
             "the job's first task decides whether SLURM requeues the job: this task waits up to "
             f"{FIRST_TASK_WAIT_S} s for it to end the step"
@@ -89,5 +89,10 @@ def wait_for_first_task(env, sleep=time.sleep) -> None:
     task to end the step (srun then ends this one), at most FIRST_TASK_WAIT_S.  Exiting at once with
     the stop's non-zero status would make srun (--kill-on-bad-exit) kill the first task before its
     `scontrol requeue`, and the job would fail instead of going back in the queue."""
-    if env.get("SLURM_JOB_ID") and env.get("SLURM_PROCID", "0") != "0" and int(env.get("SLURM_NTASKS", "1")) > 1:
+    if _another_task(env):
         sleep(FIRST_TASK_WAIT_S)
+
+
+def _another_task(env) -> bool:
+    """This launcher is a SLURM job's task other than its first (so the step has several)."""
+    return bool(env.get("SLURM_JOB_ID")) and env.get("SLURM_PROCID", "0") != "0"
