@@ -38,6 +38,7 @@ from helpers import (
     snakemake,
 )
 from helpers.config_edits import another_value, block_keys, filled
+from helpers.curves import check_curves_continue
 
 from rectrain.sources import CACHE as SOURCES_CACHE
 from rectrain.sources import STAGE_ENTRIES, stage_sources
@@ -785,4 +786,7 @@ def test_sigint_to_snakemake_alone_mid_epoch_ends_every_job_in_one_line_with_sta
     with open(train / "steps.csv", newline="") as f:
         keys = [(r["rank"], r["epoch"], r["step"]) for r in csv.DictReader(f)]
     assert len(keys) == len(set(keys)) == 2 * epochs * 10, "every (rank, epoch, step) once: 600 images, 2 x 32"
+    # TensorBoard's reader finds the stopped and the resumed process's curves continuing one another:
+    # every tag, no step twice, the epochs at their last steps (a progress point a second, not a step)
+    check_curves_continue(train / "tensorboard", steps_per_epoch=10, epochs=epochs, every_step=False)
     assert "Nothing to be done" in pipeline.smk("-n", REPORT, "--configfile", str(shortened)).stdout

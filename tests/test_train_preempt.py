@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.curves import check_curves_continue
 from helpers.train_data import config_json, packed_dataset, rows, run_identity, train_settings
 
 from rectrain.distributed import Dist
@@ -164,35 +165,6 @@ def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_r
     check_resumed_like_reference(reference["dali"], out, labels)
     # stopped after epoch 1 step 2 (0-based): global step 6 + 2 + 1 = 9, 1-based as the curves count
     check_curves_continue(out / "tensorboard", steps_per_epoch=6, epochs=2, stopped_after=9)
-
-
-def check_curves_continue(folder, steps_per_epoch, epochs, stopped_after):
-    """TensorBoard's own reader finds every CPU run's tag (rectrain.train.curves) in the two processes'
-    event files, each tag's steps strictly increasing (none written twice), at the steps the run took.
-    The stopped process's last step (`stopped_after`) has a progress line only when the next step's
-    poll came before the stop (losses are read one step late): it may be missing, nothing else."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    assert len(list(folder.glob("events.out.tfevents.*"))) == 2, "one event file per process"
-    acc = EventAccumulator(str(folder))
-    acc.Reload()
-    steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    per_line = {"train/loss", "train/lr", "train/images_per_s", "train/data_wait_share/rank0", "train/resolution_px"}
-    per_epoch = {
-        f"epoch/{t}"
-        for t in ("train_loss", "val_single_view_top1", "val_single_view_top5", "seconds", "cpu_busy_percent")
-    }
-    per_epoch |= {"epoch/iowait_percent", "epoch/data_wait_share/rank0", "epoch/data_wait_share/rank1"}
-    assert per_line | per_epoch <= set(steps), sorted(steps)
-    for tag, got in steps.items():
-        assert got == sorted(set(got)), f"{tag}: {got}"
-    last = steps_per_epoch * epochs
-    expected = {s for s in range(1, last + 1) if s % steps_per_epoch != 1}  # each pass's first: no steady step yet
-    for tag in per_line:
-        got = set(steps[tag])
-        assert got <= expected and expected - got <= {stopped_after}, (tag, steps[tag])
-    for tag in per_epoch:
-        assert steps[tag] == [steps_per_epoch * (e + 1) for e in range(epochs)], (tag, steps[tag])
 
 
 @pytest.mark.slow
