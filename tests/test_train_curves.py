@@ -98,3 +98,62 @@ def test_no_curves_on_other_ranks_or_when_switched_off(tmp_path):
     with curves.opened(True, tmp_path, 5, 1, 2) as c:
         c.interval(1, 3, Window(steps=1, wall_s=0.5, wait_s=0.1, images=8), 1, 0.1, None)
     assert scalars(tmp_path / ckpt.CURVES)["train/lr"][0][0] == 8
+
+
+def step_row(epoch, step, wall, wait):
+    """A line of steps_rank<r>.csv (rectrain.train.telemetry.STEP_COLUMNS)."""
+    return f"1,{epoch},{step},0,{wall},{wait},{wall - wait},8,2.0,0.1\n"
+
+
+def test_every_other_ranks_data_wait_share_per_line_is_read_from_its_live_step_log_since_the_last_line(tmp_path):
+    (tmp_path / "telemetry").mkdir()
+    log = tmp_path / "telemetry" / "steps_rank1.csv"
+    log.write_text("rank,epoch,step,time,wall_s,data_wait_s,compute_s,images,loss,lr\n")
+    c = curves.Curves(tmp_path, steps_per_epoch=5, steps_done=0)
+    window = Window(steps=1, wall_s=0.5, wait_s=0.1, images=8)
+    with open(log, "a") as f:
+        f.write(step_row(0, 0, 0.5, 0.25) + step_row(0, 1, 0.5, 0.25) + "1,0,2,0,0.5")  # a line half-written
+    c.interval(0, 2, window, 2, 0.1, None)
+    with open(log, "a") as f:
+        f.write(",0.0,0.5,8,2.0,0.1\n" + step_row(0, 3, 1.0, 0.1))  # step 2 waited 0 s
+    c.interval(0, 4, window, 2, 0.1, None)
+    c.interval(0, 5, window, 2, 0.1, None)  # rank 1 logged no step since: no point
+    c.close()
+    got = scalars(tmp_path / ckpt.CURVES)
+    assert [(s, round(v, 3)) for s, v in got["train/data_wait_share/rank1"]] == [(2, 0.5), (4, round(0.1 / 1.5, 3))]
+    assert [s for s, _ in got["train/data_wait_share/rank0"]] == [2, 4, 5]
+
+
+def test_a_resumed_run_reads_a_peers_steps_after_the_resume_step_only_and_a_missing_log_gives_no_point(tmp_path):
+    """Resumed at epoch 1 step 2 (global step 7): rank 1's rows of steps 6-7 are the earlier launch's."""
+    (tmp_path / "telemetry").mkdir()
+    (tmp_path / "telemetry" / "steps_rank1.csv").write_text(
+        "rank,epoch,step,time,wall_s,data_wait_s,compute_s,images,loss,lr\n"
+        + step_row(1, 0, 1.0, 0.9)
+        + step_row(1, 1, 1.0, 0.9)
+        + step_row(1, 2, 1.0, 0.2)
+    )
+    c = curves.Curves(tmp_path, steps_per_epoch=5, steps_done=5 + 2)
+    c.interval(1, 3, Window(steps=1, wall_s=0.5, wait_s=0.1, images=8), 3, 0.1, None)  # rank 2 has no log here
+    c.close()
+    got = scalars(tmp_path / ckpt.CURVES)
+    assert [(s, round(v, 3)) for s, v in got["train/data_wait_share/rank1"]] == [(8, 0.2)]
+    assert "train/data_wait_share/rank2" not in got
+
+
+def test_every_nodes_system_means_are_curves_node_0_as_before_and_node_k_named_by_its_number(tmp_path):
+    header = "time,cpu_percent,iowait_percent,disk_read_mb_s,rss_mb,gpu0_util,gpu0_mem_used_mb\n"
+    (tmp_path / "system_node0.csv").write_text(header + "100,50,10,,1,90,1000\n")
+    (tmp_path / "system_node1.csv").write_text(header + "100,20,0,,1,30,500\n101,40,0,,1,50,700\n")
+    (tmp_path / "system_node2.csv").write_text(header + "50,20,0,,1,30,500\n")  # an earlier launch's node
+    got = curves.node_means(tmp_path, 100, 101)
+    assert got == {
+        "cpu_busy_percent": 50.0,
+        "iowait_percent": 10.0,
+        "gpu_util_percent/gpu0": 90.0,
+        "gpu_mem_used_mb/gpu0": 1000.0,
+        "cpu_busy_percent/node1": 30.0,
+        "iowait_percent/node1": 0.0,
+        "gpu_util_percent/node1_gpu0": 40.0,
+        "gpu_mem_used_mb/node1_gpu0": 600.0,
+    }

@@ -5,6 +5,8 @@ PER_LINE = {"train/loss", "train/lr", "train/images_per_s", "train/data_wait_sha
 PER_EPOCH = {
     f"epoch/{t}" for t in ("train_loss", "val_single_view_top1", "val_single_view_top5", "seconds", "cpu_busy_percent")
 } | {"epoch/iowait_percent", "epoch/data_wait_share/rank0", "epoch/data_wait_share/rank1"}
+# Rank 1's share per line, read from its live step log: a point only where it had logged new steps.
+PER_LINE_PEERS = {"train/data_wait_share/rank1"}
 
 
 def scalar_steps(folder) -> dict[str, list[int]]:
@@ -25,7 +27,7 @@ def check_curves_continue(folder, steps_per_epoch, epochs, stopped_after=None, e
     a point only when the next step's poll came before the stop (losses are read one step late)."""
     assert len(list(folder.glob("events.out.tfevents.*"))) == 2, "one event file per process"
     steps = scalar_steps(folder)
-    assert PER_LINE | PER_EPOCH <= set(steps), sorted(steps)
+    assert PER_LINE | PER_LINE_PEERS | PER_EPOCH <= set(steps), sorted(steps)
     for tag, got in steps.items():
         assert got == sorted(set(got)), f"{tag}: {got}"
     last = steps_per_epoch * epochs
@@ -35,5 +37,7 @@ def check_curves_continue(folder, steps_per_epoch, epochs, stopped_after=None, e
         assert got and got <= expected, (tag, steps[tag])
         if every_step:
             assert expected - got <= {stopped_after}, (tag, steps[tag])
+    for tag in PER_LINE_PEERS:
+        assert set(steps[tag]) <= expected, (tag, steps[tag])
     for tag in PER_EPOCH:
         assert steps[tag] == [steps_per_epoch * (e + 1) for e in range(epochs)], (tag, steps[tag])

@@ -10,11 +10,13 @@ A run that starts over moves the curves aside with its checkpoints (rectrain.tra
 
 Tags (docs/watching.md says what each is):
   per progress line   train/loss (rank 0's steps since the last line), train/lr, train/images_per_s (all
-                      ranks), train/data_wait_share/rank0, train/loss_scale (fp16), train/resolution_px
+                      ranks), train/data_wait_share/rank<r> (rank 0's window; every other rank's steps
+                      since the last line, read from the step log it writes live), train/loss_scale
+                      (fp16), train/resolution_px
   per epoch           epoch/train_loss, epoch/val_single_view_top1, epoch/val_single_view_top5, epoch/seconds, epoch/input_efficiency,
                       epoch/data_wait_share/rank<r>, epoch/gpu_util_percent/gpu<i>,
                       epoch/gpu_mem_used_mb/gpu<i>, epoch/cpu_busy_percent, epoch/iowait_percent (node 0's
-                      system samples during the epoch)
+                      system samples during the epoch; another node k's with /node<k>: node_means)
   evaluate stage      evaluate/top1 and evaluate/top5 in <out>/tensorboard/evaluate/ (a run of its own:
                       its x axis is the test resolution in px); a rerun replaces the previous one
 """
@@ -24,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import csv
 import logging
+import os
 from pathlib import Path
 
 from rectrain.train.lifecycle.checkpoint import CURVES
+from rectrain.train.telemetry import STEP_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +48,12 @@ class Curves:
     """Rank 0's writer for one training process (see the module doc)."""
 
     def __init__(self, out: Path, steps_per_epoch: int, steps_done: int):
-        self.steps_per_epoch = steps_per_epoch
+        self.out, self.steps_per_epoch, self.steps_done = Path(out), steps_per_epoch, steps_done
         # the points up to the checkpoint's step stay; a later one is the killed process's, written again
-        self.w = writer(Path(out) / FOLDER, purge_step=steps_done + 1)
+        self.w = writer(self.out / FOLDER, purge_step=steps_done + 1)
         self.loss_sum, self.loss_n = 0.0, 0
         self.resolution = None
+        self.peers: PeerWaits | None = None  # made at the first line, when every rank has cut its step log
 
     def step_of(self, epoch: int, done: int) -> int:
         return epoch * self.steps_per_epoch + done
@@ -69,6 +74,10 @@ class Curves:
         if window.wall_s > 0:
             self.w.add_scalar("train/images_per_s", window.images * world_size / window.wall_s, step)
             self.w.add_scalar("train/data_wait_share/rank0", window.wait_s / window.wall_s, step)
+        if self.peers is None:
+            self.peers = PeerWaits(self.out / "telemetry", world_size, self.steps_per_epoch, self.steps_done)
+        for rank, share in self.peers.shares().items():
+            self.w.add_scalar(f"train/data_wait_share/rank{rank}", share, step)
         if scale is not None:
             self.w.add_scalar("train/loss_scale", scale, step)
         if self.resolution:
@@ -85,6 +94,52 @@ class Curves:
 
     def close(self) -> None:
         self.w.close()
+
+
+_EPOCH, _STEP, _WALL, _WAIT = (STEP_COLUMNS.index(c) for c in ("epoch", "step", "wall_s", "data_wait_s"))
+
+
+class PeerWaits:
+    """The data-wait share of every rank but 0 over the steps it logged since the last progress line,
+    read from the step log it writes live (rectrain.train.telemetry, line-buffered): rank 0 learns it with
+    no collective in the training loop.  Only complete lines are read, from where the last read ended.
+    A rank with no new step yet (it logs a step late, as rank 0 does) gets no point at this line; one
+    whose log this node cannot see (another node's local disk) gets none at all."""
+
+    def __init__(self, telemetry: Path, world_size: int, steps_per_epoch: int, steps_done: int):
+        self.steps_per_epoch = steps_per_epoch
+        self.paths = {r: telemetry / f"steps_rank{r}.csv" for r in range(1, world_size)}
+        self.offsets = dict.fromkeys(self.paths, 0)
+        self.last = dict.fromkeys(self.paths, steps_done)  # steps up to the resume's are an earlier launch's
+
+    def shares(self) -> dict[int, float]:
+        out = {}
+        for rank, path in self.paths.items():
+            wall = wait = 0.0
+            for fields in self._new_lines(rank, path):
+                try:
+                    step = int(fields[_EPOCH]) * self.steps_per_epoch + int(fields[_STEP]) + 1
+                    if step <= self.last[rank]:
+                        continue
+                    wall, wait, self.last[rank] = wall + float(fields[_WALL]), wait + float(fields[_WAIT]), step
+                except (ValueError, IndexError):
+                    continue  # the header
+            if wall > 0:
+                out[rank] = wait / wall
+        return out
+
+    def _new_lines(self, rank: int, path: Path) -> list[list[bytes]]:
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offsets[rank]:
+                    self.offsets[rank] = 0  # cut since (a resume): read it again, the steps filter it
+                f.seek(self.offsets[rank])
+                data = f.read()
+        except OSError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offsets[rank] += len(complete)
+        return [line.split(b",") for line in complete.splitlines()]
 
 
 @contextlib.contextmanager
@@ -114,6 +169,23 @@ def epoch_values(stats: dict, val: dict, efficiency: float | None) -> dict:
     for rank, share in enumerate(stats.get("data_wait_shares") or []):
         values[f"data_wait_share/rank{rank}"] = share
     return values
+
+
+def node_means(telemetry: Path, start: float, end: float) -> dict:
+    """system_means of every node's system CSV in `telemetry` (system_node<k>.csv, written by each node's
+    local rank 0 where the run's folder is shared): node 0's tags as they are, node k's with /node<k>
+    after the measure (cpu_busy_percent/node1, gpu_util_percent/node1_gpu0).  A node of an earlier
+    launch has no samples in the window, so no tags."""
+    means = {}
+    for path in sorted(Path(telemetry).glob("system_node*.csv")):
+        node = path.stem.removeprefix("system_node")
+        if not node.isdigit():
+            continue
+        for tag, value in system_means(path, start, end).items():
+            measure, _, gpu = tag.partition("/")
+            where = f"node{node}_{gpu}" if gpu else f"node{node}"
+            means[tag if node == "0" else f"{measure}/{where}"] = value
+    return means
 
 
 def system_means(path: Path, start: float, end: float) -> dict:

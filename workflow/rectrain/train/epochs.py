@@ -224,7 +224,7 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
     if books.curves:
         ceiling = calibrate.rate_at(books.calibration, crop)
         efficiency = stats["steady"] / ceiling if ceiling and stats["steady"] else None
-        system = curves.system_means(run.out / "telemetry" / "system_node0.csv", stats["began"], time.time())
+        system = curves.node_means(run.out / "telemetry", stats["began"], time.time())
         books.curves.epoch(epoch, curves.epoch_values(stats, val, efficiency), system)
 
 
