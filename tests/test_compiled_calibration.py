@@ -98,15 +98,23 @@ def test_compiled_measured_steps_are_named_in_the_calibration_log_line():
     assert compiled_note({"compiled": False}) == ""
 
 
-def test_a_compiled_training_run_says_so_in_its_log_and_run_json(tmp_path):
+def test_a_compiled_training_run_of_your_own_model_under_bf16_autocast_says_so_in_its_log_and_run_json(tmp_path):
     """The CLI end to end, one CPU process, at 32 px: asked for no calibration warm-up, the compiled run
     still warms up one step, which compiles; run.json and the calibration line say it was compiled.  The
-    network is the suite's own two-block model (train.model as file:factory): inductor compiles it in
-    seconds, where ResNet-18 took 52 s with its cache warm and 143 s cold on this box."""
+    network is the suite's own two-block model (train.model as file:factory), under bf16 autocast and
+    channels_last, as a torchvision one would be (issue 33: compile, AMP and channels_last with your own
+    model): inductor compiles it in seconds, where ResNet-18 took 52 s with its cache warm and 143 s cold
+    on this box."""
     data = packed_dataset(tmp_path / "data")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cfg = config_json(
-        model=f"{OWN_MODEL}:tiny", precision="fp32", epochs=1, cpu_processes=1, compile=True, calibration_warmup_steps=0
+        model=f"{OWN_MODEL}:tiny",
+        precision="bf16",
+        channels_last=True,
+        epochs=1,
+        cpu_processes=1,
+        compile=True,
+        calibration_warmup_steps=0,
     )
     cmd = [sys.executable, "-m", "rectrain.train", "--config-json", cfg, *data, "--out", str(tmp_path / "out")]
     done = subprocess.run([*cmd, "--threads", "2"], env=env, capture_output=True, text=True, timeout=900)
@@ -114,6 +122,7 @@ def test_a_compiled_training_run_says_so_in_its_log_and_run_json(tmp_path):
     info = json.loads((tmp_path / "out" / "run.json").read_text())
     cal = info["calibration"]
     assert info["compiled"] is True and info["config"]["compile_mode"] == "default"
+    assert (info["config"]["precision"], info["config"]["channels_last"]) == ("bf16", True)
     assert info["decode_path"] == "roi"  # train.decode: auto
     assert cal["compiled"] is True and cal["warmup_steps"] == 1 and cal["steps"] >= 1
     assert cal["compiles"]["warmup"] >= 1 and cal["compiles"]["measured"] == 0, cal
