@@ -63,6 +63,61 @@ def test_torch_loader_batch_decode_path_agrees(colour_rec):
     assert sorted(seen) == sorted(labels)
 
 
+def test_torch_loader_workers_are_forked_by_a_forkserver_never_by_the_training_process(colour_rec):
+    """A fork of a process whose other threads (gloo's) may hold the interpreter's runtime lock deadlocks
+    the child on Python 3.11 (CPython gh-112275; rectrain.loaders.pytorch.worker_context): the workers'
+    parent is the single-threaded forkserver, and each epoch gets new ones from it."""
+    import psutil
+
+    (rec, idx), _ = colour_rec
+    loader = TorchLoader(LoaderSpec(rec, idx, batch_size=8, image_size=24, train=True, workers=1))
+    me = psutil.Process()
+    parents = []
+    for epoch in (0, 1):
+        batches = loader.epoch(epoch)
+        next(batches)
+        workers = [p for p in me.children(recursive=True) if p.ppid() != me.pid]
+        assert workers, "no worker process"
+        parents += [psutil.Process(w.ppid()) for w in workers]
+        batches.close()
+    assert {p.pid for p in parents} == {parents[0].pid} and parents[0].ppid() == me.pid
+    assert "forkserver" in " ".join(parents[0].cmdline())
+
+
+KILLED_READER = """
+import json, sys, time, psutil
+from rectrain.loaders import LoaderSpec
+from rectrain.loaders.pytorch import TorchLoader
+batches = TorchLoader(LoaderSpec(sys.argv[1], sys.argv[2], batch_size=8, image_size=24, workers=1)).epoch(0)
+next(batches)
+print(json.dumps([p.pid for p in psutil.Process().children(recursive=True)]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_training_process_killed_outright_leaves_no_loader_worker_nor_forkserver_behind(colour_rec):
+    """SIGKILL (the out-of-memory killer's) mid-epoch: torch's watchdog in a worker watches its parent,
+    the forkserver, which lives while its workers do; rectrain's worker_init_fn ends them with the rank."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    (rec, idx), _ = colour_rec
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_READER, rec, idx], stdout=subprocess.PIPE, text=True)
+    left = json.loads(proc.stdout.readline())
+    assert len(left) >= 2, "the forkserver and a worker"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while (left := [pid for pid in left if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]):
+        assert time.monotonic() < deadline, f"still running 15 s after the kill: {left}"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("kind", ["dali", "torch"])
 def test_two_ranks_see_every_record_once_per_epoch(id_rec, kind):
     rec, idx = id_rec

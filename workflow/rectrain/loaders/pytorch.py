@@ -20,7 +20,13 @@ starts its workers, which take their copy of the dataset then.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import multiprocessing.forkserver
+import os
+import select
+import threading
+import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -52,6 +58,50 @@ def augment(spec: LoaderSpec, epoch: int = 0):
             ]
         )
     return v2.Compose([v2.PILToTensor(), v2.Resize(spec.eval_resize, antialias=True), v2.CenterCrop(spec.image_size)])
+
+
+def worker_context():
+    """Where the DataLoader's workers start: forked from a forkserver, never from the rank itself.
+
+    On Python before 3.12 a child forked while any other thread holds the interpreter's runtime lock
+    deadlocks in PyOS_AfterFork_Child before it runs a line of Python (CPython gh-112275, fixed in 3.12),
+    and a training rank's gloo threads take that lock whenever they release a tensor a collective held.
+    A stress loop of 2-rank CPU runs hung 1 run in ~75: the worker of epoch 1, forked just after epoch
+    0's validation all-reduce, waited on that lock forever (gdb), and its rank with it.  The forkserver is
+    one single-threaded process per rank, started at the first epoch, that imports this module (torch,
+    the decoders) once; every epoch's workers fork from it and get the dataset pickled."""
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # no effect once the process's forkserver runs
+    return ctx
+
+
+def end_with(rank_pid: int, worker_id: int = 0) -> None:
+    """worker_init_fn: the worker ends when the process that made it (the rank) ends, however it ends.
+    torch's own watchdog in a worker watches its parent, which is now the forkserver, and the forkserver
+    lives as long as any process it forked: a rank killed outright (SIGKILL, the out-of-memory killer)
+    would leave its workers and the forkserver waiting forever.  A pidfd becomes readable when the rank
+    exits; where there is none (Linux before 5.3) the rank's pid is polled every second."""
+    try:
+        fd = os.pidfd_open(rank_pid)
+    except (AttributeError, OSError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while os.path.exists(f"/proc/{rank_pid}"):
+                time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="rectrain-rank-watch", daemon=True).start()
+
+
+def start_worker_server() -> None:
+    """Start the forkserver now (worker_context): its imports then overlap the rank's setup (model, DDP,
+    calibration) instead of delaying the first epoch's first batch by their ~2.5 s."""
+    worker_context()
+    multiprocessing.forkserver.ensure_running()
 
 
 class RecordDecodeError(RuntimeError):
@@ -151,6 +201,8 @@ class TorchLoader:
         self.dataset = RecordDataset(
             spec.rec, spec.idx, None if self.decode_on_device else self.transform, decode=not self.decode_on_device
         )
+        if spec.workers:
+            start_worker_server()
         self.size = len(self.dataset)
         self.image_dtype = getattr(torch, spec.dtype)
         w, b = spec.world_size, spec.batch_size
@@ -177,6 +229,8 @@ class TorchLoader:
             batch_size=s.batch_size,
             sampler=sampler,
             num_workers=s.workers,
+            multiprocessing_context=worker_context() if s.workers else None,
+            worker_init_fn=functools.partial(end_with, os.getpid()) if s.workers else None,
             pin_memory=s.on_gpu,
             drop_last=False,
             collate_fn=_collate_bytes if self.decode_on_device else None,
