@@ -113,7 +113,7 @@ def test_a_training_process_killed_outright_leaves_no_loader_worker_nor_forkserv
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 15
-    while (left := [pid for pid in left if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]):
+    while left := [pid for pid in left if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]:
         assert time.monotonic() < deadline, f"still running 15 s after the kill: {left}"
         time.sleep(0.1)
 

@@ -65,7 +65,7 @@ def worker_context():
 
     On Python before 3.12 a child forked while any other thread holds the interpreter's runtime lock
     deadlocks in PyOS_AfterFork_Child before it runs a line of Python (CPython gh-112275, fixed in 3.12),
-    and a training rank's gloo threads take that lock whenever they release a tensor a collective held.
+    and a training rank has such threads (gloo's, the likely holders: they enter Python from C++).
     A stress loop of 2-rank CPU runs hung 1 run in ~75: the worker of epoch 1, forked just after epoch
     0's validation all-reduce, waited on that lock forever (gdb), and its rank with it.  The forkserver is
     one single-threaded process per rank, started at the first epoch, that imports this module (torch,
