@@ -149,6 +149,20 @@ def test_reader_survives_pickling_and_works_in_child_processes(tmp_path):
         assert p.exitcode == 0
 
 
+def test_a_pickled_reader_carries_only_its_file_order_arrays_and_still_looks_keys_up(tmp_path):
+    """The torch loader's workers get the reader pickled each epoch: the by-key arrays stay behind."""
+    records = [(k, f"record {k}".encode()) for k in (7, 3, 11, 5)]
+    rec, idx = _write(tmp_path, records)
+    reader = IndexedRecordReader(rec, idx)
+    blob = pickle.dumps(reader)
+    assert len(blob) < len(pickle.dumps(reader.__dict__)) - 2 * 4 * 8, "two int64 arrays of 4 fewer"
+    clone = pickle.loads(blob)
+    assert [clone.nth(i) for i in range(4)] == [reader.nth(i) for i in range(4)]
+    assert all(clone.read(k) == payload for k, payload in records)
+    with pytest.raises(KeyError):
+        clone.read(4)
+
+
 def test_magic_search_cuts_exactly_where_a_plain_byte_scan_does():
     # the fast (memmem) search must find every aligned magic word, skip unaligned ones, and cope
     # with magic words that overlap, end the payload or sit at offset 0
