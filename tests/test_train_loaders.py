@@ -95,6 +95,47 @@ time.sleep(600)
 """
 
 
+SIGNALLED_READER = """
+import signal, sys, time
+from rectrain.loaders import LoaderSpec
+from rectrain.loaders.pytorch import TorchLoader
+asked = []
+for sig in (signal.SIGINT, signal.SIGTERM):  # as a rank's stop request handles them: finish, then stop
+    signal.signal(sig, lambda s, f: asked.append(s))
+loader = TorchLoader(LoaderSpec(sys.argv[1], sys.argv[2], batch_size=2, image_size=24, workers=1))
+n = 0
+for x, y in loader.epoch(0):
+    n += 1
+    if n == 1:
+        print("first batch", flush=True)
+        while len(asked) < 2:
+            time.sleep(0.05)
+print(f"read {n} batches of {loader.batches_per_epoch} after {sorted(asked)}", flush=True)
+"""
+
+
+def test_a_stop_signal_to_the_whole_process_group_leaves_the_loader_workers_serving_the_rank(colour_rec):
+    """Ctrl-C (SIGINT to the process group) or SIGTERM to every process: the rank asks itself to stop
+    after its step and reads the batches it still needs; its workers, started from the forkserver with
+    default handlers, leave those signals to the rank (rectrain.loaders.pytorch.end_with)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (rec, idx), _ = colour_rec
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGNALLED_READER, rec, idx], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout.readline() == "first batch\n"
+    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.strip() == f"read 19 batches of 19 after {[int(signal.SIGINT), int(signal.SIGTERM)]}", err[-3000:]
+
+
 def test_a_training_process_killed_outright_leaves_no_loader_worker_nor_forkserver_behind(colour_rec):
     """SIGKILL (the out-of-memory killer's) mid-epoch: torch's watchdog in a worker watches its parent,
     the forkserver, which lives while its workers do; rectrain's worker_init_fn ends them with the rank."""

@@ -25,6 +25,7 @@ import itertools
 import multiprocessing.forkserver
 import os
 import select
+import signal
 import threading
 import time
 
@@ -68,19 +69,33 @@ def worker_context():
     and a training rank has such threads (gloo's, the likely holders: they enter Python from C++).
     A stress loop of 2-rank CPU runs hung 1 run in ~75: the worker of epoch 1, forked just after epoch
     0's validation all-reduce, waited on that lock forever (gdb), and its rank with it.  The forkserver is
-    one single-threaded process per rank, started at the first epoch, that imports this module (torch,
-    the decoders) once; every epoch's workers fork from it and get the dataset pickled."""
+    one single-threaded process per rank, started with the loader, that imports this module (torch, the
+    decoders) once (rectrain.loaders.workerserver); every epoch's workers fork from it and get the
+    dataset pickled."""
     ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])  # no effect once the process's forkserver runs
+    ctx.set_forkserver_preload(["rectrain.loaders.workerserver"])  # no effect once the forkserver runs
     return ctx
 
 
+# The signals a rank may act on (train.stop_signals, Ctrl-C, torchrun's): its forkserver and workers
+# ignore them (rectrain.loaders.workerserver, end_with) and leave the stop to the rank.
+RANK_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU")
+
+
 def end_with(rank_pid: int, worker_id: int = 0) -> None:
-    """worker_init_fn: the worker ends when the process that made it (the rank) ends, however it ends.
-    torch's own watchdog in a worker watches its parent, which is now the forkserver, and the forkserver
-    lives as long as any process it forked: a rank killed outright (SIGKILL, the out-of-memory killer)
-    would leave its workers and the forkserver waiting forever.  A pidfd becomes readable when the rank
-    exits; where there is none (Linux before 5.3) the rank's pid is polled every second."""
+    """worker_init_fn: the worker leaves the rank's signals to the rank, and ends when the rank ends,
+    however it ends.
+
+    A worker forked from the rank inherited the rank's handlers: Ctrl-C to the process group, or a
+    SIGTERM to it, asked the rank to stop after its step while the workers went on serving it.  From the
+    forkserver a worker would die at once (Python's Ctrl-C), and its rank's next batch fail instead of
+    the clean stop, so it ignores them; the rank ends it when its DataLoader shuts down.  torch's own
+    watchdog in a worker watches its parent, now the forkserver, and the forkserver lives as long as any
+    process it forked: a rank killed outright (SIGKILL, the out-of-memory killer) would leave its workers
+    and the forkserver waiting forever.  A pidfd becomes readable when the rank exits; where there is
+    none (Linux before 5.3) the rank's pid is polled every second."""
+    for name in RANK_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     try:
         fd = os.pidfd_open(rank_pid)
     except (AttributeError, OSError):
