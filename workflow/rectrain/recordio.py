@@ -350,12 +350,11 @@ class IndexedRecordReader:
         # Arrays, not a dict and lists: a few bytes per record, and forked DataLoader workers share
         # the pages instead of copying them as reference counts change.
         keys, offsets = idx_arrays(self.idx_path)
-        by_key = np.argsort(keys, kind="stable")
-        self._by_key, self._key_offsets = keys[by_key], offsets[by_key]
-        if (dup := np.flatnonzero(self._by_key[1:] == self._by_key[:-1])).size:
-            raise RecordIOError(f"{self.idx_path}: key {self._by_key[dup[0]]} appears twice")
         in_file = np.argsort(offsets, kind="stable")
         self.file_keys, self._sorted_offsets = keys[in_file], offsets[in_file]
+        self._index_keys()
+        if (dup := np.flatnonzero(self._by_key[1:] == self._by_key[:-1])).size:
+            raise RecordIOError(f"{self.idx_path}: key {self._by_key[dup[0]]} appears twice")
         self._file_size = os.stat(self.rec_path).st_size
         self._fd = None
         self._pid = None
@@ -391,10 +390,14 @@ class IndexedRecordReader:
         """Record keys in file order (file_keys is the same as an int64 array)."""
         return self.file_keys.tolist()
 
+    def _index_keys(self) -> None:
+        """The keys in order with their offsets, for offset()'s binary search."""
+        by_key = np.argsort(self.file_keys, kind="stable")
+        self._by_key, self._key_offsets = self.file_keys[by_key], self._sorted_offsets[by_key]
+
     def offset(self, key: int) -> int:
         if self._by_key is None:  # dropped when pickled (__getstate__)
-            by_key = np.argsort(self.file_keys, kind="stable")
-            self._by_key, self._key_offsets = self.file_keys[by_key], self._sorted_offsets[by_key]
+            self._index_keys()
         i = int(np.searchsorted(self._by_key, key))
         if i == len(self._by_key) or self._by_key[i] != key:
             raise KeyError(f"record key {key} is not in {self.idx_path}")
