@@ -112,11 +112,12 @@ def end_with(rank_pid: int, worker_id: int = 0) -> None:
     threading.Thread(target=watch, name="rectrain-rank-watch", daemon=True).start()
 
 
-def start_worker_server() -> None:
-    """Start the forkserver now (worker_context): its imports then overlap the rank's setup (model, DDP,
-    calibration) instead of delaying the first epoch's first batch by their ~2.5 s."""
-    worker_context()
+def start_worker_server():
+    """worker_context, its forkserver started now: its imports then overlap the rank's setup (model,
+    DDP, calibration) instead of coming before the first epoch's first batch."""
+    ctx = worker_context()
     multiprocessing.forkserver.ensure_running()
+    return ctx
 
 
 class RecordDecodeError(RuntimeError):
@@ -216,8 +217,7 @@ class TorchLoader:
         self.dataset = RecordDataset(
             spec.rec, spec.idx, None if self.decode_on_device else self.transform, decode=not self.decode_on_device
         )
-        if spec.workers:
-            start_worker_server()
+        self.worker_context = start_worker_server() if spec.workers else None
         self.size = len(self.dataset)
         self.image_dtype = getattr(torch, spec.dtype)
         w, b = spec.world_size, spec.batch_size
@@ -244,7 +244,7 @@ class TorchLoader:
             batch_size=s.batch_size,
             sampler=sampler,
             num_workers=s.workers,
-            multiprocessing_context=worker_context() if s.workers else None,
+            multiprocessing_context=self.worker_context,
             worker_init_fn=functools.partial(end_with, os.getpid()) if s.workers else None,
             pin_memory=s.on_gpu,
             drop_last=False,
