@@ -136,6 +136,27 @@ def test_a_stop_signal_to_the_whole_process_group_leaves_the_loader_workers_serv
     assert out.strip() == f"read 19 batches of 19 after {[int(signal.SIGINT), int(signal.SIGTERM)]}", err[-3000:]
 
 
+LEFT_MID_EPOCH = """
+import sys
+from rectrain.loaders import LoaderSpec
+from rectrain.loaders.pytorch import TorchLoader
+batches = TorchLoader(LoaderSpec(sys.argv[1], sys.argv[2], batch_size=2, image_size=24, workers=1)).epoch(0)
+next(batches)  # still referenced at exit, as by a traceback: multiprocessing ends the worker at exit
+sys.exit(3)
+"""
+
+
+def test_a_process_exiting_with_an_epoch_unfinished_ends_its_workers_and_exits(colour_rec):
+    """At exit multiprocessing sends SIGTERM to the daemonic workers still running and waits for them;
+    the workers ignore every other SIGTERM (end_with), this one ends them."""
+    import subprocess
+    import sys
+
+    (rec, idx), _ = colour_rec
+    done = subprocess.run([sys.executable, "-c", LEFT_MID_EPOCH, rec, idx], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-3000:]
+
+
 def test_a_training_process_killed_outright_leaves_no_loader_worker_nor_forkserver_behind(colour_rec):
     """SIGKILL (the out-of-memory killer's) mid-epoch: torch's watchdog in a worker watches its parent,
     the forkserver, which lives while its workers do; rectrain's worker_init_fn ends them with the rank."""

@@ -87,29 +87,37 @@ def end_with(rank_pid: int, worker_id: int = 0) -> None:
     however it ends.
 
     A worker forked from the rank inherited the rank's handlers: Ctrl-C to the process group, or a
-    SIGTERM to it, asked the rank to stop after its step while the workers went on serving it.  From the
-    forkserver a worker would die at once (Python's Ctrl-C), and its rank's next batch fail instead of
-    the clean stop, so it ignores them; the rank ends it when its DataLoader shuts down.  torch's own
-    watchdog in a worker watches its parent, now the forkserver, and the forkserver lives as long as any
-    process it forked: a rank killed outright (SIGKILL, the out-of-memory killer) would leave its workers
-    and the forkserver waiting forever.  A pidfd becomes readable when the rank exits; where there is
-    none (Linux before 5.3) the rank's pid is polled every second."""
+    SIGTERM to every process of the job (SLURM's at a time limit), asked the rank to stop after its step
+    while the workers went on serving it.  From the forkserver a worker would die at once and its rank's
+    next batch fail instead of the clean stop, so it ignores them - except a SIGTERM its rank sends: that
+    is multiprocessing ending its daemonic workers (a rank exiting with an epoch unfinished, after a bad
+    record say), which would otherwise wait for them forever.  torch's own watchdog in a worker watches
+    its parent, now the forkserver, which lives as long as any process it forked: a rank killed outright
+    (SIGKILL, the out-of-memory killer) would leave its workers and the forkserver waiting forever.  A
+    pidfd becomes readable when the rank exits; where there is none (Linux before 5.3) the rank's pid is
+    polled every second."""
     for name in RANK_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    try:
-        fd = os.pidfd_open(rank_pid)
-    except (AttributeError, OSError):
-        fd = None
+    # SIGTERM blocked (in this thread and every later one) and taken by terminated() alone, which knows
+    # its sender; its action must not be SIG_IGN, which would discard it before anyone could wait for it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    def watch() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-        else:
+    def terminated() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank_pid:
+            pass
+        os._exit(128 + signal.SIGTERM)
+
+    def rank_gone() -> None:
+        try:
+            select.select([os.pidfd_open(rank_pid)], [], [])
+        except (AttributeError, OSError):
             while os.path.exists(f"/proc/{rank_pid}"):
                 time.sleep(1.0)
         os._exit(0)
 
-    threading.Thread(target=watch, name="rectrain-rank-watch", daemon=True).start()
+    for watch in (terminated, rank_gone):
+        threading.Thread(target=watch, name=f"rectrain-{watch.__name__}", daemon=True).start()
 
 
 def start_worker_server():
