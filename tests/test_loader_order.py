@@ -32,3 +32,25 @@ def test_the_order_is_a_function_of_seed_and_epoch_and_a_new_permutation_every_e
 def test_evaluation_reads_every_record_once_in_file_order_across_ranks():
     shards = [eval_order(10, r, 3) for r in range(3)]
     assert sorted(np.concatenate(shards).tolist()) == list(range(10)) and shards[0].tolist() == [0, 3, 6, 9]
+
+
+@pytest.mark.parametrize("n,world,batch,accum", [(1281167, 2, 256, 8), (1281167, 1, 256, 16), (1281167, 2, 64, 8)])
+def test_under_gradient_accumulation_every_optimizer_step_holds_a_full_global_batch(n, world, batch, accum):
+    """Issue 46 item 6: ImageNet's micro-batches per rank were not a multiple of grad_accum, so the epoch's
+    last step summed 7/8 (13/16, 2/8) of a global batch and still divided by grad_accum."""
+    per_rank = train_batches_per_epoch(n, world, batch, accum)
+    assert per_rank % accum == 0, "the epoch ends inside an optimizer step"
+    assert per_rank * batch * world - n == train_padding(n, world, batch, accum) < world * batch * accum
+    old = train_batches_per_epoch(n, world, batch)  # the old count: whole micro-batches only
+    assert old % accum != 0, "this case never showed the short last step"
+
+
+def test_a_world_size_that_keeps_the_global_batch_sums_the_same_records_into_every_optimizer_step():
+    """2 ranks x batch 4 x accum 1 and 1 rank x batch 4 x accum 2 (an elastic resume's regroup): each
+    optimizer step, the last of the epoch included, sees the same set of records."""
+    n, seed, epoch, g = 67, 1, 2, 8
+    two = [train_order(n, r, 2, 4, seed, epoch, accum=1).reshape(-1, 4) for r in range(2)]
+    one = train_order(n, 0, 1, 4, seed, epoch, accum=2).reshape(-1, 8)
+    steps_two = [sorted(np.concatenate([two[0][s], two[1][s]]).tolist()) for s in range(len(two[0]))]
+    steps_one = [sorted(row.tolist()) for row in one]
+    assert steps_two == steps_one and len(steps_one) == -(-n // g)

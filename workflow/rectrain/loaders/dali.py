@@ -232,9 +232,9 @@ class DaliLoader:
         # Training reads records by their offsets (EpochRecords): the .idx's arrays, a few int64 a record.
         self.reader = IndexedRecordReader(spec.rec, spec.idx) if spec.train else None
         self.size = len(self.reader) if spec.train else len(idx_arrays(spec.idx)[0])
-        w, b = spec.world_size, spec.batch_size
-        self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
-        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
+        w, b, a = spec.world_size, spec.batch_size, spec.step_batches
+        self.padding_per_epoch = train_padding(self.size, w, b, a) if spec.train else 0
+        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b, a)
         self._train_iter = None  # the epoch's, for state(); None on the CPU, which runs _train_pipe itself
         self._train_pipe = None
         self._eval_iter = None  # the last validation pass's, until the next build
@@ -244,7 +244,7 @@ class DaliLoader:
         s = self.spec
         if not s.train:
             return EvalShard(s.rec, s.idx, s.rank, s.world_size)
-        order = train_order(self.size, s.rank, s.world_size, s.batch_size, s.seed, epoch)
+        order = train_order(self.size, s.rank, s.world_size, s.batch_size, s.seed, epoch, accum=s.grad_accum)
         return EpochRecords(self.reader, order, s.batch_size)
 
     def _build(self, epoch: int, checkpoint: bytes | None = None):

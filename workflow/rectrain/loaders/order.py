@@ -29,10 +29,12 @@ def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     return torch.randperm(n, generator=g).numpy()
 
 
-def train_order(n: int, rank: int, world: int, batch: int, seed: int, epoch: int) -> np.ndarray:
+def train_order(n: int, rank: int, world: int, batch: int, seed: int, epoch: int, *, accum: int = 1) -> np.ndarray:
     """Record indices rank `rank` trains on in `epoch`, in order: train_batches_per_epoch(n, world,
-    batch) x batch of them (see the module doc)."""
-    total = world * train_batches_per_epoch(n, world, batch) * batch
+    batch, accum) x batch of them (see the module doc).  Optimizer step s takes global positions
+    [s x G, (s + 1) x G) of the permutation (G = world x batch x accum) whatever the world size, so a
+    world size that keeps G (an elastic resume) sums the same records into each step."""
+    total = world * train_batches_per_epoch(n, world, batch, accum) * batch
     # The permutation repeated from its start, as DistributedSampler pads; the copy frees the rest.
     return np.resize(permutation(n, seed, epoch), total)[rank::world].copy()
 

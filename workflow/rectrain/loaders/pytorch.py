@@ -165,15 +165,25 @@ class RecordDataset(Dataset):
 class ShardSampler(Sampler[int]):
     """Indices of one rank's share of an epoch (rectrain.loaders.order: the DALI loader's order too).
 
-    train (pad_to_batch): every rank gets ceil(ceil(N/world)/batch) full batches, the permutation
-    padded from its start as DistributedSampler pads; eval: every index exactly once, no padding."""
+    train (pad_to_batch): every rank gets train_batches_per_epoch full batches (whole optimizer steps of
+    `accum` micro-batches), the permutation padded from its start as DistributedSampler pads; eval: every
+    index exactly once, no padding."""
 
     def __init__(
-        self, n: int, rank: int, world_size: int, batch_size: int, *, shuffle: bool, seed: int, pad_to_batch: bool
+        self,
+        n: int,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        pad_to_batch: bool,
+        accum: int = 1,
     ):
         if shuffle != pad_to_batch:
             raise ValueError("ShardSampler: shuffle and pad_to_batch go together (training) or not at all (eval)")
-        self.n, self.rank, self.world, self.batch = n, rank, world_size, batch_size
+        self.n, self.rank, self.world, self.batch, self.accum = n, rank, world_size, batch_size, accum
         self.shuffle, self.seed, self.pad = shuffle, seed, pad_to_batch
         self.epoch = 0
 
@@ -182,12 +192,15 @@ class ShardSampler(Sampler[int]):
 
     def __iter__(self):
         if self.shuffle:
-            return map(int, order.train_order(self.n, self.rank, self.world, self.batch, self.seed, self.epoch))
+            return map(
+                int,
+                order.train_order(self.n, self.rank, self.world, self.batch, self.seed, self.epoch, accum=self.accum),
+            )
         return map(int, order.eval_order(self.n, self.rank, self.world))
 
     def __len__(self) -> int:
         if self.pad:
-            return train_batches_per_epoch(self.n, self.world, self.batch) * self.batch
+            return train_batches_per_epoch(self.n, self.world, self.batch, self.accum) * self.batch
         return len(range(self.rank, self.n, self.world))
 
 
@@ -228,11 +241,11 @@ class TorchLoader:
         self.worker_context = start_worker_server() if spec.workers else None
         self.size = len(self.dataset)
         self.image_dtype = getattr(torch, spec.dtype)
-        w, b = spec.world_size, spec.batch_size
-        self.padding_per_epoch = train_padding(self.size, w, b) if spec.train else 0
-        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b)
+        w, b, a = spec.world_size, spec.batch_size, spec.step_batches
+        self.padding_per_epoch = train_padding(self.size, w, b, a) if spec.train else 0
+        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b, a)
         self.sampler = ShardSampler(
-            self.size, spec.rank, w, b, shuffle=spec.train, seed=spec.seed, pad_to_batch=spec.train
+            self.size, spec.rank, w, b, shuffle=spec.train, seed=spec.seed, pad_to_batch=spec.train, accum=a
         )
         device = torch.device(spec.device)
         self._mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)

@@ -81,6 +81,7 @@ class LoaderSpec:
     batch_size: int
     image_size: int
     train: bool = True
+    grad_accum: int = 1  # train: micro-batches per optimizer step (an epoch is whole steps of them)
     rank: int = 0
     world_size: int = 1
     workers: int = 2
@@ -95,6 +96,12 @@ class LoaderSpec:
     decode: str = "auto"  # train.decode (DECODE_PATHS, or auto)
     dtype: str = "float32"  # the images' dtype (image_dtype): float32, float16 or bfloat16
     channels_last: bool = True  # images in NHWC memory (viewed as NCHW), as channels_last training wants
+
+    @property
+    def step_batches(self) -> int:
+        """Micro-batches per optimizer step that an epoch is made whole in: grad_accum when training,
+        1 for evaluation (every record once, nothing padded)."""
+        return self.grad_accum if self.train else 1
 
     @property
     def on_gpu(self) -> bool:
@@ -144,15 +151,18 @@ def eval_resize_for(crop: int) -> int:
     return int(round(crop / EVAL_CROP_FRACTION))
 
 
-def train_batches_per_epoch(n: int, world_size: int, batch_size: int) -> int:
-    """Full batches every rank trains on per epoch: its share of the n records, rounded up, in batches
-    rounded up (the shortfall is the padding)."""
-    return math.ceil(math.ceil(n / world_size) / batch_size)
+def train_batches_per_epoch(n: int, world_size: int, batch_size: int, accum: int = 1) -> int:
+    """Full batches every rank trains on per epoch: the n records in whole optimizer steps of the global
+    batch (world_size x batch_size x accum), rounded up (the shortfall is the padding).  Whole steps, so
+    the epoch's last optimizer step holds a full global batch like every other: with a count of
+    micro-batches that were not a multiple of `accum` (train.grad_accum) the last step summed fewer and
+    still divided by accum - 7/8 of a step at 2 x 256 x accum 8 on ImageNet."""
+    return accum * math.ceil(n / (world_size * batch_size * accum))
 
 
-def train_padding(n: int, world_size: int, batch_size: int) -> int:
-    """Records yielded twice per epoch across all ranks, so that every rank gets equal full batches."""
-    return world_size * train_batches_per_epoch(n, world_size, batch_size) * batch_size - n
+def train_padding(n: int, world_size: int, batch_size: int, accum: int = 1) -> int:
+    """Records yielded twice per epoch across all ranks, so that every optimizer step is a full global batch."""
+    return world_size * train_batches_per_epoch(n, world_size, batch_size, accum) * batch_size - n
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:

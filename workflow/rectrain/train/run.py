@@ -124,7 +124,9 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
     """Loaders, optimizer and the wrapped network for the plan's batch; the Run keeps the block `s`,
     whose whole is the checkpoint's identity."""
     d, model, part = parts.d, parts.model, s.model
-    train_loader, val_loader = make_loaders(args, s.loaders.loader, s.resolution.val_resolution, parts.spec, plan.batch)
+    train_loader, val_loader = make_loaders(
+        args, s.loaders.loader, s.resolution.val_resolution, parts.spec, plan.batch, grad_accum=plan.grad_accum
+    )
     opt_steps = math.ceil(train_loader.batches_per_epoch / plan.grad_accum)
     optimizer, scheduler, scaler = make_optimizer(
         s.optim, model, plan.global_batch, opt_steps, family=part.model, precision=part.precision
@@ -164,10 +166,17 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
 
 
 def make_loaders(
-    args: argparse.Namespace, kind: str, val_resolution: int | None, spec: LoaderSpec, batch: int
+    args: argparse.Namespace,
+    kind: str,
+    val_resolution: int | None,
+    spec: LoaderSpec,
+    batch: int,
+    *,
+    grad_accum: int = 1,
 ) -> tuple[Loader, Loader | None]:
-    """(train loader, val loader or None without a val split) at the planned batch; `kind`: train.loader."""
-    train_loader = build_loader(kind, dataclasses.replace(spec, batch_size=batch))
+    """(train loader, val loader or None without a val split) at the planned batch, the training epoch in
+    whole optimizer steps of `grad_accum` micro-batches; `kind`: train.loader."""
+    train_loader = build_loader(kind, dataclasses.replace(spec, batch_size=batch, grad_accum=grad_accum))
     if not args.val_rec:
         log.info("no val split (--val-rec not given, index.absent_splits): epochs are not validated")
         return train_loader, None
