@@ -123,7 +123,7 @@ def bench_step(cfg: dict, d: Dist, num_classes: int) -> T.Step:
     the synthetic ceiling and every loader, so it compiles once and all sources run the same graph."""
     torch._dynamo.reset()  # the ResNets share their forward's code: without a reset the cache limit is hit
     s = settings.train(cfg)
-    model, loss_fn = make_model(s.model, num_classes, d.device)
+    model, loss_fn, _ = make_model(s.model, num_classes, d.device)
     optimizer, scheduler, scaler = make_optimizer(
         s.optim, model, s.batch.batch_size, 10_000, family=s.model.model, precision=s.model.precision
     )

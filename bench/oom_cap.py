@@ -41,7 +41,7 @@ def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
     cfg = check_config({"dataset": "oomcap", "train": block}, REPO / "config" / "schema.yaml", workdir=REPO)["train"]
     cfg = settings.train(cfg)
     set_backend_flags(cfg.model.cudnn_benchmark, device)
-    model, loss_fn = make_model(cfg.model, num_classes, device)
+    model, loss_fn, _ = make_model(cfg.model, num_classes, device)
     d = Dist(0, 1, 0, 1, device)
     try:
         workers = resolve_workers(cfg.loaders.workers, d.local_world_size)

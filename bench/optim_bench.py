@@ -1,5 +1,5 @@
 """Fused vs foreach SGD on this machine's CPU: seconds per optimizer.step() over a torchvision model's
-parameters (nesterov momentum, the two weight-decay groups rectrain.train.optim builds).
+parameters (nesterov momentum, the weight-decay groups of timm's rule that rectrain.train.optim uses).
 
     .venv/bin/python bench/optim_bench.py [--model resnet50] [--steps 20]
 
@@ -20,14 +20,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
 from rectrain import model as models  # noqa: E402
-from rectrain.train.optim import param_groups  # noqa: E402
 
 
 def step_seconds(name: str, fused: bool, steps: int) -> float:
     net = models.build(name, 1000)
     for p in net.parameters():
         p.grad = torch.randn_like(p)
-    opt = torch.optim.SGD(param_groups(net, 1e-4, False), lr=0.1, momentum=0.9, nesterov=True, fused=fused)
+    from timm.optim import param_groups_weight_decay
+
+    opt = torch.optim.SGD(param_groups_weight_decay(net, 1e-4), lr=0.1, momentum=0.9, nesterov=True, fused=fused)
     opt.step()  # momentum buffers allocated
     start = time.perf_counter()
     for _ in range(steps):

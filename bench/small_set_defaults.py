@@ -101,6 +101,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=SHORT_RUN["epochs"])
     ap.add_argument("--only", nargs="*", help="rows to run: 'defaults' and/or FLIPPED's names")
+    ap.add_argument("--precision", default=SHORT_RUN["precision"], help="train.precision of every row")
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0], help="train.seed: each row once per seed")
     args = ap.parse_args()
     rows = {"defaults": {}, **FLIPPED}
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,8 +110,21 @@ def main() -> None:
         for name, overrides in rows.items():
             if args.only and name not in args.only:
                 continue
-            top1, seconds = train(data, Path(tmp) / f"run{len(os.listdir(tmp))}", epochs=args.epochs, **overrides)
-            print(f"digits 1,400/397 at 16 px, {args.epochs} epochs, {name}: val top-1 {top1:.3f} ({seconds:.0f} s)")
+            for seed in args.seeds:
+                out = Path(tmp) / f"run{len(os.listdir(tmp))}"
+                try:
+                    top1, seconds = train(
+                        data, out, epochs=args.epochs, precision=args.precision, seed=seed, **overrides
+                    )
+                except RuntimeError as err:  # a diverged run stops (train.nonfinite_steps): its last line says where
+                    print(
+                        f"digits, {args.epochs} epochs, {args.precision}, seed {seed}, {name}: FAILED: {str(err).strip().splitlines()[-1]}"
+                    )
+                    continue
+                print(
+                    f"digits 1,400/397 at 16 px, {args.epochs} epochs, {args.precision}, seed {seed}, {name}: "
+                    f"val top-1 {top1:.3f} ({seconds:.0f} s)"
+                )
 
 
 if __name__ == "__main__":

@@ -121,3 +121,38 @@ def test_the_weights_own_resolution_unless_the_block_sets_one_and_a_resize_below
         check.CheckError, match=r"check.resize = 200 is smaller than the centre crop 224 .* set check.resize >= 224"
     ):
         check.preprocessing(settings(resize=200), known)
+
+
+def test_a_timm_models_weights_are_checked_with_its_own_pretrained_cfg_preprocessing(tmp_path):
+    """Issue 46 item 7: timm weights trained at mean/std 0.5, bicubic, crop_pct 0.9 were read with ImageNet's
+    constants, bilinear and rectrain's 0.875."""
+    import timm
+
+    name = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+    torch.save(timm.create_model(name, num_classes=1000).state_dict(), tmp_path / "vit.pt")
+    known = check.known_weights(settings(weights=str(tmp_path / "vit.pt"), model=f"timm:{name}"))
+    assert (known.crop, known.resize) == (224, 248)  # floor(224 / 0.9), timm's eval resize
+    assert known.preprocess == check.Preprocess(mean=(127.5,) * 3, std=(127.5,) * 3, interpolation="bicubic")
+    assert name in known.preprocess_from
+
+
+@pytest.mark.parametrize("kind", ["dali", "torch"])
+def test_the_evaluation_loaders_normalise_and_interpolate_as_the_weights_preprocessing_says(tmp_path, kind):
+    """What the check hands on reaches the pixels: (p - mean) / std per channel, and the resize's interpolation."""
+    from helpers.train_data import write_rec
+
+    from rectrain.loaders import IMAGENET_PREPROCESS, LoaderSpec, Preprocess, build_loader
+
+    rec, idx = write_rec(tmp_path, [0, 1, 2, 3], size=(64, 48))
+    half = Preprocess(mean=(127.5,) * 3, std=(127.5,) * 3, interpolation="bilinear")
+
+    def images(pre):
+        spec = LoaderSpec(rec, idx, batch_size=4, image_size=24, train=False, workers=1, resize=30, preprocess=pre)
+        return torch.cat([x for x, _ in build_loader(kind, spec).epoch(0)]).float()
+
+    imagenet, halves = images(IMAGENET_PREPROCESS), images(half)
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (IMAGENET_PREPROCESS.mean, IMAGENET_PREPROCESS.std))
+    pixels = imagenet * std + mean
+    assert torch.allclose(halves, (pixels - 127.5) / 127.5, atol=2e-3)
+    bicubic = images(Preprocess(mean=half.mean, std=half.std, interpolation="bicubic"))
+    assert 0 < (bicubic - halves).abs().mean() < 0.1, "bicubic is another resize of the same image"

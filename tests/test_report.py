@@ -653,3 +653,27 @@ def test_the_data_check_shows_in_the_summary_only_once_it_has_run(tmp_path, prob
     assert 'id="data-check"' in html and "ResNet50_Weights.IMAGENET1K_V1 through this val .rec (misaligned)" in html
     assert "near chance &lt;b&gt;" in html, "escaped"
     assert 'id="data-check"' not in problem_report
+
+
+def test_the_recipe_as_it_ran_shows_what_each_mechanic_changed_and_each_parameter_groups_lr_and_decay(tmp_path):
+    """Issue 46 item 10: run.json's recipe_as_run (rectrain.model.construct, rectrain.train.optim.recorded) on
+    the page, not only the configuration asked for."""
+    import torch
+
+    from rectrain import model as models
+    from rectrain.train import optim
+
+    net, applied = models.construct("resnet18", 5, zero_init_residual=True)
+    opt = torch.optim.SGD(
+        [
+            {"params": [net.fc.bias], "weight_decay": 0.0, "lr": 0.025},
+            {"params": [net.fc.weight], "weight_decay": 5e-5, "lr": 0.025},
+        ]
+    )
+    as_run = {"mechanics": applied, "optimizer": optim.recorded(opt, net)}
+    html = render(tmp_path, run_overrides={"recipe_as_run": as_run})
+    section = html[html.index('id="recipe-as-run"') : html.index("Configuration used")]
+    assert 'train.zero_init_residual</td><td>on</td><td class="num">8</td>' in section
+    assert "layer1.*.bn2.weight (2)" in section and "fc.bias (1)" in section
+    assert '<td class="num">0.025</td><td class="num">5e-05</td>' in section
+    assert 'id="recipe-as-run"' not in render(tmp_path / "old")  # a run.json from before: no section

@@ -20,18 +20,22 @@ from rectrain.train.lifecycle.status import EXIT_STOPPED
 sys.path.insert(0, str(REPO / "bench"))
 
 
-def test_the_no_decay_group_holds_exactly_the_norm_and_bias_parameters():
+def test_the_resnets_no_decay_group_holds_exactly_the_norm_and_bias_parameters():
+    """timm's rule (1-D tensors and no_weight_decay()) on a ResNet is FFCV's bn_wd 0: norms and biases."""
     net = models.build("resnet50", 10)
-    groups = optim.param_groups(net, 1e-4, decay_norm_and_bias=False)
+    cfg = tiny_train_settings(weight_decay=1e-4).optim
+    opt = optim.make_optimizer(cfg, net, 256, 1, family="resnet50", precision="fp32")[0]
     norms = {n for n, m in net.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
     names = {id(p): n for n, p in net.named_parameters()}
-    exempt = {names[id(p)] for p in groups[1]["params"]}
+    by_decay = {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in opt.param_groups}
     want = {n for n in names.values() if n.endswith(".bias") or n.rsplit(".", 1)[0] in norms}
-    assert exempt == want and "fc.bias" in exempt and "layer1.0.downsample.1.weight" in exempt
-    assert groups[1]["weight_decay"] == 0.0 and groups[0]["weight_decay"] == 1e-4
-    decayed = {names[id(p)] for p in groups[0]["params"]}
-    assert decayed == set(names.values()) - want and "fc.weight" in decayed
-    assert len(optim.param_groups(net, 1e-4, decay_norm_and_bias=True)) == 1
+    assert by_decay[0.0] == want and "fc.bias" in want and "layer1.0.downsample.1.weight" in want
+    assert by_decay[1e-4] == set(names.values()) - want and "fc.weight" in by_decay[1e-4]
+    everything = tiny_train_settings(weight_decay=1e-4, decay_norm_and_bias=True).optim
+    assert [
+        g["weight_decay"]
+        for g in optim.make_optimizer(everything, net, 256, 1, family="r", precision="fp32")[0].param_groups
+    ] == [1e-4]
 
 
 def test_weight_decay_null_takes_the_model_familys_published_value():
@@ -59,7 +63,8 @@ def test_zero_init_residual_is_off_by_default_and_on_in_the_imagenet_config():
 
     from rectrain.train.run import make_model
 
-    net, _ = make_model(tiny_train_settings().model, 5, torch.device("cpu"))
+    net, _, applied = make_model(tiny_train_settings().model, 5, torch.device("cpu"))
+    assert applied["zero_init_residual"] == {"asked": False, "changed": 0, "what": {}}
     assert all(torch.all(b.bn2.weight == 1) for b in net.layer1)
     assert filled(REPO / "config" / "imagenet-2gpu.yaml")["train"]["zero_init_residual"] is True
 
@@ -103,10 +108,10 @@ def test_the_optimizer_is_fused_sgd_with_the_schedule_and_the_family_decay():
         cfg.optim, net, global_batch=512, opt_steps_per_epoch=3, family=cfg.model.model, precision=cfg.model.precision
     )
     assert opt.defaults["fused"] is True, "CPU has torch's fused SGD kernel"
-    assert [g["weight_decay"] for g in opt.param_groups] == [5e-5, 0.0]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 5e-5]
     lrs = []
     for _ in range(12):
-        lrs.append(opt.param_groups[1]["lr"])
+        lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
     np.testing.assert_allclose(lrs, 0.2 * ffcv_linear_lrs(4, 1, 3), rtol=1e-12)

@@ -82,7 +82,14 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
     info = json.loads((out / "run.json").read_text())
     assert info["world_size"] == 2 and info["backend"] == "gloo" and info["loader"] == "dali"
     assert (info["batch_size"], info["grad_accum"], info["global_batch"], info["recipe_global_batch"]) == (8, 2, 32, 32)
-    assert info["padding_per_epoch"] == 2 * 3 * 8 - 45 and info["finished"]
+    # whole optimizer steps of 2 ranks x 8 x accum 2: 4 micro-batches per rank, the last step a full 32 too
+    assert info["padding_per_epoch"] == 2 * 4 * 8 - 45 and info["finished"]
+    as_run = info["recipe_as_run"]  # what ran, beside the config's weight_decay: null (issue 46 item 10)
+    assert [(g["peak_lr"], g["weight_decay"]) for g in as_run["optimizer"]["groups"]] == [
+        (0.1 * 32 / 256, 0.0),
+        (0.1 * 32 / 256, 5e-5),
+    ]
+    assert as_run["mechanics"]["zero_init_residual"] == {"asked": False, "changed": 0, "what": {}}
     assert info["config"]["workers"] == "auto" and info["workers"] == 2, "auto: 4 cores shared by 2 local ranks"
     model = load(out / "model.pt")
     assert model["epoch"] == 1 and model["num_classes"] == 5 and model["model_name"] == "resnet18"

@@ -33,7 +33,7 @@ import torch
 
 from rectrain import atomic, cli, distributed, evaluate, settings
 from rectrain.data.subset import IMAGENET_1K, read_names
-from rectrain.loaders import eval_resize_for
+from rectrain.loaders import EVAL_CROP_FRACTION, IMAGENET_PREPROCESS, Preprocess, eval_resize_for
 from rectrain.modelspec import TORCHVISION_WEIGHTS
 from rectrain.tables import read_classes
 
@@ -65,6 +65,8 @@ class Known:
     precision: str = "fp32"
     loader: str = "dali"
     decode: str = "auto"
+    preprocess: Preprocess = IMAGENET_PREPROCESS  # mean, std, the resize's interpolation
+    preprocess_from: str = "ImageNet's mean and std, bilinear (torchvision's and rectrain's)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +165,10 @@ def rectrain_known(source: str) -> Known:
 
 
 def state_dict_known(source: str, model_name: str | None) -> Known:
-    """A plain state dict (torch.save, a rectrain model.pt, or a safetensors file of another library) of
-    check.model's architecture with ImageNet-1k's classes; no published top-1."""
+    """A plain state dict (torch.save, a rectrain model.pt, a timm checkpoint, or a safetensors file of
+    another library) of check.model's architecture with ImageNet-1k's classes; no published top-1.  A timm
+    model is read as its weights were trained: the mean, std, interpolation, test size and crop fraction
+    of its pretrained_cfg (check.model timm:<name>.<tag> picks the tag's)."""
     from rectrain import model as models
     from rectrain.train.init_weights import state_dict
 
@@ -183,7 +187,21 @@ def state_dict_known(source: str, model_name: str | None) -> Known:
             f"check.weights {source!r} does not fit check.model {model_name!r} with 1000 classes ({first}); "
             "set check.model to the architecture the state dict is of"
         ) from None
-    return Known(model.eval(), wnids, source, None, "nowhere (a plain state dict)", 224, eval_resize_for(224))
+    cfg = getattr(model, "pretrained_cfg", None)
+    if not (model_name.startswith("timm:") and cfg and "mean" in cfg):
+        return Known(model.eval(), wnids, source, None, "nowhere (a plain state dict)", 224, eval_resize_for(224))
+    crop = int(cfg["input_size"][-1])
+    return Known(
+        model.eval(),
+        wnids,
+        source,
+        None,
+        "nowhere (a plain state dict)",
+        crop,
+        math.floor(crop / float(cfg.get("crop_pct") or EVAL_CROP_FRACTION)),  # as timm's eval transform resizes
+        preprocess=Preprocess.of_timm_cfg(cfg),
+        preprocess_from=f"timm's pretrained_cfg of {cfg.get('architecture')}.{cfg.get('tag')}",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +345,9 @@ def val_pass(check, known: Known, dataset_wnids: list[str], rec: str, idx: str):
     """(the tally, the settings used, the device): one pass of the evaluate stage over the val .rec, the
     network's logits reordered to this dataset's classes first."""
     res, precision, loader = preprocessing(check, known)
-    as_trained = evaluate.Trained(len(known.wnids), res.crop, precision, loader, decode=known.decode)
+    as_trained = evaluate.Trained(
+        len(known.wnids), res.crop, precision, loader, decode=known.decode, preprocess=known.preprocess
+    )
     # the evaluate block's view, as the evaluate stage's passes read it: one resolution, no flip TTA
     as_evaluate = settings.EvaluateSettings(
         loader=loader,
@@ -342,7 +362,16 @@ def val_pass(check, known: Known, dataset_wnids: list[str], rec: str, idx: str):
     d = distributed.setup(True, timeout_s=600)  # one process: no collective waits on a peer
     model = Reordered(known.model, column_order(known.wnids, dataset_wnids, known.source))
     t = evaluate.tally_at(evaluate.passes_of(as_evaluate, as_trained, rec, idx, d, model), res, "check")
-    used = {"resize": res.resize, "centre crop": res.crop, "precision": precision, "loader": loader}
+    used = {
+        "resize": res.resize,
+        "centre crop": res.crop,
+        "precision": precision,
+        "loader": loader,
+        "interpolation": known.preprocess.interpolation,
+        "mean": [round(m / 255, 4) for m in known.preprocess.mean],
+        "std": [round(s / 255, 4) for s in known.preprocess.std],
+        "preprocessing from": known.preprocess_from,
+    }
     return t, used, d.device
 
 

@@ -43,7 +43,7 @@ from rectrain import cli, distributed, usage, watchdog, weights
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.data import pairowner
-from rectrain.loaders import LoaderSpec, build_loader, eval_resize_for, resolve_workers
+from rectrain.loaders import IMAGENET_PREPROCESS, LoaderSpec, Preprocess, build_loader, eval_resize_for, resolve_workers
 from rectrain.metrics import Tally, all_reduce, tally
 from rectrain.progress import Progress
 from rectrain.settings import EvaluateSettings
@@ -66,6 +66,7 @@ class Trained:
     loader: str = "dali"
     gpu_decode: bool = True
     decode: str = "auto"
+    preprocess: Preprocess = IMAGENET_PREPROCESS  # what training fed the network (the check: the weights' own)
 
 
 def trained(ckpt: dict) -> Trained:
@@ -155,6 +156,7 @@ def eval_spec(
         gpu_decode=run.gpu_decode,
         decode=run.decode,  # 'cpu' keeps the decode off the GPU here too
         resize=res.resize,
+        preprocess=run.preprocess,
     )
 
 

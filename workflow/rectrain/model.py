@@ -4,6 +4,7 @@ one model factory and one autocast context, so every pass computes the same way.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import importlib
 import importlib.util
 import inspect
@@ -28,59 +29,152 @@ def build(
     model_args: dict | None = None,
 ) -> torch.nn.Module:
     """The network train.model names (rectrain.modelspec: a torchvision registry name, timm:<name>, or
-    your own factory in a file or module), randomly initialised, with train.model_args.  zero_init_residual
-    zeroes each residual branch's last norm weight, so every block starts as the identity (Goyal et al.
-    2017): torchvision's ResNet family's constructor option, timm's zero_init_last, or a factory that takes
-    zero_init_residual; blurpool anti-aliases the strided convolutions (add_blurpool).  Where either cannot
-    apply to a timm model or your own, the run is refused naming the key."""
+    your own factory in a file or module), randomly initialised, with train.model_args and the model-
+    dependent mechanics applied (`construct`, which also says what each changed)."""
+    return construct(
+        name,
+        num_classes,
+        channels_last,
+        zero_init_residual=zero_init_residual,
+        blurpool=blurpool,
+        model_args=model_args,
+    )[0]
+
+
+def construct(
+    name: str,
+    num_classes: int,
+    channels_last: bool = False,
+    *,
+    zero_init_residual: bool = False,
+    blurpool: bool = False,
+    model_args: dict | None = None,
+) -> tuple[torch.nn.Module, dict]:
+    """(the network as `build` makes it, what each mechanic changed in it: {key: {asked, changed, what}}).
+
+    Every model kind goes through the same two mechanics, and each is counted on the network itself, so
+    a mechanic that changes nothing is refused naming the key instead of being recorded as on:
+    zero_init_residual zeroes each residual branch's last norm weight, so every block starts as the
+    identity (Goyal et al. 2017) - torchvision's ResNet constructors' option, timm's zero_init_last, or a
+    factory's zero_init_residual argument; what it changed is what differs from the same network built
+    with it off.  Off, it is off in timm too, whose default is on.  blurpool anti-aliases the strided
+    convolutions (add_blurpool)."""
     spec = modelspec.parse(name)
     args = dict(model_args or {})
-    if spec.kind == "torchvision":
-        model = torchvision_model(name, num_classes, zero_init_residual, args)
-    elif spec.kind == "timm":
-        model = timm_model(spec.target, num_classes, zero_init_residual, args)
-    else:
-        model = factory_model(spec, name, num_classes, zero_init_residual, args)
-    if blurpool:
-        wrapped = sum(isinstance(m, BlurPoolConv2d) for m in add_blurpool(model).modules())
-        if not wrapped and spec.kind != "torchvision":
+    model = constructed(spec, name, num_classes, zero_init_residual, args)
+    zeroed = zero_weights(model)
+    if zero_init_residual:
+        with torch.random.fork_rng(devices=[]):  # the comparison build draws nothing from the run's stream
+            zeroed = sorted(set(zeroed) - set(zero_weights(constructed(spec, name, num_classes, False, args))))
+        if not zeroed:
             raise ValueError(
-                f"train.blurpool: true but {name} has no strided Conv2d with >= 16 input channels to anti-alias; "
-                "set train.blurpool: false"
+                f"train.zero_init_residual: true but {name} zeroes no weight with it (its blocks have no residual "
+                "norm it applies to); set train.zero_init_residual: false"
             )
-    return model.to(memory_format=torch.channels_last) if channels_last else model
+    layers = blurpool_layers(add_blurpool(model)) if blurpool else []
+    if blurpool and not layers:
+        raise ValueError(
+            f"train.blurpool: true but {name} has no strided Conv2d with >= 16 input channels to anti-alias; "
+            "set train.blurpool: false"
+        )
+    applied = {
+        "zero_init_residual": {"asked": zero_init_residual, "changed": len(zeroed), "what": name_patterns(zeroed)},
+        "blurpool": {"asked": blurpool, "changed": len(layers), "what": layers},
+    }
+    return (model.to(memory_format=torch.channels_last) if channels_last else model), applied
+
+
+def mechanics_line(name: str, applied: dict) -> str:
+    """The log's line of what each mechanic changed in `name` (construct's second value)."""
+    zero, blur = applied["zero_init_residual"], applied["blurpool"]
+    parts = [
+        f"zero_init_residual {'zeroed ' + str(zero['changed']) + ' weight(s)' if zero['asked'] else 'off'}"
+        + (f" ({', '.join(zero['what'])})" if zero["what"] else ""),
+        f"blurpool {'wraps ' + str(blur['changed']) + ' strided convolution(s)' if blur['asked'] else 'off'}",
+    ]
+    return f"train.model {name}: " + "; ".join(parts)
+
+
+def constructed(spec, name: str, num_classes: int, zero_init_residual: bool, args: dict) -> torch.nn.Module:
+    """The network of `spec` with zero_init_residual handed to its constructor, before the mechanics count."""
+    if spec.kind == "torchvision":
+        return torchvision_model(name, num_classes, zero_init_residual, args)
+    if spec.kind == "timm":
+        return timm_model(spec.target, num_classes, zero_init_residual, args)
+    return factory_model(spec, name, num_classes, zero_init_residual, args)
+
+
+def zero_weights(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters, biases aside, that are all zero: what a zero-init leaves (a lazy module's
+    parameters, not yet shaped, are none)."""
+    return [
+        n
+        for n, p in model.named_parameters()
+        if not n.endswith("bias") and not torch.nn.parameter.is_lazy(p) and not p.detach().any()
+    ]
+
+
+def name_patterns(names) -> dict[str, int]:
+    """Parameter or module names grouped by their shape, each index replaced by * (layer1.0.bn2.weight and
+    layer1.1.bn2.weight are layer1.*.bn2.weight), with counts: what run.json lists of long name lists."""
+    counts: dict[str, int] = {}
+    for name in names:
+        pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        counts[pattern] = counts.get(pattern, 0) + 1
+    return counts
+
+
+# The parameters the architectures' recipes exempt from weight decay, for torchvision's models (timm's
+# name theirs in no_weight_decay(); timm's rule, rectrain.train.optim, exempts every 1-D tensor besides):
+# ViT's class token and position embedding and Swin's relative-position bias tables (torchvision's
+# references give them --transformer-embedding-decay 0; DeiT's and Swin's no_weight_decay() name them),
+# ConvNeXt's layer-scale gammas (1-D in the authors' code and timm's, hence exempt there; C x 1 x 1 here).
+TORCHVISION_NO_DECAY = ("class_token", "*pos_embedding", "*relative_position_bias_table", "*layer_scale")
 
 
 def torchvision_model(name: str, num_classes: int, zero_init_residual: bool, args: dict) -> torch.nn.Module:
     kwargs = {"num_classes": num_classes, **args}
-    if zero_init_residual and is_resnet(name):
+    if zero_init_residual:
         kwargs["zero_init_residual"] = True
     try:
-        return torchvision.models.get_model(name, **kwargs)
+        model = torchvision.models.get_model(name, **kwargs)
     except ValueError as err:
         raise ValueError(
             f"model {name!r} is not a torchvision model ({err}); fix train.model (a torchvision name, "
             "timm:<name>, path/to/file.py:factory or package.module:factory)"
         ) from None
+    except TypeError as err:
+        if zero_init_residual and "zero_init_residual" in str(err):
+            raise ValueError(
+                f"train.zero_init_residual: true but torchvision's {name} has no zero_init_residual option (only "
+                "its ResNet family has); set train.zero_init_residual: false"
+            ) from None
+        raise
+    exempt = {n for n, _ in model.named_parameters() if any(fnmatch.fnmatch(n, p) for p in TORCHVISION_NO_DECAY)}
+    if exempt:
+        model.no_weight_decay = lambda: set(exempt)  # what timm's models declare, read by timm's optimizer factory
+    return model
 
 
 def timm_model(name: str, num_classes: int, zero_init_residual: bool, args: dict) -> torch.nn.Module:
+    """timm's network, pretrained=False; zero_init_last as train.zero_init_residual says, off included
+    (timm's ResNet, RegNet and CSPNet families zero-init by default), where the model takes it."""
     import timm  # only timm models need it
 
     if not timm.is_model(name):
         raise ValueError(f"train.model 'timm:{name}': timm has no model {name!r}; fix train.model (timm.list_models())")
     kwargs = {"pretrained": False, "num_classes": num_classes, **args}
-    if zero_init_residual:
-        kwargs["zero_init_last"] = True
     try:
-        return timm.create_model(name, **kwargs)
+        return timm.create_model(name, zero_init_last=zero_init_residual, **kwargs)
     except TypeError as err:
-        if zero_init_residual and "zero_init_last" in str(err):
+        if "zero_init_last" not in str(err):
+            raise
+        if zero_init_residual:
             raise ValueError(
                 f"train.zero_init_residual: true but timm's {name} has no zero_init_last option; "
                 "set train.zero_init_residual: false"
             ) from None
-        raise
+    return timm.create_model(name, **kwargs)  # no such option: nothing of it to turn off
 
 
 def factory_model(spec, name: str, num_classes: int, zero_init_residual: bool, args: dict) -> torch.nn.Module:
@@ -168,18 +262,22 @@ def check_logits(model: torch.nn.Module, name: str, num_classes: int, image_size
 
 def load_weights(path, backbone: bool = False) -> torch.nn.Module:
     """The network of a published weights.safetensors (rectrain.weights), rebuilt from the file alone
-    and in eval mode: the architecture its header names (BlurPool layers included), its tensors loaded
-    strictly.  backbone=True: without its classifier head, returning features (see `backbone`)."""
+    and in eval mode: the architecture its header names, its tensors loaded strictly - plain weights of
+    the architecture -, then BlurPool put back on the convolutions the header lists (`blurpool_layers`).
+    backbone=True: without its classifier head, returning features (see `backbone`)."""
     from rectrain import weights  # safetensors is needed only here, not by every stage importing this module
 
     about = weights.description(path)
+    layers = about.get("blurpool_layers")
     model = build(
         about["model"],
         int(about["num_classes"]),
-        blurpool=bool(about.get("blurpool", False)),
+        blurpool=bool(about.get("blurpool", False)) and layers is None,  # a file written before plain names
         model_args=about.get("model_args"),
     )
     model.load_state_dict(weights.tensors(path), strict=True)
+    if layers:
+        add_blurpool(model, layers=layers)
     return (as_backbone(model) if backbone else model).eval()
 
 
@@ -218,15 +316,39 @@ class BlurPoolConv2d(torch.nn.Module):
         return self.conv(blurred)
 
 
-def add_blurpool(model: torch.nn.Module, min_channels: int = 16) -> torch.nn.Module:
+def add_blurpool(model: torch.nn.Module, min_channels: int = 16, *, layers=None) -> torch.nn.Module:
     """Wrap every strided Conv2d with at least `min_channels` input channels in BlurPoolConv2d, in place
-    (FFCV's rule: the RGB stem, 3 channels, is left alone)."""
+    (FFCV's rule: the RGB stem, 3 channels, is left alone); or, given `layers` (blurpool_layers of a
+    trained network, as weights.json lists them), exactly those convolutions."""
+    if layers is not None:
+        for name in layers:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            setattr(owner, child, BlurPoolConv2d(getattr(owner, child)))
+        return model
     for name, child in list(model.named_children()):
         if isinstance(child, torch.nn.Conv2d) and max(child.stride) > 1 and child.in_channels >= min_channels:
             setattr(model, name, BlurPoolConv2d(child))
         else:
             add_blurpool(child, min_channels)
     return model
+
+
+def blurpool_layers(model: torch.nn.Module) -> list[str]:
+    """The convolutions BlurPool wraps in `model`, by their names in the plain architecture."""
+    return [name for name, m in model.named_modules() if isinstance(m, BlurPoolConv2d)]
+
+
+def plain_state_dict(state: dict, layers) -> dict:
+    """A BlurPool network's state dict under the plain architecture's names: `<layer>.conv.weight` of each
+    wrapped convolution in `layers` becomes `<layer>.weight` (the filter itself has no parameters), so the
+    architecture's own library or factory loads it strictly."""
+    prefixes = {f"{layer}.conv.": f"{layer}." for layer in layers}
+    out = {}
+    for key, value in state.items():
+        head = next((p for p in prefixes if key.startswith(p)), None)
+        out[prefixes[head] + key[len(head) :] if head else key] = value
+    return out
 
 
 def amp_dtype(precision: str) -> torch.dtype | None:

@@ -1,12 +1,16 @@
 """The published weights: results/<ds>/train/weights.safetensors and weights.json beside it.
 
 weights.safetensors holds the trained network's state_dict with the architecture library's own key
-names (safetensors: tensors and a string header only, nothing is unpickled on load), so a torchvision
-model without BlurPool loads it with `torchvision.models.get_model(name, num_classes=K)
-.load_state_dict(load_file(path), strict=True)`.  Its header's metadata (METADATA_KEY, JSON) describes
-the network - the architecture as configured, the classes in label order, the normalisation, the
-training resolution, the recipe, the epochs trained - so rectrain.model.load_weights can rebuild it from
-the file alone (BlurPool included, which plain torchvision has no layer for).
+names (safetensors: tensors and a string header only, nothing is unpickled on load), so the
+architecture loads it strictly with its own library (`torchvision.models.get_model(name, num_classes=K)`,
+`timm.create_model(name, num_classes=K)`, your factory) and `.load_state_dict(load_file(path),
+strict=True)`.  A BlurPool run's file too: the filter has no parameters, so its tensors are the plain
+architecture's, and `blurpool_layers` names the convolutions that ran behind the filter
+(rectrain.model.add_blurpool(net, layers=...) puts it back).  Its header's metadata (METADATA_KEY, JSON)
+describes the network - the architecture as configured, the classes in label order, the normalisation,
+the training resolution, the recipe and what it did (`as_run`: what each mechanic changed, each
+parameter group's LR and weight decay), the epochs trained - so rectrain.model.load_weights can rebuild
+it from the file alone.
 
 The train stage writes the file when a run finishes (rectrain.train.outputs.finish); the evaluate stage
 evaluates that file and writes weights.json: the same description, plus the test resolutions and the
@@ -47,12 +51,15 @@ def describe(
     val_resolution: int | None,
     architecture: dict,
     classes: list[dict],
+    *,
     epoch: int,
     recipe: dict,
+    as_run: dict | None = None,
 ) -> dict:
-    """The file's description: `architecture` {model, model_args, blurpool} as configured, the classes in
-    label order (label, wnid, name), the normalisation, training's resolution (train.image_size,
-    train.val_resolution), the recipe and the number of epochs trained."""
+    """The file's description: `architecture` {model, model_args, blurpool, blurpool_layers} as configured,
+    the classes in label order (label, wnid, name), the normalisation, training's resolution
+    (train.image_size, train.val_resolution), the recipe, what it did (`as_run`: rectrain.train.run.Run.
+    resolved) and the number of epochs trained."""
     return {
         "format": "state_dict with the architecture library's key names (rectrain.model.load_weights rebuilds it)",
         **architecture,
@@ -64,6 +71,7 @@ def describe(
         "crop_ratio": EVAL_CROP_FRACTION,
         "epochs_trained": int(epoch),
         "recipe": recipe,
+        "recipe_as_run": as_run,
     }
 
 

@@ -39,16 +39,19 @@ from rectrain.loaders.spec import (
     CROP_RATIO,
     CROP_SCALE,
     FULL_DECODE_HW_LOAD,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
+    IMAGENET_PREPROCESS,
     DaliOptions,
     LoaderSpec,
+    Preprocess,
     decode_path,
     epoch_seed,
     train_batches_per_epoch,
     train_padding,
 )
 from rectrain.recordio import IndexedRecordReader, header_label, idx_arrays, unpack_record
+
+# Preprocess.interpolation as DALI's resize takes it (antialiased when shrinking, as torchvision's and PIL's).
+DALI_INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}
 
 
 def decoder_args(decode_device: str, opts: DaliOptions, jpeg_engine: bool) -> dict:
@@ -151,6 +154,7 @@ def _pipeline(
     crop: str = "roi",
     dtype=types.FLOAT,
     layout: str = "HWC",
+    preprocess: Preprocess = IMAGENET_PREPROCESS,
 ):
     """Normalised images (DALI type `dtype`, `layout` HWC or CHW) + labels; both on the GPU when
     on_gpu.  `records`: a training epoch's EpochRecords (random-resized-crop of train.decode's path
@@ -173,7 +177,7 @@ def _pipeline(
         mirror = fn.random.coin_flip(probability=0.5)
     else:
         images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **decoder_kwargs)
-        images = fn.resize(images, resize_shorter=eval_resize)
+        images = fn.resize(images, resize_shorter=eval_resize, interp_type=DALI_INTERP[preprocess.interpolation])
         mirror = False
     if on_gpu:
         # Everything leaves the pipeline on the GPU, copied by DALI on its own stream: a CPU output
@@ -187,8 +191,8 @@ def _pipeline(
         dtype=dtype,
         output_layout=layout,
         crop=[image_size, image_size],
-        mean=list(IMAGENET_MEAN),
-        std=list(IMAGENET_STD),
+        mean=list(preprocess.mean),
+        std=list(preprocess.std),
         mirror=mirror,
     )
     return images, labels
@@ -263,6 +267,7 @@ class DaliLoader:
             crop="full" if decode_path(s.decode) == "full" else "roi",
             dtype=self._dali_dtype,
             layout="HWC" if s.channels_last else "CHW",
+            preprocess=s.preprocess,
             batch_size=s.batch_size,
             num_threads=max(1, s.workers),
             device_id=device_id,

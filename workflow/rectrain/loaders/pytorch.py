@@ -37,8 +37,6 @@ from rectrain.loaders import jpeg, order
 from rectrain.loaders.spec import (
     CROP_RATIO,
     CROP_SCALE,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     LoaderSpec,
     epoch_seed,
     train_batches_per_epoch,
@@ -58,7 +56,9 @@ def augment(spec: LoaderSpec, epoch: int = 0):
                 v2.RandomHorizontalFlip(),
             ]
         )
-    return v2.Compose([v2.PILToTensor(), v2.Resize(spec.eval_resize, antialias=True), v2.CenterCrop(spec.image_size)])
+    interpolation = v2.InterpolationMode(spec.preprocess.interpolation)
+    resize = v2.Resize(spec.eval_resize, interpolation=interpolation, antialias=True)
+    return v2.Compose([v2.PILToTensor(), resize, v2.CenterCrop(spec.image_size)])
 
 
 def worker_context():
@@ -248,8 +248,8 @@ class TorchLoader:
             self.size, spec.rank, w, b, shuffle=spec.train, seed=spec.seed, pad_to_batch=spec.train, accum=a
         )
         device = torch.device(spec.device)
-        self._mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
-        self._std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+        self._mean = torch.tensor(spec.preprocess.mean, device=device).view(1, 3, 1, 1)
+        self._std = torch.tensor(spec.preprocess.std, device=device).view(1, 3, 1, 1)
 
     def batches(self, epoch: int, start: int = 0):
         """(uint8 images or raw bytes, labels, record ids) batches of one epoch from batch `start` on,

@@ -75,6 +75,29 @@ class DaliOptions:
 
 
 @dataclass(frozen=True)
+class Preprocess:
+    """How images become the network's input beyond the crop: the mean and std (of 0-255 values) taken
+    off, and the interpolation of the evaluation's resize.  Training always uses ImageNet's constants
+    (IMAGENET_PREPROCESS); weights trained elsewhere bring their own (timm's pretrained_cfg: the check)."""
+
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    interpolation: str = "bilinear"  # or bicubic
+
+    @classmethod
+    def of_timm_cfg(cls, cfg: dict) -> "Preprocess":
+        """From a timm model's pretrained_cfg (its mean/std in [0, 1], its interpolation)."""
+        return cls(
+            mean=tuple(255 * float(m) for m in cfg["mean"]),
+            std=tuple(255 * float(s) for s in cfg["std"]),
+            interpolation=cfg.get("interpolation") or "bilinear",
+        )
+
+
+IMAGENET_PREPROCESS = Preprocess()
+
+
+@dataclass(frozen=True)
 class LoaderSpec:
     rec: str
     idx: str
@@ -96,6 +119,7 @@ class LoaderSpec:
     decode: str = "auto"  # train.decode (DECODE_PATHS, or auto)
     dtype: str = "float32"  # the images' dtype (image_dtype): float32, float16 or bfloat16
     channels_last: bool = True  # images in NHWC memory (viewed as NCHW), as channels_last training wants
+    preprocess: Preprocess = IMAGENET_PREPROCESS  # normalisation, and the evaluation resize's interpolation
 
     @property
     def step_batches(self) -> int:

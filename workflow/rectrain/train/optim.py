@@ -10,8 +10,14 @@ global batch (train.lr is for 256), per optimizer step, in one of three shapes (
   train.lr_step_epochs, after the linear warmup.
 
 The factor is a pure function of the optimizer step, so LambdaLR's checkpointed step count makes the
-LR exact across any resume.  Norm and bias parameters get no weight decay unless
-train.decay_norm_and_bias (FFCV's bn_wd: 0, torchvision's norm_weight_decay=0.0)."""
+LR exact across any resume.
+
+The optimizer and its parameter groups are timm's (timm.optim.create_optimizer_v2), for every model
+kind: no weight decay on any parameter of 1 dimension or less (norm weights, biases, layer-scale gammas,
+RMSNorm scales) nor on whatever the model's no_weight_decay() names (ViT's position embedding and class
+token, Swin's relative-position bias tables; rectrain.model gives torchvision's models the same list),
+unless train.decay_norm_and_bias.  FFCV's bn_wd 0 and torchvision's norm_weight_decay 0.0 are the same
+rule for the ResNets."""
 
 from __future__ import annotations
 
@@ -21,19 +27,26 @@ from dataclasses import dataclass
 
 import torch
 
+from rectrain.model import name_patterns
+
 # Weight decay by model family when train.weight_decay is null: 5e-5 for the ResNet-18/34 family
 # (FFCV rn18_configs/*.yaml: weight_decay 5e-5), 1e-4 for everything else - torchvision's classic
 # ResNet-50 recipe (references/classification, --wd 1e-4, 76.1 % top-1) and FFCV rn50_configs/*.yaml.
 FAMILY_WEIGHT_DECAY = {"resnet18": 5.0e-5, "resnet34": 5.0e-5}
 DEFAULT_WEIGHT_DECAY = 1.0e-4
+# ...and by optimizer where it is not SGD: AdamW 0.05, ConvNeXt's (Liu et al. 2022, Table 10) and DeiT's
+# (Touvron et al. 2021, Table 9) value; their recipes' AdamW weight decay is 25-500x SGD's.
+OPTIMIZER_WEIGHT_DECAY = {"adamw": 0.05}
 LINEAR_START = 1e-4  # FFCV's get_cyclic_lr starts at 1e-4 x the peak LR
 
 
 def weight_decay(optim, family: str) -> float:
-    """train.weight_decay (of the train block's `optim` part), or the published value of the model
-    family `family` (train.model) when it is null."""
+    """train.weight_decay (of the train block's `optim` part), or when it is null the published value for
+    train.optimizer: by the model family `family` (train.model) for SGD."""
     if optim.weight_decay is not None:
         return float(optim.weight_decay)
+    if optim.optimizer in OPTIMIZER_WEIGHT_DECAY:
+        return OPTIMIZER_WEIGHT_DECAY[optim.optimizer]
     return FAMILY_WEIGHT_DECAY.get(family, DEFAULT_WEIGHT_DECAY)
 
 
@@ -82,24 +95,6 @@ def schedule(optim, opt_steps_per_epoch: int) -> Schedule:
     )
 
 
-def is_norm_or_bias(module: torch.nn.Module, name: str) -> bool:
-    """Whether parameter `name` of `module` (its own, not a child's) is a norm layer's or a bias."""
-    norms = (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm, torch.nn.LayerNorm)
-    return isinstance(module, norms) or name == "bias"
-
-
-def param_groups(model: torch.nn.Module, decay: float, decay_norm_and_bias: bool) -> list[dict]:
-    """[decayed, not decayed] parameter groups; one group when everything decays."""
-    if decay_norm_and_bias:
-        return [{"params": list(model.parameters()), "weight_decay": decay}]
-    plain, exempt = [], []
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            (exempt if is_norm_or_bias(module, name) else plain).append(p)
-    groups = [{"params": plain, "weight_decay": decay}, {"params": exempt, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
 def fused_supported(device: torch.device) -> bool:
     """torch's fused SGD kernel runs on this device (CUDA and, since torch 2.4, CPU)."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -107,28 +102,52 @@ def fused_supported(device: torch.device) -> bool:
     return device.type in _get_fused_kernels_supported_devices()
 
 
+def timm_name(optim) -> str:
+    """timm's optimizer name for train.optimizer: its 'sgd' is SGD with Nesterov momentum, 'momentum' without."""
+    if optim.optimizer == "sgd":
+        return "sgd" if optim.nesterov and optim.momentum > 0 else "momentum"
+    return optim.optimizer
+
+
 def make_optimizer(optim, model, global_batch: int, opt_steps_per_epoch: int, *, family: str, precision: str):
-    """(SGD with nesterov, or AdamW with train.optimizer: adamw; the LR schedule, GradScaler for fp16) for the global batch, from the train
-    block's `optim` part, the model family (train.model: the default weight decay) and train.precision.  The fused
-    kernel takes the GradScaler's scale and found-inf flag as tensors (SGD._step_supports_amp_scaling),
-    so an fp16 step skips an overflowed update on the device instead of reading the flag on the host."""
+    """(the optimizer - timm's factory, see the module doc -, the LR schedule, GradScaler for fp16) for the
+    global batch, from the train block's `optim` part, the model family (train.model: the default weight
+    decay) and train.precision.  The fused kernel takes the GradScaler's scale and found-inf flag as
+    tensors (SGD._step_supports_amp_scaling), so an fp16 step skips an overflowed update on the device
+    instead of reading the flag on the host."""
+    from timm.optim import create_optimizer_v2  # only training builds an optimizer
+
     device = next(model.parameters()).device
-    groups = param_groups(model, weight_decay(optim, family), optim.decay_norm_and_bias)
-    lr = optim.lr * global_batch / 256
-    if optim.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(groups, lr=lr, fused=bool(optim.fused_sgd) and fused_supported(device))
-    else:
-        optimizer = torch.optim.SGD(
-            groups,
-            lr=lr,
-            momentum=optim.momentum,
-            nesterov=optim.nesterov and optim.momentum > 0,
-            fused=bool(optim.fused_sgd) and fused_supported(device),
-        )
+    optimizer = create_optimizer_v2(
+        model,
+        opt=timm_name(optim),
+        lr=optim.lr * global_batch / 256,
+        weight_decay=weight_decay(optim, family),
+        momentum=optim.momentum,
+        filter_bias_and_bn=not optim.decay_norm_and_bias,
+        fused=bool(optim.fused_sgd) and fused_supported(device),
+    )
     sched = schedule(optim, opt_steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: sched.factor(s))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     return optimizer, scheduler, scaler
+
+
+def recorded(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
+    """What the optimizer does, as run.json and weights.json record it: its class, the LR scaling, and per
+    parameter group the peak LR and weight decay it runs at and its tensors by name pattern, with counts."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [
+        {
+            "peak_lr": g.get("initial_lr", g["lr"]),
+            "weight_decay": g["weight_decay"],
+            "tensors": len(g["params"]),
+            "parameters": sum(p.numel() for p in g["params"]),
+            "names": name_patterns(names[id(p)] for p in g["params"]),
+        }
+        for g in optimizer.param_groups
+    ]
+    return {"class": type(optimizer).__name__, "lr_scaling": "linear: train.lr x global batch / 256", "groups": groups}
 
 
 def keep_configured_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, base_lrs: list[float]) -> None:

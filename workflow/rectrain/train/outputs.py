@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 
+from rectrain import model as models
 from rectrain import weights
 from rectrain.atomic import write_json
 from rectrain.log import utc_now
@@ -54,13 +55,21 @@ def weights_description(run: Run, final: dict) -> dict:
     """weights.safetensors' description (rectrain.weights.describe) of the finished checkpoint `final`:
     the recipe is the train block less its operational keys (what the checkpoint's identity compares)."""
     s = run.settings
+    architecture = {
+        "model": s.model.model,
+        "model_args": dict(s.model.model_args),
+        "blurpool": bool(s.model.blurpool),
+        # the tensors are the plain architecture's; these convolutions get BlurPool back (rectrain.model.load_weights)
+        "blurpool_layers": models.blurpool_layers(run.model),
+    }
     return weights.describe(
         s.resolution.image_size,
         s.resolution.val_resolution,
-        {"model": s.model.model, "model_args": dict(s.model.model_args), "blurpool": bool(s.model.blurpool)},
+        architecture,
         run.classes,
         epoch=int(final["epoch"]) + 1,
         recipe=ckpt.maths_config(s.as_dict()),
+        as_run=run.resolved,
     )
 
 
@@ -76,7 +85,8 @@ def finish(run: Run, info: dict) -> None:
     shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
     write_json(out / "run.json", {**info, "finished": utc_now()})
     final = ckpt.load(run.ck_dir / "last.pt")
-    weights.save(final["model"], weights_description(run, final), out / weights.FILE)
+    plain = models.plain_state_dict(final["model"], models.blurpool_layers(run.model))
+    weights.save(plain, weights_description(run, final), out / weights.FILE)
     ckpt.save_atomic(final, out / "model.pt")
     finished.keep(out, run.ck_dir)
     ckpt.mark_finished(run.ck_dir, out / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))

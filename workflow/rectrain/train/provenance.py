@@ -70,6 +70,7 @@ def run_info(
         "finished": None,
         "preflight": plan.preflight,
         "config": s.as_dict(),  # the whole block, flat, as configured
+        "recipe_as_run": run.resolved,  # each mechanic's changes, each parameter group's LR and decay
         "resumed_from_epoch": start_epoch if start_epoch or start_step else None,
         "resumed_from_step": start_step or None,  # a mid-epoch checkpoint: the first step trained
         "resumed_despite": list(resumed_despite),

@@ -28,7 +28,7 @@ from rectrain.tables import read_classes
 from rectrain.train import init_weights
 from rectrain.train.batchplan import BatchPlan, loader_spec, val_loader_spec
 from rectrain.train.lifecycle import checkpoint as ckpt
-from rectrain.train.optim import make_optimizer
+from rectrain.train.optim import make_optimizer, recorded
 from rectrain.train.step import Step
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ def set_backend_flags(cudnn_benchmark: bool, device: torch.device) -> None:
 
 
 def make_model(part, num_classes: int, device: torch.device, master: bool = True):
-    """(model on device, in channels_last when asked, from train.init_weights when set; the loss), from
-    the train block's `model` part."""
-    model = models.build(
+    """(model on device, in channels_last when asked, from train.init_weights when set; the loss; what the
+    model-dependent mechanics and init_weights did to it), from the train block's `model` part."""
+    model, applied = models.construct(
         part.model,
         num_classes,
         part.channels_last,
@@ -58,10 +58,12 @@ def make_model(part, num_classes: int, device: torch.device, master: bool = True
         blurpool=part.blurpool,
         model_args=part.model_args,
     )
+    if master:
+        log.info("%s", models.mechanics_line(part.model, applied))
     if part.init_weights:
-        init_weights.apply(model, part.init_weights, master)
+        applied["init_weights"] = init_weights.apply(model, part.init_weights, master, strict=part.init_weights_strict)
     model = model.to(device)
-    return model, torch.nn.CrossEntropyLoss(label_smoothing=part.label_smoothing)
+    return model, torch.nn.CrossEntropyLoss(label_smoothing=part.label_smoothing), applied
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class RankParts:
     cores: int  # CPU cores the job may use (--threads, else this process's affinity)
     workers: int  # the loader workers train.workers became
     spec: LoaderSpec  # the train loader's, batch_size 0 until planned
+    applied: dict  # what each model-dependent mechanic and init_weights changed (rectrain.model.construct)
 
 
 def prepare_rank(args: argparse.Namespace, d: Dist, arch, loaders, resolution, *, seed: int, epochs: int) -> RankParts:
@@ -85,11 +88,11 @@ def prepare_rank(args: argparse.Namespace, d: Dist, arch, loaders, resolution, *
     torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     classes = read_classes(args.classes)
     set_backend_flags(arch.cudnn_benchmark, d.device)
-    model, loss_fn = make_model(arch, len(classes), d.device, d.master)
+    model, loss_fn, applied = make_model(arch, len(classes), d.device, d.master)
     workers = resolve_workers(loaders.workers, d.local_world_size, cores)
     log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, loaders.workers)
     spec = loader_spec(loaders, resolution, arch, d, args.rec, args.idx, workers=workers, seed=seed, epochs=epochs)
-    return RankParts(d, classes, model, loss_fn, cores, workers, spec)
+    return RankParts(d, classes, model, loss_fn, cores, workers, spec, applied)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class Run:
     workers: int
     cores: int
     identity: ckpt.RunIdentity
+    # the recipe as it ran: what each mechanic changed, the optimizer's groups (run.json, weights.json)
+    resolved: dict
     # every change of world size, with its epoch (rectrain.train.lifecycle.resume.world_sizes); a resume replaces it
     world_sizes: tuple[dict, ...] = ()
 
@@ -161,6 +166,7 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
         workers=parts.workers,
         cores=parts.cores,
         identity=identity,
+        resolved={"mechanics": parts.applied, "optimizer": recorded(optimizer, model)},
         world_sizes=(plan.from_epoch(0),),
     )
 
