@@ -351,6 +351,20 @@ def plain_state_dict(state: dict, layers) -> dict:
     return out
 
 
+def resolve_precision(setting: str, device: torch.device) -> str:
+    """train.precision as it runs on `device`: `auto` is bf16 on a GPU that has it (compute capability 8.0
+    and later), fp16 on an older one (the reference box's Turing), and fp32 on a CPU.  Not bf16 on a CPU:
+    torch 2.14.1's CPU bf16 convolution computes its weight gradient from uninitialised memory for a 3x3
+    stride-2 convolution over a 1 x 1 map (a ResNet's layer4 at 16 px and below), which turned short runs
+    to NaN at random (bench/bf16_cpu_conv.py, bench/RESULTS.md "bf16 on the CPU").  An explicit value runs
+    as given."""
+    if setting != "auto":
+        return setting
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
+
+
 def amp_dtype(precision: str) -> torch.dtype | None:
     """The autocast dtype of train.precision (None for fp32)."""
     return AMP_DTYPES[precision]

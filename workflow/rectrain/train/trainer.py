@@ -33,7 +33,10 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import torch
+
 from rectrain import distributed, settings, usage, watchdog
+from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
 from rectrain.train import batchplan, calibrate, curves, outputs, provenance
@@ -56,6 +59,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
     plan = None  # the failure line names it once it exists
     try:
         d = distributed.setup(s.launch.devices != "cpu", s.launch.collective_timeout_s)
+        s = resolved_precision(s, d)
         if d.master:
             (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
         with (
@@ -85,6 +89,22 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
     except Exception as exc:
         log.exception(failure.explain(exc, s.batch, s.launch.devices, plan))
         raise
+
+
+def resolved_precision(s: settings.TrainSettings, d: distributed.Dist) -> settings.TrainSettings:
+    """The block with train.precision as it runs on this rank's device (rectrain.model.resolve_precision):
+    every part of the run - the loaders' dtype, the preflight, the checkpoint's identity, run.json - sees it."""
+    precision = models.resolve_precision(s.model.precision, d.device)
+    if d.master and s.model.precision == "auto":
+        log.info("train.precision auto: %s on %s", precision, d.device.type.upper())
+    elif d.master and precision == "bf16" and d.device.type == "cpu":
+        log.warning(
+            "train.precision bf16 on a CPU: torch %s's CPU bf16 convolution backward reads uninitialised memory for a "
+            "3x3 stride-2 convolution over a 1 x 1 map (at 16 px and below a ResNet's layer4 has one), which turns a "
+            "run to NaN at random (bench/bf16_cpu_conv.py); auto or fp32 trains in fp32 here",
+            torch.__version__,
+        )
+    return s.replaced(precision=precision)
 
 
 def train_run(run: Run, request: StopRequest) -> None:
