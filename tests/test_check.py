@@ -5,6 +5,7 @@ and the refusals. The stage end to end on the demo's finished run: tests/test_pi
 import pytest
 import torch
 import torchvision
+from helpers.torchhub import cache_as_published
 
 from rectrain import check
 from rectrain.data.subset import IMAGENET_1K, read_names
@@ -81,12 +82,9 @@ def test_the_likely_cause_follows_the_val_layout(tmp_path, source, cause):
 
 
 def test_torchvision_weights_come_from_torchs_cache_with_their_published_top1_and_transforms(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
-    enum = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
-    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
     torch.manual_seed(0)
     source = torchvision.models.resnet18()
-    torch.save(source.state_dict(), tmp_path / "hub" / "checkpoints" / enum.url.rsplit("/", 1)[1])
+    cache_as_published(tmp_path, monkeypatch, source.state_dict())
     known = check.known_weights(settings(weights="torchvision:ResNet18_Weights.IMAGENET1K_V1"))
     assert (known.published_top1, known.crop, known.resize) == (0.69758, 224, 256)
     assert known.wnids == read_names(IMAGENET_1K) and known.wnids[0] == "n01440764"

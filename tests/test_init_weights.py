@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 import torchvision
+from helpers.torchhub import cache_as_published
 
 from rectrain import model as models
 from rectrain import weights
@@ -50,14 +51,11 @@ def test_a_checkpoint_of_another_architecture_is_refused_naming_the_key(tmp_path
 
 
 def test_torchvision_weights_come_from_torchs_cache_without_network(tmp_path, monkeypatch, caplog):
-    """ResNet18_Weights.IMAGENET1K_V1's file placed where torch.hub caches it: read from there."""
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
-    enum = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
-    cache = tmp_path / "hub" / "checkpoints"
-    cache.mkdir(parents=True)
+    """A file placed where torch.hub caches ResNet18_Weights.IMAGENET1K_V1, under a name carrying its
+    own hash as torchvision's published names do: read from there."""
     torch.manual_seed(3)
     source = torchvision.models.resnet18()
-    torch.save(source.state_dict(), cache / enum.url.rsplit("/", 1)[1])
+    cache_as_published(tmp_path, monkeypatch, source.state_dict())
     fresh = models.build("resnet18", 10)
     with caplog.at_level(logging.INFO):
         init_weights.apply(fresh, "torchvision:ResNet18_Weights.IMAGENET1K_V1")
