@@ -6,6 +6,7 @@ import pytest
 import torch
 import torchvision
 from helpers.torchhub import cache_as_published
+from helpers.users import as_other_user, needs_root, shared_folder
 
 from rectrain import check
 from rectrain.data.subset import IMAGENET_1K, read_names
@@ -119,3 +120,58 @@ def test_the_weights_own_resolution_unless_the_block_sets_one_and_a_resize_below
         check.CheckError, match=r"check.resize = 200 is smaller than the centre crop 224 .* set check.resize >= 224"
     ):
         check.preprocessing(settings(resize=200), known)
+
+
+# ---- issue 47 items 2 and 10: torchvision's weights are hash-checked, and offline says what to fetch ----
+
+RESNET18 = "torchvision:ResNet18_Weights.IMAGENET1K_V1"
+# Run as the other user (argv: the shared TORCH_HOME, the marker): a pickle that creates the marker when
+# unpickled, planted in the shared cache under the name torchvision publishes ResNet-18's weights as.
+PLANT_PICKLE = """
+import os, pickle, sys
+class Planted:
+    def __reduce__(self):
+        return (os.mkdir, (sys.argv[2],))
+cache = sys.argv[1] + "/hub/checkpoints"
+os.makedirs(cache)
+for folder in (sys.argv[1], sys.argv[1] + "/hub", cache):
+    os.chmod(folder, 0o777)
+with open(cache + "/resnet18-f37072fd.pth", "wb") as f:
+    pickle.dump({"fc.weight": Planted()}, f)
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("stage", ["check", "init_weights"])
+def test_a_pickle_planted_in_a_shared_torch_home_is_refused_by_its_hash_and_never_unpickled(monkeypatch, stage):
+    from rectrain import model as models
+    from rectrain.train import init_weights
+
+    with shared_folder() as base:
+        base.chmod(0o1777)
+        marker = base / "ran"
+        planted = as_other_user(PLANT_PICKLE, base / "torch", marker)
+        assert planted.returncode == 0, planted.stderr
+        monkeypatch.setenv("TORCH_HOME", str(base / "torch"))
+        with pytest.raises(ValueError, match=r"resnet18-f37072fd.pth is not the file torchvision published"):
+            if stage == "check":
+                check.known_weights(settings(weights=RESNET18))
+            else:
+                init_weights.apply(models.build("resnet18", 3), RESNET18)
+        assert not marker.exists()
+
+
+def test_offline_the_check_says_the_weights_need_a_download_from_where_into_where(tmp_path, monkeypatch):
+    from urllib.error import URLError
+
+    def offline(*args, **kwargs):
+        raise URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.hub, "urlopen", offline)
+    url = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url
+    with pytest.raises(ValueError) as err:
+        check.known_weights(settings(weights=RESNET18))
+    line = str(err.value)
+    assert f"the weights need a download from {url} into {tmp_path}/hub/checkpoints/resnet18-f37072fd.pth" in line
+    assert "Temporary failure in name resolution" in line and "TORCH_HOME" in line and "\n" not in line

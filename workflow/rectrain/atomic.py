@@ -139,6 +139,7 @@ def link_or_write(source: str | os.PathLike, path: str | os.PathLike, write: Cal
     not written again), or, where the file system has no hard links, write it with `write(binary_file)`.
     True when linked.  A later write to either name replaces that name only (write_with renames a new
     file over it), so the two never change together."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = fresh_name(path)
     try:
         os.link(source, tmp)  # makes the name itself, exclusively: a name planted meanwhile fails it
