@@ -173,7 +173,7 @@ def test_published_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_th
     # the evaluate stage's network and forward pass (rectrain.metrics.tally's)
     with torch.inference_mode(), models.autocast(torch.device("cpu"), precision):
         expected = metrics.predict(model_from_weights(str(train / weights.FILE), ckpt), batch)
-    torchvision_lines, rectrain_lines = readme_python("Using the trained weights")
+    torchvision_lines, rectrain_lines = readme_python("Using the trained weights")[:2]
     for lines, name in ((torchvision_lines, "model"), (rectrain_lines, "model")):
         script = lines + textwrap.dedent(f"""
             import torch
