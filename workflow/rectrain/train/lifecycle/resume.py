@@ -12,6 +12,13 @@ train.resume (operational, x-rerun: false) says when a checkpoint is continued:
   classes) fails as it is restored, saying so.
 - never: always start over.
 
+A checkpoint that is continued is first checked against its own run and this one (check_position): its
+epoch within its train.epochs and not past this run's (train.resume: always below the checkpoint's
+epoch would publish at once), a mid-epoch step that is a step, and, on the same number of processes,
+one RNG state and loader position per rank; a crafted or damaged one is refused in one line naming
+the file and the fix.  Every start also removes the temporaries a checkpoint write killed mid-way left
+(rectrain.atomic.remove_dead_temporaries).
+
 Another world size (a GPU lent to a colleague, 2 -> 1 and back, another node count) is the same run
 under auto and always when the checkpoint's global batch is kept: the batch plan regroups it
 (batchplan.regroup: 2 -> 1 processes doubles grad_accum), so the LR and its schedule, which counts
