@@ -1,5 +1,7 @@
 """The published weights file (rectrain.weights, rectrain.model.load_weights): torchvision's own key
-names, rebuilt from the file alone (BlurPool included), a backbone view without the head."""
+names, rebuilt from the file alone (BlurPool included), a backbone view without the head; a header is
+data, never code (issue 47: a factory it names is refused, yours only through the name you give), and
+the file follows the umask."""
 
 import json
 import os
