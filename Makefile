@@ -1,5 +1,7 @@
 # One-command set-up: `make test` and `make report` build .venv when it is missing or stale.
 SHELL := /bin/bash
+# This Makefile's folder (the checkout), also when make runs elsewhere with -f.
+MAKEFILE_DIR := $(dir $(abspath $(lastword $(MAKEFILE_LIST))))
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -69,14 +71,13 @@ run: $(STAMP)
 	RECTRAIN_REPORT_LINE=0 $(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) $(TARGET) --configfile $(CONFIG)
 	@for f in $(filter %report.html,$(TARGET)); do test ! -f "$$f" || echo "report: $(CURDIR)/$$f"; done
 
-# From another shell: stop the run going in this folder as SIGTERM to its Snakemake process does - training
-# writes its checkpoint, every job ends, and that run exits with status 75 (docs/watching.md).
-RUN_PID := .snakemake/rectrain-run.pid
+# From another shell: stop the runs going in this folder (RUN=<pid>: that one alone) as SIGTERM to their
+# Snakemake process does - training writes its checkpoint, every job ends, and the run exits with status
+# 75 (docs/watching.md). Each run registered itself in a folder of yours alone, and only a process that is
+# still the one registered (pid, start time, user) is signalled (rectrain.snakefile.runs).
+RUN ?=
 stop:
-	@pid=$$(cat $(RUN_PID) 2>/dev/null); \
-	if [ -z "$$pid" ] || ! ps -p "$$pid" -o args= | grep -q snakemake; then \
-	  echo "make stop: no run is going in this folder (no Snakemake process in $(RUN_PID))"; exit 0; fi; \
-	kill -TERM "$$pid" && echo "make stop: asked Snakemake (pid $$pid) to stop; it ends after training's checkpoint"
+	@PYTHONSAFEPATH=1 PYTHONPATH=$(MAKEFILE_DIR)workflow $(if $(wildcard $(PY)),$(PY),python3) -m rectrain.snakefile.runs stop $(RUN)
 
 # The report of a run still training, stopped or killed: results/<dataset>/live.html, built again at each
 # call (docs/watching.md). CONFIG as for make run; empty: the demo. Snakemake's lock does not stop it.

@@ -6,14 +6,14 @@ with rectrain's own RecordWriter (no mxnet needed); victims are files under tmp_
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from helpers.packdata import jpeg, photo
+from helpers.users import as_other_user, needs_root, shared_folder
 from helpers.views import view
 
 from rectrain.data import byo_recordio
@@ -114,23 +114,11 @@ def test_a_non_finite_label_gets_the_checks_named_error(tmp_path, label):
 
 # ---- items 1, 2, 11: the brought pair goes through the pack's folder and ownership rules ---------
 
-OTHER_UID = 54321
-
-
-def as_other_user(code: str, *args) -> subprocess.CompletedProcess:
-    """`code` run by python as another user (uid and gid OTHER_UID, no groups), as a second user of a
-    shared machine would run it."""
-    cmd = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable, "-c", code]
-    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=60)
-
 
 @pytest.fixture
-def shared(tmp_path):
-    """A folder every user can reach (pytest's own tmp root is private to root), removed after."""
-    base = Path(tempfile.mkdtemp(prefix="rectrain-shared-", dir="/tmp"))
-    base.chmod(0o755)
-    yield base
-    shutil.rmtree(base)
+def shared():
+    with shared_folder() as base:
+        yield base
 
 
 def labels_through(fast) -> list[float]:
@@ -141,7 +129,7 @@ def labels_through(fast) -> list[float]:
     ]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root (setpriv)")
+@needs_root
 def test_a_world_writable_fast_folder_is_locked_before_the_pair_is_linked_so_another_user_cannot_swap_it(shared):
     pair = make_pair(shared / "mine", n=4)
     fast = shared / "out" / "fast"
@@ -239,6 +227,25 @@ def test_a_pair_replaced_after_its_check_is_refused_by_the_loaders_naming_the_re
         build_loader(kind, spec)
 
 
+def test_a_rec_rewritten_in_place_keeping_its_size_and_mtime_is_refused_by_its_change_time(tmp_path):
+    """Issue 47: the stamp holds the .rec's ctime, which no one can set back as os.utime sets the mtime."""
+    from rectrain.data.pairowner import PairChanged, refuse_changed
+
+    pair = make_pair(tmp_path / "pair", n=8)
+    _, out = check(tmp_path, pair)
+    fast = out / "fast"
+    refuse_changed(fast / "train.rec", fast / "train.idx")
+    before = os.stat(pair["rec"])
+    data = bytearray(Path(pair["rec"]).read_bytes())
+    data[40] ^= 0xFF  # a byte of the first image, the size unchanged
+    time.sleep(0.01)  # a change time the file system can tell from the check's
+    Path(pair["rec"]).write_bytes(bytes(data))
+    os.utime(pair["rec"], ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (os.stat(pair["rec"]).st_size, os.stat(pair["rec"]).st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(PairChanged, match=r"is not the \.rec check_recordio checked"):
+        refuse_changed(fast / "train.rec", fast / "train.idx")
+
+
 # ---- item 5: the check's memory does not follow the records' sizes -------------------------------
 
 MB = 1 << 20
@@ -324,6 +331,16 @@ def test_an_idx_larger_than_its_rec_is_refused_before_it_is_read(tmp_path):
     found = measured(tmp_path, pair["rec"], pair["idx"])
     assert f"{pair['idx']} is {300 * MB} bytes, larger than its .rec" in found["said"]
     print(f"check of a 300 MB .idx: peak grew {found['grew'] / MB:.0f} MiB")
+    assert found["grew"] < 32 * MB
+
+
+def test_an_idx_pointed_at_the_rec_itself_is_refused_at_its_first_line_in_bounded_memory(tmp_path):
+    """Issue 47: the .rec named as its own .idx is no larger than itself, so the size check passes; the
+    .idx is parsed as a stream and refused at its first line instead of read whole (1.2 GB RSS before)."""
+    rec, _ = sparse_pair(tmp_path / "pair", records=3, part_bytes=100 * MB)
+    found = measured(tmp_path, rec, rec)
+    assert f"{rec}:1: expected 'key<TAB>offset' in ASCII digits" in found["said"]
+    print(f"check of a 300 MB .rec given as its .idx: peak grew {found['grew'] / MB:.0f} MiB")
     assert found["grew"] < 32 * MB
 
 

@@ -5,6 +5,8 @@ and the refusals. The stage end to end on the demo's finished run: tests/test_pi
 import pytest
 import torch
 import torchvision
+from helpers.torchhub import cache_as_published
+from helpers.users import as_other_user, needs_root, shared_folder
 
 from rectrain import check
 from rectrain.data.subset import IMAGENET_1K, read_names
@@ -81,12 +83,9 @@ def test_the_likely_cause_follows_the_val_layout(tmp_path, source, cause):
 
 
 def test_torchvision_weights_come_from_torchs_cache_with_their_published_top1_and_transforms(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
-    enum = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
-    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
     torch.manual_seed(0)
     source = torchvision.models.resnet18()
-    torch.save(source.state_dict(), tmp_path / "hub" / "checkpoints" / enum.url.rsplit("/", 1)[1])
+    cache_as_published(tmp_path, monkeypatch, source.state_dict())
     known = check.known_weights(settings(weights="torchvision:ResNet18_Weights.IMAGENET1K_V1"))
     assert (known.published_top1, known.crop, known.resize) == (0.69758, 224, 256)
     assert known.wnids == read_names(IMAGENET_1K) and known.wnids[0] == "n01440764"
@@ -156,3 +155,58 @@ def test_the_evaluation_loaders_normalise_and_interpolate_as_the_weights_preproc
     assert torch.allclose(halves, (pixels - 127.5) / 127.5, atol=2e-3)
     bicubic = images(Preprocess(mean=half.mean, std=half.std, interpolation="bicubic"))
     assert 0 < (bicubic - halves).abs().mean() < 0.1, "bicubic is another resize of the same image"
+
+
+# ---- issue 47 items 2 and 10: torchvision's weights are hash-checked, and offline says what to fetch ----
+
+RESNET18 = "torchvision:ResNet18_Weights.IMAGENET1K_V1"
+# Run as the other user (argv: the shared TORCH_HOME, the marker): a pickle that creates the marker when
+# unpickled, planted in the shared cache under the name torchvision publishes ResNet-18's weights as.
+PLANT_PICKLE = """
+import os, pickle, sys
+class Planted:
+    def __reduce__(self):
+        return (os.mkdir, (sys.argv[2],))
+cache = sys.argv[1] + "/hub/checkpoints"
+os.makedirs(cache)
+for folder in (sys.argv[1], sys.argv[1] + "/hub", cache):
+    os.chmod(folder, 0o777)
+with open(cache + "/resnet18-f37072fd.pth", "wb") as f:
+    pickle.dump({"fc.weight": Planted()}, f)
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("stage", ["check", "init_weights"])
+def test_a_pickle_planted_in_a_shared_torch_home_is_refused_by_its_hash_and_never_unpickled(monkeypatch, stage):
+    from rectrain import model as models
+    from rectrain.train import init_weights
+
+    with shared_folder() as base:
+        base.chmod(0o1777)
+        marker = base / "ran"
+        planted = as_other_user(PLANT_PICKLE, base / "torch", marker)
+        assert planted.returncode == 0, planted.stderr
+        monkeypatch.setenv("TORCH_HOME", str(base / "torch"))
+        with pytest.raises(ValueError, match=r"resnet18-f37072fd.pth is not the file torchvision published"):
+            if stage == "check":
+                check.known_weights(settings(weights=RESNET18))
+            else:
+                init_weights.apply(models.build("resnet18", 3), RESNET18)
+        assert not marker.exists()
+
+
+def test_offline_the_check_says_the_weights_need_a_download_from_where_into_where(tmp_path, monkeypatch):
+    from urllib.error import URLError
+
+    def offline(*args, **kwargs):
+        raise URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.hub, "urlopen", offline)
+    url = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url
+    with pytest.raises(ValueError) as err:
+        check.known_weights(settings(weights=RESNET18))
+    line = str(err.value)
+    assert f"the weights need a download from {url} into {tmp_path}/hub/checkpoints/resnet18-f37072fd.pth" in line
+    assert "Temporary failure in name resolution" in line and "TORCH_HOME" in line and "\n" not in line

@@ -123,3 +123,30 @@ def test_the_index_log_says_what_the_subset_kept(raw, tmp_path):
     missing = json.dumps({"classes": ["n99999999"]})
     proc = subprocess.run([*cmd[:4], missing, *cmd[5:]], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "does not hold: n99999999" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- issue 47 item 10: an index.classes file that is a FIFO or not UTF-8 is a one-line refusal ------
+
+
+def test_index_classes_swapped_for_a_fifo_after_the_parse_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "classes.txt"
+    os.mkfifo(fifo)
+    code = f"from rectrain.data import subset; subset.resolve({str(fifo)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"index.classes = '{fifo}': {fifo} (index.classes) is a named pipe (FIFO), not a regular file: point it "
+            "at the file itself; give a list of class names, one a line"
+        )
+    )
+
+
+def test_an_index_classes_file_that_is_not_utf8_is_refused_naming_the_key_and_the_byte(tmp_path):
+    (tmp_path / "classes.txt").write_bytes("n01440764\nn0144\xe9\n".encode("latin-1"))
+    with pytest.raises(
+        subset.SubsetError, match=r"index.classes = .*classes.txt' is not UTF-8 text \(byte 15: b'\\xe9'\)"
+    ):
+        subset.resolve(str(tmp_path / "classes.txt"))

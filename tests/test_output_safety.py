@@ -87,3 +87,59 @@ def test_a_link_planted_at_steps_csv_tmp_is_never_written_through(tmp_path):
     telemetry.merge_steps(tmp_path, tmp_path / "steps.csv", world_size=1)
     assert victim.read_bytes() == b"the victim's own line\n"
     assert (tmp_path / "steps.csv").read_text().splitlines()[0].startswith("rank,epoch,step")
+
+
+# ---- issue 47 item 8 and the CsvLog leftover: never through a link ---------------------------------
+
+
+@pytest.mark.parametrize("name", ["weights.json", "last.pt"])
+def test_a_temporary_swapped_for_a_link_after_its_creation_is_never_written_through(tmp_path, monkeypatch, name):
+    """A racer in a folder others may write to replaces the fresh temporary by a link to a victim's file
+    the moment it exists (the window every write had): the write goes to the file created, never through
+    the link, and nothing is published."""
+    import torch
+
+    from rectrain import atomic, safefs
+    from rectrain.train.lifecycle import checkpoint
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the victim's own line\n")
+    create_new = safefs.create_new
+
+    def racer_wins(path, *args, **kwargs):
+        fd = create_new(path, *args, **kwargs)
+        os.unlink(path)
+        os.symlink(victim, path)
+        return fd
+
+    monkeypatch.setattr(safefs, "create_new", racer_wins)
+    with pytest.raises(atomic.TemporaryReplaced):
+        if name == "last.pt":
+            checkpoint.save_atomic({"epoch": 1, "w": torch.zeros(4)}, tmp_path / name)
+        else:
+            atomic.write_json(tmp_path / name, {"top1": 0.9})
+    assert victim.read_bytes() == b"the victim's own line\n"
+    assert not (tmp_path / name).exists()
+
+
+def test_a_link_planted_at_a_live_csv_log_is_replaced_never_written_through_or_cut(tmp_path):
+    from rectrain.train import telemetry
+
+    victim = tmp_path / "victim.csv"
+    victim.write_bytes(b"rank,epoch,step\nthe victim's own rows\n")
+    for name in ("steps_rank0.csv", "system_node0.csv"):
+        (tmp_path / name).symlink_to(victim)
+    fresh = telemetry.step_log(tmp_path, rank=0, start_epoch=0)
+    fresh.write(
+        rank=0, epoch=0, step=0, time=1.0, wall_s=1.0, data_wait_s=0.2, compute_s=0.8, images=8, loss=1.0, lr=0.1
+    )
+    fresh.close()
+    (tmp_path / "steps_rank0.csv").unlink()
+    (tmp_path / "steps_rank0.csv").symlink_to(victim)
+    resumed = telemetry.step_log(tmp_path, rank=0, start_epoch=1)  # a resume cuts the kept log after epoch 0
+    resumed.close()
+    sampler = telemetry.SystemSampler(tmp_path / "system_node0.csv", 60, None, [], append=True)
+    sampler._f.close()
+    assert victim.read_bytes() == b"rank,epoch,step\nthe victim's own rows\n"
+    assert not (tmp_path / "steps_rank0.csv").is_symlink() and not (tmp_path / "system_node0.csv").is_symlink()
+    assert (tmp_path / "system_node0.csv").read_text().startswith("time,cpu_percent")

@@ -2,7 +2,10 @@
 or module, and timm:<name>; each way it can be wrong is refused before any job, in one line naming the
 key, the file and the fix."""
 
+import hashlib
 import json
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -184,3 +187,84 @@ def test_a_factory_in_an_importable_module_is_built(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert models.build("mynets.small:net", 4)(torch.zeros(1, 3, 32, 32)).shape == (1, 4)
     assert modelspec.sources("mynets.small:net") == [str(tmp_path / "mynets" / "small.py")]
+
+
+# ---- issue 47 items 4, 7, 10: a model's folder imports nothing else, checks come first, what ran is hashed ----
+
+
+def marker_module(path, marker):
+    path.write_text(f"open({str(marker)!r}, 'w').write('imported')\n")
+
+
+def test_files_named_as_standard_modules_beside_the_model_are_never_imported_nor_its_sources(user_dir):
+    """colorsys (which the model imports) and graphlib (which Snakemake imports later) planted beside the
+    model file: a fresh process builds the model and imports both, and gets the standard library's."""
+    (user_dir / "net.py").write_text("import colorsys\n" + NET)
+    for name in ("colorsys", "graphlib"):
+        marker_module(user_dir / f"{name}.py", user_dir / f"ran_{name}")
+    code = (
+        "import sys; before = list(sys.path)\n"
+        "from rectrain import model as models\n"
+        "models.build('net.py:tiny', 3)\n"
+        "import colorsys, graphlib\n"
+        "assert sys.path == before, sys.path\n"
+        "assert colorsys.__file__.startswith(sys.base_prefix), colorsys.__file__\n"
+    )
+    # -P: no working directory first on sys.path, as every job runs (PYTHONSAFEPATH)
+    proc = subprocess.run([sys.executable, "-P", "-c", code], cwd=user_dir, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(user_dir.glob("ran_*"))
+    assert modelspec.sources("net.py:tiny") == [str(user_dir / "layers.py"), str(user_dir / "net.py")]
+
+
+def test_a_module_factory_is_checked_before_its_module_runs(tmp_path, monkeypatch, capfd):
+    (tmp_path / "noisy.py").write_text("print('the module ran')\n\ndef net(num_classes):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "a module of Python's standard library" in refusal("this:x")
+    assert "has no function 'nothing'" in refusal("noisy:nothing")
+    out = capfd.readouterr().out
+    assert "Beautiful is better than ugly" not in out and "the module ran" not in out
+
+
+def test_a_model_path_that_is_not_a_python_file_is_refused_naming_the_key():
+    line = refusal("/etc/passwd:x")
+    assert line.startswith("config key") or "train.model '/etc/passwd:x'" in line
+    assert "/etc/passwd is not a .py file" in line
+
+
+def test_a_model_path_holding_a_snakemake_path_variable_is_refused_before_any_job(tmp_path, monkeypatch):
+    folder = tmp_path / "<i>"
+    folder.mkdir()
+    (folder / "net.py").write_text(NET)
+    (folder / "layers.py").write_text(LAYERS)
+    monkeypatch.chdir(tmp_path)
+    line = refusal("<i>/net.py:tiny")
+    assert "train.model" in line and "'<i>'" in line and "rename that file or folder" in line
+
+
+def test_the_code_fingerprint_is_of_the_bytes_imported_not_of_the_file_as_edited_since(user_dir):
+    from rectrain.train.run import code_fingerprint
+
+    models.build("net.py:tiny", 3)
+    imported = hashlib.sha256(NET.encode()).hexdigest()
+    (user_dir / "net.py").write_text(NET + "\n# edited while the run goes on\n")
+    assert code_fingerprint("net.py:tiny")[f"model:{user_dir / 'net.py'}"] == imported
+
+
+def test_evaluate_refuses_weights_whose_model_file_changed_since_training_imported_it(user_dir):
+    from rectrain import evaluate, weights
+
+    net = models.build("net.py:tiny", 3)
+    ckpt = {"model_name": "net.py:tiny", "num_classes": 3, "code": models.source_digests("net.py:tiny")}
+    classes = [{"label": k, "wnid": f"n{k}", "name": str(k)} for k in range(3)]
+    about = weights.describe(
+        32, None, {"model": "net.py:tiny", "model_args": {}, "blurpool": False}, classes, epoch=1, recipe={}
+    )
+    weights.save(net.state_dict(), about, user_dir / "w.safetensors")
+    assert evaluate.model_from_weights(str(user_dir / "w.safetensors"), ckpt) is not None
+    # a sign flip appended, as mid-run: the same tensors fit, the logits are negated
+    flip = "\n_trained = tiny\n\n\ndef tiny(num_classes, width=8):\n    net = _trained(num_classes, width)\n"
+    flip += "    net.register_forward_hook(lambda module, args, out: -out)\n    return net\n"
+    (user_dir / "net.py").write_text(NET + flip)
+    with pytest.raises(evaluate.ModelEdited, match=r"net.py changed since training imported it, .* --forcerun train"):
+        evaluate.model_from_weights(str(user_dir / "w.safetensors"), ckpt)

@@ -2,6 +2,8 @@
 tests/helpers/own_model/net.py (copied into the scratch working directory as nets/, with the local module
 it imports) trains with DDP over two CPU processes, is stopped mid-epoch by `make stop` (SIGTERM to the
 Snakemake process alone) and resumed by the same command, is evaluated through its published weights, and the report names it as configured.
+A second pipeline run in the same folder while the training goes on leaves `make stop` finding the
+training (issue 47 item 6); evaluate refuses the run once its model file is edited (item 7).
 Editing its file or its local import reruns train, evaluate and report; editing another file there
 reruns nothing; changing train.model_args retrains."""
 
@@ -26,6 +28,8 @@ from helpers import (
     tiny_train,
 )
 
+from rectrain.snakefile import runs
+from rectrain.train.lifecycle import faults
 from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 pytestmark = pytest.mark.slow
@@ -72,7 +76,9 @@ def work(tmp_path_factory):
     args = [str(VENV_BIN / "snakemake"), "--snakefile", str(work / "Snakefile"), "--directory", str(work)]
     command = [*args, "--cores", "2", REPORT, "--configfile", str(work / "own.yaml")]
     env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    first = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # rank 0 waits after epoch 1's second step until the stop signal: the second pipeline runs meanwhile
+    paused = dict(env, **{faults.PAUSE_AT_ENV: f"0:1:1:{work / 'no-gate'}"})
+    first = subprocess.Popen(command, cwd=work, env=paused, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 900
     launcher_of(first, deadline)
     steps = work / "results" / "demo" / "train" / "telemetry" / "steps_rank0.csv"
@@ -80,11 +86,19 @@ def work(tmp_path_factory):
     while not (steps.is_file() and any(line.startswith("0,1,") for line in steps.read_text().splitlines())):
         assert first.poll() is None and time.monotonic() < deadline, "the train job never reached epoch 1"
         time.sleep(0.05)
-    # `make stop` from another shell: SIGTERM to the Snakemake process named in its pid file
-    stop = subprocess.run(["make", "-f", str(REPO / "Makefile"), "stop"], cwd=work, capture_output=True, text=True)
-    assert f"asked Snakemake (pid {first.pid}) to stop" in stop.stdout, stop.stdout + stop.stderr
+    # A second pipeline in the same folder (another dataset's demo images) runs and ends during the training
+    second = subprocess.run([*args, "--cores", "1", "results/other/raw/.done", "--configfile", str(work / "own.yaml"),
+                             "--config", "dataset=other"], cwd=work, env=env, capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    # `make stop` from another shell: SIGTERM to the Snakemake process of each run registered in this folder
+    stop = subprocess.run(["make", "-f", str(REPO / "Makefile"), "stop"], cwd=work, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert stop.stdout.splitlines() == [
+        f"make stop: asked Snakemake (pid {first.pid}) to stop; it ends after training's checkpoint"
+    ], stop.stdout + stop.stderr
     out, _ = first.communicate(timeout=600)
-    assert not (work / ".snakemake" / "rectrain-run.pid").exists(), "the pid file goes with its Snakemake"
+    assert runs.runs_here(work) == [], "each run's entry goes with its Snakemake"
     log_file = work / "logs" / "train" / "demo.log"
     stopped_at = re.search(r"it resumes at (epoch 1 step \d+)", log_file.read_text()).group(1)
     assert first.returncode == EXIT_STOPPED and "Error in rule" not in out, out[-8000:]
@@ -150,7 +164,9 @@ def test_own_models_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_t
     torch.save(batch, tmp_path / "batch.pt")
     with torch.inference_mode():  # fp32: the run's precision
         expected = metrics.predict(model_from_weights(path, load("results/demo/train/model.pt")), batch)
-    rectrain_lines = readme_python("Using the trained weights")[1]
+    # a model of your own: its factory named, README's example file being this run's
+    rectrain_lines = readme_python("Using the trained weights")[2].replace("nets/mynet.py:build", MODEL)
+    assert MODEL in rectrain_lines
     script = rectrain_lines + (
         f"import torch\nwith torch.inference_mode():\n"
         f"    torch.save(model(torch.load({str(tmp_path / 'batch.pt')!r})), {str(tmp_path / 'out.pt')!r})\n"
@@ -160,6 +176,43 @@ def test_own_models_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_t
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=0, atol=1e-5)
+
+
+def test_evaluate_refuses_the_run_once_its_model_file_is_edited_and_publishes_nothing(work, tmp_path):
+    """Issue 47 item 7: the model file edited after training imported it (a sign flip appended): the
+    evaluate stage's process refuses in one line, naming the file and the fix, instead of measuring the
+    edited network on the trained weights."""
+    net = work / "nets" / "net.py"
+    original = net.read_text()
+    train, fast = work / "results" / "demo" / "train", work / "results" / "fast_storage" / "demo"
+    argv = [
+        "--config-json",
+        "{}",
+        "--checkpoint",
+        str(train / "model.pt"),
+        "--weights",
+        str(train / "weights.safetensors"),
+    ]
+    argv += [
+        "--weights-json",
+        str(tmp_path / "weights.json"),
+        "--rec",
+        str(fast / "val.rec"),
+        "--idx",
+        str(fast / "val.idx"),
+    ]
+    argv += ["--classes", str(work / "results" / "demo" / "index" / "classes.tsv"), "--out", str(tmp_path / "eval")]
+    flip = "\n_trained = tiny\n\n\ndef tiny(*args, **kwargs):\n    net = _trained(*args, **kwargs)\n"
+    flip += "    net.register_forward_hook(lambda module, args, out: -out)\n    return net\n"
+    try:
+        net.write_text(original + flip)
+        proc = subprocess.run([str(VENV_BIN / "python"), "-m", "rectrain.evaluate", *argv, "--single-process"],
+                              cwd=work, capture_output=True, text=True, timeout=300)  # fmt: skip
+    finally:
+        net.write_text(original)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"{net} changed since training imported it" in proc.stderr and "--forcerun train" in proc.stderr
+    assert not (tmp_path / "weights.json").exists() and not (tmp_path / "eval" / "metrics.json").exists()
 
 
 def test_a_timm_model_trains_is_evaluated_through_its_weights_and_loads_with_timm_alone(work):

@@ -39,6 +39,7 @@ from helpers import (
 )
 from helpers.config_edits import another_value, block_keys, filled
 from helpers.curves import check_curves_continue
+from helpers.torchhub import cache_as_published
 
 from rectrain.sources import CACHE as SOURCES_CACHE
 from rectrain.sources import STAGE_ENTRIES, stage_sources
@@ -173,7 +174,7 @@ def test_published_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_th
     # the evaluate stage's network and forward pass (rectrain.metrics.tally's)
     with torch.inference_mode(), models.autocast(torch.device("cpu"), precision):
         expected = metrics.predict(model_from_weights(str(train / weights.FILE), ckpt), batch)
-    torchvision_lines, rectrain_lines = readme_python("Using the trained weights")
+    torchvision_lines, rectrain_lines = readme_python("Using the trained weights")[:2]
     for lines, name in ((torchvision_lines, "model"), (rectrain_lines, "model")):
         script = lines + textwrap.dedent(f"""
             import torch
@@ -282,19 +283,31 @@ def test_the_check_with_the_class_order_permuted_reads_near_chance_and_names_mis
 def test_the_check_with_torchvision_weights_reads_them_from_torchs_cache_matched_by_wnid(
     demo_copy, tmp_path, monkeypatch
 ):
-    """torchvision:ResNet18_Weights.IMAGENET1K_V1 from a file placed in torch's cache under the name its
-    URL gives (no network): its 1000 classes matched to the demo's 10 by wnid, its published top-1 and
-    test transforms recorded. The file holds a random network, so the reading is near chance."""
+    """torchvision:ResNet18_Weights.IMAGENET1K_V1 from a file placed in torch's cache (no network), through
+    the check stage's process on the demo's val .rec: its 1000 classes matched to the demo's 10 by wnid,
+    its published top-1 and test transforms recorded. The file holds a random network, so the reading is
+    near chance. Every read is checked against the hash torchvision publishes in the file's name, which a
+    file of the test's own cannot match: its name carries its own hash, and the process is pointed at it
+    (rectrain.train.init_weights.weights_url; the refusal of any other file: tests/test_check.py)."""
     import torch
     import torchvision
 
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    enum = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
-    cache = tmp_path / "torch" / "hub" / "checkpoints"
-    cache.mkdir(parents=True)
     torch.manual_seed(0)
-    torch.save(torchvision.models.resnet18().state_dict(), cache / enum.url.rsplit("/", 1)[1])
-    _, _, report = run_check(demo_copy, tmp_path, weights="torchvision:ResNet18_Weights.IMAGENET1K_V1")
+    url = cache_as_published(tmp_path / "torch", monkeypatch, torchvision.models.resnet18().state_dict())
+    fast, index = demo_copy.work / "results" / "fast_storage" / "demo", demo_copy.work / "results" / "demo" / "index"
+    argv = ["--config-json", json.dumps({"weights": "torchvision:ResNet18_Weights.IMAGENET1K_V1", "batch_size": 64}),
+            "--rec", str(fast / "val.rec"), "--idx", str(fast / "val.idx"), "--classes", str(index / "classes.tsv"),
+            "--val-index", str(index / "val.tsv"), "--out", str(tmp_path / "report.json")]  # fmt: skip
+    script = (
+        "from rectrain.train import init_weights\n"
+        f"init_weights.weights_url = lambda enum: {url!r}\n"
+        "from rectrain import check\n"
+        f"raise SystemExit(check.main({argv!r}))\n"
+    )
+    proc = subprocess.run([str(VENV_BIN / "python"), "-c", script], cwd=demo_copy.work, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
     assert (report["classes"], report["weight_classes"], report["images"]) == (10, 1000, 120)
     assert report["published_top1"] == 0.69758 and "torchvision's metadata" in report["published_where"]
     assert (report["settings"]["resize"], report["settings"]["centre crop"]) == (256, 224)

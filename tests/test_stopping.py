@@ -6,11 +6,15 @@ import json
 import logging
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
 
 import psutil
+import pytest
+from helpers.users import as_other_user, needs_root, shared_folder
 
 from rectrain.snakefile import stopping
 from rectrain.train.lifecycle.status import EXIT_STOPPED, STOPPED
@@ -89,3 +93,73 @@ def test_after_a_clean_stop_snakemakes_error_block_is_dropped_and_one_line_says_
         f"the run; run the same command again to continue at epoch 1 step 3 (exit status {EXIT_STOPPED}: stopped, "
         "resumable)"
     )
+
+
+# ---- issue 47 items 5, 6: `make stop` finds its runs by entries of the user's own -----------------
+
+REGISTERED = "from rectrain.snakefile import runs; import time; runs.register(); print('registered', flush=True); time.sleep(120)"
+
+
+def registered_process(work, env) -> subprocess.Popen:
+    """A process in `work` that registered itself as a run (as the onstart hook does), then waits."""
+    proc = subprocess.Popen([sys.executable, "-c", REGISTERED], cwd=work, env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "registered"
+    return proc
+
+
+def test_two_pipelines_in_one_folder_each_keep_their_entry_and_stop_reaches_the_one_named_then_all(
+    tmp_path, monkeypatch
+):
+    from rectrain.snakefile import runs
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    env = dict(os.environ)
+    first, second, other = (registered_process(w, env) for w in (work, work, elsewhere))
+    try:
+        assert runs.stop(work, pid=second.pid) == [
+            f"make stop: asked Snakemake (pid {second.pid}) to stop; it ends after training's checkpoint"
+        ]
+        assert second.wait(10) == -signal.SIGTERM and first.poll() is None
+        assert len(runs.stop(work)) == 1 and first.wait(10) == -signal.SIGTERM
+        assert other.poll() is None, "a run in another folder is not this folder's"
+        assert runs.stop(work)[0].startswith("make stop: no run is going in this folder")
+        assert stat.S_IMODE(os.stat(runs.folder()).st_mode) == 0o700
+    finally:
+        for proc in (first, second, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_an_entry_naming_a_process_that_did_not_write_it_is_never_signalled_and_is_removed(tmp_path, monkeypatch):
+    from rectrain.snakefile import runs
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sleeper = subprocess.Popen(["sleep", "60"], cwd=tmp_path)
+    try:
+        entry = runs.Entry(sleeper.pid, start=1.0, workdir=str(tmp_path), host=socket.gethostname())  # pid reused
+        folder = runs.folder()
+        folder.mkdir(parents=True)
+        (folder / entry.name).write_text(json.dumps(entry.__dict__))
+        assert runs.stop(tmp_path)[0].startswith("make stop: no run is going in this folder")
+        assert sleeper.poll() is None and not (folder / entry.name).exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@needs_root
+def test_the_entries_folder_inside_another_users_folder_is_refused_and_nothing_is_written_there(monkeypatch):
+    from rectrain.snakefile import runs
+
+    with shared_folder() as base:
+        base.chmod(0o1777)  # as /tmp
+        theirs = base / "cache"
+        made = as_other_user("import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o777)", theirs)
+        assert made.returncode == 0, made.stderr
+        monkeypatch.setenv("XDG_CACHE_HOME", str(theirs))
+        with pytest.raises(runs.RunsFolderError, match="make stop cannot use it"):
+            runs.register()
+        assert not (theirs / "rectrain").exists()

@@ -4,13 +4,18 @@ checkpoints aside instead of deleting them, pruning to train.keep_checkpoints, a
 
 import dataclasses
 import logging
+import os
 import re
+import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers.train_data import preflight_of, run_identity, train_settings
 
+from rectrain import atomic
 from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec
 from rectrain.train import batchplan, memory
@@ -458,3 +463,65 @@ def test_replaced_keeps_the_newest_keep_replaced_runs_naming_what_it_deletes_and
     assert ckpt.disk_bytes(tmp_path / ckpt.REPLACED) == 2 * one, "last.pt is a hard link: counted once"
     assert f"{tmp_path / ckpt.REPLACED} holds 2 replaced run(s)" in caplog.text
     assert "(train.keep_replaced: 2); deleted the oldest: " in caplog.text and "-edit-0" in caplog.text
+
+
+# ---- issue 47 item 10: a crafted checkpoint, resume: always below its epoch, a killed write's leftovers ----
+
+
+def crafted(run, **changes):
+    """last.pt as write_checkpoints writes it (epoch 1 of 4), with `changes`."""
+    write_checkpoints(run)
+    state = ckpt.load(run.ck_dir / "last.pt")
+    ckpt.save_atomic({**state, **changes}, run.ck_dir / "last.pt")
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"rng": []}, "its RNG states (0 entries) are not one per each of its 1 processes"),
+        ({"epoch": 10**9}, "epoch 1000000000 is not an epoch of its run (4 epochs)"),
+        ({"epoch": -1}, "epoch -1 is not an epoch of its run"),
+        ({"step": 3, "ranks": None}, "its mid-epoch loader positions are not one per each of its 1 processes"),
+    ],
+)
+def test_a_crafted_checkpoints_epoch_or_rng_state_is_refused_naming_the_file_and_the_fix(tmp_path, changes, said):
+    run = fake_run(tmp_path, "auto")
+    crafted(run, **changes)
+    with pytest.raises(ResumeRefused) as err:
+        resume(run)
+    assert f"{run.ck_dir / 'last.pt'} is damaged: {said}" in str(err.value)
+    assert "train.resume: never" in str(err.value)
+    assert ckpt.run_files(run.ck_dir) == ["epoch_0.pt", "epoch_1.pt", "last.pt"], "refusing touches nothing"
+
+
+def test_resume_always_below_the_checkpoints_epoch_is_refused_naming_both_numbers(tmp_path):
+    """A checkpoint of 5 epochs done (epoch 4) and train.epochs: 2 would publish at once, run.json saying
+    2 epochs and epochs.csv holding 5 rows."""
+    ten = dataclasses.replace(IDENT, config={"lr": 0.1, "epochs": 10})
+    run = fake_run(tmp_path, "always", dataclasses.replace(IDENT, config={"lr": 0.1, "epochs": 2}))
+    write_checkpoints(run, epochs=5, identity=ten)
+    with pytest.raises(ResumeRefused) as err:
+        resume(run)
+    line = str(err.value)
+    assert "it holds 5 epochs done, beyond train.epochs = 2" in line and "Set train.epochs >= 5" in line
+
+
+def test_the_next_start_removes_the_temporaries_of_a_checkpoint_write_that_was_killed(tmp_path):
+    run = fake_run(tmp_path, "auto")
+    write_checkpoints(run)
+    killed = (
+        "import os, signal, sys\n"
+        "from rectrain import atomic\n"
+        "tmp, fd = atomic.create_temporary(sys.argv[1])\n"
+        "os.write(fd, b'half a checkpoint')\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    for name in ("epoch_2.pt", "last.pt"):
+        proc = subprocess.run([sys.executable, "-c", killed, str(run.ck_dir / name)], timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+    live, fd = atomic.create_temporary(run.ck_dir / "epoch_3.pt")  # this process's own: it is alive
+    os.close(fd)
+    left = sorted(p.name for p in run.ck_dir.iterdir() if ".tmp" in p.name)
+    assert len(left) == 3
+    resume(run)
+    assert [p.name for p in run.ck_dir.iterdir() if ".tmp" in p.name] == [live.name]

@@ -24,8 +24,10 @@ cause named for the val layout; in between the preprocessing differs, the settin
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from rectrain import atomic, cli, distributed, evaluate, settings
 from rectrain.data.subset import IMAGENET_1K, read_names
 from rectrain.loaders import EVAL_CROP_FRACTION, IMAGENET_PREPROCESS, Preprocess, eval_resize_for
 from rectrain.modelspec import TORCHVISION_WEIGHTS
+from rectrain.safefs import not_a_file, open_regular
 from rectrain.tables import read_classes
 
 log = logging.getLogger(__name__)
@@ -83,10 +86,20 @@ def known_weights(check) -> Known:
         )
     if source.startswith(TORCHVISION_WEIGHTS):
         return torchvision_known(source)
-    if not Path(source).is_file():
-        raise CheckError(f"check.weights {source!r}: no such file; fix the path (relative to the working directory)")
-    if source.endswith(".safetensors") and check.model is None:
-        return rectrain_known(source)
+    why = not_a_file(source)
+    if why:
+        raise CheckError(f"check.weights {source!r}: {why}; fix the path (relative to the working directory)")
+    if source.endswith(".safetensors"):
+        from rectrain import weights
+
+        try:
+            return rectrain_known(source, weights.description(source), check.model)
+        except weights.NotRectrain:
+            if check.model is None:
+                raise CheckError(
+                    f"check.weights {source!r} is a safetensors file rectrain did not publish: set check.model to "
+                    "its architecture (its head ImageNet-1k's 1000 classes in the standard order)"
+                ) from None
     return state_dict_known(source, check.model)
 
 
@@ -95,7 +108,7 @@ def torchvision_known(source: str) -> Known:
     classes in their standard order, and its metadata's top-1 and test transforms."""
     import torchvision
 
-    from rectrain.train.init_weights import torchvision_enum
+    from rectrain.train.init_weights import torchvision_enum, torchvision_state_dict
 
     enum = torchvision_enum(source, "check.weights")
     names = [n for n in torchvision.models.list_models() if torchvision.models.get_model_weights(n) is type(enum)]
@@ -105,7 +118,7 @@ def torchvision_known(source: str) -> Known:
         )
     categories = enum.meta["categories"]
     model = torchvision.models.get_model(names[0], num_classes=len(categories))
-    model.load_state_dict(enum.get_state_dict(progress=False), strict=True)
+    model.load_state_dict(torchvision_state_dict(enum, source, "check.weights"), strict=True)
     transforms = enum.transforms()
     metrics = enum.meta.get("_metrics", {}).get("ImageNet-1K", {})
     return Known(
@@ -130,28 +143,21 @@ def imagenet_1k_wnids(count: int, source: str) -> list[str]:
     return wnids
 
 
-def rectrain_known(source: str) -> Known:
-    """A weights.safetensors published by rectrain: the network and classes its header describes, and the
-    evaluate stage's top-1, resolution and numerics from weights.json beside it when it is there."""
-    import json
-
+def rectrain_known(source: str, about: dict, model_name: str | None) -> Known:
+    """A weights.safetensors published by rectrain (`about`: its header's description): the network and
+    classes it describes - the architecture a torchvision or timm one, or, for a model of its run's own,
+    the factory check.model names (`model_name`; never one the file names) - and the evaluate stage's
+    top-1, resolution and numerics from weights.json beside it when it is there."""
     from rectrain import model as models
     from rectrain import weights
 
-    try:
-        about = weights.description(source)
-    except ValueError:
-        raise CheckError(
-            f"check.weights {source!r} is a safetensors file rectrain did not publish: set check.model to its "
-            "architecture (its head ImageNet-1k's 1000 classes in the standard order)"
-        ) from None
     beside = Path(source).with_name(weights.JSON)
-    measured = json.loads(beside.read_text()) if beside.is_file() else {}
+    measured = published_evaluation(beside)
     headline = (measured.get("test_resolutions") or [{}])[0]
     crop = int(headline.get("crop") or about["train_resolution"])
     recipe = about.get("recipe") or {}
     return Known(
-        model=models.load_weights(source),
+        model=models.load_weights(source, model=model_name),
         wnids=[c["wnid"] for c in about["classes"]],
         source=source,
         published_top1=measured.get("top1"),
@@ -162,6 +168,28 @@ def rectrain_known(source: str) -> Known:
         loader=recipe.get("loader") or "dali",
         decode=recipe.get("decode", "auto"),
     )
+
+
+# weights.json is a few kB; more is not one.
+MAX_JSON_BYTES = 16 << 20
+
+
+def published_evaluation(beside: Path) -> dict:
+    """weights.json beside a weights file ({} when there is none): read without blocking (a FIFO is
+    refused), at most MAX_JSON_BYTES, a JSON object or a CheckError naming it."""
+    if not os.path.lexists(beside):
+        return {}
+    try:
+        with open_regular(beside, "weights.json") as f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes")
+        found = json.loads(data)
+    except (OSError, ValueError) as err:
+        raise CheckError(f"{beside} (the weights' published evaluation) cannot be read: {err}; remove it") from None
+    if not isinstance(found, dict):
+        raise CheckError(f"{beside} (the weights' published evaluation) is not a JSON object; remove it")
+    return found
 
 
 def state_dict_known(source: str, model_name: str | None) -> Known:
@@ -180,7 +208,7 @@ def state_dict_known(source: str, model_name: str | None) -> Known:
     wnids = imagenet_1k_wnids(1000, source)
     model = models.build(model_name, len(wnids))
     try:
-        model.load_state_dict(state_dict(source), strict=True)
+        model.load_state_dict(state_dict(source, "check.weights"), strict=True)
     except RuntimeError as err:
         first = str(err).splitlines()[1].strip() if "\n" in str(err) else str(err)
         raise CheckError(

@@ -95,15 +95,38 @@ class Resolution:
 
 
 def model_from_weights(path: str, ckpt: dict) -> torch.nn.Module:
-    """The published weights file's network, checked to be the checkpoint's run (its class count)."""
-    model = models.load_weights(path)
+    """The published weights file's network, checked to be the checkpoint's run (its class count),
+    rebuilt through the run's own train.model (the checkpoint's; never a factory the file names) as
+    training imported it (refuse_edited_model)."""
     about = weights.description(path)
-    if int(about["num_classes"]) != int(ckpt["num_classes"]) or about["model"] != ckpt["model_name"]:
+    if about.get("num_classes") != int(ckpt["num_classes"]) or about.get("model") != ckpt["model_name"]:
         raise ValueError(
-            f"{path} holds {about['model']} with {about['num_classes']} classes but the checkpoint is "
+            f"{path} holds {about.get('model')} with {about.get('num_classes')} classes but the checkpoint is "
             f"{ckpt['model_name']} with {ckpt['num_classes']}: they are from different runs; rerun the train rule"
         )
+    model = models.load_weights(path, model=ckpt["model_name"])
+    refuse_edited_model(ckpt)
     return model
+
+
+class ModelEdited(ValueError):
+    """train.model's source changed since training imported it; names the files and the fix."""
+
+
+def refuse_edited_model(ckpt: dict) -> None:
+    """ModelEdited when the files defining train.model's network (your own) are not, as this process
+    imported them, the bytes training imported (the checkpoint's code fingerprint): the number would
+    be another network's, not the trained one's."""
+    now = models.source_digests(ckpt["model_name"])
+    then = {k: v for k, v in (ckpt.get("code") or {}).items() if k.startswith("model:")}
+    if now == then:
+        return
+    changed = sorted(k.removeprefix("model:") for k in set(now) | set(then) if now.get(k) != then.get(k))
+    raise ModelEdited(
+        f"train.model {ckpt['model_name']!r}: {', '.join(changed)} changed since training imported it, so "
+        "evaluating it would measure another network than the one trained: nothing is published. Restore the "
+        "file as it was, or retrain with it as it is now (snakemake --forcerun train)"
+    )
 
 
 def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
@@ -116,6 +139,7 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
         blurpool=bool(ckpt.get("blurpool", False)),
         model_args=(ckpt.get("config") or {}).get("model_args"),
     )
+    refuse_edited_model(ckpt)
     model.load_state_dict(ckpt["model"])
     return model.eval()
 
@@ -435,7 +459,8 @@ def _run(args: argparse.Namespace, evaluate: EvaluateSettings) -> None:
 
 
 def main(argv=None) -> int:
-    return cli.main("evaluate", "evaluate", _arguments, _run, argv, errors={pairowner.PairChanged: 1})
+    errors = {pairowner.PairChanged: 1, ModelEdited: 1, models.WeightsRefused: 1}
+    return cli.main("evaluate", "evaluate", _arguments, _run, argv, errors=errors)
 
 
 if __name__ == "__main__":

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
+import hashlib
 import importlib
+import importlib.abc
 import importlib.util
 import inspect
+import stat
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torchvision
 
-from rectrain import modelspec
+from rectrain import modelspec, safefs
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -204,41 +209,169 @@ def factory_model(spec, name: str, num_classes: int, zero_init_residual: bool, a
     return model
 
 
-def load_factory(spec, name: str):
-    """The factory function train.model names, imported (a file: as a module, its folder importable)."""
-    if spec.kind == "file":
-        path = Path(spec.target)
-        if not path.is_file():
-            raise ValueError(
-                f"train.model {name!r}: no such file {path}; fix the path (relative to the working directory, "
-                "or absolute)"
+class WeightsRefused(ValueError):
+    """A weights file whose header rectrain will not act on (it names code to run, or arguments that
+    fetch or read other files); the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """The source of a model of your own, read once (rectrain.modelspec.read_sources): the factory's
+    file (or module) first, then the local modules it imports, by absolute path.  These very bytes are
+    executed (load_factory) and hashed (digests: the run's code fingerprint, checked by evaluate)."""
+
+    files: dict[Path, bytes]
+
+    @property
+    def root(self) -> Path:
+        return next(iter(self.files)).parent
+
+    def digests(self) -> dict[str, str]:
+        return {f"model:{p}": hashlib.sha256(b).hexdigest() for p, b in sorted(self.files.items())}
+
+
+# The Source each model of your own was imported from in this process, by train.model's value.
+_IMPORTED: dict[str, Source] = {}
+
+
+def source_digests(name: str) -> dict[str, str]:
+    """sha256 of each file defining train.model `name`'s network as this process imported it ({} for a
+    torchvision or timm name); a name not imported here is read now."""
+    if name in _IMPORTED:
+        return _IMPORTED[name].digests()
+    spec = modelspec.parse(name)
+    origin = Path(spec.target) if spec.kind == "file" else modelspec.module_origin(spec.target) if spec.custom else None
+    return Source(modelspec.read_sources(origin)).digests() if origin and origin.is_file() else {}
+
+
+class _BytesLoader(importlib.abc.Loader):
+    """Executes a module from the bytes read into a Source (never from the file again, nor from a
+    cached .pyc beside it, which could be another file's)."""
+
+    def __init__(self, data: bytes, path: Path):
+        self.data, self.path = data, path
+
+    def exec_module(self, module) -> None:
+        exec(compile(self.data, str(self.path), "exec"), module.__dict__)
+
+
+class _LocalModules(importlib.abc.MetaPathFinder):
+    """The modules beside a model file, served from its Source.  Asked after every other finder (the
+    standard library and the installed packages come first) and never for a standard-library name, and
+    only while the factory's module runs and its factory is called (`importable`): a file planted beside
+    the model under a name Python or Snakemake imports later is never imported (issue 47)."""
+
+    def __init__(self, source: Source):
+        self.source = source
+
+    def find_spec(self, fullname, path=None, target=None):
+        if modelspec.standard_library(fullname):
+            return None
+        stem = self.source.root.joinpath(*fullname.split("."))
+        for file, package in ((stem.with_suffix(".py"), False), (stem / "__init__.py", True)):
+            if file in self.source.files:
+                where = [str(stem)] if package else None
+                loader = _BytesLoader(self.source.files[file], file)
+                return importlib.util.spec_from_file_location(
+                    fullname, file, loader=loader, submodule_search_locations=where
+                )
+        return None
+
+
+@contextlib.contextmanager
+def importable(source: Source):
+    """The model's local modules importable (from `source`) inside the block only."""
+    finder = _LocalModules(source)
+    sys.meta_path.append(finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def _refuse(name: str, words: str) -> ValueError:
+    return ValueError(f"train.model {name!r}: {words}")
+
+
+def _factory_source(spec, name: str) -> Source:
+    """The factory's file (or module) and its local modules, read once, after the checks that need no
+    import: a .py file, regular (a FIFO is refused, not waited on), not the standard library's."""
+    if spec.kind == "module":
+        if modelspec.standard_library(spec.target):
+            raise _refuse(name, f"{spec.target} is a module of Python's standard library, not a model; name your own")
+        origin = modelspec.module_origin(spec.target)
+        if origin is None:
+            raise _refuse(
+                name, f"cannot find {spec.target} as a .py module; install it or put its folder on PYTHONPATH"
             )
-        if str(path.parent) not in sys.path:
-            sys.path.insert(0, str(path.parent))  # its local imports
-        module_name = f"rectrain_user_model_{path.stem}"
-        found = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(found)
-        sys.modules[module_name] = module
-        try:
-            found.loader.exec_module(module)
-        except Exception as err:
-            raise ValueError(
-                f"train.model {name!r}: importing {path} raised {type(err).__name__}: {err}; fix the file"
-            ) from None
     else:
-        try:
-            module = importlib.import_module(spec.target)
-        except ImportError as err:
-            raise ValueError(
-                f"train.model {name!r}: cannot import {spec.target} ({err}); install it or put it on PYTHONPATH"
-            ) from None
+        origin = Path(spec.target)
+        if not origin.exists():
+            raise _refuse(name, f"no such file {origin}; fix the path (relative to the working directory, or absolute)")
+        if origin.suffix != ".py":
+            raise _refuse(name, f"{origin} is not a .py file; name the Python file that defines the factory")
+    mode = origin.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise _refuse(name, f"{origin} is {safefs.special_file(mode)}, not a regular file; name the .py file itself")
+    files = modelspec.read_sources(origin)  # the factory's file first
+    if origin.resolve() not in files:
+        raise _refuse(name, f"{origin} could not be read (replaced while it was read?); run again")
+    return Source(files)
+
+
+def load_factory(spec, name: str):
+    """The factory function train.model names.  Its source is read once (Source) and checked to define
+    the factory before anything runs (no import for its side effects); then the module is executed from
+    those bytes - a file as a module of its own, its local modules importable only meanwhile and after
+    the standard library and installed packages (never ahead of them: a scoped finder, not a folder
+    first on sys.path) - and the factory, called, sees them too."""
+    source = _factory_source(spec, name)
+    origin, data = next(iter(source.files.items()))
+    try:
+        defined = modelspec.defines(data, str(origin), spec.factory)
+    except (SyntaxError, ValueError) as err:
+        raise _refuse(name, f"{origin} does not parse ({type(err).__name__}: {err}); fix the file") from None
+    if not defined:
+        raise _refuse(
+            name,
+            f"{spec.target} has no function {spec.factory!r}; define it there (def {spec.factory}(num_classes, "
+            "**model_args) returning the network) or fix the name after ':'",
+        )
+    module = _execute(spec, name, source)
     factory = getattr(module, spec.factory, None)
     if not callable(factory):
-        raise ValueError(
-            f"train.model {name!r}: {spec.target} has no function {spec.factory!r}; define it there "
-            f"(def {spec.factory}(num_classes, **model_args) returning the network) or fix the name after ':'"
-        )
-    return factory
+        raise _refuse(name, f"{spec.target}'s {spec.factory!r} is not a function; define it as one")
+    _IMPORTED[name] = source
+
+    @functools.wraps(factory)  # its signature is still the factory's (inspect follows __wrapped__)
+    def call(*args, **kwargs):
+        with importable(source):
+            return factory(*args, **kwargs)
+
+    return call
+
+
+def _execute(spec, name: str, source: Source):
+    """The factory's module, executed from the Source's bytes (a module's parent packages imported first)."""
+    origin, data = next(iter(source.files.items()))
+    if spec.kind == "file":
+        module_name, where = f"rectrain_user_model_{origin.stem}", None
+    else:
+        module_name = spec.target
+        where = [str(origin.parent)] if origin.name == "__init__.py" else None
+    loader = _BytesLoader(data, origin)
+    found = importlib.util.spec_from_file_location(module_name, origin, loader=loader, submodule_search_locations=where)
+    module = importlib.util.module_from_spec(found)
+    try:
+        with importable(source) if spec.kind == "file" else contextlib.nullcontext():
+            if spec.kind == "module" and "." in module_name:
+                importlib.import_module(module_name.rpartition(".")[0])
+            sys.modules[module_name] = module
+            loader.exec_module(module)
+    except Exception as err:
+        sys.modules.pop(module_name, None)
+        raise _refuse(name, f"importing {origin} raised {type(err).__name__}: {err}; fix the file") from None
+    return module
 
 
 def check_logits(model: torch.nn.Module, name: str, num_classes: int, image_size: int) -> None:
@@ -260,25 +393,92 @@ def check_logits(model: torch.nn.Module, name: str, num_classes: int, image_size
         )
 
 
-def load_weights(path, backbone: bool = False) -> torch.nn.Module:
-    """The network of a published weights.safetensors (rectrain.weights), rebuilt from the file alone
-    and in eval mode: the architecture its header names, its tensors loaded strictly - plain weights of
-    the architecture -, then BlurPool put back on the convolutions the header lists (`blurpool_layers`).
+# Constructor arguments of torchvision's and timm's models that download or read weights (a hub name,
+# a URL, a path): a weights file's header never makes the loader fetch or unpickle another file.
+FETCHING_ARGS = frozenset(
+    {
+        "weights",
+        "weights_backbone",
+        "progress",
+        "pretrained",
+        "pretrained_cfg",
+        "pretrained_cfg_overlay",
+        "pretrained_strict",
+        "checkpoint_path",
+        "cache_dir",
+    }
+)
+
+
+def load_weights(path, backbone: bool = False, *, model: str | None = None) -> torch.nn.Module:
+    """The network of a published weights.safetensors (rectrain.weights), in eval mode, its tensors
+    loaded strictly.  The architecture its header names is rebuilt only from a closed set - a
+    torchvision name, timm:<name>, either with rectrain's BlurPool layers - and nothing the file says is
+    imported or run: a model of your own is rebuilt through the factory you name, `model` (train.model's
+    forms: path/to/file.py:factory or package.module:factory), never one the file names.  The tensors are
+    the plain architecture's; BlurPool goes back on the convolutions the header lists (`blurpool_layers`).
     backbone=True: without its classifier head, returning features (see `backbone`)."""
     from rectrain import weights  # safetensors is needed only here, not by every stage importing this module
 
     about = weights.description(path)
-    layers = about.get("blurpool_layers")
-    model = build(
-        about["model"],
-        int(about["num_classes"]),
-        blurpool=bool(about.get("blurpool", False)) and layers is None,  # a file written before plain names
-        model_args=about.get("model_args"),
-    )
-    model.load_state_dict(weights.tensors(path), strict=True)
+    name = architecture(about, path, model)
+    classes = about.get("num_classes")
+    if not isinstance(classes, int) or isinstance(classes, bool) or classes < 1:
+        raise WeightsRefused(f"{path}: its header's num_classes {classes!r} is not a class count; republish the file")
+    blurpool = about.get("blurpool", False)
+    if not isinstance(blurpool, bool):
+        raise WeightsRefused(f"{path}: its header's blurpool {blurpool!r} is not true or false; republish the file")
+    args = header_args(about, path, custom=model is not None)
+    layers = about.get("blurpool_layers")  # absent in a file written before the plain architecture's names
+    if layers is not None and not (isinstance(layers, list) and all(isinstance(n, str) for n in layers)):
+        raise WeightsRefused(
+            f"{path}: its header's blurpool_layers {layers!r} is not a list of names; republish the file"
+        )
+    try:
+        net = build(name, classes, blurpool=blurpool and layers is None, model_args=args)
+    except (TypeError, ValueError) as err:
+        raise WeightsRefused(f"{path}: {name} cannot be built with the header's model_args {args} ({err})") from None
+    net.load_state_dict(weights.tensors(path), strict=True)
     if layers:
-        add_blurpool(model, layers=layers)
-    return (as_backbone(model) if backbone else model).eval()
+        try:
+            add_blurpool(net, layers=layers)  # the filter has no parameters: put back where it ran
+        except (AttributeError, TypeError) as err:
+            raise WeightsRefused(
+                f"{path}: its header's blurpool_layers do not fit {name} ({err}); republish the file"
+            ) from None
+    return (as_backbone(net) if backbone else net).eval()
+
+
+def architecture(about: dict, path, model: str | None) -> str:
+    """The train.model to rebuild `path`'s network with: `model` when the caller names one, else the
+    header's, if it is a torchvision or timm name; a header naming a factory is refused."""
+    named = about.get("model")
+    if model is not None:
+        return model
+    if not isinstance(named, str) or not named:
+        raise WeightsRefused(f"{path}: its header names no architecture (model: {named!r}); republish the file")
+    if modelspec.parse(named).custom:
+        raise WeightsRefused(
+            f"{path} was trained with a model of its own ({named!r}), and a weights file never makes rectrain "
+            "import code: name the factory yourself - load_weights(path, model='path/to/file.py:factory'), or "
+            "check.model for the check stage - after reading that code"
+        )
+    return named
+
+
+def header_args(about: dict, path, custom: bool) -> dict:
+    """The header's model_args, for a torchvision or timm constructor only without the arguments that
+    fetch or read weights (FETCHING_ARGS); your own factory (`custom`) gets them as the run configured."""
+    args = about.get("model_args") or {}
+    if not isinstance(args, dict):
+        raise WeightsRefused(f"{path}: its header's model_args {args!r} is not a mapping; republish the file")
+    fetching = sorted(set(args) & FETCHING_ARGS)
+    if fetching and not custom:
+        raise WeightsRefused(
+            f"{path}: its header's model_args {', '.join(fetching)} would make the constructor download or read "
+            "other weights; load only files whose model_args build the network (republish it without them)"
+        )
+    return args
 
 
 def as_backbone(model: torch.nn.Module) -> torch.nn.Module:
@@ -324,7 +524,10 @@ def add_blurpool(model: torch.nn.Module, min_channels: int = 16, *, layers=None)
         for name in layers:
             parent, _, child = name.rpartition(".")
             owner = model.get_submodule(parent)
-            setattr(owner, child, BlurPoolConv2d(getattr(owner, child)))
+            conv = getattr(owner, child)
+            if not isinstance(conv, torch.nn.Conv2d):
+                raise TypeError(f"{name} is a {type(conv).__name__}, not a Conv2d")
+            setattr(owner, child, BlurPoolConv2d(conv))
         return model
     for name, child in list(model.named_children()):
         if isinstance(child, torch.nn.Conv2d) and max(child.stride) > 1 and child.in_channels >= min_channels:

@@ -104,6 +104,15 @@ def special_file(mode: int) -> str:
     return next((what for test, what in _SPECIAL if test(mode)), "a special file")
 
 
+def not_a_file(path) -> str | None:
+    """Why `path` is no file to read ("no such file", "a named pipe (FIFO), not a regular file"), or None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "no such file"
+    return None if stat.S_ISREG(mode) else f"{special_file(mode)}, not a regular file"
+
+
 def open_regular(path, what: str = "file"):
     """A binary reader of `path` (links followed), opened without blocking: a FIFO swapped in for a
     file would hang a blocking open until someone writes to it. NotRegular for anything but a

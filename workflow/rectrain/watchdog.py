@@ -111,8 +111,8 @@ class Watchdog:
 
     def _publish(self) -> None:
         state = {"rank": self.rank, "what": self._what, "last_progress": self._last_unix, "where": where()}
-        with atomic.replacing(self._progress_file(self.rank), sync=False) as tmp:  # rewritten every few s
-            tmp.write_text(json.dumps(state))
+        with atomic.replacing(self._progress_file(self.rank), sync=False, mode="w") as f:  # rewritten every few s
+            f.write(json.dumps(state))
 
     def _peers(self) -> list[dict]:
         peers = []

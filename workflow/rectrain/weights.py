@@ -10,7 +10,9 @@ architecture's, and `blurpool_layers` names the convolutions that ran behind the
 describes the network - the architecture as configured, the classes in label order, the normalisation,
 the training resolution, the recipe and what it did (`as_run`: what each mechanic changed, each
 parameter group's LR and weight decay), the epochs trained - so rectrain.model.load_weights can rebuild
-it from the file alone.
+a torchvision or timm network from the file alone.  The header is data, never code: a model of your
+own is rebuilt only through the factory the caller names (load_weights(path, model=...)), never one the
+file names.
 
 The train stage writes the file when a run finishes (rectrain.train.outputs.finish); the evaluate stage
 evaluates that file and writes weights.json: the same description, plus the test resolutions and the
@@ -19,15 +21,19 @@ top-1 it measured on it (so the number in weights.json is the file's).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import safetensors
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as to_bytes
 
-from rectrain import atomic
+from rectrain import atomic, safefs
 from rectrain.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD
 
 FILE = "weights.safetensors"
@@ -77,26 +83,55 @@ def describe(
 
 def save(state_dict: dict, description: dict, path: str | os.PathLike) -> None:
     """state_dict as safetensors with `description` in its header, atomically.  Tensors are saved
-    contiguous (a channels_last network's convolution weights are not) and on the CPU."""
+    contiguous (a channels_last network's convolution weights are not) and on the CPU.  Serialised in
+    memory and written through rectrain.atomic (its temporary's own descriptor, the umask's mode), not
+    with safetensors' save_file, whose temporary of its own is always 0600: the file would be unreadable
+    by the colleagues the umask lets read every other output.  The bytes cost one more copy of the
+    weights in host memory (100 MB for a ResNet-50) for a moment, once per run."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    meta = {METADATA_KEY: json.dumps(description)}
-    atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    atomic.write_bytes(path, to_bytes(tensors, metadata={METADATA_KEY: json.dumps(description)}))
+
+
+@contextlib.contextmanager
+def _opened(path: str | os.PathLike) -> Iterator[str]:
+    """A name of the weights file `path` opened here as a regular file (safefs.open_regular: a FIFO
+    swapped in is refused, never waited on), for safetensors, which opens files by name: /dev/fd/<n>
+    reads the file this process checked, whatever the name leads to meanwhile."""
+    with safefs.open_regular(path, "the weights file") as f:
+        yield f"/dev/fd/{f.fileno()}"
+
+
+class NotRectrain(ValueError):
+    """A safetensors file without rectrain's description in its header (another library's)."""
 
 
 def description(path: str | os.PathLike) -> dict:
     """The description in a weights file's header; a file without one was not written by rectrain."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with _opened(path) as name, safe_open(name, framework="pt") as f:
+            meta = f.metadata() or {}
+    except safetensors.SafetensorError as err:
+        raise ValueError(f"{path} is not a safetensors file ({err}); give a weights.safetensors") from None
     if METADATA_KEY not in meta:
-        raise ValueError(
+        raise NotRectrain(
             f"{path} has no rectrain description in its header: it was not published by rectrain's train "
             "stage; load its tensors with safetensors.torch.load_file and the library that made them"
         )
-    return json.loads(meta[METADATA_KEY])
+    try:
+        about = json.loads(meta[METADATA_KEY])
+    except ValueError:
+        about = None
+    if not isinstance(about, dict):
+        raise ValueError(f"{path}: its header's {METADATA_KEY!r} description is not a JSON object; republish the file")
+    return about
 
 
 def tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
+    try:
+        with _opened(path) as name:
+            return load_file(name)
+    except safetensors.SafetensorError as err:
+        raise ValueError(f"{path} is not a safetensors file ({err}); give a weights.safetensors") from None
 
 
 def write_json(weights_path: str | os.PathLike, out: str | os.PathLike, evaluation: dict) -> dict:

@@ -474,7 +474,7 @@ def split_manifest(pair: dict, walked: Walked, published: dict, fast: Path, num_
 
 def write_classes(path: Path, table: list[tuple[str, str]]) -> None:
     """classes.tsv (label, wnid, name), written as the index writes it."""
-    with replacing(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+    with replacing(path, mode="w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh, delimiter="\t", lineterminator="\n")
         writer.writerow(["label", "wnid", "name"])
         writer.writerows((k, wnid, name) for k, (wnid, name) in enumerate(table))

@@ -979,7 +979,7 @@ def printable(text: str) -> str:
 def _write_tsv(path: Path, header: list[str], rows: Iterable, quoting: int = csv.QUOTE_MINIMAL) -> None:
     """Rows streamed (train.tsv has 1.28 M). csv.writer quotes a field holding a double quote, a tab
     or a newline, which csv.reader and pandas.read_csv both undo."""
-    with replacing(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+    with replacing(path, mode="w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh, delimiter="\t", lineterminator="\n", quoting=quoting)
         writer.writerow(header)
         writer.writerows(rows)

@@ -8,9 +8,11 @@ another working directory refuses to replace it, naming that run, while that dir
 A run whose directory is gone (moved or deleted) no longer owns its pair.
 
 A brought pair (rectrain.data.byo_recordio) is published as links to the user's files, which stay
-theirs to change: its stamp also records what the check read (`checked`: device, inode, size and
-modification time of the .rec and .idx), and the loaders refuse the pair once either no longer
-matches (refuse_changed), naming the command that checks it again (issue #38).
+theirs to change: its stamp also records what the check read (`checked`: device, inode, size,
+modification and change time of the .rec and .idx), and the loaders refuse the pair once either no
+longer matches (refuse_changed), naming the command that checks it again (issue #38).  The change time
+(ctime) is the kernel's own: a rewrite in place that restores the size and the modification time
+(os.utime) still moves it (issue #47).
 """
 
 from __future__ import annotations
@@ -68,9 +70,16 @@ def claim(rec: Path, checked: dict | None = None) -> None:
 
 
 def file_identity(path) -> dict:
-    """What says a file is still the one that was read: device, inode, size, modification time (ns)."""
+    """What says a file is still the one that was read: device, inode, size, modification and change
+    time (ns; no one can set the change time back)."""
     st = os.stat(path)
-    return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {
+        "dev": st.st_dev,
+        "ino": st.st_ino,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+    }
 
 
 RECHECK = "snakemake --forcerun check_recordio (or rerun python -m rectrain.data.byo_recordio)"
@@ -91,7 +100,10 @@ def refuse_changed(rec, idx) -> None:
             now = file_identity(path)
         except OSError as err:
             now = {"error": err.strerror}
-        if now != checked.get(kind):
+        then = checked.get(kind)
+        if isinstance(then, dict) and "ctime_ns" not in then:  # a stamp written before ctime was recorded
+            now.pop("ctime_ns", None)
+        if now != then:
             raise PairChanged(
                 f"{path} (-> {os.path.realpath(path)}) is not the .{kind} check_recordio checked ({checked.get(kind)}, now "
                 f"{now}): it was replaced or rewritten since, and its records are unchecked. Check it again: {RECHECK}"

@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from rectrain import safefs
 from rectrain.config import expand_path
 from rectrain.data.archives import SEP
 
@@ -39,9 +40,30 @@ def shipped() -> list[str]:
     return sorted(p.stem for p in SUBSETS.glob("*.txt"))
 
 
-def read_names(path: Path) -> list[str]:
-    """The class names of a list file: one a line, blank lines and `#` comments skipped."""
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines())
+# A class list is a few kB (ImageNet-21k's 21,841 wnids: 218 kB); more is not one.
+LIST_MAX_BYTES = 64 << 20
+
+
+def read_names(path: Path, key: str = "index.classes") -> list[str]:
+    """The class names of a list file: one a line, blank lines and `#` comments skipped.  Read when
+    used, without blocking (a FIFO swapped in after the Snakefile's check is refused, not waited on),
+    at most LIST_MAX_BYTES, UTF-8: anything else is a SubsetError naming `key`, the file and the fix."""
+    try:
+        with safefs.open_regular(path, key) as fh:
+            data = fh.read(LIST_MAX_BYTES + 1)
+        if len(data) > LIST_MAX_BYTES:
+            raise SubsetError(
+                f"{key} = {str(path)!r} holds over {LIST_MAX_BYTES >> 20} MiB: not a class list; fix {key}"
+            )
+        text = data.decode("utf-8")
+    except OSError as err:
+        raise SubsetError(f"{key} = {str(path)!r}: {err}; give a list of class names, one a line") from None
+    except UnicodeDecodeError as err:
+        raise SubsetError(
+            f"{key} = {str(path)!r} is not UTF-8 text (byte {err.start}: {data[err.start : err.start + 1]!r}); "
+            "save the class list as UTF-8, one name a line"
+        ) from None
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
     return [line for line in lines if line]
 
 
@@ -56,7 +78,7 @@ def resolve(classes) -> list[str] | None:
     if classes in shipped():
         return read_names(SUBSETS / f"{classes}.txt")
     path = Path(expand_path(classes, "index.classes"))
-    if not path.is_file():
+    if not path.exists():
         raise SubsetError(
             f"index.classes = {classes!r} is neither a file nor a list shipped with rectrain "
             f"({', '.join(shipped())}): give a list of class names, the path of a file of them, or one of those names"

@@ -5,21 +5,11 @@ removed; the check_recordio job then reads every record (rectrain.data.byo_recor
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from rectrain.config import shown_path
-from rectrain.safefs import special_file
+from rectrain.safefs import not_a_file
 from rectrain.settings import RecordioSettings
-
-
-def _not_a_file(path) -> str | None:
-    """Why `path` is no file to read ("no such file", "a named pipe (FIFO), not a regular file"), or None."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return "no such file"
-    return None if stat.S_ISREG(mode) else f"{special_file(mode)}, not a regular file"
 
 
 def byo_problems(byo: RecordioSettings, fast: str, workdir: Path, written: dict[str, str] | None = None) -> list[str]:
@@ -33,7 +23,7 @@ def byo_problems(byo: RecordioSettings, fast: str, workdir: Path, written: dict[
         for kind, value in (getattr(byo, split) or {}).items():
             path = value if os.path.isabs(value) else workdir / value
             key = f"recordio.{split}.{kind}"
-            if why := _not_a_file(path):
+            if why := not_a_file(path):
                 problems.append(f"{shown_path(key, value, written)}: {why}. Point it at the existing .{kind}.")
             elif Path(os.path.realpath(path)).parent == Path(os.path.realpath(workdir / fast)):
                 problems.append(
@@ -41,6 +31,6 @@ def byo_problems(byo: RecordioSettings, fast: str, workdir: Path, written: dict[
                     "move it elsewhere."
                 )
     classes = byo.classes
-    if classes is not None and (why := _not_a_file(classes if os.path.isabs(classes) else workdir / classes)):
+    if classes is not None and (why := not_a_file(classes if os.path.isabs(classes) else workdir / classes)):
         problems.append(f"{shown_path('recordio.classes', classes, written)}: {why}.")
     return problems

@@ -1,32 +1,34 @@
 """What the Snakemake process itself does around its jobs, from the onstart and onsuccess hooks
 (workflow/rules/common.smk): the console relay of the jobs' lines (console), the stop on SIGINT or
-SIGTERM (stopping, and `make stop` through PID_FILE), and the report's path as the run's last line."""
+SIGTERM (stopping, and `make stop` through this run's entry: runs), and the report's path as the
+run's last line."""
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 from pathlib import Path
 
-from rectrain.snakefile import console, stopping
-
-# This run's Snakemake process, for `make stop` (Makefile): in Snakemake's own folder of this working
-# directory, removed when the process ends.
-PID_FILE = Path(".snakemake") / "rectrain-run.pid"
+from rectrain.snakefile import console, runs, stopping
 
 # One run per Snakemake process: what onstart found, for onsuccess and the end.
-_run: dict = {"relay": None, "stop": None, "reports": []}
+_run: dict = {"relay": None, "stop": None, "reports": [], "entry": None}
 
 
 def on_start(workflow, train_ck_dir: str) -> None:
     relay = console.start_relay(workflow)
     stop = stopping.install(workflow, Path(train_ck_dir), relay)
     _run.update(relay=relay, stop=stop, reports=console.reports_to_build(workflow))
-    if stop is not None:
-        PID_FILE.parent.mkdir(exist_ok=True)
-        PID_FILE.write_text(f"{os.getpid()}\n")
-    atexit.register(_at_exit, PID_FILE.resolve())
+    if stop is not None:  # `make stop` finds this run by its entry (rectrain.snakefile.runs)
+        try:
+            _run["entry"] = runs.register()
+        except OSError as err:  # the run goes on; only make stop cannot find it
+            from snakemake.logging import logger
+
+            logger.warning(
+                "[rectrain] make stop will not find this run (%s); stop it with Ctrl-C or kill %d", err, os.getpid()
+            )
+    atexit.register(_at_exit)
 
 
 # "0": the caller names the report itself (make run, make report: also when it was up to date).
@@ -44,10 +46,9 @@ def on_success() -> None:
         logger.info(line)
 
 
-def _at_exit(pid_file: Path) -> None:
-    with contextlib.suppress(OSError):
-        if pid_file.read_text().strip() == str(os.getpid()):
-            pid_file.unlink()
+def _at_exit() -> None:
+    if _run["entry"] is not None:
+        runs.unregister(_run["entry"])
     if _run["relay"] is not None:
         _run["relay"].close()
     if _run["stop"] is not None:

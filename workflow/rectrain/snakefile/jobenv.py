@@ -1,6 +1,7 @@
 """The environment of the jobs the rules start: this package and this interpreter first on their
-paths, and every block's operational config values (rectrain.config.OPERATIONAL_ENV), which reach the
-jobs here rather than through `params:` so that editing one reruns nothing.
+paths, the working directory on neither (PYTHONSAFEPATH), and every block's operational config values
+(rectrain.config.OPERATIONAL_ENV), which reach the jobs here rather than through `params:` so that
+editing one reruns nothing.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from rectrain.atomic import new_temporary
+from rectrain.atomic import replacing
 from rectrain.config import OPERATIONAL_ENV, operational_part
+
+# Python's -P as an environment variable: no script folder or working directory on sys.path.
+SAFE_PATH_ENV = "PYTHONSAFEPATH"
 
 
 # Every block by nature: the jobs of every stage read their operational values back from this one variable.
@@ -25,8 +29,13 @@ def export_operational(config: dict) -> None:
 def prepare_job_env(package_dir, executable: str = sys.executable) -> None:
     """Make jobs' `python -m rectrain.<stage>` find this package and, unless a conda env is
     activated for the job (its activation puts the env's python first), the interpreter Snakemake
-    itself runs in (an unactivated .venv, or a system python3 with no `python` beside it)."""
+    itself runs in (an unactivated .venv, or a system python3 with no `python` beside it).
+    PYTHONSAFEPATH=1 (Python >= 3.11's -P, for every process of every job: torchrun's ranks and the
+    loaders' workers inherit it): `python -m` no longer puts the working directory first on sys.path,
+    where a json.py planted in a shared working folder ran inside the job (issue 47); the modules come
+    from this package and the installed ones only."""
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(package_dir), os.environ.get("PYTHONPATH")) if p)
+    os.environ[SAFE_PATH_ENV] = "1"
     first = dict.fromkeys([str(python_dir(executable)), str(Path(executable).parent)])
     os.environ["PATH"] = os.pathsep.join((*first, os.environ.get("PATH", "")))
 
@@ -44,8 +53,9 @@ def python_dir(executable: str, workdir=".") -> Path:
     wrapper, text = folder / "python", f'#!/bin/sh\nexec {shlex.quote(str(exe))} "$@"\n'
     if not wrapper.is_file() or wrapper.read_text() != text:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = new_temporary(wrapper)  # created O_EXCL|O_NOFOLLOW: a planted link is never written through
-        tmp.write_text(text)
-        tmp.chmod(0o755)
-        os.replace(tmp, wrapper)  # whole, executable, even when several Snakemake processes parse at once
+        # created O_EXCL|O_NOFOLLOW and written through its descriptor: a planted link is never written through;
+        # whole, executable, even when several Snakemake processes parse at once
+        with replacing(wrapper, sync=False, mode="w") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o755)
     return folder

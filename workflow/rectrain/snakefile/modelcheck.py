@@ -5,11 +5,13 @@ fix (a torchvision name is checked by the train job, as before)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from rectrain import modelspec
 from rectrain.config import ConfigError
 from rectrain.modelspec import TORCHVISION_WEIGHTS as TORCHVISION
+from rectrain.safefs import not_a_file
 from rectrain.settings import TrainModel
 from rectrain.tables import read_classes
 
@@ -18,18 +20,36 @@ from rectrain.tables import read_classes
 PROBE_CLASSES = 7
 
 
+# What Snakemake reads in an input path as a path variable (<name>) or a wildcard ({name}): a file of
+# yours whose path holds one cannot be an input of the train rule (its edits would rerun nothing).
+SNAKEMAKE_PATTERN = re.compile(r"<[a-z][a-z0-9_]*>|[{}]")
+
+
+def refuse_snakemake_patterns(key: str, value: str, paths: list[str]) -> None:
+    """ConfigError naming `key` when a path among `paths` (the inputs `value` makes) holds a Snakemake pattern."""
+    odd = [p for p in paths if SNAKEMAKE_PATTERN.search(str(p))]
+    if odd:
+        raise ConfigError(
+            f"config key '{key}' = {value!r}: {odd[0]} holds {SNAKEMAKE_PATTERN.search(str(odd[0]))[0]!r}, which "
+            "Snakemake reads in a path as a path variable or a wildcard; rename that file or folder"
+        )
+
+
 def check_model(model: TrainModel, image_size: int, classes_tsv: str | Path) -> None:
     """Build train.model (`model`: the train block's model part) as the train job will, with the
     dataset's class count when the index has written it, and check its logits' shape at train.image_size;
     a problem raises ConfigError.  train.init_weights, when a path, must be a file."""
     init = model.init_weights
-    if init is not None and not init.startswith(TORCHVISION) and not Path(init).is_file():
+    if init is not None and not init.startswith(TORCHVISION) and (why := not_a_file(init)):
         raise ConfigError(
-            f"config key 'train.init_weights' = {init!r}: no such file; give a weights.safetensors, a model.pt "
+            f"config key 'train.init_weights' = {init!r}: {why}; give a weights.safetensors, a model.pt "
             "or a state dict saved by torch (or torchvision:<Enum>.<NAME>), or null for a random init"
         )
+    if init is not None and not init.startswith(TORCHVISION):
+        refuse_snakemake_patterns("train.init_weights", init, [init])
     if modelspec.parse(model.model).kind == "torchvision":
         return
+    refuse_snakemake_patterns("train.model", model.model, modelspec.sources(model.model))
     from rectrain import model as models  # torch: only for a model that is not torchvision's
 
     k = len(read_classes(classes_tsv)) if Path(classes_tsv).is_file() else PROBE_CLASSES

@@ -6,8 +6,11 @@ The weights are a published weights.safetensors (rectrain.weights), a rectrain c
 (its `model`), a checkpoint of timm's train.py (its `state_dict_ema`, else `state_dict`, as timm loads
 it: read with weights_only=True, its argparse.Namespace of settings the one class allowed), a plain state
 dict saved by torch or as safetensors (timm's hub files), or `torchvision:<Enum>.<NAME>` (torchvision's
-weight enums, e.g. torchvision:ResNet50_Weights.IMAGENET1K_V1: their own download and cache).  Keys
-saved through DDP or torch.compile (`module.`, `_orig_mod.`) are cleaned as timm cleans them.
+weight enums, e.g. torchvision:ResNet50_Weights.IMAGENET1K_V1: torch.hub's download and cache, each read
+checked against the hash torchvision publishes in the file's name).  Every file is read as data: loaded
+with weights_only=True (no pickled code runs), opened without blocking (a FIFO is refused, not waited
+on), and refused unless it holds a mapping of names to tensors.  Keys saved through DDP or torch.compile
+(`module.`, `_orig_mod.`) are cleaned as timm cleans them.
 
 Every tensor of the network is reported as loaded, resampled or left at its fresh init:
 - a ViT-style absolute position embedding (`pos_embed`, torchvision's `pos_embedding`) of another grid -
@@ -22,11 +25,19 @@ Every tensor of the network is reported as loaded, resampled or left at its fres
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import logging
 import math
+import os
+import pickle
+from pathlib import Path
+from urllib.error import URLError
+from urllib.parse import urlparse
 
 import torch
 
+from rectrain import safefs
 from rectrain.modelspec import TORCHVISION_WEIGHTS as TORCHVISION
 
 log = logging.getLogger(__name__)
@@ -36,30 +47,98 @@ log = logging.getLogger(__name__)
 STATE_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
 
 
-def state_dict(source: str) -> dict[str, torch.Tensor]:
-    """The tensors train.init_weights names (see the module doc)."""
-    return read(source)[0]
+# A weights file's read errors that mean "not a state dict saved by torch" (weights_only=True refuses
+# any pickled object that is not a tensor or a plain container as UnpicklingError).
+UNREADABLE = (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError)
 
 
-def read(source: str) -> tuple[dict[str, torch.Tensor], str]:
+def state_dict(source: str, key: str = "train.init_weights") -> dict[str, torch.Tensor]:
+    """The tensors `source` names (see the module doc); `key`: the config key that gave it, for errors."""
+    return read(source, key)[0]
+
+
+def read(source: str, key: str = "train.init_weights") -> tuple[dict[str, torch.Tensor], str]:
     """(the tensors `source` names, cleaned of DDP and torch.compile prefixes; where in the file they were)."""
     from timm.models import clean_state_dict
 
     if source.startswith(TORCHVISION):
-        return torchvision_enum(source, "train.init_weights").get_state_dict(progress=False), "torchvision"
+        return torchvision_state_dict(torchvision_enum(source, key), source, key), "torchvision"
     if source.endswith(".safetensors"):
         from rectrain import weights
 
         return clean_state_dict(weights.tensors(source)), "safetensors"
-    with torch.serialization.safe_globals([argparse.Namespace]):  # timm's train.py saves its args
-        state = torch.load(source, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
+    try:
+        # timm's train.py saves its args, an argparse.Namespace: the one class allowed beside torch's own
+        with safefs.open_regular(source, key) as f, torch.serialization.safe_globals([argparse.Namespace]):
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except UNREADABLE as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(
-            f"train.init_weights {source!r} holds a {type(state).__name__}, not a state dict or a checkpoint "
-            "holding one; give a weights file"
+            f"{key} {source!r} cannot be read as weights saved by torch ({first}); give a weights.safetensors, a "
+            "model.pt, a timm checkpoint or a file of torch.save(model.state_dict())"
+        ) from None
+    where = next((k for k in STATE_KEYS if isinstance(state, dict) and isinstance(state.get(k), dict)), None)
+    found = state[where] if where else state
+    return clean_state_dict(tensors_only(found, source, key)), where or "the file's top level"
+
+
+def tensors_only(state, source: str, key: str) -> dict[str, torch.Tensor]:
+    """`state` when it maps names to tensors, else a ValueError naming what it holds."""
+    if isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        return state
+    what = type(state).__name__
+    if isinstance(state, dict):
+        odd = next(k for k, v in state.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor)))
+        what = f"a dict whose {odd!r} is {type(state[odd]).__name__}"
+    raise ValueError(
+        f"{key} {source!r} holds {what}, not a state dict (names mapped to tensors); give a weights.safetensors, "
+        "a model.pt or a file of torch.save(model.state_dict())"
+    )
+
+
+def weights_url(enum) -> str:
+    """Where torchvision publishes the weights of `enum` (its file name carries their sha256 prefix)."""
+    return enum.url
+
+
+def torchvision_state_dict(enum, source: str, key: str) -> dict[str, torch.Tensor]:
+    """torchvision's published weights `enum`, read from torch.hub's cache ($TORCH_HOME/hub/checkpoints,
+    downloaded there first when missing) and checked against the sha256 prefix in the published file's
+    name - on every read, not only at the download (torch.hub checks only then, and loads a cached file
+    with weights_only=False: a pickle planted in a shared cache ran) - then loaded with
+    weights_only=True from the very bytes checked."""
+    url = weights_url(enum)
+    name = os.path.basename(urlparse(url).path)
+    found = torch.hub.HASH_REGEX.search(name)
+    if found is None:
+        raise ValueError(f"{key} {source!r}: torchvision publishes no hash in {url}'s name; use another enum member")
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / name
+    if not cached.exists():
+        download(url, cached, found[1], source, key)
+    with safefs.open_regular(cached, key) as f:
+        data = f.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if not digest.startswith(found[1]):
+        raise ValueError(
+            f"{key} {source!r}: {cached} is not the file torchvision published (sha256 {digest[:12]}..., published "
+            f"{found[1]}...); delete it, and it is downloaded again from {url}"
         )
-    key = next((k for k in STATE_KEYS if isinstance(state.get(k), dict)), None)
-    return clean_state_dict(state[key] if key else state), key or "the file's top level"
+    return tensors_only(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), source, key)
+
+
+def download(url: str, cached: Path, hash_prefix: str, source: str, key: str) -> None:
+    """torch.hub's download of `url` to `cached` (through a temporary of its own, checked against the
+    published hash); offline, one line saying what to download and where."""
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    log.info("%s: downloading %s to %s", key, url, cached)
+    try:
+        torch.hub.download_url_to_file(url, str(cached), hash_prefix, progress=False)
+    except (URLError, OSError, RuntimeError) as err:
+        raise ValueError(
+            f"{key} {source!r}: the weights need a download from {url} into {cached}, which failed ({err}); "
+            f"download that file there on a machine with network access, or set TORCH_HOME to a folder holding "
+            f"hub/checkpoints/{cached.name}"
+        ) from None
 
 
 def torchvision_enum(source: str, key: str):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -20,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rectrain import model as models
-from rectrain import modelspec, sources
+from rectrain import sources
 from rectrain.distributed import Dist
 from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
 from rectrain.settings import TrainSettings
@@ -36,10 +35,11 @@ log = logging.getLogger(__name__)
 
 def code_fingerprint(model: str) -> dict:
     """sha256 of each training source file (the train rule's code input, rectrain.sources) and of the
-    files defining train.model's network when it is your own (rectrain.modelspec): a checkpoint written
-    by other code is another run, so an edit followed by a Snakemake rerun really retrains."""
-    own = {f"model:{f}": hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in modelspec.sources(model)}
-    return {**sources.fingerprint("train"), **own}
+    files defining train.model's network when it is your own, as this process imported them
+    (rectrain.model.source_digests: the bytes hashed are the bytes run, so an edit while the run is
+    going changes neither; evaluate refuses a file edited since): a checkpoint written by other code is
+    another run, so an edit followed by a Snakemake rerun really retrains."""
+    return {**sources.fingerprint("train"), **models.source_digests(model)}
 
 
 def set_backend_flags(cudnn_benchmark: bool, device: torch.device) -> None:

@@ -7,19 +7,25 @@ Files (columns are a contract with the report, see docs/architecture.md), writte
 The finished run copies them next to model.pt (the rule's outputs; node 0's sampler -> system.csv).  The live copies sit outside the
 rule's outputs because Snakemake deletes outputs before a rerun, and a resumed run must keep the rows
 of the epochs it does not redo; rows from the interrupted epoch onwards are dropped on resume so
-every (rank, epoch, step) is unique.
+every (rank, epoch, step) is unique.  A log is never opened through a link planted at its fixed name
+(open_log): a kept one is opened without following links and only when it is this user's regular
+file; a new one is created under a fresh name and renamed into place.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import os
 import shutil
+import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, TextIO
 
 import psutil
 
@@ -64,8 +70,8 @@ class CsvLog:
     ):
         self.path, self.columns = Path(path), columns
         keep = None if keep_before_epoch is None else (keep_before_epoch, keep_before_step)
-        fresh = keep is None or not _cut_after(self.path, columns, keep)
-        self._f = open(self.path, "w" if fresh else "a", newline="", buffering=1)
+        cut = None if keep is None else (lambda f: _cut_after(f, self.path, columns, keep))
+        self._f, fresh = open_log(self.path, cut)
         self._w = csv.DictWriter(self._f, fieldnames=columns)
         if fresh:
             self._w.writeheader()
@@ -89,28 +95,54 @@ def _position(fields: list[bytes], col: int, step_col: int | None) -> tuple[int,
     return int(fields[col]), int(fields[step_col]) if step_col is not None else 0
 
 
-def _cut_after(path: Path, columns: list[str], keep_before: tuple[int, int]) -> bool:
-    """Truncate `path` after its rows before (epoch, step) `keep_before`; False (nothing kept) when it is
-    missing or was written with other columns."""
-    if not path.exists():
-        return False
+def _open_kept(path: Path) -> BinaryIO | None:
+    """`path` open for update when it is a regular file of this user's, not a link (None otherwise:
+    missing, a link planted at the name, another user's file, a FIFO - never opened through)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb+")
+
+
+def open_log(path: Path, keep: Callable[[BinaryIO], bool] | None) -> tuple[TextIO, bool]:
+    """(the log at `path` open for appending lines, whether it is new): the existing file when `keep`
+    (given it open for update: it may cut it) says its rows stay (_open_kept: this user's regular file,
+    no link followed); else a new file, created exclusively under a fresh name and renamed over `path`,
+    so whatever had the name (a link to another file) is replaced, never written through."""
+    if keep is not None and (f := _open_kept(path)) is not None:
+        if keep(f):
+            f.seek(0, os.SEEK_END)
+            return io.TextIOWrapper(f, encoding="utf-8", newline="", line_buffering=True), False
+        f.close()
+    tmp, fd = atomic.create_temporary(path)
+    os.replace(tmp, path)
+    return os.fdopen(fd, "w", encoding="utf-8", newline="", buffering=1), True
+
+
+def _cut_after(f: BinaryIO, path: Path, columns: list[str], keep_before: tuple[int, int]) -> bool:
+    """Truncate the log `f` (at `path`) after its rows before (epoch, step) `keep_before`; False (nothing
+    kept) when it was written with other columns."""
     col = columns.index("epoch")
     step_col = columns.index("step") if "step" in columns else None
-    with open(path, "rb+") as f:
-        header = f.readline()
-        if header.decode("utf-8", "replace").rstrip("\r\n").split(",") != columns:
-            log.warning("%s has other columns than %s: its rows are not kept", path, ",".join(columns))
-            return False
-        end = f.tell()
-        for line in f:
-            fields = line.split(b",")
-            at = _position(fields, col, step_col) if line.endswith(b"\n") and len(fields) == len(columns) else None
-            if at is None:
-                break  # torn or damaged: this row and any after it are not kept
-            if at >= keep_before:
-                break
-            end += len(line)
-        f.truncate(end)
+    header = f.readline()
+    if header.decode("utf-8", "replace").rstrip("\r\n").split(",") != columns:
+        log.warning("%s has other columns than %s: its rows are not kept", path, ",".join(columns))
+        return False
+    end = f.tell()
+    for line in f:
+        fields = line.split(b",")
+        at = _position(fields, col, step_col) if line.endswith(b"\n") and len(fields) == len(columns) else None
+        if at is None:
+            break  # torn or damaged: this row and any after it are not kept
+        if at >= keep_before:
+            break
+        end += len(line)
+    f.truncate(end)
     return True
 
 
@@ -130,8 +162,9 @@ def trim_departed(out_dir: Path, world_size: int, start_epoch: int, start_step: 
     world_size) at where it resumes, as their own ranks would: a restarted epoch's rows are written anew."""
     for path in out_dir.glob("steps_rank*.csv"):
         rank = path.stem.removeprefix("steps_rank")
-        if rank.isdigit() and int(rank) >= world_size:
-            _cut_after(path, STEP_COLUMNS, (start_epoch, start_step))
+        if rank.isdigit() and int(rank) >= world_size and (f := _open_kept(path)) is not None:
+            with f:
+                _cut_after(f, path, STEP_COLUMNS, (start_epoch, start_step))
 
 
 def epoch_log(out_dir: Path, start_epoch: int) -> CsvLog:
@@ -143,7 +176,7 @@ def merge_steps(src_dir: Path, dest: Path, world_size: int) -> Path:
     into dest, atomically: bytes copied after each file's header (every rank writes the same
     STEP_COLUMNS), so 900,900 rows take a moment, not a parse."""
     header = (",".join(STEP_COLUMNS) + "\r\n").encode()  # csv's default line ending, as CsvLog writes it
-    with atomic.replacing(dest) as tmp, open(tmp, "wb") as out:
+    with atomic.replacing(dest) as out:
         out.write(header)
         for r in range(world_size):
             with open(src_dir / f"steps_rank{r}.csv", "rb") as f:
@@ -323,9 +356,7 @@ class SystemSampler(threading.Thread):
         self.interval, self.rec_device, self.processes = interval, rec_device, processes
         self.nvml = _Nvml()
         self.columns = SYSTEM_BASE_COLUMNS + self.nvml.columns()
-        path = Path(path)
-        fresh = not (append and path.exists())
-        self._f = open(path, "a" if not fresh else "w", newline="", buffering=1)
+        self._f, fresh = open_log(Path(path), (lambda f: True) if append else None)
         self._w = csv.DictWriter(self._f, fieldnames=self.columns)
         if fresh:
             self._w.writeheader()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import errno
 import hashlib
 import json
 import logging
@@ -45,6 +46,7 @@ import torch
 from rectrain import atomic
 from rectrain.config import output_part
 from rectrain.recordio import read_idx
+from rectrain.storage import human_bytes
 from rectrain.train.lifecycle import finished
 
 log = logging.getLogger(__name__)
@@ -148,14 +150,53 @@ def host_copy(obj):
 
 
 def save_atomic(obj: dict, path: str | os.PathLike) -> None:
-    """torch.save through rectrain.atomic: a kill mid-write leaves the previous checkpoint intact."""
-    atomic.write_with(path, lambda tmp: torch.save(obj, tmp))
+    """torch.save through rectrain.atomic (into the temporary's own descriptor): a kill mid-write leaves
+    the previous checkpoint intact.  A full disk raises NoSpace, saying how much the checkpoint needs."""
+    try:
+        atomic.write_with(path, lambda f: torch.save(obj, f))
+        return
+    except (OSError, RuntimeError) as exc:
+        full = no_space(exc, Path(path), obj)
+        if full is None:
+            raise
+    raise full  # outside the except: the failed write's frames (its open temporary) are not kept
 
 
 def save_linked(obj: dict, source: str | os.PathLike, path: str | os.PathLike) -> bool:
     """`path` holding `obj`, which the finished checkpoint `source` already holds: a hard link to it
     where the file system has them (True), else saved (rectrain.atomic.link_or_write)."""
-    return atomic.link_or_write(source, path, lambda tmp: torch.save(obj, tmp))
+    return atomic.link_or_write(source, path, lambda f: torch.save(obj, f))
+
+
+class NoSpace(OSError):
+    """A checkpoint did not fit on its disk; the message says how much it needs and how much is free."""
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of every tensor in a (nested) state: about what torch.save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def no_space(exc: BaseException, path: Path, obj: dict) -> NoSpace | None:
+    """NoSpace when `exc` (torch.save's zip writer reports a full disk as "unexpected pos ...", a file
+    as ENOSPC) came from a disk without room for the checkpoint `obj`, else None."""
+    needed = tensor_bytes(obj)
+    free = shutil.disk_usage(path.parent).free
+    full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not full and free >= needed:
+        return None
+    return NoSpace(
+        errno.ENOSPC,
+        f"no space left for the checkpoint {path}: it needs about {human_bytes(needed)}, and its disk has "
+        f"{human_bytes(free)} free; free at least {human_bytes(max(needed - free, 0) + (1 << 20))} there (or lower "
+        "train.keep_checkpoints)",
+    )
 
 
 def load(path: str | os.PathLike) -> dict:

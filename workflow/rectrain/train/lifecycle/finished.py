@@ -58,7 +58,12 @@ def complete(ck_dir: Path) -> bool:
 
 def _link(src: Path, dest: Path) -> None:
     """dest becomes src's bytes, atomically: a hard link, else (no links on this filesystem) a copy."""
-    atomic.link_or_write(src, dest, lambda tmp: shutil.copy2(src, tmp))
+    atomic.link_or_write(src, dest, lambda out: _copy(src, out))
+
+
+def _copy(src: Path, out) -> None:
+    with open(src, "rb") as f:
+        shutil.copyfileobj(f, out, 1 << 20)
 
 
 def clear(out: Path) -> None:

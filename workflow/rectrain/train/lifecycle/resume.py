@@ -12,6 +12,13 @@ train.resume (operational, x-rerun: false) says when a checkpoint is continued:
   classes) fails as it is restored, saying so.
 - never: always start over.
 
+A checkpoint that is continued is first checked against its own run and this one (check_position): its
+epoch within its train.epochs and not past this run's (train.resume: always below the checkpoint's
+epoch would publish at once), a mid-epoch step that is a step, and, on the same number of processes,
+one RNG state and loader position per rank; a crafted or damaged one is refused in one line naming
+the file and the fix.  Every start also removes the temporaries a checkpoint write killed mid-way left
+(rectrain.atomic.remove_dead_temporaries).
+
 Another world size (a GPU lent to a colleague, 2 -> 1 and back, another node count) is the same run
 under auto and always when the checkpoint's global batch is kept: the batch plan regroups it
 (batchplan.regroup: 2 -> 1 processes doubles grad_accum), so the LR and its schedule, which counts
@@ -47,6 +54,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from rectrain import atomic
 from rectrain.distributed import all_gather
 from rectrain.log import CONSOLE_LINE
 from rectrain.storage import human_bytes
@@ -122,6 +130,9 @@ def resume(run: Run) -> Resumed:
     """Continue checkpoints/last.pt when train.resume allows it; otherwise (rank 0, once every rank has
     decided) move the checkpoints of the run this one replaces aside."""
     last = run.ck_dir / "last.pt"
+    if run.d.master:  # a checkpoint's temporary of a process killed while writing it (SIGKILL, a power cut)
+        for folder in (run.ck_dir, run.out):
+            atomic.remove_dead_temporaries(folder)
     if run.settings.stops.resume == "never":
         decided, why_not = Resumed(0), "train.resume is never"
     elif not last.exists():
@@ -244,6 +255,7 @@ def _continue(run: Run) -> tuple[Resumed, str | None]:
         found = [d for d in found if d.item not in REGROUPED]
     if found and mode == "auto":
         return Resumed(0), "; ".join(d.text for d in found)
+    check_position(state, last, run, moved)
     refused = [d.text for d in found if d.item in REFUSED]
     if refused:
         raise ResumeRefused(
@@ -261,6 +273,54 @@ def _continue(run: Run) -> tuple[Resumed, str | None]:
         _say_resuming(run, last, state, despite)
     history = tuple(world_sizes(state))
     return Resumed(at.epoch, state["rng"], despite, start_step=at.step, ranks=at.ranks, world_sizes=history), None
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+RNG_KEYS = ("torch", "cuda", "numpy", "python")
+
+
+def check_position(state: dict, last: Path, run: Run, moved: bool) -> None:
+    """ResumeRefused, naming the file and the fix, unless the checkpoint's position fits its own run and
+    this one: its epoch within its train.epochs, and not past this run's (train.resume: always below the
+    checkpoint's epoch would publish at once, epochs.csv short of run.json's epochs); a mid-epoch step
+    within an epoch; and, on the same number of processes, one RNG state (and loader position) per rank."""
+    epoch, step = state.get("epoch"), state.get("step")
+    own_epochs = (state.get("config") or {}).get("epochs")
+    damaged = "move it aside (or set train.resume: never: it is moved to checkpoints/replaced/) and train again"
+    if not (_whole(epoch) and _whole(own_epochs) and 0 <= epoch < own_epochs):
+        raise ResumeRefused(
+            f"{last} is damaged: epoch {epoch!r} is not an epoch of its run ({own_epochs!r} epochs); {damaged}"
+        )
+    if step is not None and not (_whole(step) and 0 < step):
+        raise ResumeRefused(f"{last} is damaged: step {step!r} is not a step count; {damaged}")
+    at, epochs = Position.of(state), run.settings.optim.epochs
+    if at.epoch > epochs or (at.step and at.epoch >= epochs):
+        done = f"{at.epoch} epochs done" if not at.step else f"epoch {at.epoch} started"
+        raise ResumeRefused(
+            f"train.resume: {run.settings.stops.resume} cannot continue {last}: it holds {done}, beyond train.epochs = "
+            f"{epochs}, so nothing would be trained and the outputs would not be this run's. Set train.epochs >= "
+            f"{at.epoch + (1 if at.step else 0)} to continue it, or train.resume: auto to start over (the checkpoints are "
+            "moved aside, not deleted)"
+        )
+    if moved:
+        return  # another world size: the ranks are reseeded, and a mid-epoch position restarts its epoch
+    world, rngs, ranks = run.d.world_size, state.get("rng"), state.get("ranks")
+    if not (
+        isinstance(rngs, list)
+        and len(rngs) == world
+        and all(isinstance(r, dict) and set(RNG_KEYS) <= set(r) for r in rngs)
+    ):
+        shown = f"{len(rngs)} entries" if isinstance(rngs, list) else type(rngs).__name__
+        raise ResumeRefused(
+            f"{last} is damaged: its RNG states ({shown}) are not one per each of its {world} processes; {damaged}"
+        )
+    if step is not None and not (isinstance(ranks, list) and len(ranks) == world):
+        raise ResumeRefused(
+            f"{last} is damaged: its mid-epoch loader positions are not one per each of its {world} processes; {damaged}"
+        )
 
 
 def _plan_of(state: dict) -> BatchPlan:
