@@ -1,13 +1,13 @@
 """What a loader is asked for: the LoaderSpec (the pair, the batch, the rank, the device, the crops,
-the decode path and dtype, the augmentation policy) with its DALI options; the numbers both loaders' augmentation and
-decoding share (the ImageNet mean and std, the crop's scale and ratio, the evaluation's centre crop,
-the decode paths); and what follows from a spec for every loader alike: a training epoch's full
-batches per rank and their padding, and each rank's epoch seed.
+the decode path and dtype, the augmentation policy) with its DALI options; the numbers both loaders'
+augmentation and decoding share (the ImageNet mean and std, the crop's scale and ratio, the
+evaluation's centre crop, the decode paths); and what follows from a spec for every loader alike: a
+training epoch's full batches per rank and their padding, and each rank's epoch seed.
 
 Its own module, importing nothing of the loaders but the policy's parser (augment.py, which imports
-none of them either): the DALI and torch loaders (dali.py, pytorch.py),
-their decoding (jpeg.py) and the package's build_loader all read it, and rectrain.loaders re-exports
-it, so the package imports the loaders it builds and none of them imports the package back.
+none of them either): the DALI and torch loaders (dali.py, pytorch.py), their decoding (jpeg.py) and
+the package's build_loader all read it, and rectrain.loaders re-exports it, so the package imports the
+loaders it builds and none of them imports the package back.
 """
 
 from __future__ import annotations
