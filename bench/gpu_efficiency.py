@@ -41,6 +41,7 @@ from rectrain import settings  # noqa: E402
 from rectrain.data.images import prepare  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
 from rectrain.loaders import DaliOptions, LoaderSpec, build_loader, image_dtype  # noqa: E402
+from rectrain.loaders.augment import parse_policy  # noqa: E402
 from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record, unpack_record  # noqa: E402
 from rectrain.snakefile.checks import check_config  # noqa: E402
 from rectrain.train import calibrate, telemetry  # noqa: E402
@@ -202,20 +203,21 @@ def _num(value, fmt: str) -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| GPU | compile | loader (decode) | model | px | .rec side | batch | img/s real | img/s synthetic | ratio | "
+        "| GPU | compile | loader (decode), policy | model | px | .rec side | batch | img/s real | img/s synthetic | ratio | "
         "data-wait share | GPU util % | repeats: real / synthetic img/s |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
+        policy = "" if r.get("augment", "none") == "none" else f", {r['augment']}"
         where = f"| {r['gpu']} | {r['compile']} | {r['loader']}"
         size = f"| {r['model']} | {r['image_size']} | {r['rec_side'] or 'as packed'} | {r['batch']} "
         if r.get("skipped"):
-            lines.append(f"{where} {size}| skipped: {r['skipped']} | {r['synthetic_img_s']:.0f} | | | | |")
+            lines.append(f"{where}{policy} {size}| skipped: {r['skipped']} | {r['synthetic_img_s']:.0f} | | | | |")
             continue
         pairs = ", ".join(f"{a:.0f} / {b:.0f}" for a, b in zip(r["repeats_real"], r["repeats_synthetic"], strict=True))
         lines.append(
-            f"{where} ({r['decode']}) {size}| {r['real_img_s']:.0f} | {r['synthetic_img_s']:.0f} | {r['ratio']:.3f} | "
+            f"{where} ({r['decode']}){policy} {size}| {r['real_img_s']:.0f} | {r['synthetic_img_s']:.0f} | {r['ratio']:.3f} | "
             f"{r['data_wait_share']:.3f} | {_num(r['gpu_util'], '.0f')} | {pairs} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -262,6 +264,9 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--no-channels-last", action="store_true")
     ap.add_argument("--workers", type=int, help="DALI threads / torch worker processes (default: cores - 2)")
     ap.add_argument("--hw-decoder-load", type=float, default=0.65)
+    ap.add_argument(
+        "--augment", default="none", help="train.augment.policy of the loaders, each a row (none,rand-m6-mstd0.5-inc1)"
+    )
     ap.add_argument("--num-classes", type=int, default=1000)
     ap.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded .rec copies")
     args = ap.parse_args(argv)
@@ -316,11 +321,14 @@ def bench(args, runs: list[tuple[str, int, int]], device: torch.device, scratch:
     return 0
 
 
-def sources(args) -> list[tuple[str, str | None]]:
-    """(loader, decode path) of each measured source after the synthetic one: DALI once per --decodes."""
+def sources(args) -> list[tuple[str, str | None, str]]:
+    """(loader, decode path, train.augment.policy) of each measured source after the synthetic one: DALI
+    once per --decodes, each loader once per --augment policy."""
     out = []
-    for kind in args.loaders.split(","):
-        out += [(kind, decode) for decode in args.decodes.split(",")] if kind == "dali" else [(kind, None)]
+    for policy in args.augment.split(","):
+        for kind in args.loaders.split(","):
+            decodes = args.decodes.split(",") if kind == "dali" else [None]
+            out += [(kind, decode, policy) for decode in decodes]
     return out
 
 
@@ -332,7 +340,7 @@ def run_rows(args, run: tuple[str, int, int], mode: str, rec_idx: tuple[str, str
     set_backend_flags(cfg["cudnn_benchmark"], d.device)
     step = bench_step(cfg, d, args.num_classes)
     specs = {src: loader_spec(src, rec_idx, cfg, d, args) for src in sources(args)}
-    dtype = next((build_loader(k, s).image_dtype for (k, _), s in specs.items()), torch.float32)
+    dtype = next((build_loader(k, s).image_dtype for (k, _, _), s in specs.items()), torch.float32)
     shape = calibrate.Shape(cfg["batch_size"], size, args.num_classes, dtype, cfg["channels_last"])
     log(f"{model} @{size}px (.rec {'side ' + str(side) if side else 'as packed'}), {mode}: warm-up")
     t = time.monotonic()
@@ -365,8 +373,8 @@ def run_rows(args, run: tuple[str, int, int], mode: str, rec_idx: tuple[str, str
     return [source_row(src, results, base) for src, results in real.items()]
 
 
-def loader_spec(src: tuple[str, str | None], rec_idx: tuple[str, str], cfg: dict, d: Dist, args) -> LoaderSpec:
-    kind, decode = src
+def loader_spec(src: tuple[str, str | None, str], rec_idx: tuple[str, str], cfg: dict, d: Dist, args) -> LoaderSpec:
+    kind, decode, policy = src
     return LoaderSpec(
         *rec_idx,
         batch_size=args.batch,
@@ -380,12 +388,13 @@ def loader_spec(src: tuple[str, str | None], rec_idx: tuple[str, str], cfg: dict
         decode=decode or "auto",
         dtype=image_dtype(cfg["precision"]),
         channels_last=cfg["channels_last"],
+        augment=parse_policy(policy),
     )
 
 
 def source_result(src, spec: LoaderSpec, step: T.Step, args, util) -> dict:
     """One source's measurement from the .rec, or {'skipped': why} when the loader cannot run here."""
-    kind, decode = src
+    kind, decode, policy = src
     loader = build_loader(kind, spec)
     if loader.kind != kind:
         log(f"  {kind}: skipped, {loader.choice.note}")
@@ -399,7 +408,8 @@ def source_result(src, spec: LoaderSpec, step: T.Step, args, util) -> dict:
     finally:
         batches.close()  # stop the loader's workers / pipeline now, not at garbage collection
     result["decode"] = loader.choice.decode.split(",")[0] + (f", {decode}" if decode else "")
-    log(f"  {kind} {decode or ''}: {result['img_s']:.0f} img/s, data wait {result['data_wait_share']:.1%}")
+    shown = f"{kind} {decode or ''}" + ("" if policy == "none" else f" {policy}")
+    log(f"  {shown}: {result['img_s']:.0f} img/s, data wait {result['data_wait_share']:.1%}")
     return result
 
 
@@ -415,8 +425,9 @@ def mean_or_none(values) -> float | None:
 
 def source_row(src, results: list[dict], base: dict) -> dict:
     """A table row: the source's mean over the repeats against the synthetic mean of the same run."""
-    kind, decode = src
+    kind, decode, policy = src
     name = kind if decode is None else f"{kind} {decode}"
+    base = {**base, "augment": policy}
     if any("skipped" in r for r in results):
         return {**base, "loader": name, "skipped": results[0]["skipped"]}
     real = mean(r["img_s"] for r in results)

@@ -88,7 +88,7 @@ def test_nested_command_line_config_reaches_the_rules(tmp_path):
 
 def test_demo_config_is_valid_and_defaults_are_filled():
     cfg = check_config(demo_config(), SCHEMA, workdir=REPO)
-    assert cfg["train"]["precision"] in {"bf16", "fp16", "fp32"}
+    assert cfg["train"]["precision"] in {"auto", "bf16", "fp16", "fp32"}
     assert cfg["pack"]["threads"] >= 1 and cfg["evaluate"]["workers"] >= 0
 
 

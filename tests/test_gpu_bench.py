@@ -102,7 +102,7 @@ def test_run_steps_rows_add_up_and_data_wait_is_the_loaders_time():
 
     cfg = tiny_train_settings().replaced(channels_last=False, precision="fp32", image_size=16)
     device = torch.device("cpu")
-    model, loss_fn = make_model(cfg.replaced(model="resnet18").model, 3, device)
+    model, loss_fn, _ = make_model(cfg.replaced(model="resnet18").model, 3, device)
     optimizer, scheduler, scaler = make_optimizer(
         cfg.optim, model, 4, 5, family=cfg.model.model, precision=cfg.model.precision
     )

@@ -353,7 +353,7 @@ def test_init_weights_from_the_finished_demo_with_another_class_count_replaces_t
     path = pipeline.work / "results" / "demo" / "train" / weights.FILE
     part = train_settings({"model": "resnet18", "channels_last": False, "init_weights": str(path)}).model
     with caplog.at_level(logging.INFO, logger="rectrain"):
-        model, _ = make_model(part, 5, torch.device("cpu"))
+        model, _, _ = make_model(part, 5, torch.device("cpu"))
     published = weights.tensors(path)
     assert torch.equal(model.layer4[1].conv2.weight, published["layer4.1.conv2.weight"])
     assert model.fc.weight.shape == (5, 512)

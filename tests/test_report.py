@@ -1,6 +1,7 @@
 """The report built from synthetic stage outputs: every section, escaped user data, no external URLs."""
 
 import base64
+import html as html_module
 import io
 import json
 import re
@@ -609,6 +610,20 @@ def test_the_summary_names_a_compiled_run_and_its_decode_path(tmp_path):
     assert "(train.decode: full)" in html
     html = render(tmp_path / "eager", run_overrides={"compiled": False, "decode_path": None})
     assert "compiled (torch.compile" not in html and "(train.decode:" not in html
+
+
+def test_the_summary_names_the_augmentation_policy_and_what_ran_it(tmp_path):
+    """run.json's `augment` (train.augment.policy as it ran) reaches the summary; a run.json without one
+    (written before the key, or policy none) says crop and flip only."""
+    from rectrain.loaders.augment import parse_policy, ran_as
+
+    augment = ran_as(parse_policy("rand-m9-mstd0.5-inc1"), "dali", "gpu: DALI mixed decoder")
+    html = render(tmp_path / "rand", run_overrides={"augment": augment})
+    row = html_module.unescape(re.search(r'<tr id="augment">(.*?)</tr>', html, re.S).group(1))
+    assert "<code>rand-m9-mstd0.5-inc1</code>: RandAugment: 2 op(s) per image of timm's increasing-severity ops" in row
+    assert "each applied with p 0.5, magnitude 9 ± 0.5 of 10; ran as DALI's operators on the GPU" in row
+    html = render(tmp_path / "none", run_overrides={"augment": ran_as(parse_policy("none"), "dali", "cpu: ...")})
+    assert "random-resized-crop and flip only (train.augment.policy: none)" in html
 
 
 def test_a_subset_run_says_so_projects_full_imagenet_and_keeps_the_published_top1_apart(tmp_path):

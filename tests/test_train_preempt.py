@@ -2,9 +2,11 @@
 step, checkpoint where they agreed and exit with EXIT_STOPPED; periodic mid-epoch checkpoints
 (train.checkpoint_interval_min) bound what a SIGKILL loses; a full disk leaves the last checkpoint
 usable.  The resumed run sees exactly the samples of the uninterrupted one - observed as labels: the
-dataset here has one class per record, so a label is a record id - and ends with the same weights."""
+dataset here has one class per record, so a label is a record id - and ends with the same weights; the
+DALI runs with RandAugment on (train.augment.policy), whose draws DALI's checkpoint must carry."""
 
 import errno
+import json
 import logging
 import os
 import signal
@@ -21,6 +23,7 @@ from helpers.train_data import config_json, packed_dataset, rows, run_identity, 
 
 from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec
+from rectrain.loaders.augment import parse_policy
 from rectrain.loaders.dali import DaliLoader
 from rectrain.loaders.pytorch import TorchLoader
 from rectrain.train.lifecycle import checkpoint as ckpt
@@ -43,25 +46,38 @@ def spec_of(data, **kw):
     return LoaderSpec(args["--rec"], args["--idx"], batch_size=4, image_size=32, rank=1, world_size=2, **kw)
 
 
+# A policy on: DALI's checkpoint must carry its random ops' states (op, coin, magnitude noise and sign
+# draws), the torch loader's per-sample seed timm's `random` and NumPy draws.
+POLICY = "rand-m9-mstd0.5-inc1"
+
+
+@pytest.mark.parametrize("policy", ["none", POLICY])
 @pytest.mark.parametrize("kind", ["dali", "torch"])
-def test_a_loader_resumed_mid_epoch_from_its_state_yields_the_uninterrupted_batches_exactly(data, kind):
+def test_a_loader_resumed_mid_epoch_from_its_state_yields_the_uninterrupted_batches_exactly(data, kind, policy):
     make = DaliLoader if kind == "dali" else TorchLoader
-    ref = [(x.clone(), y.clone()) for x, y in make(spec_of(data, workers=1)).epoch(3)]
-    first = make(spec_of(data, workers=1))
+    spec = spec_of(data, workers=1, augment=parse_policy(policy))
+    ref = [(x.clone(), y.clone()) for x, y in make(spec).epoch(3)]
+    first = make(spec)
     head = []
     for x, y in first.epoch(3):
         head.append((x.clone(), y.clone()))
         if len(head) == 2:
             break
     state = first.state()  # after the 2 batches consumed (DALI has more in its prefetch queue)
-    rest = [(x.clone(), y.clone()) for x, y in make(spec_of(data, workers=1)).epoch(3, 2, state)]
+    rest = [(x.clone(), y.clone()) for x, y in make(spec).epoch(3, 2, state)]
     got = head + rest
     assert len(got) == len(ref) == 6
     for k, ((xa, ya), (xb, yb)) in enumerate(zip(ref, got, strict=True)):
         assert torch.equal(ya, yb) and torch.equal(xa, xb), f"batch {k} differs after the resume"
+    if policy != "none":  # the policy did change the pixels the resume had to repeat
+        plain = [x for x, _ in make(spec_of(data, workers=1)).epoch(3)]
+        assert all(not torch.equal(a, b) for (a, _), b in zip(ref, plain, strict=True))
 
 
-def test_the_gpu_paths_dali_iterator_ends_at_the_epochs_last_batch_and_resumes_from_its_checkpoint_exactly(data):
+@pytest.mark.parametrize("policy", ["none", POLICY])
+def test_the_gpu_paths_dali_iterator_ends_at_the_epochs_last_batch_and_resumes_from_its_checkpoint_exactly(
+    data, policy
+):
     """On a GPU the DALI loader runs its pipeline through DALIGenericIterator, which stops at the external
     source's end of the epoch; driven here on the CPU (no GPU in CI): every batch, then a resume."""
 
@@ -69,10 +85,11 @@ def test_the_gpu_paths_dali_iterator_ends_at_the_epochs_last_batch_and_resumes_f
         for batch in iterator:
             yield batch[0]["images"].clone(), batch[0]["labels"].clone()
 
-    ref = list(batches(DaliLoader(spec_of(data, workers=1))._iterator(3)))
-    first = DaliLoader(spec_of(data, workers=1))._iterator(3)
+    spec = spec_of(data, workers=1, augment=parse_policy(policy))
+    ref = list(batches(DaliLoader(spec)._iterator(3)))
+    first = DaliLoader(spec)._iterator(3)
     head = [next(batches(first)) for _ in range(2)]
-    rest = list(batches(DaliLoader(spec_of(data, workers=1))._iterator(3, first.checkpoints()[0])))
+    rest = list(batches(DaliLoader(spec)._iterator(3, first.checkpoints()[0])))
     assert len(ref) == len(head + rest) == 6
     for k, ((xa, ya), (xb, yb)) in enumerate(zip(ref, head + rest, strict=True)):
         assert torch.equal(ya, yb) and torch.equal(xa, xb), f"batch {k} differs after the resume"
@@ -108,6 +125,10 @@ def step_rows(out):
     return [(int(r["rank"]), int(r["epoch"]), int(r["step"]), r["lr"]) for r in rows(out / "steps.csv")]
 
 
+# What each loader's runs below train with: the DALI runs with a policy on (its random ops in DALI's checkpoint)
+AUGMENT = {"dali": {"policy": POLICY}, "torch": {"policy": "none"}}
+
+
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
     """Uninterrupted 2-rank runs per loader, with the labels each rank saw."""
@@ -115,7 +136,8 @@ def reference(data, tmp_path_factory):
     for kind in ("dali", "torch"):
         out = tmp_path_factory.mktemp(f"ref_{kind}")
         (out / "labels").mkdir()
-        proc = run_train(data, out / "t", {"RECTRAIN_RECORD_LABELS": str(out / "labels")}, loader=kind)
+        env = {"RECTRAIN_RECORD_LABELS": str(out / "labels")}
+        proc = run_train(data, out / "t", env, loader=kind, augment=AUGMENT[kind])
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[kind] = SimpleNamespace(out=out / "t", labels=labels_seen(out / "labels"))
     return runs
@@ -139,11 +161,12 @@ def check_resumed_like_reference(ref, out, labels_dir):
 def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_resumes_the_same_samples(
     data, reference, tmp_path
 ):
-    """DALI loader; rank 1 alone gets SIGTERM after step 2 of epoch 1: both ranks stop there."""
+    """DALI loader, RandAugment on; rank 1 alone gets SIGTERM after step 2 of epoch 1: both ranks stop there."""
     out, labels = tmp_path / "t", tmp_path / "labels"
     labels.mkdir()
     env = {"RECTRAIN_RECORD_LABELS": str(labels), "RECTRAIN_SIGNAL_AT": "1:1:2"}
-    stopped = run_train(data, out, env, loader="dali", progress_s=0.001)  # a progress line (and curve point) a step
+    # a progress line (and curve point) a step
+    stopped = run_train(data, out, env, loader="dali", progress_s=0.001, augment=AUGMENT["dali"])
     assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: stopped by SIGTERM after epoch 1 step 2 of 6: {out / 'checkpoints' / 'last.pt'}" in (
@@ -159,10 +182,13 @@ def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_r
     assert all(isinstance(r["loader"], bytes) for r in state["ranks"]), "DALI's pipeline checkpoints"
     assert not (out / "model.pt").exists()
 
-    resumed = run_train(data, out, {"RECTRAIN_RECORD_LABELS": str(labels)}, loader="dali", progress_s=0.001)
+    env = {"RECTRAIN_RECORD_LABELS": str(labels)}
+    resumed = run_train(data, out, env, loader="dali", progress_s=0.001, augment=AUGMENT["dali"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing at epoch 1 step 3" in resumed.stderr and "epoch 0: train loss" not in resumed.stderr
     check_resumed_like_reference(reference["dali"], out, labels)
+    augment = json.loads((out / "run.json").read_text())["augment"]
+    assert augment["policy"] == POLICY and augment["ran_as"].startswith("DALI's operators on the CPU")
     # stopped after epoch 1 step 2 (0-based): global step 6 + 2 + 1 = 9, 1-based as the curves count
     check_curves_continue(out / "tensorboard", steps_per_epoch=6, epochs=2, stopped_after=9)
 

@@ -21,6 +21,7 @@ EXPLICIT = {
     ("train", "lr_step_epochs"): [[20, 40], [30, 60, 80]],
     ("train", "stop_signals"): [["SIGTERM", "SIGUSR1"], ["SIGTERM"]],
     ("train", "progressive"): [{"min_res": 32, "max_res": 64, "start_ramp": 0, "end_ramp": 1}, None],
+    ("train", "augment"): [{"policy": "rand-m9-mstd0.5-inc1"}, {"policy": "none"}],
     ("evaluate", "resize"): [80, 96],
     ("evaluate", "crop"): [48, 56],
     ("evaluate", "resolutions"): [[80, None], [None]],

@@ -34,6 +34,8 @@ from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy, feed_ndarray, to_torch_type
 
 from rectrain.data import pairowner
+from rectrain.loaders.augment import NONE, AugmentPolicy
+from rectrain.loaders.dali_augment import apply_policy
 from rectrain.loaders.order import train_order
 from rectrain.loaders.spec import (
     CROP_RATIO,
@@ -155,10 +157,12 @@ def _pipeline(
     dtype=types.FLOAT,
     layout: str = "HWC",
     preprocess: Preprocess = IMAGENET_PREPROCESS,
+    augment: AugmentPolicy = NONE,
 ):
     """Normalised images (DALI type `dtype`, `layout` HWC or CHW) + labels; both on the GPU when
     on_gpu.  `records`: a training epoch's EpochRecords (random-resized-crop of train.decode's path
-    `crop`, train_crop, and a flip) or an EvalShard (resize + centre crop)."""
+    `crop`, train_crop, train.augment's policy where the decode ran, and a flip) or an EvalShard
+    (resize + centre crop)."""
     train = isinstance(records, EpochRecords)
     if train:
         jpegs, labels = fn.external_source(source=records, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
@@ -175,6 +179,10 @@ def _pipeline(
     if train:
         images = train_crop(jpegs, crop, decode_device, decoder_kwargs, image_size)
         mirror = fn.random.coin_flip(probability=0.5)
+        if augment.on:
+            # timm flips before its policy, and a shear_y about the top-left corner is not mirror-symmetric
+            images = apply_policy(fn.flip(images, horizontal=mirror), augment, image_size)
+            mirror = False
     else:
         images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **decoder_kwargs)
         images = fn.resize(images, resize_shorter=eval_resize, interp_type=DALI_INTERP[preprocess.interpolation])
@@ -268,6 +276,8 @@ class DaliLoader:
             dtype=self._dali_dtype,
             layout="HWC" if s.channels_last else "CHW",
             preprocess=s.preprocess,
+            augment=s.augment if s.train else NONE,
+            enable_conditionals=s.train and s.augment.on,  # the policy's per-op split (dali_augment)
             batch_size=s.batch_size,
             num_threads=max(1, s.workers),
             device_id=device_id,

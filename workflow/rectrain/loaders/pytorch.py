@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
 from rectrain.loaders import jpeg, order
+from rectrain.loaders.augment import torch_transform
 from rectrain.loaders.spec import (
     CROP_RATIO,
     CROP_SCALE,
@@ -47,13 +48,17 @@ from rectrain.recordio import IndexedRecordReader, header_label, unpack_record
 
 def augment(spec: LoaderSpec, epoch: int = 0):
     """The uint8 CHW tensor (rectrain.loaders.jpeg; PILToTensor passes tensors through) -> uint8 CHW
-    transform matching the DALI pipeline's semantics, cropping to `epoch`'s size when training."""
+    transform matching the DALI pipeline's semantics, cropping to `epoch`'s size when training, then
+    train.augment's policy (timm's own transform, rectrain.loaders.augment.torch_transform)."""
     if spec.train:
+        size = spec.crop_at(epoch)
+        policy = torch_transform(spec.augment, size)
         return v2.Compose(
             [
                 v2.PILToTensor(),
-                v2.RandomResizedCrop(spec.crop_at(epoch), scale=CROP_SCALE, ratio=CROP_RATIO, antialias=True),
+                v2.RandomResizedCrop(size, scale=CROP_SCALE, ratio=CROP_RATIO, antialias=True),
                 v2.RandomHorizontalFlip(),
+                *([policy] if policy else []),
             ]
         )
     interpolation = v2.InterpolationMode(spec.preprocess.interpolation)

@@ -1,18 +1,21 @@
 """What a loader is asked for: the LoaderSpec (the pair, the batch, the rank, the device, the crops,
-the decode path and dtype) with its DALI options; the numbers both loaders' augmentation and
-decoding share (the ImageNet mean and std, the crop's scale and ratio, the evaluation's centre crop,
-the decode paths); and what follows from a spec for every loader alike: a training epoch's full
-batches per rank and their padding, and each rank's epoch seed.
+the decode path and dtype, the augmentation policy) with its DALI options; the numbers both loaders'
+augmentation and decoding share (the ImageNet mean and std, the crop's scale and ratio, the
+evaluation's centre crop, the decode paths); and what follows from a spec for every loader alike: a
+training epoch's full batches per rank and their padding, and each rank's epoch seed.
 
-Its own module, importing nothing of the loaders: the DALI and torch loaders (dali.py, pytorch.py),
-their decoding (jpeg.py) and the package's build_loader all read it, and rectrain.loaders re-exports
-it, so the package imports the loaders it builds and none of them imports the package back.
+Its own module, importing nothing of the loaders but the policy's parser (augment.py, which imports
+none of them either): the DALI and torch loaders (dali.py, pytorch.py), their decoding (jpeg.py) and
+the package's build_loader all read it, and rectrain.loaders re-exports it, so the package imports the
+loaders it builds and none of them imports the package back.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from rectrain.loaders.augment import NONE, AugmentPolicy
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -85,12 +88,12 @@ class Preprocess:
     interpolation: str = "bilinear"  # or bicubic
 
     @classmethod
-    def of_timm_cfg(cls, cfg: dict) -> "Preprocess":
+    def of_timm_cfg(cls, pretrained: dict) -> "Preprocess":
         """From a timm model's pretrained_cfg (its mean/std in [0, 1], its interpolation)."""
         return cls(
-            mean=tuple(255 * float(m) for m in cfg["mean"]),
-            std=tuple(255 * float(s) for s in cfg["std"]),
-            interpolation=cfg.get("interpolation") or "bilinear",
+            mean=tuple(255 * float(m) for m in pretrained["mean"]),
+            std=tuple(255 * float(s) for s in pretrained["std"]),
+            interpolation=pretrained.get("interpolation") or "bilinear",
         )
 
 
@@ -120,6 +123,7 @@ class LoaderSpec:
     dtype: str = "float32"  # the images' dtype (image_dtype): float32, float16 or bfloat16
     channels_last: bool = True  # images in NHWC memory (viewed as NCHW), as channels_last training wants
     preprocess: Preprocess = IMAGENET_PREPROCESS  # normalisation, and the evaluation resize's interpolation
+    augment: AugmentPolicy = NONE  # train.augment.policy, parsed (rectrain.loaders.augment); training only
 
     @property
     def step_batches(self) -> int:

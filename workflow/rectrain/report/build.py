@@ -283,6 +283,7 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
         "nodes": run.get("nodes"),
         "loader": run.get("loader"),
         "decode_path": run.get("decode_path"),
+        "augment": run.get("augment"),  # train.augment.policy as it ran (absent from older run.json: none)
         "compiled": run.get("compiled"),
         "precision": run.get("precision"),
         "batch_size": run.get("batch_size"),

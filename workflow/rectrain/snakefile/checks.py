@@ -26,6 +26,7 @@ from rectrain.config import (
     shown_path,
 )
 from rectrain.data.fit import TYPICAL_ASPECT, Fit, pack_fit
+from rectrain.loaders import augment
 from rectrain.settings import (
     CheckSettings,
     EvaluateSettings,
@@ -88,6 +89,7 @@ def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
         batch=train.batch,
         launch=train.launch,
     )
+    problems += augment.config_problems(train.loaders)
     problems += check_paths(views.raw, views.pack.fast_storage, Path(workdir), written)
     fast = f"{views.pack.fast_storage.rstrip('/')}/{views.dataset}"
     problems += byo_problems(views.recordio, fast, Path(workdir), written)

@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rectrain import model as models
 from rectrain.distributed import Dist, all_gather
 from rectrain.loaders import DaliOptions, LoaderSpec, image_dtype, resolve_loader
+from rectrain.loaders.augment import NONE, parse_policy
 from rectrain.recordio import idx_arrays
 from rectrain.train import globalbatch, memory
 from rectrain.train.lifecycle import checkpoint as ckpt
@@ -223,7 +225,8 @@ def loader_spec(
 ) -> LoaderSpec:
     """This rank's train loader as the train block asks for it; batch_size 0 until the plan sets it.
     `loaders`, `resolution`, `arch`: the block's loaders, resolution and model parts (the images'
-    precision and layout); `seed`: train.seed; `epochs`: train.epochs (a progressive schedule's length)."""
+    precision and layout); `seed`: train.seed; `epochs`: train.epochs (a progressive schedule's length).
+    train.augment.policy is parsed here, once (a policy timm's grammar lacks fails naming the key)."""
     return LoaderSpec(
         rec,
         idx,
@@ -241,16 +244,17 @@ def loader_spec(
         if resolution.progressive
         else (),
         decode=loaders.decode,
-        dtype=image_dtype(arch.precision),
+        dtype=image_dtype(models.resolve_precision(arch.precision, d.device)),
         channels_last=arch.channels_last,
+        augment=parse_policy(loaders.augment["policy"]),
     )
 
 
 def val_loader_spec(val_resolution: int | None, spec: LoaderSpec, rec: str, idx: str) -> LoaderSpec:
     """The per-epoch validation loader's, from the train loader's `spec`: every record once, a centre
-    crop of train.val_resolution (null = image_size) from a shorter side of it / 0.875."""
+    crop of train.val_resolution (null = image_size) from a shorter side of it / 0.875, not augmented."""
     size = val_resolution or spec.image_size
-    return dataclasses.replace(spec, rec=rec, idx=idx, train=False, image_size=size, crops=())
+    return dataclasses.replace(spec, rec=rec, idx=idx, train=False, image_size=size, crops=(), augment=NONE)
 
 
 @dataclass(frozen=True)

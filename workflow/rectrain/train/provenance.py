@@ -10,6 +10,7 @@ import torch
 
 from rectrain import distributed
 from rectrain.distributed import Dist
+from rectrain.loaders import augment
 from rectrain.log import utc_now
 from rectrain.storage import device_info
 from rectrain.train import batchplan, telemetry
@@ -57,8 +58,7 @@ def run_info(
         "recipe_global_batch": batchplan.recipe_global_batch(s.batch),  # what the config asked for (None: nothing)
         "epochs": s.optim.epochs,
         "image_size": res.image_size,
-        # the training crop of every epoch (px) and the schedule that made it (null: image_size throughout)
-        "progressive": res.progressive,
+        "progressive": res.progressive,  # the schedule of every epoch's training crop (null: image_size throughout)
         "resolutions": resolutions(res.image_size, res.progressive, s.optim.epochs),
         "rec_device": device_info(run.args.rec),
         "gpus": telemetry.gpu_inventory(),
@@ -82,6 +82,7 @@ def run_info(
         "decode": loader.choice.decode,
         "decode_path": loader.choice.decode_path,  # train.decode as it ran (DALI only; None for torch)
         "compiled": bool(s.model.compile),  # torch.compile: the epochs and the calibration alike
+        "augment": augment.ran_as(loader.spec.augment, loader.kind, loader.choice.decode),  # train.augment.policy
         "loader_note": loader.choice.note,
         "workers": run.workers,  # the count 'auto' became, which the diagnosis quotes
         "cores": run.cores,

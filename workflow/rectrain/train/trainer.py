@@ -59,7 +59,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
     plan = None  # the failure line names it once it exists
     try:
         d = distributed.setup(s.launch.devices != "cpu", s.launch.collective_timeout_s)
-        s = resolved_precision(s, d)
+        s = s.replaced(precision=run_precision(s.model, d))
         if d.master:
             (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
         with (
@@ -91,11 +91,12 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
         raise
 
 
-def resolved_precision(s: settings.TrainSettings, d: distributed.Dist) -> settings.TrainSettings:
-    """The block with train.precision as it runs on this rank's device (rectrain.model.resolve_precision):
-    every part of the run - the loaders' dtype, the preflight, the checkpoint's identity, run.json - sees it."""
-    precision = models.resolve_precision(s.model.precision, d.device)
-    if d.master and s.model.precision == "auto":
+def run_precision(part: settings.TrainModel, d: distributed.Dist) -> str:
+    """train.precision (of the train block's `model` part) as it runs on this rank's device
+    (rectrain.model.resolve_precision), which the block then holds: every part of the run - the loaders'
+    dtype, the preflight, the checkpoint's identity, run.json - sees it."""
+    precision = models.resolve_precision(part.precision, d.device)
+    if d.master and part.precision == "auto":
         log.info("train.precision auto: %s on %s", precision, d.device.type.upper())
     elif d.master and precision == "bf16" and d.device.type == "cpu":
         log.warning(
@@ -104,7 +105,7 @@ def resolved_precision(s: settings.TrainSettings, d: distributed.Dist) -> settin
             "run to NaN at random (bench/bf16_cpu_conv.py); auto or fp32 trains in fp32 here",
             torch.__version__,
         )
-    return s.replaced(precision=precision)
+    return precision
 
 
 def train_run(run: Run, request: StopRequest) -> None:
