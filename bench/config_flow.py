@@ -15,7 +15,7 @@
      frozen view of ONE non-train block (`PackSettings`, `EvaluateSettings`, `ReportSettings`, ...:
      `settings.view(block, ...)`), whatever its name - the stage's one view;
    - neither: a parameter annotated with a part of the train block (`TrainOptim`, `TrainLoaders`, ...:
-     the `Train<Part>` classes settings.train_part_classes makes), or named after a part (a field of
+     the `Train<Part>` classes settings declares), or named after a part (a field of
      settings.TrainSettings: `optim`, `loaders`, `batch`, ...);
    - otherwise the name decides, and counts: a raw dict named `cfg`, `config`, `conf`, `settings`, or
      a name ending in `_cfg`, `_config`, `_settings` (`train_cfg`) - unless its annotation says it is
@@ -94,7 +94,7 @@ START = ("train/trainer.py", "train")
 WHOLE_NAMES = frozenset({"cfg", "config", "conf", "settings"})
 WHOLE_SUFFIXES = ("_cfg", "_config", "_settings")
 # settings.TrainSettings' fields, when the package has no settings.py to read them from
-DEFAULT_PARTS = frozenset({"launch", "model", "batch", "loaders", "optim", "resolution", "stops", "telemetry"})
+DEFAULT_PARTS = frozenset({"launch", "network", "batch", "loaders", "optim", "resolution", "stops", "telemetry"})
 # Views that count in the headline: the whole config's (settings.whole) and the train block's, which is
 # handed on in parts; any other `<Block>Settings` is one stage's view of its own block, listed apart.
 WHOLE_VIEWS = frozenset({"WholeSettings", "TrainSettings"})

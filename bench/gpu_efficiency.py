@@ -124,12 +124,12 @@ def bench_step(cfg: dict, d: Dist, num_classes: int) -> T.Step:
     the synthetic ceiling and every loader, so it compiles once and all sources run the same graph."""
     torch._dynamo.reset()  # the ResNets share their forward's code: without a reset the cache limit is hit
     s = settings.train(cfg)
-    model, loss_fn, _ = make_model(s.model, num_classes, d.device)
+    model, loss_fn, _ = make_model(s.network, num_classes, d.device)
     optimizer, scheduler, scaler = make_optimizer(
-        s.optim, model, s.batch.batch_size, 10_000, family=s.model.model, precision=s.model.precision
+        s.optim, model, s.batch.batch_size, 10_000, family=s.network.model, precision=s.network.precision
     )
-    net = wrap(model, d, s.launch, s.model)
-    return T.Step(net, loss_fn, optimizer, scheduler, scaler, 1, s.model.precision, s.model.channels_last, d)
+    net = wrap(model, d, s.launch, s.network)
+    return T.Step(net, loss_fn, optimizer, scheduler, scaler, 1, s.network.precision, s.network.channels_last, d)
 
 
 class UtilSampler(threading.Thread):

@@ -40,15 +40,15 @@ def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
     """choose_batch for this train block: {'batch', 'grad_accum', 'report'} or {'error': message}."""
     cfg = check_config({"dataset": "oomcap", "train": block}, REPO / "config" / "schema.yaml", workdir=REPO)["train"]
     cfg = settings.train(cfg)
-    set_backend_flags(cfg.model.cudnn_benchmark, device)
-    model, loss_fn, _ = make_model(cfg.model, num_classes, device)
+    set_backend_flags(cfg.network.cudnn_benchmark, device)
+    model, loss_fn, _ = make_model(cfg.network, num_classes, device)
     d = Dist(0, 1, 0, 1, device)
     try:
         workers = resolve_workers(cfg.loaders.workers, d.local_world_size)
         spec = loader_spec(
             cfg.loaders,
             cfg.resolution,
-            cfg.model,
+            cfg.network,
             d,
             "",
             "",
@@ -56,7 +56,9 @@ def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
             seed=cfg.launch.seed,
             epochs=cfg.optim.epochs,
         )
-        inputs = Preflight(model, loss_fn, num_classes, spec, cfg.loaders.loader, cfg.resolution, cfg.optim, cfg.model)
+        inputs = Preflight(
+            model, loss_fn, num_classes, spec, cfg.loaders.loader, cfg.resolution, cfg.optim, cfg.network
+        )
         plan = choose_batch(cfg.batch, d, inputs)
         return {"batch": plan.batch, "grad_accum": plan.grad_accum, "report": plan.preflight}
     except memory.BatchDoesNotFit as exc:

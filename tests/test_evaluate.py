@@ -424,7 +424,7 @@ def test_with_published_weights_it_evaluates_the_file_and_records_its_top1_in_we
     for key in ("fc.weight", "fc.bias"):
         state[key] = state[key][[2, 1, 0, 3]]
     classes = pd.read_csv(val_set["classes"], sep="\t", keep_default_na=False).to_dict("records")
-    about = weights.describe(CROP, None, {"model": "resnet18", "blurpool": False}, classes, 3, {})
+    about = weights.describe(CROP, None, {"model": "resnet18", "blurpool": False}, classes, epoch=3, recipe={})
     path = tmp_path / weights.FILE
     weights.save(state, about, path)
     from_ckpt = evaluate(val_set, "torch", tmp_path / "ckpt")

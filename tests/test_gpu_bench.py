@@ -102,9 +102,9 @@ def test_run_steps_rows_add_up_and_data_wait_is_the_loaders_time():
 
     cfg = tiny_train_settings().replaced(channels_last=False, precision="fp32", image_size=16)
     device = torch.device("cpu")
-    model, loss_fn, _ = make_model(cfg.replaced(model="resnet18").model, 3, device)
+    model, loss_fn, _ = make_model(cfg.replaced(model="resnet18").network, 3, device)
     optimizer, scheduler, scaler = make_optimizer(
-        cfg.optim, model, 4, 5, family=cfg.model.model, precision=cfg.model.precision
+        cfg.optim, model, 4, 5, family=cfg.network.model, precision=cfg.network.precision
     )
 
     def slow_batches():
@@ -120,8 +120,8 @@ def test_run_steps_rows_add_up_and_data_wait_is_the_loaders_time():
         scheduler,
         scaler,
         1,
-        cfg.model.precision,
-        cfg.model.channels_last,
+        cfg.network.precision,
+        cfg.network.channels_last,
         Dist(0, 1, 0, 1, device),
     )
     totals = T.run_steps(step, 0, slow_batches(), log, max_steps=3)

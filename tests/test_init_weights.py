@@ -23,7 +23,7 @@ CLASSES = [{"label": k, "wnid": f"n{k:08d}", "name": str(k)} for k in range(3)]
 def published(tmp_path):
     torch.manual_seed(1)
     net = models.build("resnet18", 3).eval()
-    about = weights.describe(32, None, {"model": "resnet18", "blurpool": False}, CLASSES, 2, {})
+    about = weights.describe(32, None, {"model": "resnet18", "blurpool": False}, CLASSES, epoch=2, recipe={})
     weights.save(net.state_dict(), about, tmp_path / weights.FILE)
     return net, str(tmp_path / weights.FILE)
 
@@ -78,7 +78,7 @@ def test_a_missing_init_weights_file_is_refused_before_any_job_naming_the_key(tm
 
     train = settings.train(stage_block("train", json.dumps({"init_weights": str(tmp_path / "absent.safetensors")})))
     with pytest.raises(ConfigError, match=r"train.init_weights' = .*absent.safetensors.*no such file"):
-        check_model(train.model, train.resolution.image_size, tmp_path / "classes.tsv")
+        check_model(train.network, train.resolution.image_size, tmp_path / "classes.tsv")
 
 
 # ---- issue 47 item 10: odd files are one-line refusals, not hangs or tracebacks -------------------
@@ -118,5 +118,5 @@ def test_init_weights_that_is_a_fifo_at_parse_time_is_named_a_fifo_not_a_missing
     os.mkfifo(tmp_path / "pipe.pt")
     train = settings.train(stage_block("train", json.dumps({"init_weights": str(tmp_path / "pipe.pt")})))
     with pytest.raises(ConfigError) as err:
-        check_model(train.model, train.resolution.image_size, tmp_path / "classes.tsv")
+        check_model(train.network, train.resolution.image_size, tmp_path / "classes.tsv")
     assert "a named pipe (FIFO), not a regular file" in str(err.value) and "no such file" not in str(err.value)

@@ -82,7 +82,7 @@ def train_block(model, **kw):
 def checked(model, **kw) -> None:
     """check_model of train_block(model, **kw), as the Snakefile hands it the block's parts."""
     train = settings.train(train_block(model, **kw))
-    check_model(train.model, train.resolution.image_size, "no/classes.tsv")
+    check_model(train.network, train.resolution.image_size, "no/classes.tsv")
 
 
 def refusal(model, **kw) -> str:

@@ -351,7 +351,7 @@ def test_init_weights_from_the_finished_demo_with_another_class_count_replaces_t
     from rectrain.train.run import make_model
 
     path = pipeline.work / "results" / "demo" / "train" / weights.FILE
-    part = train_settings({"model": "resnet18", "channels_last": False, "init_weights": str(path)}).model
+    part = train_settings({"model": "resnet18", "channels_last": False, "init_weights": str(path)}).network
     with caplog.at_level(logging.INFO, logger="rectrain"):
         model, _, _ = make_model(part, 5, torch.device("cpu"))
     published = weights.tensors(path)

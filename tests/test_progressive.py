@@ -110,7 +110,7 @@ def test_the_preflight_sizes_the_step_and_the_loaders_for_the_largest_resolution
 
     def inputs(**over):
         cfg = tiny_train_settings(**over)
-        model, loss, _ = make_model(cfg.model, 5, torch.device("cpu"))
+        model, loss, _ = make_model(cfg.network, 5, torch.device("cpu"))
         trial, held = preflight_inputs(preflight_of(cfg, model, loss, d), d)
         return trial.image_size, [r.bytes(8) for r in held if r]
 

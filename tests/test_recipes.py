@@ -120,7 +120,7 @@ def our_step_lrs(train: dict, global_batch: int, steps_per_epoch: int) -> np.nda
     model = torch.nn.Linear(2, 2)
     s = settings.train(train)
     optimizer, scheduler, _ = make_optimizer(
-        s.optim, model, global_batch, steps_per_epoch, family=s.model.model, precision=s.model.precision
+        s.optim, model, global_batch, steps_per_epoch, family=s.network.model, precision=s.network.precision
     )
     optimizer.step()
     lrs = np.empty(train["epochs"] * steps_per_epoch)

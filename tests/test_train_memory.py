@@ -200,7 +200,7 @@ def test_without_a_val_split_the_preflight_reserves_nothing_for_a_validation_loa
     padding (GBs with 8 decode threads) would cut an auto batch for a loader never built."""
     d = Dist(0, 2, 0, 2, torch.device("cuda:0"))
     cfg = tiny_train_settings(image_size=224)
-    model, loss, _ = make_model(cfg.model, 5, torch.device("cpu"))
+    model, loss, _ = make_model(cfg.network, 5, torch.device("cpu"))
 
     def held(validated):
         return [
@@ -307,7 +307,7 @@ def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypat
     monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     monkeypatch.setattr(memory, "cuda_step_bytes", lambda trial: step_bytes)
     monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
-    model, loss_fn, _ = make_model(cfg.model, 5, torch.device("cpu"))
+    model, loss_fn, _ = make_model(cfg.network, 5, torch.device("cpu"))
     d = Dist(0, 1, 0, 1, torch.device("cuda", 0))
     plan = batchplan.choose_batch(cfg.batch, d, preflight_of(cfg, model, loss_fn, d))
     report = plan.preflight
@@ -374,7 +374,7 @@ def test_a_cuda_error_in_training_with_batch_size_auto_names_the_planned_batch_a
         as_if_on_an_11gb_card_near_full(monkeypatch)
         raise RuntimeError(ILLEGAL_ACCESS)
 
-    monkeypatch.setattr(step_module, "_forward_backward", failing_step)
+    monkeypatch.setattr(step_module, "train_step", failing_step)
     cfg = config_json(devices="auto", batch_size="auto", global_batch=16, epochs=1, calibration_steps=0)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         direct.main(["--config-json", cfg, *in_process_run])

@@ -63,7 +63,7 @@ def test_zero_init_residual_is_off_by_default_and_on_in_the_imagenet_config():
 
     from rectrain.train.run import make_model
 
-    net, _, applied = make_model(tiny_train_settings().model, 5, torch.device("cpu"))
+    net, _, applied = make_model(tiny_train_settings().network, 5, torch.device("cpu"))
     assert applied["zero_init_residual"] == {"asked": False, "changed": 0, "what": {}}
     assert all(torch.all(b.bn2.weight == 1) for b in net.layer1)
     assert filled(REPO / "config" / "imagenet-2gpu.yaml")["train"]["zero_init_residual"] is True
@@ -105,7 +105,12 @@ def test_the_optimizer_is_fused_sgd_with_the_schedule_and_the_family_decay():
     cfg = tiny_train_settings(lr_schedule="linear", epochs=4, lr_peak_epoch=1)
     net = models.build("resnet18", 5)
     opt, sched, _ = optim.make_optimizer(
-        cfg.optim, net, global_batch=512, opt_steps_per_epoch=3, family=cfg.model.model, precision=cfg.model.precision
+        cfg.optim,
+        net,
+        global_batch=512,
+        opt_steps_per_epoch=3,
+        family=cfg.network.model,
+        precision=cfg.network.precision,
     )
     assert opt.defaults["fused"] is True, "CPU has torch's fused SGD kernel"
     assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 5e-5]
@@ -179,7 +184,7 @@ def test_a_blurpool_resnet_trains_a_step():
     net = models.build("resnet18", 5, channels_last=True, blurpool=True, zero_init_residual=True)
     cfg = tiny_train_settings(blurpool=True)
     opt, sched, scaler = optim.make_optimizer(
-        cfg.optim, net, 8, 4, family=cfg.model.model, precision=cfg.model.precision
+        cfg.optim, net, 8, 4, family=cfg.network.model, precision=cfg.network.precision
     )
     x, y = torch.randn(8, 3, 32, 32).contiguous(memory_format=torch.channels_last), torch.arange(8) % 5
     before = net.layer2[0].conv1.conv.weight.detach().clone()

@@ -38,7 +38,7 @@ def test_a_stalled_rank_ends_the_job_naming_it_and_where_with_every_ranks_stacks
     assert "rank 0: " in log and "since 'epoch 0: computing batch 1'" in log, "what the other rank was doing"
     for rank in (0, 1):
         assert f"Python stacks of rank {rank}, every thread:" in log
-    assert 'step.py", line' in log and "in _forward_backward" in log, "rank 0's stack: in the backward all-reduce"
+    assert 'step.py", line' in log and "in train_step" in log, "rank 0's stack: in the backward all-reduce"
     assert "most recent call first" in log and 'trainer.py", line' in log
     assert not (tmp_path / "t" / "model.pt").exists()
 

@@ -100,7 +100,7 @@ def train_loader_spec(s, d, rec="", idx="", workers=None):
 
     workers = resolve_workers(s.loaders.workers, d.local_world_size) if workers is None else workers
     return loader_spec(
-        s.loaders, s.resolution, s.model, d, rec, idx, workers=workers, seed=s.launch.seed, epochs=s.optim.epochs
+        s.loaders, s.resolution, s.network, d, rec, idx, workers=workers, seed=s.launch.seed, epochs=s.optim.epochs
     )
 
 
@@ -110,7 +110,7 @@ def preflight_of(s, model, loss_fn, d, num_classes=5, spec=None, validated=True)
     from rectrain.train.batchplan import Preflight
 
     spec = train_loader_spec(s, d) if spec is None else spec
-    return Preflight(model, loss_fn, num_classes, spec, s.loaders.loader, s.resolution, s.optim, s.model, validated)
+    return Preflight(model, loss_fn, num_classes, spec, s.loaders.loader, s.resolution, s.optim, s.network, validated)
 
 
 def config_json(**overrides):

@@ -1,92 +1,282 @@
-"""Each stage's config block as one frozen, typed view, built once at the stage's entry point.
+"""Each stage's config block as one frozen, typed view, built once at its entry point.
 
-The names, types and defaults stay declared once, in config/schema.yaml: this module only shapes a
-completed block (rectrain.config.stage_block) into attribute access, so a misspelt key fails at its
-first use, naming it, and no function below an entry point receives - or can alter - the raw dict.
+Every block and every part of the train block is a declared frozen dataclass, one field per schema key,
+typed as config/schema.yaml types it, so an editor and a type checker know each field; the schema stays
+the one home of the keys' defaults, meaning and checks (tests/test_settings.py holds each class's fields
+equal to its block's or part's keys).  A stage's entry point completes its block (rectrain.config.
+stage_block) and shapes it here; no function below it receives - or can alter - the raw dict.
 
-Training's block is split by concern: each train key's `x-part` in the schema names its part, and a
-module receives only the part it uses (`train.optim` for the optimizer and schedule, `train.loaders`
-for the loaders and decoding, ...). `as_dict()` gives the whole block back, flat, for what records
-it as a whole: run.json, the checkpoint's identity (rectrain.config.output_part), the failure line.
+Training's block is split by concern: each train key's `x-part` in the schema names its part, one name
+everywhere - `launch`, `network`, `batch`, `loaders`, `optim`, `resolution`, `stops`, `telemetry` - and a
+module receives only the part it uses (`s.optim` for the optimizer and schedule, `s.loaders` for the
+loaders and decoding, ...).  `as_dict()` gives the whole block back, flat, for what records it as a
+whole: run.json, the checkpoint's identity (rectrain.config.output_part), the failure line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
-
-from rectrain.config import SCHEMA_PATH, load_schema
-
-# JSON Schema type -> the Python type a completed block holds (annotations only: the schema validated it)
-_PY_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str, "array": list, "object": dict}
 
 
-def _annotation(spec: dict) -> Any:
-    """The key's type as written in the schema (`type`, or each `oneOf` alternative's), for readers and
-    editors; dataclasses do not enforce it."""
-    names = spec.get("type") or [t for alt in spec.get("oneOf", []) for t in _as_list(alt.get("type"))]
-    types = [_PY_TYPES[n] for n in _as_list(names) if n in _PY_TYPES]
-    nullable = "null" in _as_list(names)
-    annotation = " | ".join(t.__name__ for t in dict.fromkeys(types)) or "Any"
-    return annotation + (" | None" if nullable else "")
+class _View:
+    """What every view has: its keys and values as a plain dict."""
+
+    def as_dict(self) -> dict:
+        """The view's keys and values as a plain dict (a copy: editing it changes nothing here)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return value if isinstance(value, list) else [value]
+@dataclasses.dataclass(frozen=True)
+class TrainLaunch(_View):
+    """The train block's `launch` part: processes, devices, DDP and the seed (train.* with x-part launch)."""
+
+    devices: str | list
+    cpu_processes: int
+    nodes: int
+    ddp_bucket_view: bool
+    ddp_static_graph: bool
+    ddp_comm_hook: str
+    seed: int
+    collective_timeout_s: float
 
 
-def _block_properties(block: str) -> dict:
-    return load_schema(SCHEMA_PATH)["properties"][block]["properties"]
+@dataclasses.dataclass(frozen=True)
+class TrainLoaders(_View):
+    """The train block's `loaders` part: the loader, its workers, decoding and augmentation."""
+
+    loader: str
+    workers: int | str
+    gpu_decode: bool
+    augment: dict
+    decode: str
+    dali_hw_decoder_load: float
+    dali_prefetch_queue_depth: int
+    dali_device_memory_padding: int
+    dali_host_memory_padding: int
+    dali_preallocate: list
 
 
-def _view_class(name: str, keys: dict) -> type:
-    fields = [(key, _annotation(spec)) for key, spec in keys.items()]
-    return dataclasses.make_dataclass(name, fields, frozen=True, namespace={"as_dict": _flat_dict})
+@dataclasses.dataclass(frozen=True)
+class TrainNetwork(_View):
+    """The train block's `network` part: the network, its init, mechanics and numerics."""
+
+    model: str
+    init_weights: str | None
+    init_weights_strict: bool
+    model_args: dict
+    zero_init_residual: bool
+    blurpool: bool
+    label_smoothing: float
+    precision: str
+    channels_last: bool
+    compile: bool
+    compile_mode: str
+    cudnn_benchmark: bool
 
 
-def _flat_dict(self) -> dict:
-    """The view's keys and values as a plain dict (a copy: editing it changes nothing here)."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+@dataclasses.dataclass(frozen=True)
+class TrainResolution(_View):
+    """The train block's `resolution` part: the training crop per epoch and validation's."""
+
+    image_size: int
+    progressive: dict | None
+    val_resolution: int | None
 
 
-@functools.lru_cache(maxsize=None)
-def block_class(block: str) -> type:
-    """The frozen view class of a flat block (pack, evaluate, ...): one field per schema key."""
-    return _view_class(f"{block.capitalize()}Settings", _block_properties(block))
+@dataclasses.dataclass(frozen=True)
+class TrainOptim(_View):
+    """The train block's `optim` part: the optimizer, the epochs and the LR schedule."""
+
+    epochs: int
+    lr: float
+    optimizer: str
+    momentum: float
+    nesterov: bool
+    weight_decay: float | None
+    decay_norm_and_bias: bool
+    clip_grad_norm: float | None
+    lr_schedule: str
+    lr_peak_epoch: float
+    lr_step_epochs: list
+    lr_step_ratio: float
+    warmup_epochs: float
+    fused_sgd: bool
 
 
-def view(block: str, values: dict):
-    """The completed block `values` as its frozen view; a key the schema does not declare, or a
-    declared one missing (the block was not completed from the schema), is a TypeError naming it."""
-    if block == "train":
-        return train(values)
-    return block_class(block)(**values)
+@dataclasses.dataclass(frozen=True)
+class TrainBatch(_View):
+    """The train block's `batch` part: the per-device batch, the global batch, accumulation."""
+
+    batch_size: int | str
+    global_batch: int | None
+    grad_accum: int
 
 
-@functools.lru_cache(maxsize=None)
-def train_part_classes() -> dict[str, type]:
-    """Part name -> its frozen view class, from each train key's `x-part` in the schema."""
-    by_part: dict[str, dict] = {}
-    for key, spec in _block_properties("train").items():
-        by_part.setdefault(spec["x-part"], {})[key] = spec
-    return {part: _view_class(f"Train{part.capitalize()}", keys) for part, keys in by_part.items()}
+@dataclasses.dataclass(frozen=True)
+class TrainTelemetry(_View):
+    """The train block's `telemetry` part: sampling, calibration, curves, progress lines."""
+
+    sample_interval_s: float
+    calibration_steps: int
+    calibration_warmup_steps: int
+    calibration_max_s: float
+    tensorboard: bool
+    progress_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStops(_View):
+    """The train block's `stops` part: the watchdog, resuming, stop signals, checkpoints kept."""
+
+    watchdog_s: float
+    resume: str
+    keep_checkpoints: int
+    stop_signals: list
+    keep_replaced: int
+    nonfinite_steps: int
+    checkpoint_interval_min: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSettings(_View):
+    """The `demo` block (config/schema.yaml)."""
+
+    classes: int
+    train_per_class: int
+    val_per_class: int
+    min_size: int
+    max_size: int
+    quality: int
+    seed: int
+    bad_files: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSettings(_View):
+    """The `index` block (config/schema.yaml)."""
+
+    classes: list | str | None
+    per_class: int | None
+    seed: int
+    absent_splits: list
+    allow_outside_root: list
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSettings(_View):
+    """The `pack` block (config/schema.yaml)."""
+
+    fast_storage: str
+    resize: int
+    max_side: int | None
+    quality: int
+    shuffle_seed: int
+    threads: int
+    check_scan_data: bool
+    max_image_bytes: int
+    max_skipped_share: float
+    read_order: str
+    progress_s: float
+    stage_to_local: bool
+    local_storage: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordioSettings(_View):
+    """The `recordio` block (config/schema.yaml)."""
+
+    train: dict | None
+    val: dict | None
+    classes: str | None
+    order: str
+    threads: int
+    progress_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateSettings(_View):
+    """The `evaluate` block (config/schema.yaml)."""
+
+    loader: str | None
+    batch_size: int
+    resize: int | None
+    crop: int | None
+    resolutions: list
+    flip_tta: bool
+    progress_s: float
+    workers: int | str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckSettings(_View):
+    """The `check` block (config/schema.yaml)."""
+
+    weights: str | None
+    model: str | None
+    crop: int | None
+    resize: int | None
+    precision: str | None
+    loader: str | None
+    batch_size: int
+    progress_s: float
+    workers: int | str
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeSettings(_View):
+    """The `recipe` block (config/schema.yaml)."""
+
+    name: str | None
+    published_top1: float | None
+    epochs: int | None
+    source: str | None
+    reference_hardware: str | None
+    reference_minutes: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportSettings(_View):
+    """The `report` block (config/schema.yaml)."""
+
+    title: str
+    data_wait_share: float
+    imbalance_ratio: float
+    iowait_percent: float
+    gpu_mem_high: float
+    gpu_mem_low: float
+    gpu_util_low: float
+    input_efficiency: float
+    cpu_busy_percent: float
+    classes_shown: int
+    min_steps_per_epoch: int
+    chance_factor: float
+    one_class_share: float
+
+
+TRAIN_PARTS = {
+    "launch": TrainLaunch,
+    "network": TrainNetwork,
+    "batch": TrainBatch,
+    "loaders": TrainLoaders,
+    "optim": TrainOptim,
+    "resolution": TrainResolution,
+    "stops": TrainStops,
+    "telemetry": TrainTelemetry,
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     """The train block, one frozen part per concern (the schema's `x-part`)."""
 
-    launch: Any
-    model: Any
-    batch: Any
-    loaders: Any
-    optim: Any
-    resolution: Any
-    stops: Any
-    telemetry: Any
+    launch: TrainLaunch
+    network: TrainNetwork
+    batch: TrainBatch
+    loaders: TrainLoaders
+    optim: TrainOptim
+    resolution: TrainResolution
+    stops: TrainStops
+    telemetry: TrainTelemetry
 
     def as_dict(self) -> dict:
         """Every train key and its value, flat, as the block was configured."""
@@ -104,78 +294,74 @@ class TrainSettings:
 
 
 def train(values: dict) -> TrainSettings:
-    """The completed train block as TrainSettings."""
-    classes = train_part_classes()
-    keys_of = {part: {f.name for f in dataclasses.fields(cls)} for part, cls in classes.items()}
+    """The completed train block as TrainSettings; a key no part declares is a TypeError naming it, and
+    so is a declared one missing (the block was not completed from the schema)."""
+    keys_of = {part: {f.name for f in dataclasses.fields(cls)} for part, cls in TRAIN_PARTS.items()}
     unknown = sorted(set(values) - set().union(*keys_of.values()))
     if unknown:
         raise TypeError(f"unknown train key(s): {', '.join(unknown)}")
     return TrainSettings(
-        **{part: cls(**{k: values[k] for k in keys_of[part] if k in values}) for part, cls in classes.items()}
+        **{part: cls(**{k: values[k] for k in keys_of[part] if k in values}) for part, cls in TRAIN_PARTS.items()}
     )
 
 
-# The flat blocks' view classes by name, for annotations (`pack: PackSettings`) and isinstance checks.
-DemoSettings = block_class("demo")
-IndexSettings = block_class("index")
-PackSettings = block_class("pack")
-RecordioSettings = block_class("recordio")
-EvaluateSettings = block_class("evaluate")
-CheckSettings = block_class("check")
-RecipeSettings = block_class("recipe")
-ReportSettings = block_class("report")
-
-# The train block's parts by name, for annotations (`batch: TrainBatch`).
-TrainLaunch = train_part_classes()["launch"]
-TrainModel = train_part_classes()["model"]
-TrainBatch = train_part_classes()["batch"]
-TrainLoaders = train_part_classes()["loaders"]
-TrainOptim = train_part_classes()["optim"]
-TrainResolution = train_part_classes()["resolution"]
-TrainStops = train_part_classes()["stops"]
-TrainTelemetry = train_part_classes()["telemetry"]
+BLOCKS = {
+    "demo": DemoSettings,
+    "index": IndexSettings,
+    "pack": PackSettings,
+    "recordio": RecordioSettings,
+    "evaluate": EvaluateSettings,
+    "check": CheckSettings,
+    "recipe": RecipeSettings,
+    "report": ReportSettings,
+}
 
 
-def _is_block(spec: dict) -> bool:
-    return spec.get("type") == "object" and "properties" in spec
+def view(block: str, values: dict):
+    """The completed block `values` as its frozen view; a key the schema does not declare, or a
+    declared one missing (the block was not completed from the schema), is a TypeError naming it."""
+    if block == "train":
+        return train(values)
+    return BLOCKS[block](**values)
 
 
-@functools.lru_cache(maxsize=None)
-def whole_class() -> type:
-    """The frozen view class of the whole config: one field per top-level schema key, a block's field
-    holding its view (TrainSettings for train), a scalar (dataset, raw, private) its value."""
-    top = load_schema(SCHEMA_PATH)["properties"]
-    fields: list = [(key, "TrainSettings" if key == "train" else _annotation(spec)) for key, spec in top.items()]
+@dataclasses.dataclass(frozen=True)
+class WholeSettings:
+    """The whole config: the top-level scalars and every block's view, for the report, which reads
+    several blocks and prints them all."""
+
+    dataset: str
+    raw: str | None
+    private: bool
+    demo: DemoSettings
+    index: IndexSettings
+    pack: PackSettings
+    recordio: RecordioSettings
+    train: TrainSettings
+    evaluate: EvaluateSettings
+    check: CheckSettings
+    recipe: RecipeSettings
+    report: ReportSettings
     # The keys' order as completed: as_dict() gives the config back as it was (the report prints it)
-    fields.append(("key_order", tuple, dataclasses.field(default=(), repr=False, compare=False)))
-    return dataclasses.make_dataclass("WholeSettings", fields, frozen=True, namespace={"as_dict": _whole_dict})
+    key_order: tuple = dataclasses.field(default=(), repr=False, compare=False)
+
+    def as_dict(self) -> dict:
+        """The whole config, nested, its keys in the order it was completed in (a copy of each block)."""
+        config: dict = {}
+        for key, block_keys in self.key_order:
+            value = getattr(self, key)
+            if block_keys is None:
+                config[key] = value
+            else:
+                flat = value.as_dict()
+                config[key] = {k: flat[k] for k in block_keys}
+        return config
 
 
 # Every block by nature: the report's one view of the config it prints and reads several blocks of.
-def whole(config: dict):
+def whole(config: dict) -> WholeSettings:
     """The completed whole config (rectrain.config.complete_config) as its frozen view: `.dataset`,
-    `.report`, `.recipe`, `.train` (TrainSettings), ... - for the report, which reads several blocks
-    and shows them all."""
-    top = load_schema(SCHEMA_PATH)["properties"]
-    values = {
-        key: view(key, value) if isinstance(value, dict) and _is_block(top.get(key, {})) else value
-        for key, value in config.items()
-    }
+    `.report`, `.recipe`, `.train` (TrainSettings), ..."""
+    values = {key: view(key, value) if isinstance(value, dict) else value for key, value in config.items()}
     order = tuple((key, tuple(value) if isinstance(value, dict) else None) for key, value in config.items())
-    return whole_class()(**values, key_order=order)
-
-
-def _whole_dict(self) -> dict:
-    """The whole config, nested, its keys in the order it was completed in (a copy of each block)."""
-    config: dict = {}
-    for key, block_keys in self.key_order:
-        value = getattr(self, key)
-        if block_keys is None:
-            config[key] = value
-        else:
-            flat = value.as_dict()
-            config[key] = {k: flat[k] for k in block_keys}
-    return config
-
-
-WholeSettings = whole_class()  # by name, for annotations (`config: WholeSettings`)
+    return WholeSettings(**values, key_order=order)

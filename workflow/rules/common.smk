@@ -31,7 +31,7 @@ try:
     check_config(config, Path(workflow.basedir) / "config" / "schema.yaml")
     refuse_demo_name_for_own_data(config["dataset"], config["raw"])
     TRAIN = train_view(config["train"])
-    check_model(TRAIN.model, TRAIN.resolution.image_size, f"results/{config['dataset']}/index/classes.tsv")
+    check_model(TRAIN.network, TRAIN.resolution.image_size, f"results/{config['dataset']}/index/classes.tsv")
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
 
@@ -39,7 +39,7 @@ except ConfigError as err:
 # Once the jobs are planned and before the first starts (nothing removed yet): train.devices against
 # this machine's GPUs when the jobs run here, and whether Snakemake forced the train job.
 onstart:
-    before_jobs(workflow, TRAIN.launch, TRAIN.batch, TRAIN.model.precision)
+    before_jobs(workflow, TRAIN.launch, TRAIN.batch, TRAIN.network.precision)
     # the jobs' console lines on Snakemake's console, terminal or not; SIGINT/SIGTERM stop training cleanly
     on_start(workflow, f"results/{config['dataset']}/train/checkpoints")
 

@@ -85,7 +85,7 @@ def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
         views.evaluate,
         views.check,
         train.resolution,
-        model=train.model.model,
+        model=train.network.model,
         batch=train.batch,
         launch=train.launch,
     )

@@ -12,7 +12,7 @@ from rectrain import modelspec
 from rectrain.config import ConfigError
 from rectrain.modelspec import TORCHVISION_WEIGHTS as TORCHVISION
 from rectrain.safefs import not_a_file
-from rectrain.settings import TrainModel
+from rectrain.settings import TrainNetwork
 from rectrain.tables import read_classes
 
 # The class count tried before the index stage has counted the dataset's: any K tells a head sized by
@@ -35,11 +35,11 @@ def refuse_snakemake_patterns(key: str, value: str, paths: list[str]) -> None:
         )
 
 
-def check_model(model: TrainModel, image_size: int, classes_tsv: str | Path) -> None:
-    """Build train.model (`model`: the train block's model part) as the train job will, with the
+def check_model(network: TrainNetwork, image_size: int, classes_tsv: str | Path) -> None:
+    """Build train.model (`network`: the train block's network part) as the train job will, with the
     dataset's class count when the index has written it, and check its logits' shape at train.image_size;
     a problem raises ConfigError.  train.init_weights, when a path, must be a file."""
-    init = model.init_weights
+    init = network.init_weights
     if init is not None and not init.startswith(TORCHVISION) and (why := not_a_file(init)):
         raise ConfigError(
             f"config key 'train.init_weights' = {init!r}: {why}; give a weights.safetensors, a model.pt "
@@ -47,21 +47,21 @@ def check_model(model: TrainModel, image_size: int, classes_tsv: str | Path) -> 
         )
     if init is not None and not init.startswith(TORCHVISION):
         refuse_snakemake_patterns("train.init_weights", init, [init])
-    if modelspec.parse(model.model).kind == "torchvision":
+    if modelspec.parse(network.model).kind == "torchvision":
         return
-    refuse_snakemake_patterns("train.model", model.model, modelspec.sources(model.model))
+    refuse_snakemake_patterns("train.model", network.model, modelspec.sources(network.model))
     from rectrain import model as models  # torch: only for a model that is not torchvision's
 
     k = len(read_classes(classes_tsv)) if Path(classes_tsv).is_file() else PROBE_CLASSES
     try:
         net = models.build(
-            model.model,
+            network.model,
             k,
-            zero_init_residual=bool(model.zero_init_residual),
-            blurpool=bool(model.blurpool),
-            model_args=model.model_args,
+            zero_init_residual=bool(network.zero_init_residual),
+            blurpool=bool(network.blurpool),
+            model_args=network.model_args,
         )
-        models.check_logits(net, model.model, k, int(image_size))
-        models.check_gradients(net, model.model, int(image_size))
+        models.check_logits(net, network.model, k, int(image_size))
+        models.check_gradients(net, network.model, int(image_size))
     except ValueError as err:
         raise ConfigError(str(err)) from None

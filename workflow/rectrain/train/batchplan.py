@@ -221,10 +221,10 @@ def why_not_reused(previous: BatchPlan, want: int, world_size: int, fits: int | 
 
 
 def loader_spec(
-    loaders, resolution, arch, d: Dist, rec: str, idx: str, *, workers: int, seed: int, epochs: int
+    loaders, resolution, network, d: Dist, rec: str, idx: str, *, workers: int, seed: int, epochs: int
 ) -> LoaderSpec:
     """This rank's train loader as the train block asks for it; batch_size 0 until the plan sets it.
-    `loaders`, `resolution`, `arch`: the block's loaders, resolution and model parts (the images'
+    `loaders`, `resolution`, `network`: the block's loaders, resolution and model parts (the images'
     precision and layout); `seed`: train.seed; `epochs`: train.epochs (a progressive schedule's length).
     train.augment.policy is parsed here, once (a policy timm's grammar lacks fails naming the key)."""
     return LoaderSpec(
@@ -244,8 +244,8 @@ def loader_spec(
         if resolution.progressive
         else (),
         decode=loaders.decode,
-        dtype=image_dtype(models.resolve_precision(arch.precision, d.device)),
-        channels_last=arch.channels_last,
+        dtype=image_dtype(models.resolve_precision(network.precision, d.device)),
+        channels_last=network.channels_last,
         augment=parse_policy(loaders.augment["policy"]),
     )
 
@@ -268,7 +268,7 @@ class Preflight:
     loader: str  # train.loader
     resolution: Any  # the train block's resolution, optim and model parts (rectrain.settings)
     optim: Any
-    arch: Any
+    network: Any
     validated: bool = True  # False without a val split: no validation loader will hold anything
 
 
@@ -276,7 +276,7 @@ def preflight_inputs(p: Preflight, d: Dist):
     """(the trial step, what will be held beside it) for choose_batch, at the run's largest training
     crop (train.progressive): a batch that fits there fits every epoch.  Without a val split
     (`p.validated` False) no validation loader is reserved for (its DALI decoder alone is GBs)."""
-    spec, res, arch = p.spec, p.resolution, p.arch
+    spec, res, network = p.spec, p.resolution, p.network
     choice = resolve_loader(p.loader, spec)
     val_spec = val_loader_spec(res.val_resolution, spec, spec.rec, spec.idx)
     held = (
@@ -291,9 +291,11 @@ def preflight_inputs(p: Preflight, d: Dist):
         largest(res.image_size, res.progressive, p.optim.epochs),
         p.num_classes,
         d.device,
-        arch.precision,
-        arch.channels_last,
-        make_optimizer=lambda: make_optimizer(p.optim, p.model, 256, 1, family=arch.model, precision=arch.precision)[0],
+        network.precision,
+        network.channels_last,
+        make_optimizer=lambda: make_optimizer(
+            p.optim, p.model, 256, 1, family=network.model, precision=network.precision
+        )[0],
     )
     return trial, held
 

@@ -322,10 +322,10 @@ def setup_key(run: Run) -> dict:
         "cpu_cores": os.cpu_count(),
         "devices": s.launch.devices,
         "world_size": run.d.world_size,
-        "model": s.model.model,
-        "precision": s.model.precision,
-        "channels_last": s.model.channels_last,
-        "compile": [s.model.compile, s.model.compile_mode],
+        "model": s.network.model,
+        "precision": s.network.precision,
+        "channels_last": s.network.channels_last,
+        "compile": [s.network.compile, s.network.compile_mode],
         "batch": [run.plan.batch, run.plan.grad_accum],
         "resolutions": resolution.resolutions(res.image_size, res.progressive, s.optim.epochs),
         "image_dtype": str(run.train_loader.image_dtype),
@@ -395,7 +395,7 @@ def _calibrate_at(run: Run, size: int, epochs: int, max_s: float, where: str = "
     (CALIBRATION_SHARE of their steps) and `max_s`; logged on rank 0 (`where`: the resolution, in words)."""
     tel = run.settings.telemetry
     shape = Shape(
-        run.plan.batch, size, len(run.classes), run.train_loader.image_dtype, run.settings.model.channels_last
+        run.plan.batch, size, len(run.classes), run.train_loader.image_dtype, run.settings.network.channels_last
     )
     bounds = Bounds(
         run_steps=epochs * run.train_loader.batches_per_epoch,

@@ -57,7 +57,7 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
     progress = RunProgress(run.settings.telemetry.progress_s, d.world_size, epochs) if d.master else None
     detector = divergence.Detector(run.settings.stops.nonfinite_steps)
     states = lambda: divergence.run_states(run.model, run.step)  # noqa: E731
-    watch = divergence.Watch(d, run.ck_dir, run.settings.model.precision, detector, states)
+    watch = divergence.Watch(d, run.ck_dir, run.settings.network.precision, detector, states)
     for epoch in range(start.epoch, epochs):
         faults.fail_rank(d.rank)
         if progress:
@@ -110,10 +110,8 @@ def train_one_epoch(
     began = time.time()
     clock = StepClock(torch.device("cpu"))
     start = clock.mark()
-    batches = faults.record_labels(loader.epoch(epoch, first, saved.get("loader")), step.dist.rank, epoch, first)
-    batches = faults.record_shapes(batches, step.dist.rank, epoch, first)
-    batches = faults.nonfinite_from(batches, epoch, first)
-    batches = watchdog.watched(faults.stall_loader(batches, step.dist.rank), f"epoch {epoch}")
+    batches = faults.epoch_batches(loader.epoch(epoch, first, saved.get("loader")), step.dist.rank, epoch, first)
+    batches = watchdog.watched(batches, f"epoch {epoch}")
     t = run_steps(
         step,
         epoch,

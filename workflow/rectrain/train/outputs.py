@@ -56,9 +56,9 @@ def weights_description(run: Run, final: dict) -> dict:
     the recipe is the train block less its operational keys (what the checkpoint's identity compares)."""
     s = run.settings
     architecture = {
-        "model": s.model.model,
-        "model_args": dict(s.model.model_args),
-        "blurpool": bool(s.model.blurpool),
+        "model": s.network.model,
+        "model_args": dict(s.network.model_args),
+        "blurpool": bool(s.network.blurpool),
         # the tensors are the plain architecture's; these convolutions get BlurPool back (rectrain.model.load_weights)
         "blurpool_layers": models.blurpool_layers(run.model),
     }

@@ -50,8 +50,8 @@ def run_info(
         "devices": local_devices(d),
         "backend": d.backend,
         "loader": loader.kind,
-        "model": s.model.model,
-        "precision": s.model.precision,
+        "model": s.network.model,
+        "precision": s.network.precision,
         "batch_size": plan.batch,
         "grad_accum": plan.grad_accum,
         "global_batch": plan.global_batch,  # what ran
@@ -81,7 +81,7 @@ def run_info(
         "loader_requested": s.loaders.loader,
         "decode": loader.choice.decode,
         "decode_path": loader.choice.decode_path,  # train.decode as it ran (DALI only; None for torch)
-        "compiled": bool(s.model.compile),  # torch.compile: the epochs and the calibration alike
+        "compiled": bool(s.network.compile),  # torch.compile: the epochs and the calibration alike
         "augment": augment.ran_as(loader.spec.augment, loader.kind, loader.choice.decode),  # train.augment.policy
         "loader_note": loader.choice.note,
         "workers": run.workers,  # the count 'auto' became, which the diagnosis quotes
@@ -106,7 +106,7 @@ def log_start(run: Run) -> None:
         d.world_size,
         d.backend,
         run.train_loader.kind,
-        run.settings.model.model,
+        run.settings.network.model,
         resolution_words(run.settings.resolution),
         plan.batch,
         plan.grad_accum,

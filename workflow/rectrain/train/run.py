@@ -47,23 +47,25 @@ def set_backend_flags(cudnn_benchmark: bool, device: torch.device) -> None:
     torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cudnn_benchmark)
 
 
-def make_model(part, num_classes: int, device: torch.device, master: bool = True):
+def make_model(network, num_classes: int, device: torch.device, master: bool = True):
     """(model on device, in channels_last when asked, from train.init_weights when set; the loss; what the
-    model-dependent mechanics and init_weights did to it), from the train block's `model` part."""
+    model-dependent mechanics and init_weights did to it), from the train block's `network` part."""
     model, applied = models.construct(
-        part.model,
+        network.model,
         num_classes,
-        part.channels_last,
-        zero_init_residual=part.zero_init_residual,
-        blurpool=part.blurpool,
-        model_args=part.model_args,
+        network.channels_last,
+        zero_init_residual=network.zero_init_residual,
+        blurpool=network.blurpool,
+        model_args=network.model_args,
     )
     if master:
-        log.info("%s", models.mechanics_line(part.model, applied))
-    if part.init_weights:
-        applied["init_weights"] = init_weights.apply(model, part.init_weights, master, strict=part.init_weights_strict)
+        log.info("%s", models.mechanics_line(network.model, applied))
+    if network.init_weights:
+        applied["init_weights"] = init_weights.apply(
+            model, network.init_weights, master, strict=network.init_weights_strict
+        )
     model = model.to(device)
-    return model, torch.nn.CrossEntropyLoss(label_smoothing=part.label_smoothing), applied
+    return model, torch.nn.CrossEntropyLoss(label_smoothing=network.label_smoothing), applied
 
 
 @dataclass(frozen=True)
@@ -80,18 +82,20 @@ class RankParts:
     applied: dict  # what each model-dependent mechanic and init_weights changed (rectrain.model.construct)
 
 
-def prepare_rank(args: argparse.Namespace, d: Dist, arch, loaders, resolution, *, seed: int, epochs: int) -> RankParts:
-    """The network, the classes and the train loader's spec of this rank; `arch`, `loaders`, `resolution`:
+def prepare_rank(
+    args: argparse.Namespace, d: Dist, network, loaders, resolution, *, seed: int, epochs: int
+) -> RankParts:
+    """The network, the classes and the train loader's spec of this rank; `network`, `loaders`, `resolution`:
     the train block's model, loaders and resolution parts; `seed`: train.seed; `epochs`: train.epochs."""
     cores = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // d.local_world_size))
     torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     classes = read_classes(args.classes)
-    set_backend_flags(arch.cudnn_benchmark, d.device)
-    model, loss_fn, applied = make_model(arch, len(classes), d.device, d.master)
+    set_backend_flags(network.cudnn_benchmark, d.device)
+    model, loss_fn, applied = make_model(network, len(classes), d.device, d.master)
     workers = resolve_workers(loaders.workers, d.local_world_size, cores)
     log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, loaders.workers)
-    spec = loader_spec(loaders, resolution, arch, d, args.rec, args.idx, workers=workers, seed=seed, epochs=epochs)
+    spec = loader_spec(loaders, resolution, network, d, args.rec, args.idx, workers=workers, seed=seed, epochs=epochs)
     return RankParts(d, classes, model, loss_fn, cores, workers, spec, applied)
 
 
@@ -128,15 +132,15 @@ class Run:
 def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan: BatchPlan) -> Run:
     """Loaders, optimizer and the wrapped network for the plan's batch; the Run keeps the block `s`,
     whose whole is the checkpoint's identity."""
-    d, model, part = parts.d, parts.model, s.model
+    d, model, network = parts.d, parts.model, s.network
     train_loader, val_loader = make_loaders(
         args, s.loaders.loader, s.resolution.val_resolution, parts.spec, plan.batch, grad_accum=plan.grad_accum
     )
     opt_steps = math.ceil(train_loader.batches_per_epoch / plan.grad_accum)
     optimizer, scheduler, scaler = make_optimizer(
-        s.optim, model, plan.global_batch, opt_steps, family=part.model, precision=part.precision
+        s.optim, model, plan.global_batch, opt_steps, family=network.model, precision=network.precision
     )
-    net = wrap(model, d, s.launch, part, plan.grad_accum)
+    net = wrap(model, d, s.launch, network, plan.grad_accum)
     step = Step(
         net,
         parts.loss_fn,
@@ -144,14 +148,19 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
         scheduler,
         scaler,
         plan.grad_accum,
-        part.precision,
-        part.channels_last,
+        network.precision,
+        network.channels_last,
         d,
         clip_grad_norm=s.optim.clip_grad_norm,
     )
     data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
     identity = ckpt.RunIdentity(
-        ckpt.maths_config(s.as_dict()), plan.batch, plan.grad_accum, d.world_size, data, code_fingerprint(s.model.model)
+        ckpt.maths_config(s.as_dict()),
+        plan.batch,
+        plan.grad_accum,
+        d.world_size,
+        data,
+        code_fingerprint(s.network.model),
     )
     return Run(
         args=args,
@@ -190,13 +199,13 @@ def make_loaders(
     return train_loader, build_loader(kind, val_spec)
 
 
-def wrap(model: torch.nn.Module, d: Dist, launch, part, grad_accum: int = 1) -> torch.nn.Module:
-    """DDP across ranks (the train block's `launch` part: train.ddp_*), then torch.compile when its `model`
-    part `part` asks (train.compile_mode): the network the steps run, the calibration included."""
+def wrap(model: torch.nn.Module, d: Dist, launch, network, grad_accum: int = 1) -> torch.nn.Module:
+    """DDP across ranks (the train block's `launch` part: train.ddp_*), then torch.compile when its `network`
+    part asks (train.compile_mode): the network the steps run, the calibration included."""
     net = ddp(model, d, launch, grad_accum) if d.world_size > 1 else model
-    if not part.compile:
+    if not network.compile:
         return net
-    return torch.compile(net, mode=None if part.compile_mode == "default" else part.compile_mode)
+    return torch.compile(net, mode=None if network.compile_mode == "default" else network.compile_mode)
 
 
 # DDP's compression hooks by train.ddp_comm_hook: gradients travel as fp16/bf16 (half the bytes of

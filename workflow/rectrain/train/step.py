@@ -1,10 +1,19 @@
 """One training step, shared by the epoch loop (rectrain.train.epochs), the calibration
-(rectrain.train.calibrate) and bench/gpu_efficiency.py, so all three time the same work."""
+(rectrain.train.calibrate) and bench/gpu_efficiency.py, so all three time the same work.
+
+`train_step` is the whole step, on one screen, phase by phase.  `run_steps` feeds it a pass's batches
+and hands what each step leaves (a `StepOut`, still on the device) to the `Bookkeeper`, which reads it one
+step late - telemetry row, totals, progress line, curves, the divergence detector - and asks the epoch's
+control (rectrain.train.lifecycle.midepoch) after every optimizer step whether the ranks checkpoint or
+stop there.  No host sync per step: the host queues step k+1 (and fetches its batch) while the GPU still
+computes step k.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -17,7 +26,8 @@ from rectrain.train.stepclock import StepClock
 @dataclass
 class Step:
     """What one training step needs: the network (DDP- and compile-wrapped as configured), its loss,
-    optimizer, schedule and scaler, gradient accumulation, numerics, and the rank it runs on."""
+    optimizer, schedule and scaler, gradient accumulation, numerics, the rank it runs on, and the
+    optional phases: the batch's device-side augmentation and the weights' EMA."""
 
     net: torch.nn.Module
     loss_fn: torch.nn.Module
@@ -29,6 +39,58 @@ class Step:
     channels_last: bool
     dist: Dist
     clip_grad_norm: float | None = None  # train.clip_grad_norm
+    # (images, labels) -> (images, targets) on the device: Mixup/CutMix, random erasing; None = as loaded
+    augment_batch: Callable | None = None
+    ema: object | None = None  # an EMA of the weights with update(model, step=k), after every optimizer step
+
+
+@dataclass(frozen=True)
+class StepOut:
+    """What a step leaves for its bookkeeping: its numbers, still on the device, read one step late."""
+
+    index: int  # the step within its epoch
+    loss: torch.Tensor
+    hits: torch.Tensor  # top-1 hits against the batch's own labels
+    images: int
+    lr: float  # the LR the step ran at
+    scale: torch.Tensor | None  # the fp16 loss scale after it (loss_scale)
+    stepped: bool  # the optimizer stepped (the last micro-batch of its accumulation)
+
+
+def train_step(step: Step, i: int, x: torch.Tensor, y: torch.Tensor, *, last_micro: bool) -> StepOut:
+    """Micro-batch `i` (x, y already on the device), each phase in order: the batch's device-side
+    augmentation, the forward pass under autocast, the loss, the backward pass (scaled for fp16, divided
+    over the accumulated micro-batches, DDP's all-reduce only on the last: no_sync before it); then, on
+    the last micro-batch, gradient clipping (on the true gradients), the optimizer step (skipped by the
+    scaler on an fp16 overflow), the LR schedule and the EMA; last what the bookkeeping reads."""
+    lr = step.optimizer.param_groups[0]["lr"]
+    if step.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    inputs, targets = step.augment_batch(x, y) if step.augment_batch else (x, y)
+    sync = contextlib.nullcontext() if last_micro or step.dist.world_size == 1 else step.net.no_sync()
+    with sync:
+        with models.autocast(step.dist.device, step.precision):
+            out = step.net(inputs)
+            loss = step.loss_fn(out, targets)
+        step.scaler.scale(loss / step.accum).backward()
+    if last_micro:
+        if step.clip_grad_norm:
+            step.scaler.unscale_(step.optimizer)
+            torch.nn.utils.clip_grad_norm_(step.net.parameters(), step.clip_grad_norm)
+        step.scaler.step(step.optimizer)
+        step.scaler.update()
+        step.optimizer.zero_grad(set_to_none=True)
+        step.scheduler.step()
+        if step.ema is not None:
+            step.ema.update(unwrapped(step.net), step=step.scheduler.last_epoch)
+    hits = (out.detach().argmax(1) == y).sum()
+    return StepOut(i, loss.detach(), hits, len(y), lr, loss_scale(step.scaler), last_micro)
+
+
+def unwrapped(net: torch.nn.Module) -> torch.nn.Module:
+    """The network under torch.compile's and DDP's wrappers: what the EMA averages."""
+    net = getattr(net, "_orig_mod", net)
+    return getattr(net, "module", net)
 
 
 def is_compiled(net: torch.nn.Module) -> bool:
@@ -59,112 +121,114 @@ def run_steps(
     control=None,
     curves=None,
 ):
-    """Train on `batches` (at most max_steps of them), one telemetry row per step in steps_log, and
-    the resolved times into `progress` (rank 0's progress lines, rectrain.progress).  A resumed epoch
-    starts at step `first` with the `totals` of its steps before; `control` (rectrain.train.lifecycle.midepoch)
-    is asked after every optimizer step whether the ranks checkpoint or stop there, and its divergence
-    detector (rectrain.train.lifecycle.divergence) reads every step's loss and loss scale; `curves` (rank 0's,
-    rectrain.train.curves) gets the numbers of every progress line.
-
-    No host sync per step: times come from a StepClock read one step late, loss and hits stay on the
-    device until then, so the host queues step k+1 (and fetches its batch) while the GPU still computes
-    step k.  Totals: loss, hits, images, steps, and `steady_images` / `steady_wall_s` without the first
-    step (pipeline start-up), the report's steady state (rectrain.report.stats.steady_steps)."""
+    """Train on `batches` (at most max_steps of them) and return the pass's totals (Bookkeeper.totals).
+    A resumed epoch starts at step `first` with the `totals` of its steps before; `control` is asked
+    after every optimizer step whether the ranks checkpoint or stop there; `steps_log`, `progress` and
+    `curves` get each step's row, times and numbers (Bookkeeper)."""
     step.net.train()
     n_batches = n_batches or max_steps
     clock = StepClock(step.dist.device)
-    detector = control.detector if control is not None else None
-    book = _Book(clock, steps_log, step.dist.rank, epoch, progress, totals, detector=detector, curves=curves)
-    pending = None
-    m_prev = clock.mark()
+    book = Bookkeeper(
+        clock,
+        steps_log,
+        rank=step.dist.rank,
+        epoch=epoch,
+        totals=totals,
+        progress=progress,
+        control=control,
+        curves=curves,
+    )
     for i, (x, y) in enumerate(batches, start=first):
-        m_data = clock.mark()
-        lr = step.optimizer.param_groups[0]["lr"]
+        book.data_ready()
         last_micro = (i + 1) % step.accum == 0 or i + 1 == n_batches
-        out, loss = _forward_backward(step, x, y, last_micro=last_micro)
-        hits = (out.argmax(1) == y).sum()
-        m_end = clock.mark()
-        if pending:
-            book.resolve(pending)
-        pending = (i, m_prev, m_data, m_end, loss.detach(), hits, len(y), lr, loss_scale(step.scaler))
-        m_prev = m_end
-        if control is not None and last_micro and i + 1 < n_batches:
-            decision = control.poll(i)
-            if decision.checkpoint or decision.diverged:  # its row and totals first: the checkpoint carries them
-                book.resolve(pending)
-                pending = None
-                control.act(decision, i + 1, book.totals)
-                m_prev = clock.mark()  # the checkpoint's time is no step's
+        book.after(train_step(step, i, x, y, last_micro=last_micro), last_of_pass=i + 1 == n_batches)
         if max_steps is not None and i + 1 >= max_steps:
             break
-    if pending:
-        book.resolve(pending)
+    book.flush()
     return book.totals
 
 
-class _Book:
-    """A step's bookkeeping once its times can be read (one step late): its telemetry row, the
-    epoch's totals, the progress lines."""
+class Bookkeeper:
+    """A pass's bookkeeping, off the host-sync path: each step's StepOut is resolved one step late (its
+    telemetry row, the epoch's totals, the progress lines and curves, the divergence detector), and after
+    every optimizer step the epoch's control is polled (a mid-epoch checkpoint or stop).  Step wall time
+    runs from the end of the previous step, so data wait + compute = wall."""
 
-    def __init__(
-        self,
-        clock: StepClock,
-        steps_log,
-        rank: int,
-        epoch: int,
-        progress: Progress | None,
-        totals=None,
-        *,
-        detector=None,
-        curves=None,
-    ):
+    def __init__(self, clock: StepClock, steps_log, *, rank: int, epoch: int, totals, progress, control, curves):
         self.clock, self.steps_log, self.rank, self.epoch, self.progress = clock, steps_log, rank, epoch, progress
         zero = {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "steps": 0, "steady_images": 0, "steady_wall_s": 0.0}
         zero.update(data_wait_s=0.0, step_wall_s=0.0)  # the epoch's data-wait share (rectrain.train.curves)
         self.totals = {**zero, **(totals or {})}
-        self.detector, self.curves = detector, curves
+        self.control, self.curves = control, curves
+        self.detector = control.detector if control is not None else None
+        self.pending: tuple | None = None  # (StepOut, its start, data and end marks) until resolved
+        self.start = self.data = clock.mark()
 
-    def resolve(self, pending: tuple) -> None:
-        i, m_prev, m_data, m_end, loss, hits, n, lr, scale = pending
+    def data_ready(self) -> None:
+        self.data = self.clock.mark()
+
+    def after(self, out: StepOut, *, last_of_pass: bool) -> None:
+        """Step `out` is queued: resolve the one before, keep this one; after an optimizer step that is not
+        the pass's last, the control decides, and its checkpoint carries this step's row and totals."""
+        end = self.clock.mark()
+        self.flush()
+        self.pending, self.start = (out, self.start, self.data, end), end
+        if self.control is not None and out.stepped and not last_of_pass:
+            decision = self.control.poll(out.index)
+            if decision.checkpoint or decision.diverged:
+                self.flush()
+                self.control.act(decision, out.index + 1, self.totals)
+                self.start = self.clock.mark()  # the checkpoint's time is no step's
+
+    def flush(self) -> None:
+        """Resolve the pending step, if any."""
+        if self.pending is not None:
+            self.resolve(*self.pending)
+            self.pending = None
+
+    def resolve(self, out: StepOut, start, data, end) -> None:
         clock, totals = self.clock, self.totals
-        clock.wait(m_end)
-        wall, wait = clock.seconds(m_prev, m_end), clock.seconds(m_prev, m_data)
-        loss_v = loss.item()
-        scale_v = scale.item() if scale is not None else None
+        clock.wait(end)
+        wall, wait = clock.seconds(start, end), clock.seconds(start, data)
+        loss = out.loss.item()
+        scale = out.scale.item() if out.scale is not None else None
         if self.detector is not None:
-            self.detector.observe(self.epoch, i, loss_v, lr, scale_v)
-        # Step wall time runs from the end of the previous step, so data wait + compute = wall.
+            self.detector.observe(self.epoch, out.index, loss, out.lr, scale)
         self.steps_log.write(
             rank=self.rank,
             epoch=self.epoch,
-            step=i,
-            time=clock.unix_time(m_end),
+            step=out.index,
+            time=clock.unix_time(end),
             wall_s=wall,
             data_wait_s=wait,
             compute_s=wall - wait,
-            images=n,
-            loss=loss_v,
-            lr=lr,
+            images=out.images,
+            loss=loss,
+            lr=out.lr,
         )
-        totals["loss_sum"] += loss_v * n
-        totals["correct"] += hits.item()
-        totals["seen"] += n
+        totals["loss_sum"] += loss * out.images
+        totals["correct"] += out.hits.item()
+        totals["seen"] += out.images
         totals["steps"] += 1
         totals["data_wait_s"] += wait
         totals["step_wall_s"] += wall
-        if i > 0:
-            totals["steady_images"] += n
+        if out.index > 0:
+            totals["steady_images"] += out.images
             totals["steady_wall_s"] += wall
-        if self.progress is not None:
-            self.progress.add(i, wall, wait, n)
-            if self.curves is not None:
-                self.curves.add_loss(loss_v)
-            # The pass's last step always gets its line: the log then ends each pass on its own numbers,
-            # whatever the machine's speed (resolved one step late, it comes right after the one before).
-            if self.progress.due() or i + 1 == self.progress.total:
-                window = self.progress.window
-                if self.progress.line(i + 1) and self.curves is not None:
-                    self.curves.interval(self.epoch, i + 1, window, self.progress.world_size, lr, scale_v)
+        self.report(out, wall, wait, loss, scale)
+
+    def report(self, out: StepOut, wall: float, wait: float, loss: float, scale: float | None) -> None:
+        """Rank 0's progress line and curves; the pass's last step always gets its line, so the log ends
+        each pass on its own numbers whatever the machine's speed."""
+        if self.progress is None:
+            return
+        self.progress.add(out.index, wall, wait, out.images)
+        if self.curves is not None:
+            self.curves.add_loss(loss)
+        if self.progress.due() or out.index + 1 == self.progress.total:
+            window = self.progress.window
+            if self.progress.line(out.index + 1) and self.curves is not None:
+                self.curves.interval(self.epoch, out.index + 1, window, self.progress.world_size, out.lr, scale)
 
 
 def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
@@ -174,24 +238,3 @@ def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
     if not scaler.is_enabled() or scaler._scale is None:  # torch keeps it private; read-only here
         return None
     return scaler._scale.detach().clone()
-
-
-def _forward_backward(step: Step, x, y, last_micro: bool):
-    """One micro-batch; the optimizer steps (and DDP all-reduces) on the last micro-batch only."""
-    if step.channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    sync = contextlib.nullcontext() if last_micro or step.dist.world_size == 1 else step.net.no_sync()
-    with sync:
-        with models.autocast(step.dist.device, step.precision):
-            out = step.net(x)
-            loss = step.loss_fn(out, y)
-        step.scaler.scale(loss / step.accum).backward()
-    if last_micro:
-        if step.clip_grad_norm:
-            step.scaler.unscale_(step.optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(step.net.parameters(), step.clip_grad_norm)
-        step.scaler.step(step.optimizer)
-        step.scaler.update()
-        step.optimizer.zero_grad(set_to_none=True)
-        step.scheduler.step()
-    return out, loss

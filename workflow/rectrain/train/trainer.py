@@ -59,7 +59,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
     plan = None  # the failure line names it once it exists
     try:
         d = distributed.setup(s.launch.devices != "cpu", s.launch.collective_timeout_s)
-        s = s.replaced(precision=run_precision(s.model, d))
+        s = s.replaced(precision=run_precision(s.network, d))
         if d.master:
             (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
         with (
@@ -67,7 +67,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
             stop.handling(s.stops.stop_signals) as request,  # after the watchdog's SIGTERM stack dump: replaces it
         ):
             watchdog.beat("preparing: model, memory preflight, loaders")
-            parts = prepare_rank(args, d, s.model, s.loaders, s.resolution, seed=s.launch.seed, epochs=s.optim.epochs)
+            parts = prepare_rank(args, d, s.network, s.loaders, s.resolution, seed=s.launch.seed, epochs=s.optim.epochs)
             # batch_size auto reuses it when it fits
             previous = previous_plan(Path(args.out) / "checkpoints", s.batch, s.stops, ckpt.maths_config(s.as_dict()))
             preflight = batchplan.Preflight(
@@ -78,7 +78,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
                 s.loaders.loader,
                 s.resolution,
                 s.optim,
-                s.model,
+                s.network,
                 validated=bool(args.val_rec),
             )
             plan = batchplan.choose_batch(s.batch, d, preflight, previous=previous)
@@ -91,12 +91,12 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
         raise
 
 
-def run_precision(part: settings.TrainModel, d: distributed.Dist) -> str:
-    """train.precision (of the train block's `model` part) as it runs on this rank's device
+def run_precision(network: settings.TrainNetwork, d: distributed.Dist) -> str:
+    """train.precision (of the train block's `network` part) as it runs on this rank's device
     (rectrain.model.resolve_precision), which the block then holds: every part of the run - the loaders'
     dtype, the preflight, the checkpoint's identity, run.json - sees it."""
-    precision = models.resolve_precision(part.precision, d.device)
-    if d.master and part.precision == "auto":
+    precision = models.resolve_precision(network.precision, d.device)
+    if d.master and network.precision == "auto":
         log.info("train.precision auto: %s on %s", precision, d.device.type.upper())
     elif d.master and precision == "bf16" and d.device.type == "cpu":
         log.warning(

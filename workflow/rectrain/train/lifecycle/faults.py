@@ -27,6 +27,15 @@ def _chosen(env: str, value: int) -> bool:
     return os.environ.get(env) == str(value)
 
 
+def epoch_batches(batches, rank: int, epoch: int, first: int):
+    """An epoch's batches (the first is step `first`) through every fault hook the environment names: the
+    one place the epoch loop lets the tests in (each hook passes the batches on untouched when unset)."""
+    batches = record_labels(batches, rank, epoch, first)
+    batches = record_shapes(batches, rank, epoch, first)
+    batches = nonfinite_from(batches, epoch, first)
+    return stall_loader(batches, rank)
+
+
 def stall_loader(batches, rank: int):
     """The batches; with RECTRAIN_STALL_RANK=rank the loader sleeps for an hour before its second."""
     for i, batch in enumerate(batches):

@@ -50,8 +50,8 @@ def run_state(run: Run, epoch: int, rngs: list, step: int | None = None, ranks: 
         "rng": rngs,
         "config": run.settings.as_dict(),
         "num_classes": len(run.classes),
-        "model_name": run.settings.model.model,
-        "blurpool": run.settings.model.blurpool,  # the network's structure: evaluation builds the same one
+        "model_name": run.settings.network.model,
+        "blurpool": run.settings.network.blurpool,  # the network's structure: evaluation builds the same one
         "image_size": run.settings.resolution.image_size,
         **run.identity.stamp(),
         "world_sizes": list(run.world_sizes),
