@@ -41,7 +41,7 @@ def compiled_step(cfg):
     torch.manual_seed(0)
     model = TinyNet().to(memory_format=torch.channels_last)
     d = Dist(0, 1, 0, 1, torch.device("cpu"))
-    part = cfg.model
+    part = cfg.network
     optimizer, scheduler, scaler = make_optimizer(
         cfg.optim, model, cfg.batch.batch_size, 100, family=part.model, precision=part.precision
     )
