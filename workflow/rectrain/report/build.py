@@ -408,6 +408,7 @@ def build(
         **time_to_accuracy(data, recipe, like_imagenet),
         "class_columns": class_columns(data.classes),
         "findings": findings,
+        "at_chance": data.metrics.get("at_chance"),  # the evaluate stage's verdict: the first card
         "rates": rates,
         "eff": efficiency_headline(eff, data.steps),
         "util": utilization(data.system),

@@ -1,28 +1,58 @@
 """What the Snakemake process itself does around its jobs, from the onstart and onsuccess hooks
 (workflow/rules/common.smk): the console relay of the jobs' lines (console), the stop on SIGINT or
-SIGTERM (stopping, and `make stop` through PID_FILE), and the report's path as the run's last line."""
+SIGTERM (stopping, and `make stop` through PID_FILE), the failed jobs' causes (causes), and at its end,
+in this order: the live report made again when there is one (a live.html left saying "In progress"
+by a run that ended), a clean stop's line, each failed job's cause, a run at chance's line (and exit
+status 1 unless train.allow_chance), and after a success the report's path - the console's last lines."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
-from rectrain.snakefile import console, stopping
+from rectrain.chance import EXIT_AT_CHANCE
+from rectrain.snakefile import causes, console, stopping
 
 # This run's Snakemake process, for `make stop` (Makefile): in Snakemake's own folder of this working
 # directory, removed when the process ends.
 PID_FILE = Path(".snakemake") / "rectrain-run.pid"
 
-# One run per Snakemake process: what onstart found, for onsuccess and the end.
-_run: dict = {"relay": None, "stop": None, "reports": []}
+# One run per Snakemake process: what onstart found, for onsuccess and the end; what the Snakefile
+# said when it was read (`watch`), for the end of a run that had nothing to do.
+_run: dict = {"relay": None, "stop": None, "reports": [], "causes": None, "started": False, "succeeded": False}
+_run["nothing"] = False  # Snakemake said "Nothing to be done"
+_parsed: dict = {"workflow": None, "config": None}
+
+
+def watch(workflow, config: dict) -> None:
+    """When the Snakefile is read: keep the run's config for its end, and notice a run with nothing to
+    do (Snakemake runs no hook then, and its evaluation may still be at chance)."""
+    first = _parsed["workflow"] is None
+    _parsed.update(workflow=workflow, config=config)
+    if first:
+        from snakemake.logging import logger
+
+        logger.addFilter(_note_nothing_to_do)
+        atexit.register(_at_end)
+
+
+def _note_nothing_to_do(record) -> bool:
+    if str(record.msg or "").startswith("Nothing to be done"):
+        _run["nothing"] = True
+    return True
 
 
 def on_start(workflow, train_ck_dir: str) -> None:
     relay = console.start_relay(workflow)
     stop = stopping.install(workflow, Path(train_ck_dir), relay)
-    _run.update(relay=relay, stop=stop, reports=console.reports_to_build(workflow))
+    failed = causes.install(workflow)  # after the stop's filter: a clean stop's error block is none
+    _run.update(relay=relay, stop=stop, causes=failed, reports=console.reports_to_build(workflow), started=True)
     if stop is not None:
         PID_FILE.parent.mkdir(exist_ok=True)
         PID_FILE.write_text(f"{os.getpid()}\n")
@@ -34,14 +64,10 @@ REPORT_LINE_ENV = "RECTRAIN_REPORT_LINE"
 
 
 def on_success() -> None:
-    """The report's path last (after the jobs' last console lines), when this run wrote one."""
+    """The jobs' last console lines; the report's path comes last, at the end (`_at_end`)."""
     if _run["relay"] is not None:
         _run["relay"].drain()
-    line = console.report_line(_run["reports"])
-    if line and os.environ.get(REPORT_LINE_ENV) != "0":
-        from snakemake.logging import logger
-
-        logger.info(line)
+    _run["succeeded"] = True
 
 
 def _at_exit(pid_file: Path) -> None:
@@ -50,5 +76,61 @@ def _at_exit(pid_file: Path) -> None:
             pid_file.unlink()
     if _run["relay"] is not None:
         _run["relay"].close()
+
+
+def _at_end() -> None:
+    """The run's last lines (see the module doc); after a clean stop or a run at chance, its exit status."""
+    workflow, config = _parsed["workflow"], _parsed["config"]
+    if workflow is None or workflow.dryrun or not (_run["started"] or _run["nothing"]):
+        return
+    if _run["started"]:
+        refresh_live(config)
     if _run["stop"] is not None:
         _run["stop"].finish()  # after a clean stop: its last line and exit status 75 (it does not return)
+    if _run["causes"] is not None:
+        for line in _run["causes"].lines():
+            say(line)
+        _run["causes"].close()
+    verdict = at_chance(workflow, config) if _run["succeeded"] or _run["nothing"] else None
+    line = console.report_line(_run["reports"]) if _run["succeeded"] else None
+    if line and os.environ.get(REPORT_LINE_ENV) != "0":
+        say(line, tag=False)
+    if verdict is not None:
+        allowed = bool(config["train"]["allow_chance"])
+        say(
+            verdict["line"]
+            + (" (train.allow_chance: true: exit status 0)" if allowed else f" (exit status {EXIT_AT_CHANCE})")
+        )
+        if not allowed:
+            sys.stdout.flush()
+            os._exit(EXIT_AT_CHANCE)
+
+
+def say(text: str, tag: bool = True) -> None:
+    """One unbuffered line on Snakemake's console (stderr), after everything it printed."""
+    os.write(sys.stderr.fileno(), f"{'[rectrain] ' if tag else ''}{text}\n".encode())
+
+
+def at_chance(workflow, config: dict) -> dict | None:
+    """The evaluate stage's verdict (rectrain.chance) when this run's targets include its evaluation."""
+    if workflow.dag is None or not any(job.rule.name == "evaluate" for job in workflow.dag.jobs):
+        return None
+    path = Path("results") / config["dataset"] / "eval" / "metrics.json"
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text()).get("at_chance")
+    return None
+
+
+def refresh_live(config: dict) -> None:
+    """The live report made again (rectrain.report.live) when there is one: it said how the run stood
+    when it was made, maybe "In progress", and the run has ended.  A minute at most; its failure only
+    leaves the old page."""
+    page = Path("results") / config["dataset"] / "live.html"
+    if not page.exists():
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)  # YAML's superset: the live report reads it as a --configfile
+    cmd = [sys.executable, "-m", "rectrain.report.live", "--configfile", f.name]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=False)
+    os.unlink(f.name)

@@ -4,6 +4,8 @@ Files (columns are a contract with the report, see docs/architecture.md), writte
   steps_rank<r>.csv  written by rank r while training; rank 0 merges them into <out>/steps.csv at the end
   epochs.csv         rank 0, one row per epoch
   system_node<k>.csv local rank 0 of node k, one row per sample interval (GPU columns only with NVML)
+  run.json           rank 0, as each launch starts: the live copy of the published run.json, which
+                     Snakemake removes with a failed or stopped job's outputs (the live report reads it)
 The finished run copies them next to model.pt (the rule's outputs; node 0's sampler -> system.csv).  The live copies sit outside the
 rule's outputs because Snakemake deletes outputs before a rerun, and a resumed run must keep the rows
 of the epochs it does not redo; rows from the interrupted epoch onwards are dropped on resume so
@@ -44,6 +46,8 @@ EPOCH_COLUMNS = [
     "resolution",
 ]
 SYSTEM_BASE_COLUMNS = ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb"]
+# The live copy of run.json (see the module doc).
+LIVE_RUN_JSON = "run.json"
 
 
 class CsvLog:

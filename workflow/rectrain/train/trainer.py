@@ -36,7 +36,7 @@ from pathlib import Path
 from rectrain import distributed, settings, usage, watchdog
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
-from rectrain.train import batchplan, calibrate, curves, outputs, provenance
+from rectrain.train import batchplan, calibrate, curves, outputs, provenance, telemetry
 from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import divergence, failure, stop
@@ -108,6 +108,8 @@ def train_run(run: Run, request: StopRequest) -> None:
     info["calibration_setup"] = calibrate.setup_key(run)  # a resume on the same setup reuses the calibration
     if d.master:
         write_json(run.out / "run.json", info)
+        (run.out / "telemetry").mkdir(parents=True, exist_ok=True)
+        write_json(run.out / "telemetry" / telemetry.LIVE_RUN_JSON, info)  # what survives Snakemake's clean-up
         calibrate.keep(run.out / calibrate.KEPT, info)
         provenance.log_start(run)
     if resumed.rng_states is not None:

@@ -299,8 +299,12 @@ def stop(watch: Watch, where: str, bad: list[str] = (), count: int = 0) -> None:
             watch.ck_dir / DIVERGED, {"time": utc_now(), "where": where, **_last(watch.detector), "line": text}
         )
     barrier(watch.d)  # the marker is on disk before a first rank's exit makes torchrun end the others
-    # rank 0's line also reaches the terminal the run was started from (rectrain.log), not only its log
-    (logging.getLogger(PROGRESS_LOGGER) if watch.d.master else log).error("%s", text)
+    # rank 0's line also reaches the terminal the run was started from (rectrain.log), not only its log,
+    # and it is the run's cause (an error record: rectrain.snakefile.causes repeats it last on the console)
+    if watch.d.master:
+        logging.getLogger(PROGRESS_LOGGER).error("%s", text)
+    else:
+        log.warning("%s", text)
     raise Diverged(text)
 
 
