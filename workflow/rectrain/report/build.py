@@ -12,7 +12,7 @@ import yaml
 
 from rectrain.data.subset import imagenet_1k
 from rectrain.log import duration
-from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions
+from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions, slowdown
 from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
 from rectrain.report.stats import (
@@ -100,6 +100,20 @@ def training_rates(steps: pd.DataFrame, eff: efficiency.Efficiency | None = None
         # a rank's compute time includes waiting in the gradient all-reduce for ranks that were
         # still waiting on data, so the fastest rank's rate is the closest to pure compute
         "compute_total": max(compute) * len(per_rank) if compute else None,
+    }
+
+
+def headline(data: RunData) -> dict:
+    """The page's one headline throughput (projection.HEADLINE): the finished epochs' wall-clock rate,
+    else (no epoch finished yet) the steady rate so far, and its definition; `steady`: all ranks'
+    steady rate (each epoch's first step left out), labelled as such beside it."""
+    rate = projection.wall_clock_rate(data.epochs)
+    steady = sum(efficiency.steady_rates(data.steps).values()) or None
+    return {
+        "img_s": rate if rate is not None else steady,
+        "wall_clock": rate is not None,
+        "steady": steady,
+        "definition": projection.HEADLINE,
     }
 
 
@@ -370,6 +384,21 @@ def _plots(data: RunData, axis, views: dict) -> dict:
     }
 
 
+def findings_of(data: RunData, report: ReportSettings) -> list:
+    """The diagnosis (rectrain.report.diagnosis) with the findings on whether the run learned
+    (learning) and on epochs other processes slowed (slowdown)."""
+    return diagnose(
+        data.steps,
+        data.system,
+        data.run,
+        data.manifests,
+        report,
+        image_sizes=data.image_sizes,
+        learned=learning.findings(data, report),
+        paced=[f for f in [slowdown.other_processes(data.steps, data.system, report)] if f],
+    )
+
+
 def build(
     data: RunData,
     report: ReportSettings,
@@ -384,15 +413,7 @@ def build(
     """The report as one self-contained HTML string, from the blocks it reads (report, recipe, index: their
     views) and the dataset's name; shown: the whole config as completed, printed as YAML (no key of it is
     read); live: an unfinished run's banner (inprogress)."""
-    findings = diagnose(
-        data.steps,
-        data.system,
-        data.run,
-        data.manifests,
-        report,
-        image_sizes=data.image_sizes,
-        learned=learning.findings(data, report),
-    )
+    findings = findings_of(data, report)
     axis = plots.time_axis(data.steps, data.system)
     eff = efficiency.input_efficiency(data.steps, data.run)
     rates = training_rates(data.steps, eff)
@@ -405,6 +426,7 @@ def build(
         "summary": summary(data, dataset, rates),
         "subset": subset_scope(data.classes, index),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
+        "headline": headline(data),
         **time_to_accuracy(data, recipe, like_imagenet),
         "class_columns": class_columns(data.classes),
         "findings": findings,

@@ -45,7 +45,10 @@ EPOCH_COLUMNS = [
     "wall_s",
     "resolution",
 ]
-SYSTEM_BASE_COLUMNS = ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb"]
+# cpu_percent: the machine's busy CPU (every process's, iowait left out); job_cpu_percent: this node's
+# job's own processes (its ranks, their loader workers), on the same scale (100 = every CPU of the
+# machine): the difference is what other processes used (rectrain.report.diagnosis names it).
+SYSTEM_BASE_COLUMNS = ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb", "job_cpu_percent"]
 # The live copy of run.json (see the module doc).
 LIVE_RUN_JSON = "run.json"
 
@@ -329,6 +332,8 @@ class SystemSampler(threading.Thread):
         self.columns = SYSTEM_BASE_COLUMNS + self.nvml.columns()
         path = Path(path)
         fresh = not (append and path.exists())
+        if not fresh:
+            _with_columns(path, self.columns)
         self._f = open(path, "a" if not fresh else "w", newline="", buffering=1)
         self._w = csv.DictWriter(self._f, fieldnames=self.columns)
         if fresh:
@@ -342,8 +347,10 @@ class SystemSampler(threading.Thread):
         c = counters.get(self.rec_device)
         return None if c is None else c.read_bytes
 
-    def _rss_mb(self) -> float:
-        total = 0
+    def _job_usage(self) -> tuple[float, dict[int, float]]:
+        """(the job's resident memory in MB, each of its processes' CPU seconds so far by pid: its own
+        and its waited-for children's, so a loader worker that ended still counts in its rank)."""
+        rss, cpu = 0, {}
         for root in self.processes:
             try:
                 procs = [root, *root.children(recursive=True)]
@@ -351,34 +358,61 @@ class SystemSampler(threading.Thread):
                 continue
             for p in procs:
                 try:
-                    total += p.memory_info().rss
+                    rss += p.memory_info().rss
+                    t = p.cpu_times()
+                    cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
                 except psutil.Error:
                     pass
-        return total / 2**20
+        return rss / 2**20, cpu
 
     def run(self) -> None:
         psutil.cpu_times_percent(interval=None)  # prime: the first call has no reference interval
         last_t, last_b = time.time(), self._read_bytes()
+        last_cpu = self._job_usage()[1]
+        cores = psutil.cpu_count() or 1
         while not self._halt.wait(self.interval):
             now, b = time.time(), self._read_bytes()
             cpu = psutil.cpu_times_percent(interval=None)
             iowait = getattr(cpu, "iowait", 0.0)
             disk = "" if b is None or last_b is None else round((b - last_b) / 2**20 / max(now - last_t, 1e-9), 3)
+            rss, job_cpu = self._job_usage()
+            # a process that started since the last sample: all its CPU time is new
+            used = sum(max(0.0, t - last_cpu.get(pid, 0.0)) for pid, t in job_cpu.items())
             row = {
                 "time": round(now, 3),
                 "cpu_percent": round(100.0 - cpu.idle - iowait, 1),
                 "iowait_percent": round(iowait, 1),
                 "disk_read_mb_s": disk,
-                "rss_mb": round(self._rss_mb(), 1),
+                "rss_mb": round(rss, 1),
+                "job_cpu_percent": round(min(100.0, 100.0 * used / (max(now - last_t, 1e-9) * cores)), 1),
             }
             row.update(self.nvml.sample())
             self._w.writerow(row)
-            last_t, last_b = now, b
+            last_t, last_b, last_cpu = now, b, job_cpu
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=5 * self.interval + 5)
         self._f.close()
+
+
+def _with_columns(path: Path, columns: list[str]) -> None:
+    """A system CSV to append to, its header made `columns` when an older run wrote another (a column
+    added since: its old rows get it empty), so every row lines up with the header."""
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if header == columns:
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as out:
+            w = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+
+    atomic.write_with(path, write)
 
 
 def job_processes() -> list[psutil.Process]:
