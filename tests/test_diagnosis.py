@@ -403,7 +403,7 @@ def test_other_processes_are_named_when_their_load_coincides_with_slow_epochs():
     )
     assert "other processes used 50 % of the machine's CPUs then and 5 % in the other epochs" in f.measured
     assert "this run's own processes 45 % and 45 %" in f.measured
-    assert "report.slow_epoch_ratio = 0.7" in f.threshold and "report.other_cpu_percent = 25" in f.threshold
+    assert "report.slow_epoch_ratio = 0.7" in f.threshold and "report.other_cpu_percent = 25 %" in f.threshold
     found = diagnose(steps, system, make_run(gpus=0), {"train": make_manifest("train")}, REPORT,
                      paced=[f])  # fmt: skip
     assert "other_processes" in [x.id for x in found] and "no_problems" not in [x.id for x in found]
@@ -414,7 +414,7 @@ def test_other_processes_are_named_when_their_load_coincides_with_slow_epochs():
     [
         (4, 5.0, 5.0, "slow epochs, but no other load: something else slowed them"),
         (4, 50.0, 1.0, "other load, but no epoch slowed"),
-        (4, 20.0, 5.0, "other load 15 points above the rest: under report.other_cpu_percent"),
+        (4, 20.0, 5.0, "other processes at 20 % of the CPUs: under report.other_cpu_percent"),
     ],
 )
 def test_other_processes_are_not_named_without_both_a_slowdown_and_their_load(slow_from, other_cpu, slow_factor, why):

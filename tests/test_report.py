@@ -694,3 +694,29 @@ def test_the_data_check_shows_in_the_summary_only_once_it_has_run(tmp_path, prob
     assert 'id="data-check"' in html and "ResNet50_Weights.IMAGENET1K_V1 through this val .rec (misaligned)" in html
     assert "near chance &lt;b&gt;" in html, "escaped"
     assert 'id="data-check"' not in problem_report
+
+
+def test_a_subset_of_the_demo_is_called_that_not_a_part_of_imagenets_1000_classes(tmp_path):
+    """The demo's 10 classes are ImageNet wnids, yet a run of 4 of them is no part of full ImageNet: the
+    page says 4 of the demo's 10 (index.classes a list); a list the raw set was not asked to be ImageNet
+    for says only how many were chosen."""
+    from rectrain.data import demo
+
+    paths = write_run(tmp_path)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    wnids = [w for w, _ in demo.class_list(10)][:4]
+    data = dataclasses.replace(data, classes=pd.DataFrame({"label": range(4), "wnid": wnids, "name": [""] * 4}))
+    html = report_html(data, {**config(), "demo": {"classes": 10}, "index": {"classes": wnids}}, repo=tmp_path)
+    assert "<b>A subset:</b> 4 of the demo's 10 classes" in unescape(html) and "of 1000 ImageNet" not in html
+    own = {**config(), "raw": str(tmp_path / "raw"), "index": {"classes": wnids}}
+    assert "<b>A subset:</b> 4 classes chosen by index.classes" in report_html(data, own, repo=tmp_path)
+
+
+def test_with_few_classes_the_worst_and_the_best_classes_share_no_row(tmp_path):
+    """4 classes and classes_shown 10: the two worst and the two best, not all four twice."""
+    html = render(tmp_path)
+    worst = html[html.index('id="worst-classes"') : html.index('id="best-classes"')]
+    best = html[html.index('id="best-classes"') : html.index('id="confused-pairs"')]
+    rows = lambda part: set(re.findall(r"<tr><td>(\d+)</td>", part))  # noqa: E731
+    assert "Worst classes (2 of 4)" in worst and "Best classes (2 of 4)" in best
+    assert len(rows(worst)) == len(rows(best)) == 2 and not rows(worst) & rows(best)

@@ -419,10 +419,14 @@ def test_an_lr_that_makes_the_loss_explode_without_nan_stops_the_run_in_its_firs
 ):
     """ResNet-18 at train.lr 100 (3.1 at this global batch of 8): the loss climbs from 2 to thousands
     within the first epoch and stays finite for epochs (before, the run finished at a loss of 1e10 and
-    exited 0); now every rank stops within nonfinite_steps + 1 steps above the band, naming it."""
+    exited 0); now every rank stops within nonfinite_steps + 1 steps above the band, naming it.  The
+    previous run's weights.json is gone as the run starts (before, it stood beside the new run)."""
     out = tmp_path / "t"
+    out.mkdir()
+    (out / "weights.json").write_text('{"top1": 0.9}')  # an earlier run's, as the evaluate stage left it
     run = run_train(five_colours, out, model="resnet18", lr=100, warmup_epochs=2, epochs=3, nonfinite_steps=3)
     err = run.stderr
+    assert not (out / "weights.json").exists(), "the weights it described are not this run's"
     assert run.returncode == divergence.EXIT_DIVERGED, err[-3000:]
     for rank in (0, 1):
         m = re.search(rf"rank {rank}: training diverged at epoch 0 step (\d+) \(lr [\d.]+, no loss scale \(fp32\), loss ([\d.e+]+)\): "

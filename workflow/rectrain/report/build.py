@@ -10,7 +10,7 @@ import jinja2
 import pandas as pd
 import yaml
 
-from rectrain.data.subset import imagenet_1k
+from rectrain.data.subset import imagenet_1k, shipped
 from rectrain.log import duration
 from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions, slowdown
 from rectrain.report.diagnosis import diagnose
@@ -177,16 +177,17 @@ def class_table(per_class: pd.DataFrame, classes: pd.DataFrame) -> pd.DataFrame:
 
 
 def class_views(table: pd.DataFrame, n: int) -> dict[str, pd.DataFrame]:
-    """Worst and best n classes, the n most-confused pairs (a class and the one it is most often taken
+    """Worst and best n classes (at most half the classes each), the n most-confused pairs (a class and the one it is most often taken
     for, by count), and every class sorted by wnid (the class finder)."""
     if table.empty:
         return {k: table for k in ("worst", "best", "confused", "all")}
     count = pd.to_numeric(table["most_confused_count"], errors="coerce")
     images = pd.to_numeric(table["images"], errors="coerce")
     pairs = table.assign(count=count, share=count / images.where(images > 0))
+    ends = min(n, len(table) // 2)  # with few classes, each half: the worst and the best never share a row
     return {
-        "worst": table.sort_values(["accuracy", "label"]).head(n),
-        "best": table.sort_values(["accuracy", "label"], ascending=[False, True]).head(n),
+        "worst": table.sort_values(["accuracy", "label"]).head(ends),
+        "best": table.sort_values(["accuracy", "label"], ascending=[False, True]).head(ends),
         "confused": pairs[pairs["count"] > 0].sort_values(["count", "label"], ascending=[False, True]).head(n),
         "all": table.sort_values(["wnid", "label"]),
     }
@@ -328,16 +329,21 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
     }
 
 
-def subset_scope(classes: pd.DataFrame, index) -> str | None:
+def subset_scope(classes: pd.DataFrame, index, config: dict | None = None) -> str | None:
     """What part of its raw set a run of index.classes / index.per_class (the index block's view) saw, in
-    words - "100 of 1000 ImageNet classes, at most 260 images per class" - or None for the whole set."""
+    words - "100 of 1000 ImageNet classes, at most 260 images per class" - or None for the whole set.
+    Of ImageNet's 1000 only for a list shipped for ImageNet (index.classes: imagenet100); of the demo's
+    own classes for the generated demo (`config`: the whole config, raw null); else as chosen."""
     if index.classes is None and index.per_class is None:
         return None
     wnids = set(classes["wnid"].astype(str)) if "wnid" in classes else set()
+    config = config or {}
     if index.classes is None:
         scope = f"all {len(wnids)} classes"
-    elif wnids and wnids <= imagenet_1k():
+    elif isinstance(index.classes, str) and index.classes in shipped() and wnids and wnids <= imagenet_1k():
         scope = f"{len(wnids)} of {projection.IMAGENET_CLASSES} ImageNet classes"
+    elif config.get("raw") is None and config.get("demo"):
+        scope = f"{len(wnids)} of the demo's {config['demo']['classes']} classes"
     else:
         scope = f"{len(wnids)} classes chosen by index.classes"
     cap = f", at most {index.per_class} images per class (training; validation whole)" if index.per_class else ""
@@ -424,7 +430,7 @@ def build(
         "title": report.title,
         "like_imagenet": like_imagenet,
         "summary": summary(data, dataset, rates),
-        "subset": subset_scope(data.classes, index),
+        "subset": subset_scope(data.classes, index, shown),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
         "headline": headline(data),
         **time_to_accuracy(data, recipe, like_imagenet),

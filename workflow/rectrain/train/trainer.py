@@ -33,7 +33,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from rectrain import distributed, settings, usage, watchdog
+from rectrain import distributed, settings, usage, watchdog, weights
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
 from rectrain.train import batchplan, calibrate, curves, outputs, provenance, telemetry
@@ -58,6 +58,8 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
         d = distributed.setup(s.launch.devices != "cpu", s.launch.collective_timeout_s)
         if d.master:
             (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
+            # the evaluate stage's description of the weights this run replaces: not this run's
+            (Path(args.out) / weights.JSON).unlink(missing_ok=True)
         with (
             watchdog.Watchdog(s.stops.watchdog_s, d.rank, d.world_size, Path(args.out) / "telemetry"),
             stop.handling(s.stops.stop_signals) as request,  # after the watchdog's SIGTERM stack dump: replaces it
