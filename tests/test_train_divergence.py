@@ -171,6 +171,9 @@ def test_the_guard_refuses_a_checkpoint_while_the_last_loss_is_above_its_band(tm
         watch.detector.observe(1, step, loss, 0.1, None)
     agreement = Agreement(CPU1, StopRequest(), 0)
     divergence.guard(watch, agreement, "the end of epoch 1")
+    kept = json.loads((tmp_path / "telemetry" / divergence.MARGINS).read_text())
+    assert kept["margins"]["loss_over_band"] == pytest.approx(1.6 / (4 * 1.7)), "how close it came, for the bench"
+    assert kept["thresholds"] == {"loss_over_band": 1.0, "norm_growth": 100.0, "update_share": 1.0}
     watch.detector.observe(1, 3, 80.0, 0.1, None)
     assert not watch.detector.tripped
     with pytest.raises(Diverged) as err:

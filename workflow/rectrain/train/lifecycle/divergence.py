@@ -35,6 +35,7 @@ report carry it)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -73,6 +74,8 @@ NAMES_SHOWN = 3
 EXIT_DIVERGED = 1  # a failure: Snakemake must not take the run for finished or cleanly stopped
 
 NOT_FINITE, ABOVE_BAND, LOW_SCALE = "not finite", "above its band", "low scale"
+# telemetry/divergence.json: how close the run came to the thresholds (`keep_margins`)
+MARGINS = "divergence.json"
 
 
 class Diverged(Agreed):
@@ -104,6 +107,8 @@ class Detector:
     start_norm: float | None = None  # the parameters' norm as this launch started
     exploded: str | None = None  # why the parameters count as exploded, in words
     steps: int = 0
+    # how close this launch came to each threshold (telemetry/divergence.json: `margins`)
+    peaks: dict = field(default_factory=lambda: {"loss_over_band": 0.0, "norm_growth": 0.0, "update_share": 0.0})
 
     def __post_init__(self) -> None:
         self.start_norm = self.norms().params if self.norms is not None else None
@@ -132,6 +137,8 @@ class Detector:
         if math.isfinite(loss) and kind != ABOVE_BAND:
             self.first_loss = loss if self.first_loss is None else self.first_loss
             self.history.append(loss)
+            if math.isfinite(upper):
+                self.peaks["loss_over_band"] = max(self.peaks["loss_over_band"], loss / upper)
         self.bad, self.kind = (self.bad + 1, kind) if kind else (0, "")
         self.steps += 1
         if self.norms is not None and self.steps % NORM_EVERY_STEPS == 0:
@@ -149,6 +156,10 @@ class Detector:
         n = self.norms()
         if not math.isfinite(n.params):
             return  # the non-finite check names the tensors
+        if self.start_norm:
+            self.peaks["norm_growth"] = max(self.peaks["norm_growth"], n.params / self.start_norm)
+        if n.update is not None and n.params > 0:
+            self.peaks["update_share"] = max(self.peaks["update_share"], n.update / n.params)
         if self.start_norm and n.params >= NORM_GROWTH * self.start_norm:
             self.exploded = (
                 f"the parameters' norm grew from {self.start_norm:.4g} at this launch's start to {n.params:.4g} "
@@ -289,6 +300,19 @@ def guard(watch: Watch, agreement, where: str) -> None:
     tripped, count, above = agreement.any_of(int(watch.detector.tripped), len(bad), int(watch.detector.above_band))
     if tripped or count or above:
         stop(watch, where, bad, count)
+    if watch.d.master:
+        keep_margins(watch, where)
+
+
+def keep_margins(watch: Watch, where: str) -> None:
+    """Rank 0, at each checkpoint that passed the guard: how close this launch came to each threshold so
+    far, in telemetry/divergence.json (`margins`: its loss's highest share of the band's top, its
+    parameters' norm's highest growth, SGD's longest update as a share of the weights; `thresholds`:
+    the shares that stop a run) - bench/divergence_fp.py reads it."""
+    thresholds = {"loss_over_band": 1.0, "norm_growth": NORM_GROWTH, "update_share": UPDATE_SHARE}
+    info = {"where": where, "steps": watch.detector.steps, "margins": watch.detector.peaks, "thresholds": thresholds}
+    with contextlib.suppress(OSError):
+        atomic.write_json(Path(watch.ck_dir).parent / "telemetry" / MARGINS, info)
 
 
 def stop(watch: Watch, where: str, bad: list[str] = (), count: int = 0) -> None:
