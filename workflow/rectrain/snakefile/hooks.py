@@ -85,12 +85,13 @@ def _at_end() -> None:
         return
     if _run["started"]:
         refresh_live(config)
+    failed = _run["causes"].lines() if _run["causes"] is not None else []
+    if _run["causes"] is not None:
+        _run["causes"].close()
     if _run["stop"] is not None:
         _run["stop"].finish()  # after a clean stop: its last line and exit status 75 (it does not return)
-    if _run["causes"] is not None:
-        for line in _run["causes"].lines():
-            say(line)
-        _run["causes"].close()
+    for line in failed:
+        say(line)
     verdict = at_chance(workflow, config) if _run["succeeded"] or _run["nothing"] else None
     line = console.report_line(_run["reports"]) if _run["succeeded"] else None
     if line and os.environ.get(REPORT_LINE_ENV) != "0":
