@@ -12,7 +12,7 @@ import sys
 from snakemake_interface_logger_plugins.common import LogEvent
 
 from rectrain import log as stage_log
-from rectrain.snakefile.causes import Causes, ShortErrors
+from rectrain.snakefile.causes import Causes, ShortErrors, keep_in_logs
 
 STAGE = """
 import logging, sys
@@ -60,6 +60,7 @@ def test_without_a_cause_left_the_line_is_the_last_line_of_the_jobs_log(tmp_path
     try:
         log_file = tmp_path / "index.log"
         log_file.write_text("[index] reading\nTraceback (most recent call last):\nValueError: bad \x1b[31mname\n====\n")
+        keep_in_logs(job_error(log_file, rule="index_raw"))  # Snakemake's block, appended as the job failed
         causes.note(job_error(log_file, rule="index_raw"))
         causes.note(logging.makeLogRecord({"msg": "an ordinary line"}))
         monkeypatch.chdir(tmp_path)

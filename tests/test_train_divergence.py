@@ -157,7 +157,8 @@ def test_sgds_update_norm_is_the_lr_times_its_momentum_buffer_and_adamw_has_none
     ],
 )  # fmt: skip
 def test_the_advice_fits_the_runs_own_settings(given, wanted, unwanted):
-    text = divergence.advice(train_settings(given))
+    settings = train_settings(given)
+    text = divergence.advice(settings.optim, settings.model.precision)
     assert all(w in text for w in wanted) and not any(u in text for u in unwanted), text
     assert text.endswith("then rerun with train.resume: always")
 
@@ -275,7 +276,8 @@ def fake_watch(tmp_path):
     ck.mkdir(exist_ok=True)
     step = SimpleNamespace(optimizer=sgd, scaler=torch.amp.GradScaler("cpu", enabled=False))
     states = lambda: divergence.run_states(model, step)  # noqa: E731
-    advice = divergence.advice(train_settings({"precision": "fp32"}))
+    settings = train_settings({"precision": "fp32"})
+    advice = divergence.advice(settings.optim, settings.model.precision)
     watch = divergence.Watch(CPU1, ck, "fp32", Detector(3, classes=5), states, advice)
     return watch, model, sgd
 

@@ -37,7 +37,7 @@ except ConfigError as err:
 
 # The run's end, whatever ran (rectrain.snakefile.hooks): the live report made again, each failed job's
 # cause, a run at chance's line and exit status, the report's path - the console's last lines.
-watch_run(workflow, config)
+watch_run(workflow)
 
 
 # Once the jobs are planned and before the first starts (nothing removed yet): train.devices against

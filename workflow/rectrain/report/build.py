@@ -329,21 +329,20 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
     }
 
 
-def subset_scope(classes: pd.DataFrame, index, config: dict | None = None) -> str | None:
+def subset_scope(classes: pd.DataFrame, index, demo_classes: int | None = None) -> str | None:
     """What part of its raw set a run of index.classes / index.per_class (the index block's view) saw, in
     words - "100 of 1000 ImageNet classes, at most 260 images per class" - or None for the whole set.
     Of ImageNet's 1000 only for a list shipped for ImageNet (index.classes: imagenet100); of the demo's
-    own classes for the generated demo (`config`: the whole config, raw null); else as chosen."""
+    own `demo_classes` for the generated demo (raw null); else as chosen."""
     if index.classes is None and index.per_class is None:
         return None
     wnids = set(classes["wnid"].astype(str)) if "wnid" in classes else set()
-    config = config or {}
     if index.classes is None:
         scope = f"all {len(wnids)} classes"
     elif isinstance(index.classes, str) and index.classes in shipped() and wnids and wnids <= imagenet_1k():
         scope = f"{len(wnids)} of {projection.IMAGENET_CLASSES} ImageNet classes"
-    elif config.get("raw") is None and config.get("demo"):
-        scope = f"{len(wnids)} of the demo's {config['demo']['classes']} classes"
+    elif demo_classes:
+        scope = f"{len(wnids)} of the demo's {demo_classes} classes"
     else:
         scope = f"{len(wnids)} classes chosen by index.classes"
     cap = f", at most {index.per_class} images per class (training; validation whole)" if index.per_class else ""
@@ -430,7 +429,9 @@ def build(
         "title": report.title,
         "like_imagenet": like_imagenet,
         "summary": summary(data, dataset, rates),
-        "subset": subset_scope(data.classes, index, shown),
+        "subset": subset_scope(
+            data.classes, index, (shown.get("demo") or {}).get("classes") if shown.get("raw") is None else None
+        ),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
         "headline": headline(data),
         **time_to_accuracy(data, recipe, like_imagenet),

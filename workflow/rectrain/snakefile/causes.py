@@ -32,6 +32,8 @@ from rectrain.log import CAUSE_ENV, printable
 
 # A stage line's "[train   12.3s] " prefix: the cause line says the rule itself.
 _TAG = re.compile(r"^\[[^\]]*\] ")
+# What precedes Snakemake's error block where it is appended to the job's log.
+BLOCK = "---- Snakemake's error block for this job ----"
 # The shell command Snakemake repeats in its RuleException (a few KB of JSON params).
 _COMMAND = re.compile(r"Command '.*' returned non-zero exit status (\d+)\.", re.S)
 
@@ -83,10 +85,12 @@ class Causes:
 
 
 def last_line(logs: tuple[Path, ...]) -> str:
-    """The last line of the first log that says something (not a rule of '=' or '-'), escaped."""
+    """The last line of the first log that says something (not a rule of '=' or '-'), before the error
+    block appended to it (`keep_in_logs`), escaped."""
     for log in logs:
         with contextlib.suppress(OSError):
-            lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
+            text = log.read_text(errors="replace").split(BLOCK)[0]
+            lines = [ln.strip() for ln in text.splitlines()]
             said = [ln for ln in lines if ln.strip("=- ")]
             if said:
                 return printable(_TAG.sub("", said[-1]))
@@ -123,7 +127,7 @@ def keep_in_logs(record: logging.LogRecord) -> None:
     block = DefaultFormatter(show_failed_logs=False).format(record)
     for log in getattr(record, "log", None) or []:
         with contextlib.suppress(OSError), open(log, "a", encoding="utf-8") as f:
-            f.write(f"\n---- Snakemake's error block for this job ----\n{block}\n")
+            f.write(f"\n{BLOCK}\n{block}\n")
 
 
 def install(workflow) -> Causes | None:

@@ -27,14 +27,15 @@ PID_FILE = Path(".snakemake") / "rectrain-run.pid"
 # said when it was read (`watch`), for the end of a run that had nothing to do.
 _run: dict = {"relay": None, "stop": None, "reports": [], "causes": None, "started": False, "succeeded": False}
 _run["nothing"] = False  # Snakemake said "Nothing to be done"
-_parsed: dict = {"workflow": None, "config": None}
+_parsed: dict = {"workflow": None}
 
 
-def watch(workflow, config: dict) -> None:
-    """When the Snakefile is read: keep the run's config for its end, and notice a run with nothing to
-    do (Snakemake runs no hook then, and its evaluation may still be at chance)."""
+def watch(workflow) -> None:
+    """When the Snakefile is read: keep the workflow (its config, completed) for the run's end, and
+    notice a run with nothing to do (Snakemake runs no hook then, and its evaluation may still be at
+    chance)."""
     first = _parsed["workflow"] is None
-    _parsed.update(workflow=workflow, config=config)
+    _parsed.update(workflow=workflow)
     if first:
         from snakemake.logging import logger
 
@@ -80,11 +81,11 @@ def _at_exit(pid_file: Path) -> None:
 
 def _at_end() -> None:
     """The run's last lines (see the module doc); after a clean stop or a run at chance, its exit status."""
-    workflow, config = _parsed["workflow"], _parsed["config"]
+    workflow = _parsed["workflow"]
     if workflow is None or workflow.dryrun or not (_run["started"] or _run["nothing"]):
         return
     if _run["started"]:
-        refresh_live(config)
+        refresh_live(workflow)
     failed = _run["causes"].lines() if _run["causes"] is not None else []
     if _run["causes"] is not None:
         _run["causes"].close()
@@ -92,12 +93,12 @@ def _at_end() -> None:
         _run["stop"].finish()  # after a clean stop: its last line and exit status 75 (it does not return)
     for line in failed:
         say(line)
-    verdict = at_chance(workflow, config) if _run["succeeded"] or _run["nothing"] else None
+    verdict = at_chance(workflow) if _run["succeeded"] or _run["nothing"] else None
     line = console.report_line(_run["reports"]) if _run["succeeded"] else None
     if line and os.environ.get(REPORT_LINE_ENV) != "0":
         say(line, tag=False)
     if verdict is not None:
-        allowed = bool(config["train"]["allow_chance"])
+        allowed = bool(workflow.config["train"]["allow_chance"])
         say(
             verdict["line"]
             + (" (train.allow_chance: true: exit status 0)" if allowed else f" (exit status {EXIT_AT_CHANCE})")
@@ -112,25 +113,25 @@ def say(text: str, tag: bool = True) -> None:
     os.write(sys.stderr.fileno(), f"{'[rectrain] ' if tag else ''}{text}\n".encode())
 
 
-def at_chance(workflow, config: dict) -> dict | None:
+def at_chance(workflow) -> dict | None:
     """The evaluate stage's verdict (rectrain.chance) when this run's targets include its evaluation."""
     if workflow.dag is None or not any(job.rule.name == "evaluate" for job in workflow.dag.jobs):
         return None
-    path = Path("results") / config["dataset"] / "eval" / "metrics.json"
+    path = Path("results") / workflow.config["dataset"] / "eval" / "metrics.json"
     with contextlib.suppress(OSError, ValueError):
         return json.loads(path.read_text()).get("at_chance")
     return None
 
 
-def refresh_live(config: dict) -> None:
+def refresh_live(workflow) -> None:
     """The live report made again (rectrain.report.live) when there is one: it said how the run stood
-    when it was made, maybe "In progress", and the run has ended.  A minute at most; its failure only
-    leaves the old page."""
-    page = Path("results") / config["dataset"] / "live.html"
+    when it was made, maybe "In progress", and the run has ended.  It reads the run's config as this
+    process completed it.  A minute at most; its failure only leaves the old page."""
+    page = Path("results") / workflow.config["dataset"] / "live.html"
     if not page.exists():
         return
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(config, f)  # YAML's superset: the live report reads it as a --configfile
+        json.dump(workflow.config, f)  # YAML's superset: the live report reads it as a --configfile
     cmd = [sys.executable, "-m", "rectrain.report.live", "--configfile", f.name]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=False)

@@ -252,10 +252,10 @@ def run_states(model: torch.nn.Module, step) -> dict[str, dict]:
     return {"model": model.state_dict(), "optimizer": step.optimizer.state_dict(), "scaler": step.scaler.state_dict()}
 
 
-def advice(settings) -> str:
-    """What to change, for this run's train block (`settings`, rectrain.settings.TrainSettings): its own
-    values named, and only the cures it does not use already (no bf16 to a bf16 run)."""
-    optim, precision = settings.optim, settings.model.precision
+def advice(optim, precision: str) -> str:
+    """What to change, for this run's optimizer part of the train block (rectrain.settings' TrainOptim)
+    and train.precision: its own values named, and only the cures it does not use already (no bf16 to
+    a bf16 run)."""
     cures = [f"lower train.lr (now {optim.lr:g}, the peak for a global batch of 256)"]
     if optim.lr_schedule == "linear":
         cures.append(f"move train.lr_peak_epoch later (now {optim.lr_peak_epoch:g})")
@@ -288,7 +288,8 @@ def watch_of(run: Run) -> Watch:
     norms = parameter_norms(run.model, run.step.optimizer) if run.d.master else None
     detector = Detector(run.settings.stops.nonfinite_steps, len(run.classes), norms)
     states = lambda: run_states(run.model, run.step)  # noqa: E731
-    return Watch(run.d, run.ck_dir, run.settings.model.precision, detector, states, advice(run.settings))
+    precision = run.settings.model.precision
+    return Watch(run.d, run.ck_dir, precision, detector, states, advice(run.settings.optim, precision))
 
 
 def guard(watch: Watch, agreement, where: str) -> None:
