@@ -1,9 +1,10 @@
 """What the Snakemake process itself does around its jobs, from the onstart and onsuccess hooks
 (workflow/rules/common.smk): the console relay of the jobs' lines (console), the stop on SIGINT or
 SIGTERM (stopping, and `make stop` through PID_FILE), the failed jobs' causes (causes), and at its end,
-in this order: the live report made again when there is one (a live.html left saying "In progress"
-by a run that ended), a clean stop's line, each failed job's cause, a run at chance's line (and exit
-status 1 unless train.allow_chance), and after a success the report's path - the console's last lines."""
+in this order: the live report made again when the run trained and there is one (a live.html left
+saying "In progress" by a run that ended), a clean stop's line, each failed job's cause, after a
+success the report's path, and a run at chance's line (and exit status 1 unless train.allow_chance) -
+the console's last lines."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def on_start(workflow, train_ck_dir: str) -> None:
     stop = stopping.install(workflow, Path(train_ck_dir), relay)
     failed = causes.install(workflow)  # after the stop's filter: a clean stop's error block is none
     _run.update(relay=relay, stop=stop, causes=failed, reports=console.reports_to_build(workflow), started=True)
+    _run["trains"] = any(job.rule.name == "train" for job in workflow.dag.needrun_jobs())
     if stop is not None:
         PID_FILE.parent.mkdir(exist_ok=True)
         PID_FILE.write_text(f"{os.getpid()}\n")
@@ -84,7 +86,7 @@ def _at_end() -> None:
     workflow = _parsed["workflow"]
     if workflow is None or workflow.dryrun or not (_run["started"] or _run["nothing"]):
         return
-    if _run["started"]:
+    if _run.get("trains"):
         refresh_live(workflow)
     failed = _run["causes"].lines() if _run["causes"] is not None else []
     if _run["causes"] is not None:
