@@ -720,3 +720,19 @@ def test_with_few_classes_the_worst_and_the_best_classes_share_no_row(tmp_path):
     rows = lambda part: set(re.findall(r"<tr><td>(\d+)</td>", part))  # noqa: E731
     assert "Worst classes (2 of 4)" in worst and "Best classes (2 of 4)" in best
     assert len(rows(worst)) == len(rows(best)) == 2 and not rows(worst) & rows(best)
+
+
+def test_the_utilization_table_splits_the_busy_cpu_into_the_runs_processes_and_others(tmp_path):
+    """system.csv's job_cpu_percent (the run's own processes) beside cpu_percent (the machine's); a
+    system.csv written before the column existed shows no split."""
+    paths = write_run(tmp_path)
+    system_csv = paths["train"] / "system.csv"
+    system = pd.read_csv(system_csv)
+    system.assign(job_cpu_percent=20.0).to_csv(system_csv, index=False)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    html = unescape(report_html(data, config(), repo=tmp_path))
+    others = system["cpu_percent"].mean() - 20.0
+    assert f'this run\'s processes / other processes (mean)</th><td class="n">20.0 % / {others:.1f} %' in html
+    system.to_csv(system_csv, index=False)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    assert 'id="cpu-split"' not in report_html(data, config(), repo=tmp_path)

@@ -155,6 +155,7 @@ def utilization(system: pd.DataFrame) -> dict:
         "gpus": gpus,
         "samples": len(system),
         "cpu_mean": stat("cpu_percent", pd.Series.mean),
+        "job_cpu_mean": stat("job_cpu_percent", pd.Series.mean),  # the run's own processes (same scale)
         "iowait_mean": stat("iowait_percent", pd.Series.mean),
         "iowait_p90": stat("iowait_percent", lambda s: s.quantile(0.9)),
         "read_mean": stat("disk_read_mb_s", pd.Series.mean),
