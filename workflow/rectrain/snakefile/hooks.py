@@ -26,8 +26,9 @@ PID_FILE = Path(".snakemake") / "rectrain-run.pid"
 
 # One run per Snakemake process: what onstart found, for onsuccess and the end; what the Snakefile
 # said when it was read (`watch`), for the end of a run that had nothing to do.
-_run: dict = {"relay": None, "stop": None, "reports": [], "causes": None, "started": False, "succeeded": False}
-_run["nothing"] = False  # Snakemake said "Nothing to be done"
+_run: dict = {"relay": None, "stop": None, "reports": [], "causes": None}
+# onstart ran, and planned the train job; onsuccess ran; Snakemake said "Nothing to be done"
+_run.update(started=False, trains=False, succeeded=False, nothing=False)
 _parsed: dict = {"workflow": None}
 
 
@@ -86,7 +87,7 @@ def _at_end() -> None:
     workflow = _parsed["workflow"]
     if workflow is None or workflow.dryrun or not (_run["started"] or _run["nothing"]):
         return
-    if _run.get("trains"):
+    if _run["trains"]:
         refresh_live(workflow)
     failed = _run["causes"].lines() if _run["causes"] is not None else []
     if _run["causes"] is not None:
@@ -133,7 +134,7 @@ def refresh_live(workflow) -> None:
     if not page.exists():
         return
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(workflow.config, f)  # YAML's superset: the live report reads it as a --configfile
+        json.dump(workflow.config, f, default=str)  # YAML's superset: the live report reads it as a --configfile
     cmd = [sys.executable, "-m", "rectrain.report.live", "--configfile", f.name]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=False)
