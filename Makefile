@@ -58,10 +58,11 @@ check: $(STAMP) $(MXSTAMP) style
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The last line names the report, also when it was up to date (Snakemake names it only when it wrote it:
-# RECTRAIN_REPORT_LINE=0 keeps it from saying it twice).
+# RECTRAIN_REPORT_LINE=0 keeps it from saying it twice); a dry-run (SNAKEMAKE_ARGS=-n) names none.
+DRY_RUN := $(filter -n --dry-run --dryrun -np -pn,$(SNAKEMAKE_ARGS))
 report: $(STAMP)
 	RECTRAIN_REPORT_LINE=0 $(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) results/report.html
-	@test ! -f results/report.html || echo "report: $(abspath results/report.html)"
+	@test -n "$(DRY_RUN)" || test ! -f results/report.html || echo "report: $(abspath results/report.html)"
 
 # Your own config without Snakemake's argument rules (--configfile takes every word after it, so the
 # target goes before it): make run CONFIG=config/my-data.yaml [TARGET=...] [SNAKEMAKE_ARGS=-n].
@@ -69,7 +70,7 @@ run: $(STAMP)
 	@test -n "$(CONFIG)" || { echo "make run: say which config, e.g. make run CONFIG=config/my-data.yaml" >&2; exit 2; }
 	@for f in $(CONFIG); do test -f "$$f" || { echo "make run: config file $$f not found" >&2; exit 2; }; done
 	RECTRAIN_REPORT_LINE=0 $(VENV)/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) $(TARGET) --configfile $(CONFIG)
-	@for f in $(filter %report.html,$(TARGET)); do test ! -f "$$f" || echo "report: $(CURDIR)/$$f"; done
+	@test -n "$(DRY_RUN)" || for f in $(filter %report.html,$(TARGET)); do test ! -f "$$f" || echo "report: $(CURDIR)/$$f"; done
 
 # From another shell: stop the runs going in this folder (RUN=<pid>: that one alone) as SIGTERM to their
 # Snakemake process does - training writes its checkpoint, every job ends, and the run exits with status

@@ -132,7 +132,7 @@ def test_the_run_ends_naming_the_report_copy_it_wrote_else_the_datasets_report(t
     assert report_line([]) is None, "a run that wrote no report names none"
 
 
-def make_run_with_snakemake_exiting(tmp_path, status: int, target: str) -> subprocess.CompletedProcess:
+def make_run_with_snakemake_exiting(tmp_path, status: int, target: str, *make_args) -> subprocess.CompletedProcess:
     """`make run` from this checkout's Makefile in `tmp_path`, its Snakemake a stand-in exiting `status`."""
     fake = tmp_path / "venv"
     (fake / "bin").mkdir(parents=True, exist_ok=True)
@@ -141,7 +141,7 @@ def make_run_with_snakemake_exiting(tmp_path, status: int, target: str) -> subpr
     (tmp_path / "my.yaml").write_text("dataset: demo\n")
     return subprocess.run(
         ["make", "-f", str(REPO / "Makefile"), "-o", f"{fake}/.installed", "run", "CONFIG=my.yaml",
-         f"TARGET={target}", f"VENV={fake}"],
+         f"TARGET={target}", f"VENV={fake}", *make_args],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, env=outside_make(),
     )  # fmt: skip
 
@@ -162,6 +162,16 @@ def test_make_run_ends_naming_the_report_when_snakemake_succeeded_and_not_after_
     assert stopped.returncode != 0 and "report:" not in stopped.stdout, stopped.stdout
     other = make_run_with_snakemake_exiting(tmp_path, 0, "results/demo/train/model.pt")
     assert other.returncode == 0 and "report:" not in other.stdout, "a run asked for no report names none"
+
+
+def test_a_dry_run_through_make_names_no_report(tmp_path):
+    """make run SNAKEMAKE_ARGS=-n plans the run and writes nothing: an old report beside it is not its."""
+    report = tmp_path / "results" / "report.html"
+    report.parent.mkdir()
+    report.write_text("<html></html>")
+    for args in ("-n", "--dry-run", "-n --forcerun train"):
+        dry = make_run_with_snakemake_exiting(tmp_path, 0, "results/report.html", f"SNAKEMAKE_ARGS={args}")
+        assert dry.returncode == 0 and "report:" not in dry.stdout, (args, dry.stdout)
 
 
 def test_a_console_that_has_gone_ends_the_console_lines_not_the_stage_and_is_not_reported_per_line(

@@ -370,3 +370,56 @@ def test_gpu_busy_in_the_steps_but_idle_around_them_is_not_called_underused():
         "mean GPU util 40 %" in found["low_gpu_util"].measured
         and "during the training steps" in found["low_gpu_util"].measured
     )
+
+
+def paced_run(slow_from: int, other_cpu: float, slow_factor: float = 5.0):
+    """6 epochs of 20 steps on 2 ranks at 0.5 s a step, epochs from `slow_from` on `slow_factor` x slower;
+    one system sample a second: the job's own processes at 45 % of the machine throughout, other
+    processes at 5 % before `slow_from` and `other_cpu` % from there."""
+    frames, t = [], 1_700_000_000.0
+    for epoch in range(6):
+        step_s = 0.5 * (slow_factor if epoch >= slow_from else 1.0)
+        rows = make_steps({0: 0.02, 1: 0.03}, epochs=1, steps=20, step_s=step_s, t0=t)
+        frames.append(rows.assign(epoch=epoch))
+        t = float(rows["time"].max()) + 3.0  # validation and the checkpoint
+    steps = pd.concat(frames, ignore_index=True)
+    starts = (steps["time"] - steps["wall_s"]).groupby(steps["epoch"]).min()
+    times = pd.Series(range(int(starts.iloc[0]), int(t)), dtype=float)
+    later = times >= starts[slow_from]
+    own = pd.Series(45.0, index=times.index)
+    system = pd.DataFrame({"time": times, "cpu_percent": own + 5.0 + later * (other_cpu - 5.0), "job_cpu_percent": own})
+    return steps, system.assign(iowait_percent=1.0, disk_read_mb_s=10.0, rss_mb=900.0)
+
+
+def test_other_processes_are_named_when_their_load_coincides_with_slow_epochs():
+    from rectrain.report import slowdown
+
+    steps, system = paced_run(slow_from=4, other_cpu=50.0)
+    f = slowdown.other_processes(steps, system, REPORT)
+    assert f.id == "other_processes" and f.severity == "warning"
+    assert f.title == (
+        "Other processes slowed training: epochs 4-5 ran at 0.2x the other epochs' rate while other processes "
+        "used 50 % of the CPUs"
+    )
+    assert "other processes used 50 % of the machine's CPUs then and 5 % in the other epochs" in f.measured
+    assert "this run's own processes 45 % and 45 %" in f.measured
+    assert "report.slow_epoch_ratio = 0.7" in f.threshold and "report.other_cpu_percent = 25 %" in f.threshold
+    found = diagnose(steps, system, make_run(gpus=0), {"train": make_manifest("train")}, REPORT,
+                     paced=[f])  # fmt: skip
+    assert "other_processes" in [x.id for x in found] and "no_problems" not in [x.id for x in found]
+
+
+@pytest.mark.parametrize(
+    ("slow_from", "other_cpu", "slow_factor", "why"),
+    [
+        (4, 5.0, 5.0, "slow epochs, but no other load: something else slowed them"),
+        (4, 50.0, 1.0, "other load, but no epoch slowed"),
+        (4, 20.0, 5.0, "other processes at 20 % of the CPUs: under report.other_cpu_percent"),
+    ],
+)
+def test_other_processes_are_not_named_without_both_a_slowdown_and_their_load(slow_from, other_cpu, slow_factor, why):
+    from rectrain.report import slowdown
+
+    steps, system = paced_run(slow_from, other_cpu, slow_factor)
+    assert slowdown.other_processes(steps, system, REPORT) is None, why
+    assert slowdown.other_processes(steps, system.drop(columns="job_cpu_percent"), REPORT) is None

@@ -199,7 +199,7 @@ def test_a_killed_run_on_this_host_is_shown_killed_with_the_training_left(tmp_pa
     monkeypatch.chdir(tmp_path)
     assert live.main([]) == 0
     html = (tmp_path / "results/demo/live.html").read_text()
-    assert 'class="live-killed"' in html and "Killed: at epoch 2 (of 4) step 5/20" in html
+    assert 'class="live-killed"' in html and "Killed at epoch 2 (of 4) step 5/20" in html
     assert f"{inprogress.duration(17.5)} of training left when it goes on" in html
 
 
@@ -214,7 +214,7 @@ def test_before_training_wrote_run_json_the_command_says_so_in_one_line(tmp_path
 @pytest.mark.parametrize(
     ("name", "state", "headline"),
     [
-        ("stopped.json", "stopped", "Stopped: at epoch 2 (of 4) step 5/20"),
+        ("stopped.json", "stopped", "Stopped at epoch 2 (of 4) step 5/20"),
         ("diverged.json", "diverged", "Diverged: stopped at epoch 2 step 5"),
     ],
 )
@@ -238,3 +238,20 @@ def test_a_run_that_stopped_or_diverged_in_this_launch_is_shown_so(tmp_path, mon
         assert "rank 0: training diverged at epoch 2 step 5" in html
     else:
         assert "stopped cleanly (SIGTERM" in html and "of training left when it goes on" in html
+
+
+def test_a_stopped_run_whose_run_json_snakemake_removed_is_read_from_its_live_copy(tmp_path, monkeypatch):
+    """Snakemake removes a stopped or failed job's outputs, run.json among them; training's copy in
+    telemetry/ survives (rectrain.train.telemetry.LIVE_RUN_JSON), and the page reads it: the Stopped
+    banner and the epochs so far, not "no training has started yet"."""
+    train = live_run(tmp_path, host=socket.gethostname(), torn=False)
+    (train / "run.json").rename(train / "telemetry" / "run.json")
+    (train / "checkpoints").mkdir()
+    stopped = {"time": "2026-12-03T09:30:00+00:00", "signal": "SIGTERM", "after": "epoch 2 step 5"}
+    (train / "checkpoints" / "stopped.json").write_text(json.dumps(stopped))
+    monkeypatch.chdir(tmp_path)
+    assert live.main([]) == 0
+    html = (tmp_path / "results/demo/live.html").read_text()
+    assert 'class="live-stopped"' in html and "Stopped at epoch 2 (of 4) step 5/20" in html
+    table = html[html.index('<section id="learning">') : html.index('<section id="classes">')]
+    assert table.count("<tr") == 3, "epochs 0 and 1 so far"

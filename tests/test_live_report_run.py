@@ -108,6 +108,6 @@ def test_a_run_in_progress_and_then_killed_renders_its_banner_and_epochs_so_far(
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     dom = chromium(tmp_path, "--dump-dom", (work / "results/demo/live.html").as_uri()).stdout
     head = banner(dom)
-    assert 'class="live-killed"' in head and re.search(rf"Killed: at epoch 1 \(of {EPOCHS}\) step \d/{STEPS}", head)
+    assert 'class="live-killed"' in head and re.search(rf"Killed at epoch 1 \(of {EPOCHS}\) step \d/{STEPS}", head)
     assert "no process on this host" in head and "of training left when it goes on" in head
     assert learning_rows(dom) == ["0"]

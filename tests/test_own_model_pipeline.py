@@ -27,6 +27,7 @@ from helpers import (
     tiny_demo,
     tiny_train,
 )
+from helpers.browser import CHROMIUM, NO_CHROMIUM, chromium
 
 from rectrain.snakefile import runs
 from rectrain.train.lifecycle import faults
@@ -66,10 +67,29 @@ def dry_run(work) -> set[str]:
     return set(scheduled_rules(proc.stdout))
 
 
+LIVE = "results/demo/live.html"
+
+
+def make(work, *targets, timeout=300):
+    """This checkout's Makefile run in `work`, with the test interpreter's environment as its VENV."""
+    venv = VENV_BIN.parent
+    cmd = ["make", "-f", str(REPO / "Makefile"), "-o", f"{venv}/.installed", f"VENV={venv}", *targets]
+    return subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout)
+
+
+def rendered(tmp_path, page) -> tuple[str, list[str]]:
+    """A live page's banner and the epochs of its epoch table, as Chromium renders it."""
+    dom = chromium(tmp_path, "--dump-dom", page.as_uri()).stdout
+    start = dom.index('<div id="live-banner"')
+    table = dom[dom.index('<section id="learning">') : dom.index('<section id="classes">')]
+    return dom[start : dom.index("</div>", start)], re.findall(r"<tr[^>]*>\s*<td>(\d+)", table)
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    """The tiny pipeline with the test's own model, stopped by `make stop` inside epoch 1 (the run ends in
-    one line, status 75) and finished by the same command."""
+    """The tiny pipeline with the test's own model, its live page built while rank 0 waits after epoch
+    1's second step (faults.PAUSE_AT_ENV: until a stop signal), stopped there by `make stop` (the run ends
+    in one line, status 75), and finished by the same command."""
     work = copy_workflow(tmp_path_factory.mktemp("own_model"))
     shutil.copytree(REPO / "tests" / "helpers" / "own_model", work / "nets")
     (work / "own.yaml").write_text(yaml.safe_dump(TINY))
@@ -91,6 +111,8 @@ def work(tmp_path_factory):
                              "--config", "dataset=other"], cwd=work, env=env, capture_output=True, text=True,
                             timeout=600)  # fmt: skip
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    built = make(work, "live", "CONFIG=own.yaml")
+    assert built.returncode == 0 and "In progress: epoch 1 (of 2)" in built.stderr, built.stdout + built.stderr
     # `make stop` from another shell: SIGTERM to the Snakemake process of each run registered in this folder
     stop = subprocess.run(["make", "-f", str(REPO / "Makefile"), "stop"], cwd=work, env=env, capture_output=True,
                           text=True)  # fmt: skip
@@ -104,10 +126,27 @@ def work(tmp_path_factory):
     assert first.returncode == EXIT_STOPPED and "Error in rule" not in out, out[-8000:]
     assert out.strip().splitlines()[-1].startswith("[rectrain] stopped on SIGTERM after epoch 1 step "), out[-3000:]
     assert out.strip().endswith(f"continue at {stopped_at} (exit status 75: stopped, resumable)"), out[-3000:]
+    # the live page the run left behind (made again as it ended), and `make live` after `make stop`
+    shutil.copy(work / LIVE, work / "left-behind.html")
+    again = make(work, "live", "CONFIG=own.yaml")
+    assert again.returncode == 0, again.stdout + again.stderr
+    shutil.copy(work / LIVE, work / "make-live.html")
     rerun = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"continuing at {stopped_at}" in log_file.read_text()
     return work
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+def test_after_make_stop_the_live_page_left_behind_and_make_live_show_the_stopped_banner_and_epoch_0(work, tmp_path):
+    """Snakemake removed the stopped job's outputs (run.json among them); the page the run left behind
+    was made again as it ended, and `make live` after `make stop` reads what survives: both say Stopped
+    at the step it stopped (no stale "In progress"), with epoch 0's row, in Chromium."""
+    stopped_at = re.search(r"continuing at epoch 1 step (\d+)", (work / "logs/train/demo.log").read_text()).group(1)
+    for page in ("left-behind.html", "make-live.html"):
+        banner, epochs = rendered(tmp_path, work / page)
+        assert 'class="live-stopped"' in banner and f"Stopped at epoch 1 (of 2) step {stopped_at}/9" in banner, banner
+        assert "In progress" not in banner and epochs == ["0"], (page, epochs)
 
 
 def test_own_model_trains_over_two_processes_resumes_after_make_stop_is_evaluated_and_reported(work):

@@ -1,10 +1,12 @@
 """The report built from synthetic stage outputs: every section, escaped user data, no external URLs."""
 
 import base64
+import dataclasses
 import html as html_module
 import io
 import json
 import re
+from html import unescape
 from html.parser import HTMLParser
 
 import pandas as pd
@@ -441,9 +443,9 @@ def test_full_run_shows_worst_best_confused_and_a_finder_for_every_class(full_ru
 
 
 def test_time_projection_from_a_run_of_known_throughput(tmp_path):
-    """2 ranks x 32 images per 0.5 s step = 128 img/s steady; 2 epochs of 20 steps; evaluation 400 img/s on
-    40 images (helpers.synthetic_run); full ImageNet: 1,281,167 train and 50,000 val images (its
-    4 classes are WordNet ids: a subset of ImageNet)."""
+    """2 ranks x 32 images per 0.5 s step; 2 epochs of 20 steps, 10 s each in epochs.csv: 128 img/s over the
+    finished epochs' wall clock; evaluation 400 img/s on 40 images (helpers.synthetic_run); full ImageNet:
+    1,281,167 train and 50,000 val images (its 4 classes are WordNet ids: a subset of ImageNet)."""
     from rectrain.report.projection import project
 
     paths = write_run(tmp_path)
@@ -456,16 +458,54 @@ def test_time_projection_from_a_run_of_known_throughput(tmp_path):
     assert (p.imagenet.train_images, p.imagenet.val_images, p.imagenet.epochs) == (1_281_167, 50_000, 2)
     assert p.imagenet.train_s == pytest.approx(1_281_167 / 128) and p.imagenet.val_s == pytest.approx(125.0)
     assert p.imagenet.run_s == pytest.approx(2 * (1_281_167 / 128 + 125))  # 20,268.2 s
-    assert p.measured_run_s == 20 * 60 and p.measured_train_s == 30.0
+    assert p.measured_run_s == 20 * 60 and p.measured_train_s == 10.0 and p.wall_clock
 
     html = report_html(data, config(), repo=tmp_path)
     summary = html[html.index('<section id="summary">') : html.index('<section id="diagnosis">')]
     head = summary[summary.index('<div id="projection">') :]
     assert head.index("full ImageNet, 2 epochs<b>5 h 37 min</b><small>2 h 48 min per epoch") < head.index("<table>")
     assert "this run, 2 epochs<b>20 s</b><small>10 s per epoch" in head
-    assert "At the measured steady <b>128.0 img/s</b>" in head and "the evaluate stage's 400.0 img/s" in head
+    assert "At the measured <b>128.0 img/s</b> (the headline throughput: the finished epochs' wall clock" in head
+    assert "the evaluate stage's 400.0 img/s" in head
     assert "(1,281,167 train and 50,000 val images)" in head
     assert "(2 h 46 min training, 2 min 05 s validation)" in head  # 10,009 s and 125 s
+
+
+def test_one_headline_throughput_defined_on_the_page_and_the_projection_uses_the_epochs_wall_clock(tmp_path):
+    """The steps ran at 128 img/s steady, but the epochs took 40 s each on the wall clock (another program
+    ran: epochs.csv says so, 32 img/s): the headline, the projection and the time for full ImageNet all use
+    32 img/s; the other rates are labelled for what they are."""
+    from rectrain.report.projection import project
+
+    paths = write_run(tmp_path)
+    epochs_csv = paths["train"] / "epochs.csv"
+    pd.read_csv(epochs_csv).assign(wall_s=40.0, images_per_s=1280 / 40.0).to_csv(epochs_csv, index=False)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    p = project(data.steps, data.epochs, data.run, data.metrics)
+    assert p.train_img_s == pytest.approx(32.0) and p.run.train_s == pytest.approx(40.0)
+    assert p.imagenet.train_s == pytest.approx(1_281_167 / 32.0)
+    html = report_html(data, config(), repo=tmp_path)
+    summary = html[html.index('<section id="summary">') : html.index('<section id="time-to-accuracy">')]
+    kpi = summary[summary.index('id="headline-throughput"') :]
+    assert kpi.startswith('id="headline-throughput">training<b>32.0 img/s</b>')
+    assert set(re.findall(r"<b>([\d.]+) img/s</b>", summary)) == {"32.0"}, "one throughput in bold: the headline"
+    defined = unescape(summary[summary.index('id="throughput-defined"') :])
+    assert "<b>32.0 img/s</b>: images trained per second of the finished epochs' wall clock" in defined
+    assert "128.0 img/s steady (each epoch's first step left out" in defined
+    assert "At the measured <b>32.0 img/s</b>" in summary and "steady training<b>" not in summary
+
+
+def test_a_live_page_without_a_finish_time_or_finished_epochs_has_no_stray_dash(tmp_path):
+    from rectrain.report.projection import project
+
+    paths = write_run(tmp_path, run_overrides={"finished": None})
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    data = dataclasses.replace(data, epochs=data.epochs.iloc[:0])
+    p = project(data.steps, data.epochs, data.run, data.metrics)
+    assert not p.wall_clock and p.train_img_s == pytest.approx(128.0), "steady, until an epoch has finished"
+    html = report_html(data, config(), repo=tmp_path)
+    assert "(measured: -" not in html and "- from start to finish" not in html
+    assert "steady, all 2 rank(s): no epoch has finished yet" in html
 
 
 def test_no_imagenet_projection_for_a_run_of_imagenet_size(tmp_path):
@@ -499,6 +539,7 @@ def progressive_run(tmp_path):
     steps.loc[steps["epoch"] >= 2, "wall_s"] = 0.75
     steps.to_csv(steps_csv, index=False)
     epochs = pd.read_csv(epochs_csv).assign(resolution=[160, 160, 192, 192], wall_s=[10.0, 10.0, 15.0, 15.0])
+    epochs = epochs.assign(images_per_s=1280 / epochs["wall_s"])  # 2 ranks x 20 steps x 32 images an epoch
     epochs.to_csv(epochs_csv, index=False)
     run = json.loads((paths["train"] / "run.json").read_text())
     (paths["train"] / "run.json").write_text(json.dumps({**run, "epochs": 4, "image_size": 192}))
@@ -522,7 +563,7 @@ def test_without_a_resolution_column_every_epoch_counts_at_train_image_size(tmp_
     paths = write_run(tmp_path)
     data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
     rows = per_resolution(data.steps, data.epochs, data.run)
-    assert [(r.resolution, r.epochs, r.epoch_s) for r in rows] == [(64, 2, 30.0)]
+    assert [(r.resolution, r.epochs, r.epoch_s) for r in rows] == [(64, 2, 10.0)]
     assert rows[0].train_img_s == pytest.approx(128.0)
     html = report_html(data, config(), repo=tmp_path)
     panel = html[html.index('<section id="time-to-accuracy">') : html.index('<section id="diagnosis">')]
@@ -692,3 +733,45 @@ def test_the_recipe_as_it_ran_shows_what_each_mechanic_changed_and_each_paramete
     assert "layer1.*.bn2.weight (2)" in section and "fc.bias (1)" in section
     assert '<td class="num">0.025</td><td class="num">5e-05</td>' in section
     assert 'id="recipe-as-run"' not in render(tmp_path / "old")  # a run.json from before: no section
+
+
+def test_a_subset_of_the_demo_is_called_that_not_a_part_of_imagenets_1000_classes(tmp_path):
+    """The demo's 10 classes are ImageNet wnids, yet a run of 4 of them is no part of full ImageNet: the
+    page says 4 of the demo's 10 (index.classes a list); a list the raw set was not asked to be ImageNet
+    for says only how many were chosen."""
+    from rectrain.data import demo
+
+    paths = write_run(tmp_path)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    wnids = [w for w, _ in demo.class_list(10)][:4]
+    data = dataclasses.replace(data, classes=pd.DataFrame({"label": range(4), "wnid": wnids, "name": [""] * 4}))
+    html = report_html(data, {**config(), "demo": {"classes": 10}, "index": {"classes": wnids}}, repo=tmp_path)
+    assert "<b>A subset:</b> 4 of the demo's 10 classes" in unescape(html) and "of 1000 ImageNet" not in html
+    own = {**config(), "raw": str(tmp_path / "raw"), "index": {"classes": wnids}}
+    assert "<b>A subset:</b> 4 classes chosen by index.classes" in report_html(data, own, repo=tmp_path)
+
+
+def test_with_few_classes_the_worst_and_the_best_classes_share_no_row(tmp_path):
+    """4 classes and classes_shown 10: the two worst and the two best, not all four twice."""
+    html = render(tmp_path)
+    worst = html[html.index('id="worst-classes"') : html.index('id="best-classes"')]
+    best = html[html.index('id="best-classes"') : html.index('id="confused-pairs"')]
+    rows = lambda part: set(re.findall(r"<tr><td>(\d+)</td>", part))  # noqa: E731
+    assert "Worst classes (2 of 4)" in worst and "Best classes (2 of 4)" in best
+    assert len(rows(worst)) == len(rows(best)) == 2 and not rows(worst) & rows(best)
+
+
+def test_the_utilization_table_splits_the_busy_cpu_into_the_runs_processes_and_others(tmp_path):
+    """system.csv's job_cpu_percent (the run's own processes) beside cpu_percent (the machine's); a
+    system.csv written before the column existed shows no split."""
+    paths = write_run(tmp_path)
+    system_csv = paths["train"] / "system.csv"
+    system = pd.read_csv(system_csv)
+    system.assign(job_cpu_percent=20.0).to_csv(system_csv, index=False)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    html = unescape(report_html(data, config(), repo=tmp_path))
+    others = system["cpu_percent"].mean() - 20.0
+    assert f'this run\'s processes / other processes (mean)</th><td class="n">20.0 % / {others:.1f} %' in html
+    system.to_csv(system_csv, index=False)
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    assert 'id="cpu-split"' not in report_html(data, config(), repo=tmp_path)

@@ -87,7 +87,7 @@ def test_only_the_chosen_classes_and_images_are_packed_trained_and_evaluated(wor
     assert all(r["source"].startswith(f"archives/ILSVRC2012_img_train.tar::{r['wnid']}.tar::") for r in train)
     assert "kept 3 of 5 classes, at most 5 train images per class: 15 of 40 train images, 6 of 10 val images" in log
     html = (results / "report.html").read_text()
-    assert "<b>A subset:</b> 3 of 1000 ImageNet classes, at most 5 images per class" in html
+    assert "<b>A subset:</b> 3 classes chosen by index.classes, at most 5 images per class" in html
 
 
 @pytest.mark.skipif(not MXPY.exists(), reason=".venv-mxnet is missing: build it with `make mxnet-env`")

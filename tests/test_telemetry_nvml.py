@@ -163,6 +163,7 @@ def test_unsupported_field_stays_empty_and_the_sampler_keeps_writing(fake_nvml, 
         "iowait_percent",
         "disk_read_mb_s",
         "rss_mb",
+        "job_cpu_percent",
         "gpu0_util",
         "gpu0_mem_used_mb",
         "gpu0_mem_total_mb",
@@ -180,7 +181,7 @@ def test_unsupported_field_stays_empty_and_the_sampler_keeps_writing(fake_nvml, 
 def test_hidden_gpus_give_no_gpu_columns_and_no_crash(fake_nvml, monkeypatch, tmp_path, visible):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     s = telemetry.SystemSampler(tmp_path / "system.csv", 0.05, None, [psutil.Process()])
-    assert s.columns == ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb"]
+    assert s.columns == ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb", "job_cpu_percent"]
     s.start()
     s.stop()
     assert telemetry.gpu_inventory() == []
@@ -203,7 +204,14 @@ def test_without_nvml_the_sampler_writes_cpu_columns_only(monkeypatch, tmp_path)
     s.stop()
     with open(tmp_path / "system.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert rows and list(rows[0]) == ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb"]
+    assert rows and list(rows[0]) == [
+        "time",
+        "cpu_percent",
+        "iowait_percent",
+        "disk_read_mb_s",
+        "rss_mb",
+        "job_cpu_percent",
+    ]
     assert rows[0]["disk_read_mb_s"] == "" and float(rows[0]["rss_mb"]) > 10
     assert telemetry.gpu_inventory() == []
 

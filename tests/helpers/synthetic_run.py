@@ -229,6 +229,15 @@ def make_per_class(classes: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+def consistent_epochs(epochs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """epochs.csv's wall_s and images_per_s as training writes them for these steps: each epoch's step
+    time (rank 0's) and all ranks' images over it."""
+    first = steps[steps["rank"] == steps["rank"].min()]
+    wall = first.groupby("epoch")["wall_s"].sum()
+    images = steps.groupby("epoch")["images"].sum()
+    return epochs.assign(wall_s=epochs["epoch"].map(wall), images_per_s=epochs["epoch"].map(images / wall))
+
+
 def write_run(
     root: Path,
     *,
@@ -258,9 +267,10 @@ def write_run(
     bench = root / "benchmarks"
     for d in (train, ev, pack, index, bench):
         d.mkdir(parents=True, exist_ok=True)
-    make_steps(wait_share, epochs=epochs, steps=steps).to_csv(train / "steps.csv", index=False)
+    step_rows = make_steps(wait_share, epochs=epochs, steps=steps)
+    step_rows.to_csv(train / "steps.csv", index=False)
     make_system(samples, gpus=gpus, iowait=iowait, cpu=cpu).to_csv(train / "system.csv", index=False)
-    make_epochs(epochs).to_csv(train / "epochs.csv", index=False)
+    consistent_epochs(make_epochs(epochs), step_rows).to_csv(train / "epochs.csv", index=False)
     n_gpus = len(gpus or {})
     run = make_run(world_size=len(wait_share), gpus=n_gpus, rotational=rotational, **(run_overrides or {}))
     (train / "run.json").write_text(json.dumps(run))

@@ -39,11 +39,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rectrain import cli, distributed, usage, watchdog, weights
+from rectrain import chance, cli, distributed, usage, watchdog, weights
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.data import pairowner
 from rectrain.loaders import IMAGENET_PREPROCESS, LoaderSpec, Preprocess, build_loader, eval_resize_for, resolve_workers
+from rectrain.log import CONSOLE_LINE
 from rectrain.metrics import Tally, all_reduce, tally
 from rectrain.progress import Progress
 from rectrain.settings import EvaluateSettings
@@ -368,6 +369,7 @@ def run(
             m["weights"] = str(weights_file)
         # num_classes: top-5 of 5 classes or fewer is 1.0 by construction; usage: this stage's own CPU and memory
         m.update(num_classes=int(tallies[0].confusion.shape[0]), usage=used)
+        m["at_chance"] = at_chance(m["top1"], tallies[0].confusion, ckpt)
         write_outputs(Path(out), m, per_class(tallies[0].confusion, classes))
         if weights_file and weights_json:
             weights.write_json(weights_file, weights_json, weights_evaluation(m))
@@ -379,9 +381,23 @@ def run(
         distributed.teardown()
 
 
+def at_chance(top1: float, confusion: torch.Tensor, ckpt: dict) -> dict | None:
+    """metrics.json's and weights.json's `at_chance` (rectrain.chance): the verdict on a run whose top-1 is
+    within noise of chance after training long enough to learn, logged to the console too; else None.
+    The checkpoint's LR schedule has counted its optimizer steps (LambdaLR's last_epoch)."""
+    steps = int((ckpt.get("scheduler") or {}).get("last_epoch") or 0)
+    verdict = chance.judge(top1, confusion.sum(dim=1).tolist(), int(ckpt.get("epoch", -1)) + 1, steps)
+    if verdict is None:
+        return None
+    log.warning("%s", verdict.line(), extra=CONSOLE_LINE)
+    return verdict.as_dict()
+
+
 def weights_evaluation(m: dict) -> dict:
-    """What weights.json records of this evaluation: the headline top-1/top-5 and every test resolution's."""
+    """What weights.json records of this evaluation: the headline top-1/top-5 and every test resolution's,
+    and `at_chance` (null unless the run is at chance: rectrain.chance)."""
     return {
+        "at_chance": m.get("at_chance"),
         "top1": m["top1"],
         "top5": m["top5"],
         "val_images": m["images"],

@@ -19,6 +19,11 @@ its own stderr (RELAY_ENV, rectrain.snakefile.console), so they are on the conso
 terminal, a file or a pipe (`> run.log 2>&1`, nohup), one line each, in the order they came; without
 one, to the terminal the process still has (/dev/tty, and by its own path, RECTRAIN_TTY, in torchrun's
 ranks, which run in sessions of their own).  RECTRAIN_CONSOLE=0 turns that off.
+
+A stage that fails ends Snakemake's console with its cause in one line (rectrain.snakefile.causes): under
+a Snakemake process that asks for it (CAUSE_ENV, a folder), each stage process writes the first line of
+its first error record there, with the log file its stderr goes to - a rule's log - so that the
+Snakemake process can say, after its own error block, why the job failed.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextlib
 import datetime
 import fcntl
 import functools
+import json
 import logging
 import math
 import os
@@ -46,6 +52,8 @@ TTY_ENV = "RECTRAIN_TTY"
 RELAY_ENV = "RECTRAIN_CONSOLE_RELAY"
 # `log.info(..., extra=CONSOLE_LINE)`: a line for the console too, not only the stage's log.
 CONSOLE_LINE = {"console": True}
+# The Snakemake process's folder for failing stages' one-line causes (rectrain.snakefile.causes).
+CAUSE_ENV = "RECTRAIN_CAUSES"
 
 
 _BIDI = "\u202a-\u202e\u2066-\u2069"
@@ -164,6 +172,46 @@ def console_handler(tag: str, elapsed: bool) -> logging.Handler | None:
     return handler
 
 
+def stderr_file() -> str | None:
+    """The file this process's stderr is written to (a rule's log), where the system names it (Linux's
+    /proc); None for a terminal, a pipe or elsewhere."""
+    with contextlib.suppress(OSError):
+        path = os.path.realpath(f"/proc/{os.getpid()}/fd/2")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+class _CauseHandler(logging.Handler):
+    """The first error record of this process, its first line, as <folder>/<time>-<pid>.json: `line`,
+    `log` (stderr_file) and `time` - what rectrain.snakefile.causes repeats at the end of the console."""
+
+    def __init__(self, folder: str, formatter: logging.Formatter):
+        super().__init__(logging.ERROR)
+        self.folder, self.written = folder, False
+        self.setFormatter(formatter)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.written:
+            return
+        self.written = True
+        plain = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        first = (self.format(plain).splitlines() or [""])[0]
+        cause = {"line": first, "log": stderr_file(), "time": record.created}
+        path = os.path.join(self.folder, f"{time.time_ns()}-{os.getpid()}.json")
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(cause, f)
+            os.replace(path + ".tmp", path)  # whole or absent for its reader
+
+
+def cause_handler(tag: str, elapsed: bool) -> logging.Handler | None:
+    """The handler that leaves this process's first error for the Snakemake process (CAUSE_ENV), when
+    one asked for it; None otherwise."""
+    folder = os.environ.get(CAUSE_ENV)
+    return _CauseHandler(folder, _StageFormatter(tag, elapsed)) if folder and os.path.isdir(folder) else None
+
+
 def setup(tag: str, elapsed: bool = False, level: int = logging.INFO, console_tag: str = "") -> logging.Logger:
     """Configure the `rectrain` logger for a stage process and return it.  `tag` '' prints bare lines;
     `console_tag`: the tag of the terminal's progress lines (default `tag`; a terminal shows several
@@ -171,10 +219,13 @@ def setup(tag: str, elapsed: bool = False, level: int = logging.INFO, console_ta
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_StageFormatter(tag, elapsed))
     console = console_handler(console_tag or tag or "rectrain", elapsed)
+    cause = cause_handler(console_tag or tag or "rectrain", elapsed)
     # "__main__" too: a module run with `python -m` logs under that name, not under rectrain.*.
     for name in ("rectrain", "__main__"):
         logger = logging.getLogger(name)
-        logger.handlers[:] = [handler] + ([console] if console and name == "rectrain" else [])
+        logger.handlers[:] = (
+            [handler] + ([console] if console and name == "rectrain" else []) + ([cause] if cause else [])
+        )
         logger.setLevel(level)
         logger.propagate = False
     return logging.getLogger("rectrain")

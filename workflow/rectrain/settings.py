@@ -134,6 +134,7 @@ class TrainStops(_View):
     stop_signals: list
     keep_replaced: int
     nonfinite_steps: int
+    allow_chance: bool
     checkpoint_interval_min: float
 
 
@@ -247,6 +248,8 @@ class ReportSettings(_View):
     gpu_util_low: float
     input_efficiency: float
     cpu_busy_percent: float
+    slow_epoch_ratio: float
+    other_cpu_percent: float
     classes_shown: int
     min_steps_per_epoch: int
     chance_factor: float

@@ -12,7 +12,7 @@ from rectrain.config import ConfigError
 from rectrain.driver_check import DEVICES_ENV
 from rectrain.snakefile.checks import check_config
 from rectrain.snakefile.datasets import refuse_demo_name_for_own_data
-from rectrain.snakefile.hooks import on_start, on_success
+from rectrain.snakefile.hooks import on_start, on_success, watch as watch_run
 from rectrain.snakefile.jobenv import export_operational, prepare_job_env
 from rectrain.snakefile.modelcheck import check_model
 from rectrain.snakefile.params import block_params, index_classes_file, report_params
@@ -34,6 +34,10 @@ try:
     check_model(TRAIN.network, TRAIN.resolution.image_size, f"results/{config['dataset']}/index/classes.tsv")
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
+
+# The run's end, whatever ran (rectrain.snakefile.hooks): the live report made again, each failed job's
+# cause, a run at chance's line and exit status, the report's path - the console's last lines.
+watch_run(workflow)
 
 
 # Once the jobs are planned and before the first starts (nothing removed yet): train.devices against

@@ -10,9 +10,9 @@ import jinja2
 import pandas as pd
 import yaml
 
-from rectrain.data.subset import imagenet_1k
+from rectrain.data.subset import imagenet_1k, shipped
 from rectrain.log import duration
-from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions
+from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions, slowdown
 from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
 from rectrain.report.stats import (
@@ -103,6 +103,20 @@ def training_rates(steps: pd.DataFrame, eff: efficiency.Efficiency | None = None
     }
 
 
+def headline(data: RunData) -> dict:
+    """The page's one headline throughput (projection.HEADLINE): the finished epochs' wall-clock rate,
+    else (no epoch finished yet) the steady rate so far, and its definition; `steady`: all ranks'
+    steady rate (each epoch's first step left out), labelled as such beside it."""
+    rate = projection.wall_clock_rate(data.epochs)
+    steady = sum(efficiency.steady_rates(data.steps).values()) or None
+    return {
+        "img_s": rate if rate is not None else steady,
+        "wall_clock": rate is not None,
+        "steady": steady,
+        "definition": projection.HEADLINE,
+    }
+
+
 def efficiency_headline(eff: efficiency.Efficiency, steps: pd.DataFrame) -> dict:
     """The Throughput section's headline: input efficiency overall (at most 1: above it, what was
     measured and its spread say it is noise) and the data-wait share beside it."""
@@ -141,6 +155,7 @@ def utilization(system: pd.DataFrame) -> dict:
         "gpus": gpus,
         "samples": len(system),
         "cpu_mean": stat("cpu_percent", pd.Series.mean),
+        "job_cpu_mean": stat("job_cpu_percent", pd.Series.mean),  # the run's own processes (same scale)
         "iowait_mean": stat("iowait_percent", pd.Series.mean),
         "iowait_p90": stat("iowait_percent", lambda s: s.quantile(0.9)),
         "read_mean": stat("disk_read_mb_s", pd.Series.mean),
@@ -163,16 +178,17 @@ def class_table(per_class: pd.DataFrame, classes: pd.DataFrame) -> pd.DataFrame:
 
 
 def class_views(table: pd.DataFrame, n: int) -> dict[str, pd.DataFrame]:
-    """Worst and best n classes, the n most-confused pairs (a class and the one it is most often taken
+    """Worst and best n classes (at most half the classes each), the n most-confused pairs (a class and the one it is most often taken
     for, by count), and every class sorted by wnid (the class finder)."""
     if table.empty:
         return {k: table for k in ("worst", "best", "confused", "all")}
     count = pd.to_numeric(table["most_confused_count"], errors="coerce")
     images = pd.to_numeric(table["images"], errors="coerce")
     pairs = table.assign(count=count, share=count / images.where(images > 0))
+    ends = min(n, len(table) // 2)  # with few classes, each half: the worst and the best never share a row
     return {
-        "worst": table.sort_values(["accuracy", "label"]).head(n),
-        "best": table.sort_values(["accuracy", "label"], ascending=[False, True]).head(n),
+        "worst": table.sort_values(["accuracy", "label"]).head(ends),
+        "best": table.sort_values(["accuracy", "label"], ascending=[False, True]).head(ends),
         "confused": pairs[pairs["count"] > 0].sort_values(["count", "label"], ascending=[False, True]).head(n),
         "all": table.sort_values(["wnid", "label"]),
     }
@@ -315,16 +331,20 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
     }
 
 
-def subset_scope(classes: pd.DataFrame, index) -> str | None:
+def subset_scope(classes: pd.DataFrame, index, demo_classes: int | None = None) -> str | None:
     """What part of its raw set a run of index.classes / index.per_class (the index block's view) saw, in
-    words - "100 of 1000 ImageNet classes, at most 260 images per class" - or None for the whole set."""
+    words - "100 of 1000 ImageNet classes, at most 260 images per class" - or None for the whole set.
+    Of ImageNet's 1000 only for a list shipped for ImageNet (index.classes: imagenet100); of the demo's
+    own `demo_classes` for the generated demo (raw null); else as chosen."""
     if index.classes is None and index.per_class is None:
         return None
     wnids = set(classes["wnid"].astype(str)) if "wnid" in classes else set()
     if index.classes is None:
         scope = f"all {len(wnids)} classes"
-    elif wnids and wnids <= imagenet_1k():
+    elif isinstance(index.classes, str) and index.classes in shipped() and wnids and wnids <= imagenet_1k():
         scope = f"{len(wnids)} of {projection.IMAGENET_CLASSES} ImageNet classes"
+    elif demo_classes:
+        scope = f"{len(wnids)} of the demo's {demo_classes} classes"
     else:
         scope = f"{len(wnids)} classes chosen by index.classes"
     cap = f", at most {index.per_class} images per class (training; validation whole)" if index.per_class else ""
@@ -371,6 +391,21 @@ def _plots(data: RunData, axis, views: dict) -> dict:
     }
 
 
+def findings_of(data: RunData, report: ReportSettings) -> list:
+    """The diagnosis (rectrain.report.diagnosis) with the findings on whether the run learned
+    (learning) and on epochs other processes slowed (slowdown)."""
+    return diagnose(
+        data.steps,
+        data.system,
+        data.run,
+        data.manifests,
+        report,
+        image_sizes=data.image_sizes,
+        learned=learning.findings(data, report),
+        paced=[f for f in [slowdown.other_processes(data.steps, data.system, report)] if f],
+    )
+
+
 def build(
     data: RunData,
     report: ReportSettings,
@@ -385,15 +420,7 @@ def build(
     """The report as one self-contained HTML string, from the blocks it reads (report, recipe, index: their
     views) and the dataset's name; shown: the whole config as completed, printed as YAML (no key of it is
     read); live: an unfinished run's banner (inprogress)."""
-    findings = diagnose(
-        data.steps,
-        data.system,
-        data.run,
-        data.manifests,
-        report,
-        image_sizes=data.image_sizes,
-        learned=learning.findings(data, report),
-    )
+    findings = findings_of(data, report)
     axis = plots.time_axis(data.steps, data.system)
     eff = efficiency.input_efficiency(data.steps, data.run)
     rates = training_rates(data.steps, eff)
@@ -404,11 +431,15 @@ def build(
         "title": report.title,
         "like_imagenet": like_imagenet,
         "summary": summary(data, dataset, rates),
-        "subset": subset_scope(data.classes, index),
+        "subset": subset_scope(
+            data.classes, index, (shown.get("demo") or {}).get("classes") if shown.get("raw") is None else None
+        ),
         "projection": projection.project(data.steps, data.epochs, data.run, data.metrics, like_imagenet=like_imagenet),
+        "headline": headline(data),
         **time_to_accuracy(data, recipe, like_imagenet),
         "class_columns": class_columns(data.classes),
         "findings": findings,
+        "at_chance": data.metrics.get("at_chance"),  # the evaluate stage's verdict: the first card
         "rates": rates,
         "eff": efficiency_headline(eff, data.steps),
         "util": utilization(data.system),

@@ -588,11 +588,13 @@ def diagnose(
     image_sizes: pd.DataFrame | None = None,
     *,
     learned: Iterable[Finding] = (),
+    paced: Iterable[Finding] = (),
 ) -> list[Finding]:
     """All findings, most urgent first. Exactly one 'no_problems' finding when no rule flags a problem
     (informational findings such as repaired images may accompany it). `image_sizes` (width, height of
     a sample of the packed train images) lets the resize advice quote the decode work it saves;
-    `learned`: the findings on whether the run learned (rectrain.report.learning)."""
+    `learned`: the findings on whether the run learned (rectrain.report.learning); `paced`: on epochs
+    that ran slower than the others (rectrain.report.slowdown)."""
     run, manifests = run or {}, manifests or {}
     ev = efficiency.gather(steps, system, run, manifests, image_sizes)
     found: list[Finding] = []
@@ -609,7 +611,7 @@ def diagnose(
             found.append(f)
     found += gpu_memory(system, run, report)
     found += pack_quality(manifests)
-    found += list(learned)
+    found += list(learned) + list(paced)
     if not any(f.severity in ("critical", "warning") for f in found):
         found.append(_healthy(steps, system, ev))
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))

@@ -248,6 +248,6 @@ def banner(s: Status, now: float | None = None) -> dict:
         head = f"In progress: {_at(pos)}"
         lines = [f"{done}; training ends in {left}" + (f", about {end}" if end else ""), s.why]
     else:  # stopped or killed: what is left, should it go on
-        head = f"{s.state.capitalize()}: at {_at(pos)}"
+        head = f"{s.state.capitalize()} at {_at(pos)}"
         lines = [f"{done}; {left} of training left when it goes on", s.why]
     return {"state": s.state, "headline": head, "lines": lines, "pace": _pace_words(s.pace), "status": s}

@@ -13,6 +13,7 @@ from typing import Mapping
 
 import pandas as pd
 
+from rectrain import chance
 from rectrain.advice import MORE_STEPS_FIX
 from rectrain.report.diagnosis import Finding
 from rectrain.report.inputs import RunData
@@ -74,12 +75,10 @@ def few_steps(data: RunData, report: ReportSettings) -> Finding | None:
 
 def chance_level(per_class: pd.DataFrame, n_classes: int) -> float:
     """The top-1 a model reaches without learning: the larger of 1 / classes and the share of the
-    largest val class (always answering it)."""
-    uniform = 1.0 / max(n_classes, 1)
+    largest val class (always answering it: rectrain.chance.level)."""
     if per_class.empty or "images" not in per_class:
-        return uniform
-    images = pd.to_numeric(per_class["images"], errors="coerce")
-    return max(uniform, float(images.max() / images.sum())) if images.sum() > 0 else uniform
+        return 1.0 / max(n_classes, 1)
+    return chance.level(pd.to_numeric(per_class["images"], errors="coerce").fillna(0).astype(int).tolist())
 
 
 def at_chance(data: RunData, report: ReportSettings, steps_finding: Finding | None) -> Finding | None:

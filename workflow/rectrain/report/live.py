@@ -3,8 +3,9 @@
     make live CONFIG=config/my-data.yaml     # or: python -m rectrain.report.live --configfile config/my-data.yaml
 
 The final report's page (rectrain.report.build) from what the run has written so far - the live
-telemetry under results/<ds>/train/telemetry/ (complete lines only: a row may be half-written),
-run.json and the stages before training - with a banner on where the run stands
+telemetry under results/<ds>/train/telemetry/ (complete lines only: a row may be half-written), its
+copy of run.json (Snakemake removes the published one with a stopped or failed job's outputs), the
+checkpoints' markers and the stages before training - with a banner on where the run stands
 (rectrain.report.inprogress). No Snakemake rule: it runs while Snakemake holds its lock, reads only,
 and writes live.html alone (atomically), never an output of the pipeline.
 """
@@ -12,6 +13,7 @@ and writes live.html alone (atomically), never an output of the pipeline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import time
@@ -23,7 +25,7 @@ from rectrain import atomic, cli, config, settings
 from rectrain.config import ConfigError
 from rectrain.report import build, inprogress
 from rectrain.report.inputs import RunData, load_upstream, read_complete_csv, stage_paths
-from rectrain.train.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
+from rectrain.train.telemetry import EPOCH_COLUMNS, LIVE_RUN_JSON, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +46,15 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run_json(train_dir: Path) -> dict:
-    path = train_dir / "run.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise NotStarted(
-            f"{path} is missing: no training has started yet, or it is still preparing (calibration); "
-            "start one with make run, or try again in a minute"
-        ) from None
+    """run.json as published, else its live copy in telemetry/ (LIVE_RUN_JSON): Snakemake removes a
+    stopped or failed job's outputs, run.json among them, and the copy is what survives."""
+    for path in (train_dir / "run.json", train_dir / "telemetry" / LIVE_RUN_JSON):
+        with contextlib.suppress(FileNotFoundError):
+            return json.loads(path.read_text())
+    raise NotStarted(
+        f"{train_dir / 'run.json'} is missing, and its live copy in telemetry/ too: no training has started yet, "
+        "or it is still preparing (calibration); start one with make run, or try again in a minute"
+    )
 
 
 def live_steps(telemetry: Path) -> list:

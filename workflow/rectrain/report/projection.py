@@ -1,15 +1,16 @@
 """Time projection: what the measured throughput means for the configured run and for full ImageNet.
 
 The number a user with two GPUs and a deadline wants first.  Computed from measured numbers only:
-  training   steady img/s of all ranks (steps.csv without each epoch's first step, the input
-             efficiency's real rate) over the images one epoch trains (steps.csv, padding included)
+  training   the report's one headline throughput (`wall_clock_rate`, HEADLINE): the finished epochs'
+             images over their wall clock (epochs.csv) - a slow stretch of the run counts as it took -,
+             over the images one epoch trains (steps.csv, padding included); before an epoch has
+             finished (the live report), the steady img/s of the steps so far, and the page says so
   validation the evaluate stage's img/s (metrics.json) over the val images, once per epoch
 and, for an ImageNet-like dataset only (classes named by WordNet ids: ImageNet, or a subset of its
 classes or images), the same rates over 1,281,167 train images and 50,000 val images, for the configured
-epochs (the loaders' padding to full batches, under ranks x batch images, is left out).  Loader start-up (each epoch's first
-step) and checkpoint writing are not in it; the run's measured wall time stands beside it as a check.
-Per training resolution (epochs.csv's `resolution`, else train.image_size): the steady img/s and time per
-epoch measured there, and for a run of a preset (config/recipes/, the config's `recipe` block) the source's
+epochs (the loaders' padding to full batches, under ranks x batch images, is left out).  Checkpoint writing is not in it; the run's measured wall time stands beside it as a check.
+Per training resolution (epochs.csv's `resolution`, else train.image_size): the wall-clock img/s of the
+epochs trained there (steady img/s without a finished one) and their time per epoch, and for a run of a preset (config/recipes/, the config's `recipe` block) the source's
 published top-1 beside full ImageNet's time on this hardware, each epoch at its resolution's measured rate.
 Pure functions over parsed telemetry, like diagnosis.py.
 """
@@ -27,6 +28,11 @@ from rectrain.report.efficiency import steady_rates
 from rectrain.report.stats import train_setting
 from rectrain.settings import RecipeSettings
 
+# The definition the page prints beside the headline throughput (`wall_clock_rate`).
+HEADLINE = (
+    "images trained per second of the finished epochs' wall clock: all ranks, each epoch from its start to its "
+    "last step (loader start-up included; the validation and checkpoint after it left out)"
+)
 IMAGENET_TRAIN = 1_281_167
 IMAGENET_VAL = 50_000
 IMAGENET_CLASSES = 1000
@@ -40,6 +46,17 @@ def imagenet_like(classes: pd.DataFrame) -> bool:
     if classes.empty or "wnid" not in classes or len(classes) > IMAGENET_CLASSES:
         return False
     return bool(classes["wnid"].astype(str).str.match(WNID).all())
+
+
+def wall_clock_rate(epochs_csv: pd.DataFrame) -> float | None:
+    """The report's headline throughput (HEADLINE): the finished epochs' images (epochs.csv: images_per_s
+    x wall_s, all ranks) over their wall time; None before an epoch has finished."""
+    if epochs_csv.empty or not {"images_per_s", "wall_s"} <= set(epochs_csv):
+        return None
+    rate = pd.to_numeric(epochs_csv["images_per_s"], errors="coerce")
+    wall = pd.to_numeric(epochs_csv["wall_s"], errors="coerce")
+    ok = rate.notna() & wall.notna() & (wall > 0)
+    return float((rate[ok] * wall[ok]).sum() / wall[ok].sum()) if ok.any() else None
 
 
 @dataclass(frozen=True)
@@ -63,7 +80,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class Projection:
-    train_img_s: float  # steady, all ranks
+    train_img_s: float  # the finished epochs' wall clock (HEADLINE), else steady: `wall_clock`
     val_img_s: float | None  # the evaluate stage's
     ranks: int
     run: Plan  # this run as configured
@@ -71,6 +88,7 @@ class Projection:
     # or the dataset is not ImageNet-like
     measured_run_s: float | None  # run.json started -> finished
     measured_train_s: float | None  # epochs.csv: mean training wall per epoch (validation excluded)
+    wall_clock: bool = True  # train_img_s is the finished epochs' wall-clock rate (else no epoch had finished)
 
 
 def plan(train_images: int, val_images: int, rates: tuple[float, float | None], epochs: int) -> Plan:
@@ -101,7 +119,8 @@ def project(
     rates = steady_rates(steps)
     if not rates:
         return None
-    train_rate = sum(rates.values())
+    measured = wall_clock_rate(epochs_csv)
+    train_rate = measured or sum(rates.values())
     val_rate = metrics.get("images_per_s") or None
     epochs = int(train_setting(run, "epochs") or steps["epoch"].nunique())
     ranks = int(run.get("world_size") or len(rates))
@@ -110,7 +129,7 @@ def project(
     if like_imagenet and this.train_images < IMAGENET_TRAIN:
         full = plan(IMAGENET_TRAIN, IMAGENET_VAL, (train_rate, val_rate), epochs)
     wall = epochs_csv["wall_s"].mean() if "wall_s" in epochs_csv and not epochs_csv.empty else None
-    return Projection(train_rate, val_rate, ranks, this, full, _run_seconds(run), wall)
+    return Projection(train_rate, val_rate, ranks, this, full, _run_seconds(run), wall, measured is not None)
 
 
 # --- time to accuracy: per-resolution rates, and a preset's published top-1 beside its projected time ---------
@@ -134,7 +153,7 @@ class ResolutionRow:
 
     resolution: int
     epochs: int
-    train_img_s: float  # measured: steady, all ranks, each epoch's first step left out
+    train_img_s: float  # measured: the wall-clock rate of its finished epochs (else steady), all ranks
     epoch_s: float | None  # measured: mean training wall per epoch there (epochs.csv wall_s)
     imagenet_epoch_s: float | None  # projected: full ImageNet's train images at train_img_s; None if not ImageNet-like
 
@@ -152,10 +171,11 @@ def per_resolution(
         rates = steady_rates(steps[steps["epoch"].isin(epochs)])
         if not rates:
             continue
-        rate = sum(rates.values())
-        wall = None
+        wall, finished = None, epochs_csv
         if "wall_s" in epochs_csv and not epochs_csv.empty:
-            wall = epochs_csv.loc[epochs_csv["epoch"].isin(epochs), "wall_s"].mean()
+            finished = epochs_csv[epochs_csv["epoch"].isin(epochs)]
+            wall = finished["wall_s"].mean()
+        rate = wall_clock_rate(finished) or sum(rates.values())
         full = IMAGENET_TRAIN / rate if like_imagenet else None
         rows.append(ResolutionRow(res, len(epochs), rate, None if pd.isna(wall) else float(wall), full))
     return rows

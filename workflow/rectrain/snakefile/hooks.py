@@ -1,24 +1,58 @@
 """What the Snakemake process itself does around its jobs, from the onstart and onsuccess hooks
 (workflow/rules/common.smk): the console relay of the jobs' lines (console), the stop on SIGINT or
-SIGTERM (stopping, and `make stop` through this run's entry: runs), and the report's path as the
-run's last line."""
+SIGTERM (stopping, and `make stop` through this run's entry: runs), the failed jobs' causes (causes), and at its end,
+in this order: the live report made again when the run trained and there is one (a live.html left
+saying "In progress" by a run that ended), a clean stop's line, each failed job's cause, after a
+success the report's path, and a run at chance's line (and exit status 1 unless train.allow_chance) -
+the console's last lines."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
-from rectrain.snakefile import console, runs, stopping
+from rectrain.chance import EXIT_AT_CHANCE
+from rectrain.snakefile import causes, console, runs, stopping
 
-# One run per Snakemake process: what onstart found, for onsuccess and the end.
-_run: dict = {"relay": None, "stop": None, "reports": [], "entry": None}
+# One run per Snakemake process: what onstart found, for onsuccess and the end; what the Snakefile
+# said when it was read (`watch`), for the end of a run that had nothing to do.
+_run: dict = {"relay": None, "stop": None, "reports": [], "causes": None, "entry": None}
+# onstart ran, and planned the train job; onsuccess ran; Snakemake said "Nothing to be done"
+_run.update(started=False, trains=False, succeeded=False, nothing=False)
+_parsed: dict = {"workflow": None}
+
+
+def watch(workflow) -> None:
+    """When the Snakefile is read: keep the workflow (its config, completed) for the run's end, and
+    notice a run with nothing to do (Snakemake runs no hook then, and its evaluation may still be at
+    chance)."""
+    first = _parsed["workflow"] is None
+    _parsed.update(workflow=workflow)
+    if first:
+        from snakemake.logging import logger
+
+        logger.addFilter(_note_nothing_to_do)
+        atexit.register(_at_end)
+
+
+def _note_nothing_to_do(record) -> bool:
+    if str(record.msg or "").startswith("Nothing to be done"):
+        _run["nothing"] = True
+    return True
 
 
 def on_start(workflow, train_ck_dir: str) -> None:
     relay = console.start_relay(workflow)
     stop = stopping.install(workflow, Path(train_ck_dir), relay)
-    _run.update(relay=relay, stop=stop, reports=console.reports_to_build(workflow))
+    failed = causes.install(workflow)  # after the stop's filter: a clean stop's error block is none
+    _run.update(relay=relay, stop=stop, causes=failed, reports=console.reports_to_build(workflow), started=True)
+    _run["trains"] = any(job.rule.name == "train" for job in workflow.dag.needrun_jobs())
     if stop is not None:  # `make stop` finds this run by its entry (rectrain.snakefile.runs)
         try:
             _run["entry"] = runs.register()
@@ -36,14 +70,10 @@ REPORT_LINE_ENV = "RECTRAIN_REPORT_LINE"
 
 
 def on_success() -> None:
-    """The report's path last (after the jobs' last console lines), when this run wrote one."""
+    """The jobs' last console lines; the report's path comes last, at the end (`_at_end`)."""
     if _run["relay"] is not None:
         _run["relay"].drain()
-    line = console.report_line(_run["reports"])
-    if line and os.environ.get(REPORT_LINE_ENV) != "0":
-        from snakemake.logging import logger
-
-        logger.info(line)
+    _run["succeeded"] = True
 
 
 def _at_exit() -> None:
@@ -51,5 +81,62 @@ def _at_exit() -> None:
         runs.unregister(_run["entry"])
     if _run["relay"] is not None:
         _run["relay"].close()
+
+
+def _at_end() -> None:
+    """The run's last lines (see the module doc); after a clean stop or a run at chance, its exit status."""
+    workflow = _parsed["workflow"]
+    if workflow is None or workflow.dryrun or not (_run["started"] or _run["nothing"]):
+        return
+    if _run["trains"]:
+        refresh_live(workflow)
+    failed = _run["causes"].lines() if _run["causes"] is not None else []
+    if _run["causes"] is not None:
+        _run["causes"].close()
     if _run["stop"] is not None:
         _run["stop"].finish()  # after a clean stop: its last line and exit status 75 (it does not return)
+    for line in failed:
+        say(line)
+    verdict = at_chance(workflow) if _run["succeeded"] or _run["nothing"] else None
+    line = console.report_line(_run["reports"]) if _run["succeeded"] else None
+    if line and os.environ.get(REPORT_LINE_ENV) != "0":
+        say(line, tag=False)
+    if verdict is not None:
+        allowed = bool(workflow.config["train"]["allow_chance"])
+        say(
+            verdict["line"]
+            + (" (train.allow_chance: true: exit status 0)" if allowed else f" (exit status {EXIT_AT_CHANCE})")
+        )
+        if not allowed:
+            sys.stdout.flush()
+            os._exit(EXIT_AT_CHANCE)
+
+
+def say(text: str, tag: bool = True) -> None:
+    """One unbuffered line on Snakemake's console (stderr), after everything it printed."""
+    os.write(sys.stderr.fileno(), f"{'[rectrain] ' if tag else ''}{text}\n".encode())
+
+
+def at_chance(workflow) -> dict | None:
+    """The evaluate stage's verdict (rectrain.chance) when this run's targets include its evaluation."""
+    if workflow.dag is None or not any(job.rule.name == "evaluate" for job in workflow.dag.jobs):
+        return None
+    path = Path("results") / workflow.config["dataset"] / "eval" / "metrics.json"
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text()).get("at_chance")
+    return None
+
+
+def refresh_live(workflow) -> None:
+    """The live report made again (rectrain.report.live) when there is one: it said how the run stood
+    when it was made, maybe "In progress", and the run has ended.  It reads the run's config as this
+    process completed it.  A minute at most; its failure only leaves the old page."""
+    page = Path("results") / workflow.config["dataset"] / "live.html"
+    if not page.exists():
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(workflow.config, f, default=str)  # YAML's superset: the live report reads it as a --configfile
+    cmd = [sys.executable, "-m", "rectrain.report.live", "--configfile", f.name]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=False)
+    os.unlink(f.name)

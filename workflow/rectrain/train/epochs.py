@@ -55,9 +55,7 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
     (rectrain.train.lifecycle.midepoch)."""
     d, epochs = run.d, run.settings.optim.epochs
     progress = RunProgress(run.settings.telemetry.progress_s, d.world_size, epochs) if d.master else None
-    detector = divergence.Detector(run.settings.stops.nonfinite_steps)
-    states = lambda: divergence.run_states(run.model, run.step)  # noqa: E731
-    watch = divergence.Watch(d, run.ck_dir, run.settings.network.precision, detector, states)
+    watch = divergence.watch_of(run)
     for epoch in range(start.epoch, epochs):
         faults.fail_rank(d.rank)
         if progress:

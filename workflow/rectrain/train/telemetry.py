@@ -4,6 +4,8 @@ Files (columns are a contract with the report, see docs/architecture.md), writte
   steps_rank<r>.csv  written by rank r while training; rank 0 merges them into <out>/steps.csv at the end
   epochs.csv         rank 0, one row per epoch
   system_node<k>.csv local rank 0 of node k, one row per sample interval (GPU columns only with NVML)
+  run.json           rank 0, as each launch starts: the live copy of the published run.json, which
+                     Snakemake removes with a failed or stopped job's outputs (the live report reads it)
 The finished run copies them next to model.pt (the rule's outputs; node 0's sampler -> system.csv).  The live copies sit outside the
 rule's outputs because Snakemake deletes outputs before a rerun, and a resumed run must keep the rows
 of the epochs it does not redo; rows from the interrupted epoch onwards are dropped on resume so
@@ -49,7 +51,12 @@ EPOCH_COLUMNS = [
     "wall_s",
     "resolution",
 ]
-SYSTEM_BASE_COLUMNS = ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb"]
+# cpu_percent: the machine's busy CPU (every process's, iowait left out); job_cpu_percent: this node's
+# job's own processes (its ranks, their loader workers), on the same scale (100 = every CPU of the
+# machine): the difference is what other processes used (rectrain.report.diagnosis names it).
+SYSTEM_BASE_COLUMNS = ["time", "cpu_percent", "iowait_percent", "disk_read_mb_s", "rss_mb", "job_cpu_percent"]
+# The live copy of run.json (see the module doc).
+LIVE_RUN_JSON = "run.json"
 
 
 class CsvLog:
@@ -356,7 +363,10 @@ class SystemSampler(threading.Thread):
         self.interval, self.rec_device, self.processes = interval, rec_device, processes
         self.nvml = _Nvml()
         self.columns = SYSTEM_BASE_COLUMNS + self.nvml.columns()
-        self._f, fresh = open_log(Path(path), (lambda f: True) if append else None)
+        path = Path(path)
+        if append and path.is_file() and not path.is_symlink():
+            _with_columns(path, self.columns)  # a column added since the run began: its old rows get it empty
+        self._f, fresh = open_log(path, (lambda f: True) if append else None)
         self._w = csv.DictWriter(self._f, fieldnames=self.columns)
         if fresh:
             self._w.writeheader()
@@ -369,8 +379,10 @@ class SystemSampler(threading.Thread):
         c = counters.get(self.rec_device)
         return None if c is None else c.read_bytes
 
-    def _rss_mb(self) -> float:
-        total = 0
+    def _job_usage(self) -> tuple[float, dict[int, float]]:
+        """(the job's resident memory in MB, each of its processes' CPU seconds so far by pid: its own
+        and its waited-for children's, so a loader worker that ended still counts in its rank)."""
+        rss, cpu = 0, {}
         for root in self.processes:
             try:
                 procs = [root, *root.children(recursive=True)]
@@ -378,34 +390,61 @@ class SystemSampler(threading.Thread):
                 continue
             for p in procs:
                 try:
-                    total += p.memory_info().rss
+                    rss += p.memory_info().rss
+                    t = p.cpu_times()
+                    cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
                 except psutil.Error:
                     pass
-        return total / 2**20
+        return rss / 2**20, cpu
 
     def run(self) -> None:
         psutil.cpu_times_percent(interval=None)  # prime: the first call has no reference interval
         last_t, last_b = time.time(), self._read_bytes()
+        last_cpu = self._job_usage()[1]
+        cores = psutil.cpu_count() or 1
         while not self._halt.wait(self.interval):
             now, b = time.time(), self._read_bytes()
             cpu = psutil.cpu_times_percent(interval=None)
             iowait = getattr(cpu, "iowait", 0.0)
             disk = "" if b is None or last_b is None else round((b - last_b) / 2**20 / max(now - last_t, 1e-9), 3)
+            rss, job_cpu = self._job_usage()
+            # a process that started since the last sample: all its CPU time is new
+            used = sum(max(0.0, t - last_cpu.get(pid, 0.0)) for pid, t in job_cpu.items())
             row = {
                 "time": round(now, 3),
                 "cpu_percent": round(100.0 - cpu.idle - iowait, 1),
                 "iowait_percent": round(iowait, 1),
                 "disk_read_mb_s": disk,
-                "rss_mb": round(self._rss_mb(), 1),
+                "rss_mb": round(rss, 1),
+                "job_cpu_percent": round(min(100.0, 100.0 * used / (max(now - last_t, 1e-9) * cores)), 1),
             }
             row.update(self.nvml.sample())
             self._w.writerow(row)
-            last_t, last_b = now, b
+            last_t, last_b, last_cpu = now, b, job_cpu
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=5 * self.interval + 5)
         self._f.close()
+
+
+def _with_columns(path: Path, columns: list[str]) -> None:
+    """A system CSV to append to, its header made `columns` when an older run wrote another (a column
+    added since: its old rows get it empty), so every row lines up with the header."""
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if header == columns:
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as out:
+            w = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+
+    atomic.write_with(path, write)
 
 
 def job_processes() -> list[psutil.Process]:

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from rectrain import distributed, settings, usage, watchdog
+from rectrain import distributed, settings, usage, watchdog, weights
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
-from rectrain.train import batchplan, calibrate, curves, outputs, provenance
+from rectrain.train import batchplan, calibrate, curves, outputs, provenance, telemetry
 from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import divergence, failure, stop
@@ -62,6 +62,8 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
         s = s.replaced(precision=run_precision(s.network, d))
         if d.master:
             (Path(args.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
+            # the evaluate stage's description of the weights this run replaces: not this run's
+            (Path(args.out) / weights.JSON).unlink(missing_ok=True)
         with (
             watchdog.Watchdog(s.stops.watchdog_s, d.rank, d.world_size, Path(args.out) / "telemetry"),
             stop.handling(s.stops.stop_signals) as request,  # after the watchdog's SIGTERM stack dump: replaces it
@@ -129,6 +131,8 @@ def train_run(run: Run, request: StopRequest) -> None:
     info["calibration_setup"] = calibrate.setup_key(run)  # a resume on the same setup reuses the calibration
     if d.master:
         write_json(run.out / "run.json", info)
+        (run.out / "telemetry").mkdir(parents=True, exist_ok=True)
+        write_json(run.out / "telemetry" / telemetry.LIVE_RUN_JSON, info)  # what survives Snakemake's clean-up
         calibrate.keep(run.out / calibrate.KEPT, info)
         provenance.log_start(run)
     if resumed.rng_states is not None:

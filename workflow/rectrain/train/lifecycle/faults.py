@@ -89,6 +89,21 @@ def nonfinite_from(batches, epoch: int, first: int):
         yield x, y
 
 
+# Why: a run whose loss explodes while it stays finite must stop on its loss band, naming a last good
+# checkpoint from before (divergence tests).  "<epoch>:<step>:<factor>": after that step the schedule's
+# peak LR is multiplied by factor (every rank: each polls after the same step).
+LR_TIMES_AT_ENV = "RECTRAIN_LR_TIMES_AT"
+
+
+def lr_times_at(scheduler, epoch: int, step: int) -> None:
+    """With RECTRAIN_LR_TIMES_AT=epoch:step:factor: the LR schedule's base LRs times factor after that step."""
+    parts = os.environ.get(LR_TIMES_AT_ENV, "").split(":")
+    if len(parts) != 3 or [int(p) for p in parts[:2]] != [epoch, step]:
+        return
+    scheduler.base_lrs = [lr * float(parts[2]) for lr in scheduler.base_lrs]
+    log.info("%s: the peak LR times %s after epoch %d step %d", LR_TIMES_AT_ENV, parts[2], epoch, step)
+
+
 def signal_at(rank: int, epoch: int, step: int) -> None:
     """With RECTRAIN_SIGNAL_AT=rank:epoch:step[:SIGNAL]: this rank sends itself SIGNAL (SIGTERM) after that step."""
     parts = os.environ.get(SIGNAL_AT_ENV, "").split(":")

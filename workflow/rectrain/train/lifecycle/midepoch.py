@@ -104,6 +104,7 @@ class MidEpoch:
 
     def poll(self, step: int) -> Decision:
         faults.signal_at(self.run.d.rank, self.epoch, step)
+        faults.lr_times_at(self.run.step.scheduler, self.epoch, step)
         faults.pause_at(self.run.d.rank, self.epoch, step, stopping=lambda: self.agreement.request.signum != 0)
         return self.agreement.poll(self.detector.tripped)
 
