@@ -59,5 +59,5 @@ def test_every_function_a_walk_in_architecture_md_names_exists(heading):
 
 
 def test_the_name_check_refuses_a_function_that_does_not_exist():
-    assert resolve("midepoch.MidEpoch.poll") is not None and resolve("train.launch.main") is not None
+    assert resolve("midepoch.MidEpoch.poll") is not None and resolve("train.launch.start") is not None
     assert resolve("midepoch.MidEpoch.no_such_step") is None and resolve("supervise.no_such_function") is None

@@ -106,14 +106,18 @@ def test_cpus_booked_per_node_scale_with_gpus():
     assert cpus_per_node({"RECTRAIN_GPUS_PER_NODE": "0"}) == 0  # the rule's threads decide
 
 
-# --- rectrain.train.launch wired to the allocation (print-only: nothing is started) --------------------
+# The data arguments a training command needs (print-only: never opened)
+DUMMY_DATA = ["--rec", "t.rec", "--idx", "t.idx", "--classes", "c.tsv"]
+
+
+# --- python -m rectrain.train wired to the allocation (print-only: nothing is started) --------------------
 
 
 def _launch_print(monkeypatch, capsys, env, cfg, extra=(), rc=0):
     import json
 
     from rectrain import distributed
-    from rectrain.train import launch
+    from rectrain.train import direct
 
     for var in (
         "SLURM_JOB_ID",
@@ -128,7 +132,7 @@ def _launch_print(monkeypatch, capsys, env, cfg, extra=(), rc=0):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(distributed, "visible_gpu_count", lambda: 0)
-    assert launch.main(["--config-json", json.dumps(cfg), "--print-only", *extra, "--out", "o"]) == rc
+    assert direct.main(["--config-json", json.dumps(cfg), "--print-only", *extra, *DUMMY_DATA, "--out", "o"]) == rc
     return capsys.readouterr().err
 
 
@@ -137,8 +141,8 @@ def test_launch_in_multi_node_batch_script_execs_srun_per_node(monkeypatch, caps
         monkeypatch, capsys, {"SLURM_JOB_ID": "4321"}, {"nodes": 2, "devices": "cpu", "cpu_processes": 1}
     )
     line = next(x for x in err.splitlines() if "one launcher per node" in x)
-    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in line and "-m rectrain.train.launch" in line
-    assert "rectrain.torchrun" not in err
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in line and "-m rectrain.train --config-json" in line
+    assert "rectrain._torchrun" not in err
 
 
 def test_launch_in_per_node_task_uses_head_node_rendezvous(monkeypatch, capsys):
@@ -166,7 +170,7 @@ def test_launch_single_node_is_standalone_inside_slurm(monkeypatch, capsys):
 
 def test_launch_multi_node_without_slurm_fails_with_the_fix(monkeypatch, capsys):
     err = _launch_print(monkeypatch, capsys, {}, {"nodes": 2, "devices": "cpu", "cpu_processes": 1}, rc=1)
-    assert "[launch] " in err and "not a SLURM job" in err
+    assert "[train" in err and "not a SLURM job" in err
 
 
 def test_launch_stages_pairs_before_torchrun(monkeypatch, capsys, tmp_path):

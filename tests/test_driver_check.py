@@ -7,6 +7,7 @@ GPUs, `train.devices: cpu` and GPUs hidden on purpose keep running CPU processes
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,10 @@ from helpers import REPO, snakemake
 
 from rectrain import distributed, driver_check
 from rectrain.driver_check import DriverMismatch, Gpus, TorchBuild, check
-from rectrain.train import launch
+from rectrain.train import direct
+
+# The data arguments a training command needs (print-only: never opened)
+DUMMY_DATA = ["--rec", "t.rec", "--idx", "t.idx", "--classes", "c.tsv", "--out", "o"]
 
 OLD_DRIVER = Gpus(2, "535.104.05", "12.2", "NVML")
 NEW_DRIVER = Gpus(2, "580.65.06", "13.0", "NVML")
@@ -117,20 +121,20 @@ def test_launcher_stops_with_torchs_own_reason_when_cuda_is_unavailable(monkeypa
     monkeypatch.setattr(driver_check, "find_gpus", lambda: Gpus(2, "575.51.03", "12.9", "NVML"))
     monkeypatch.setattr(driver_check, "torch_build", lambda: TorchBuild("2.14.1+cu128", "12.8"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    args = ["--config-json", json.dumps({"devices": "auto"}), "--print-only"]
+    args = ["--config-json", json.dumps({"devices": "auto"}), "--print-only", *DUMMY_DATA]
     with pytest.raises(SystemExit) as err:
-        launch.main(args)
+        direct.main(args)
     msg = str(err.value)
-    assert msg.startswith("[launch] error: 2 GPU(s) seen through NVML with NVIDIA driver 575.51.03")
+    assert re.match(r"\[train[^]]*\] error: 2 GPU\(s\) seen through NVML with NVIDIA driver 575\.51\.03", msg), msg
     assert "torch 2.14.1+cu128 is built for CUDA 12.8" in msg
     assert TOO_OLD_WARNING in msg
-    assert "rectrain.torchrun" not in capsys.readouterr().err  # stopped before planning any process
+    assert "rectrain._torchrun" not in capsys.readouterr().err  # stopped before planning any process
 
 
 def test_launcher_on_a_machine_without_gpus_plans_cpu_processes(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(driver_check, "find_gpus", lambda: NO_GPU)
-    launch.main(["--config-json", json.dumps({"devices": "auto", "cpu_processes": 2}), "--print-only"])
+    direct.main(["--config-json", json.dumps({"devices": "auto", "cpu_processes": 2}), "--print-only", *DUMMY_DATA])
     said = capsys.readouterr().err
     assert "no GPU is visible: 2 CPU processes" in said
     assert "--nproc_per_node=2" in said

@@ -317,7 +317,7 @@ def test_evaluation_uses_one_process_per_training_gpu_and_one_process_on_cpu():
 
     two_gpus = relaunch_command(*train_block(devices="auto"), args, gpu_count=2)
     cmd, env = two_gpus
-    assert cmd[1:4] == ["-m", "rectrain.torchrun", "--standalone"]
+    assert cmd[1:4] == ["-m", "rectrain._torchrun", "--standalone"]
     assert "--nproc_per_node=2" in cmd and cmd[-6:] == ["-m", "rectrain.evaluate", *args]
     picked = relaunch_command(*train_block(devices=[1, 3]), args, gpu_count=4)
     assert "--nproc_per_node=2" in picked[0] and picked[1]["CUDA_VISIBLE_DEVICES"] == "1,3"

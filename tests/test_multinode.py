@@ -40,7 +40,7 @@ def launch_cmd(cfg, data, out, extra=()):
     return [
         sys.executable,
         "-m",
-        "rectrain.train.launch",
+        "rectrain.train",
         "--config-json",
         json.dumps(cfg),
         *data,

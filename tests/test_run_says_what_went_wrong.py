@@ -94,4 +94,4 @@ def test_a_training_failure_ends_the_console_with_its_cause_and_keeps_snakemakes
     assert "Error in rule train (job " in out and "input:" not in out and "--config-json" not in out, out[-3000:]
     log = (work / "logs" / "train" / "shuffled.log").read_text()
     block = log[log.index("---- Snakemake's error block for this job ----") :]
-    assert "Error in rule train:" in block and "input: " in block and "python -m rectrain.train.launch" in block
+    assert "Error in rule train:" in block and "input: " in block and "python -m rectrain.train --config-json" in block

@@ -22,7 +22,7 @@ def command(cfg, gpus, **kw):
 
 def test_auto_uses_every_visible_gpu():
     argv, env, plan = command({"devices": "auto"}, gpus=2)
-    assert argv[:5] == ["python", "-m", "rectrain.torchrun", "--standalone", "--nproc_per_node=2"]
+    assert argv[:5] == ["python", "-m", "rectrain._torchrun", "--standalone", "--nproc_per_node=2"]
     assert argv[-len(ARGS) - 2 :] == ["-m", "rectrain.train", *ARGS]
     assert "CUDA_VISIBLE_DEVICES" not in env and plan.kind == "gpu"
 
@@ -78,9 +78,10 @@ def test_cli_prints_the_command_it_would_exec():
         [
             sys.executable,
             "-m",
-            "rectrain.train.launch",
+            "rectrain.train",
             "--config-json",
             '{"devices": "cpu", "cpu_processes": 2}',
+            *("--rec", "t.rec", "--idx", "t.idx", "--classes", "c.tsv"),
             "--out",
             "x",
             "--print-only",
@@ -91,8 +92,8 @@ def test_cli_prints_the_command_it_would_exec():
     )
     assert proc.returncode == 0, proc.stderr
     assert "CPU processes" in proc.stderr
-    assert "rectrain.torchrun --standalone --nproc_per_node=2" in proc.stderr
-    assert "-m rectrain.train --config-json" in proc.stderr and "--print-only" not in proc.stderr.split("[launch]")[-1]
+    assert "rectrain._torchrun --standalone --nproc_per_node=2" in proc.stderr
+    assert "-m rectrain.train --config-json" in proc.stderr and "--print-only" not in proc.stderr.split("[train]")[-1]
 
 
 def test_a_gpu_listed_twice_runs_two_ranks_on_it():
@@ -158,9 +159,9 @@ def test_scheduled_gpus_asks_nvml_only_where_its_library_loads(monkeypatch):
 
 
 def test_the_launcher_imports_no_torch_so_each_training_start_skips_its_seconds_of_import():
-    """The train rule's launcher only plans processes and starts torchrun (which imports torch itself);
-    torch at its import cost ~2-3 s of CPU per training start on the 2-core CI machine."""
-    probe = "import sys, rectrain.train.launch; print(sorted(m for m in ('torch', 'torchvision') if m in sys.modules))"
+    """`python -m rectrain.train` before it is a rank only plans processes and starts torchrun (which
+    imports torch itself); torch at its import cost ~2-3 s of CPU per training start on the 2-core CI machine."""
+    probe = "import sys, rectrain.train.direct; print(sorted(m for m in ('torch', 'torchvision') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
@@ -189,7 +190,7 @@ def test_a_direct_run_that_relaunches_imports_no_torch_before_torchrun():
         (["--config-json", '{"devices": "cpu", "cpu_processes": 2}', "--out", "o"], {}, True),
         (["--config-json", '{"devices": "cpu", "cpu_processes": 1}'], {}, False),
         (["--config-json", '{"devices": "cpu", "cpu_processes": 2}', "--single-process"], {}, False),
-        (["--config-json", '{"devices": "cpu", "cpu_processes": 2, "nodes": 2}'], {}, False),
+        (["--config-json", '{"devices": "cpu", "cpu_processes": 2, "nodes": 2}'], {}, True),
         (
             ["--config-json", '{"devices": "cpu", "cpu_processes": 2}'],
             {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},

@@ -87,13 +87,14 @@ def scheduled_rules(dryrun_stdout: str) -> dict:
 
 
 def launcher_of(proc, deadline):
-    """The train job's `python -m rectrain.train.launch` under the Snakemake process `proc`."""
+    """The train job's `python -m rectrain.train` under the Snakemake process `proc`: the one not yet a rank
+    (torchrun's ranks run the same command with RANK set)."""
     import psutil
 
     while time.monotonic() < deadline:
         for p in psutil.Process(proc.pid).children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
-                if "rectrain.train.launch" in p.cmdline():
+                if "rectrain.train" in p.cmdline() and "RANK" not in p.environ():
                     return p
         assert proc.poll() is None, "Snakemake ended before the train job started"
         time.sleep(0.1)

@@ -37,7 +37,7 @@ class ProcessPlan:
     reason: str  # said in the log so the user sees why this many
 
 
-TORCHRUN = "rectrain.torchrun"  # torch.distributed.run without its traceback on a stop signal
+TORCHRUN = "rectrain._torchrun"  # torch.distributed.run without its traceback on a stop signal
 
 
 # Where a GPU is usable its driver shows a device node: NVIDIA's, WSL2's GPU paravirtualisation, ROCm's.
@@ -116,7 +116,7 @@ def torchrun_command(
     python: str = sys.executable,
     base_env: dict | None = None,
 ) -> tuple[list[str], dict]:
-    """(argv, env) that run `python -m <module> <module_argv>` under torchrun (as rectrain.torchrun,
+    """(argv, env) that run `python -m <module> <module_argv>` under torchrun (as rectrain._torchrun,
     which ends it in one line on a stop signal).  Pure: starts nothing."""
     argv = [python, "-m", TORCHRUN, *torchrun_args(plan, nodes, rdzv_endpoint, run_id)]
     env = dict(os.environ if base_env is None else base_env)

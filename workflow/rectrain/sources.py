@@ -22,13 +22,13 @@ PACKAGE = "rectrain"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 # The module each rule runs (`python -m ...` in workflow/rules/<stage>.smk).  The train rule runs the
-# launcher, which execs torchrun on rectrain.train (the package's __main__ runs the trainer).
+# one command, python -m rectrain.train (its __main__), which runs torchrun (rectrain._torchrun) on itself.
 STAGE_ENTRIES = {
     "demo_data": ("rectrain.data.demo",),
     "index_raw": ("rectrain.data.index",),
     "pack": ("rectrain.data.pack",),
     "check_recordio": ("rectrain.data.byo_recordio",),
-    "train": ("rectrain.train.launch", "rectrain.train.__main__"),
+    "train": ("rectrain.train.__main__", "rectrain._torchrun"),
     "evaluate": ("rectrain.evaluate",),
     "check": ("rectrain.check",),
     "report": ("rectrain.report.__main__",),

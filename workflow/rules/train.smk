@@ -1,5 +1,5 @@
 # train: the packed .rec/.idx -> a trained model, with per-rank telemetry for the report.
-# The rule execs torchrun (rectrain.train.launch) with one process per GPU, or train.cpu_processes CPU
+# The rule runs python -m rectrain.train, the one command that trains: it starts torchrun with one process per GPU, or train.cpu_processes CPU
 # processes when there is none.  params carry the train block's output-changing keys, and the training
 # code itself is an input, so editing train.* or the training modules reruns training and what follows,
 # nothing before; operational keys (train.progress_s, workers, ..., pack.stage_to_local) rerun nothing.
@@ -49,7 +49,7 @@ rule train:
     message:
         f"train {DS}: -> {{params.out}} (log: {{log}})"
     shell:
-        "python -m rectrain.train.launch --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}{params.val}"
+        "python -m rectrain.train --config-json {params.cfg:q} --rec {input.rec:q} --idx {input.idx:q}{params.val}"
         " --classes {input.classes:q}"
         " --manifest {input.manifest:q}"
         " --out {params.out:q} --threads {threads} > {log:q} 2>&1"

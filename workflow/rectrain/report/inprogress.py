@@ -40,7 +40,7 @@ PACE_STEPS = 200
 STALE_S = 300.0
 STALE_SAMPLES = 10
 # The entry points a training process runs (the launcher, python -m rectrain.train and its ranks).
-TRAIN_MODULES = ("rectrain.train", "rectrain.train.launch")
+TRAIN_MODULES = ("rectrain.train",)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 `train.nodes: 1` runs torchrun with --standalone, as on a workstation.  With `train.nodes: N > 1`
 the train rule runs inside an N-node SLURM allocation (the slurm profile gives the job N nodes),
-and `rectrain.train.launch` starts in the batch script on the first node.  It then re-runs itself once
+and `python -m rectrain.train` starts in the batch script on the first node.  It then re-runs itself once
 per node through `srun --ntasks-per-node=1`; in that per-node task SLURM's variables say which
 nodes belong to the step, the first of them hosts torchrun's c10d rendezvous, and the port follows
 from the job id so every node computes the same endpoint without talking to the others.
@@ -38,7 +38,7 @@ class ClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class NodeLaunch:
-    """What `rectrain.train.launch` does on this node.
+    """What `python -m rectrain.train` (rectrain.train.launch.start) does on this node.
 
     relaunch: argv prefix (srun ...) to re-run the launcher once per node, or None to start torchrun here.
     rdzv_endpoint: host:port of the c10d rendezvous (None for --standalone).
@@ -108,7 +108,7 @@ def plan_node_launch(nodes: int, env: dict, run=subprocess.run) -> NodeLaunch:
         raise ClusterError(
             f"train.nodes is {nodes} but this is not a SLURM job: run the pipeline with "
             "`snakemake --executor slurm --workflow-profile profiles/slurm` (it requests the nodes), or "
-            f"start rectrain.train.launch on every node yourself with {ENDPOINT_ENV}=<first node>:<port>, "
+            f"start python -m rectrain.train on every node yourself with {ENDPOINT_ENV}=<first node>:<port>, "
             "or set train.nodes: 1"
         )
     if env.get(STEP_ENV) != "1":

@@ -1,11 +1,20 @@
-"""The train rule's entry point: start training through torchrun on this node.
+"""What `python -m rectrain.train` does before it is a rank: start training on this node.
 
-The rule runs `python -m rectrain.train.launch --config-json ... <train args>`.  Under SLURM with
-train.nodes > 1 this re-runs itself once per node (rectrain.train.cluster); with pack.stage_to_local
-it first copies the .rec/.idx pairs to node-local disk (rectrain.train.local_copy); then it execs the
-torchrun command rectrain.distributed builds (one rank per GPU, or train.cpu_processes CPU ranks) as
-its child (rectrain.train.lifecycle.supervise): a stop signal reaches the ranks, which checkpoint and stop, and
-the launcher then exits with EXIT_STOPPED (75).
+`python -m rectrain.train` is the one command that trains: the train rule runs it, and so does a user
+by hand or from an IDE's Run button.  Started by torchrun (RANK, LOCAL_RANK, WORLD_SIZE set) it is a
+rank and trains (rectrain.train.direct -> rectrain.train.trainer).  Otherwise `start` runs first:
+
+- under SLURM with train.nodes > 1 it re-runs the same command once per node (rectrain.train.cluster);
+- a brought .rec/.idx pair replaced since its check is refused (rectrain.data.pairowner);
+- with pack.stage_to_local it copies the pairs to node-local disk (rectrain.train.local_copy);
+- then it runs the torchrun command rectrain.distributed builds (one rank per GPU, or
+  train.cpu_processes CPU ranks) as its child (rectrain.train.lifecycle.supervise): a stop signal
+  reaches the ranks, which checkpoint and stop, and the exit status is EXIT_STOPPED (75);
+- or, for one process on one node (and with --single-process), this process is that one rank itself:
+  no torchrun, and the log says which and why.  It never dies on a missing RANK.
+
+After a stop, under SLURM, the job goes back in the queue at its time limit (`after_stop`).  torchrun
+itself runs as `python -m rectrain._torchrun` (torchrun's main, without its traceback on a stop).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from rectrain import cli, distributed, driver_check, settings
+from rectrain import distributed, driver_check
 from rectrain.config import ConfigError, stage_block
 from rectrain.data import pairowner
 from rectrain.train import cluster
@@ -27,9 +36,15 @@ from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 log = logging.getLogger(__name__)
 
+# This module's options: what `start` reads, dropped from the command line the ranks get.
+OWN_OPTIONS = ("--rdzv-endpoint", "--stage-to-local")
 
-def _arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--rdzv-endpoint", default=os.environ.get("RECTRAIN_RDZV_ENDPOINT"))
+
+def arguments(ap: argparse.ArgumentParser) -> None:
+    """The launch options of `python -m rectrain.train` (rectrain.train.direct has the rest)."""
+    ap.add_argument(
+        "--rdzv-endpoint", default=os.environ.get(cluster.ENDPOINT_ENV), help="host:port of a multi-node rendezvous"
+    )
     ap.add_argument("--print-only", action="store_true", help="print the torchrun command, start nothing")
     ap.add_argument(
         "--stage-to-local",
@@ -37,53 +52,81 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
         default=staging_dir(),
         help="copy the .rec/.idx pairs to node-local DIR first ('auto': $TMPDIR); default from pack.stage_to_local",
     )
+    ap.add_argument(
+        "--single-process",
+        action="store_true",
+        help="run one process (rank 0 of 1) instead of starting torchrun",
+    )
 
 
-def _run(own: argparse.Namespace, s: settings.TrainSettings) -> int | None:
-    """`s`: the train block's view, as rectrain.cli read it once (the launcher reads its `launch` part)."""
-    launch, argv = s.launch, own.argv
-    train_argv = [a for a in argv if a != "--print-only"]
-    train_argv = _drop_option(_drop_option(train_argv, "--rdzv-endpoint"), "--stage-to-local")
-    # train.nodes > 1 under SLURM: re-run this launcher once per node (srun); each then finds the
-    # rendezvous from the allocation.  One node: nothing changes (--standalone).
-    supervise.launch_id()  # before srun's launchers per node, which inherit it
+def under_torchrun(launch, procs: distributed.ProcessPlan, own: argparse.Namespace) -> bool:
+    """Whether `start` runs torchrun (else this process is the one rank): several processes or nodes, or
+    pairs to stage first, or the command asked for (--print-only) - unless --single-process."""
+    wanted = procs.nproc > 1 or launch.nodes > 1 or bool(own.stage_to_local) or bool(own.print_only)
+    return wanted and not own.single_process
+
+
+def start(own: argparse.Namespace, s) -> int | None:
+    """Before this process is a rank (see the module doc): the exit status when it started torchrun, re-ran
+    itself per node or printed the command; None when this process is to train as the single rank (the
+    rank's environment then set).  `s`: the train block's view; its `launch` and `stops` parts are read."""
+    launch = s.launch
+    supervise.launch_id()  # before srun's per-node tasks and torchrun's ranks, which inherit it
     env_now = dict(os.environ, **({cluster.ENDPOINT_ENV: own.rdzv_endpoint} if own.rdzv_endpoint else {}))
     node = cluster.plan_node_launch(launch.nodes, env_now)
     if node.relaunch:
-        cmd = [*node.relaunch, sys.executable, "-m", "rectrain.train.launch", *argv]
+        cmd = [*node.relaunch, sys.executable, "-m", "rectrain.train", *own.argv]
         log.info("one launcher per node: %s", shlex.join(cmd))
         if not own.print_only:
             os.execvp(cmd[0], cmd)
-        return None
+        return 0
+    train_argv = [a for a in own.argv if a != "--print-only"]
+    for name in OWN_OPTIONS:
+        train_argv = _drop_option(train_argv, name)
     for *_, rec, idx in stage.pairs_in(train_argv):
         pairowner.refuse_changed(rec, idx)  # a brought pair replaced since its check: before any copy or rank
+    gpu_count = distributed.visible_gpu_count()
+    driver_check.stop_on_mismatch(launch.devices, gpu_count > 0, "train")
+    procs = distributed.plan_processes(launch.devices, launch.cpu_processes, gpu_count)
+    if not under_torchrun(launch, procs, own):
+        return single_process(procs, own)
     if own.stage_to_local:
         train_argv = stage.stage_argv(train_argv, None if own.stage_to_local == "auto" else own.stage_to_local)
-    gpu_count = distributed.visible_gpu_count()
-    driver_check.stop_on_mismatch(launch.devices, gpu_count > 0, "launch")
-    plan = distributed.plan_processes(launch.devices, launch.cpu_processes, gpu_count)
     cmd, env = distributed.torchrun_command(
-        plan,
+        procs,
         "rectrain.train",
         train_argv,
         nodes=launch.nodes,
         rdzv_endpoint=own.rdzv_endpoint or node.rdzv_endpoint,
         run_id=node.run_id,
     )
-    log.info("%s", plan.reason)
-    if plan.cuda_visible_devices:
-        log.info("CUDA_VISIBLE_DEVICES=%s", plan.cuda_visible_devices)
+    log.info("%s", procs.reason)
+    if procs.cuda_visible_devices:
+        log.info("CUDA_VISIBLE_DEVICES=%s", procs.cuda_visible_devices)
     log.info("%s", shlex.join(cmd))
     if own.print_only:
-        return None
+        return 0
     # torchrun as a child, not exec'd: a stop signal reaches the ranks and a stop maps to EXIT_STOPPED.
     status = supervise.run_torchrun(cmd, env, _out_dir(train_argv) / "checkpoints", s.stops.stop_signals)
-    if status == EXIT_STOPPED:
-        said = requeue.after_stop(os.environ)
-        if said:  # under SLURM: back in the queue at the time limit, or why not
-            log.info("%s", said)
-        requeue.wait_for_first_task(os.environ)
-    return status
+    return after_stop() if status == EXIT_STOPPED else status
+
+
+def single_process(procs: distributed.ProcessPlan, own: argparse.Namespace) -> None:
+    """This process as rank 0 of 1, saying why."""
+    why = "--single-process was given" if own.single_process else procs.reason
+    missing = ", ".join(v for v in distributed.LAUNCH_VARS if v not in os.environ)
+    log.info("no launcher (%s not set): training as a single process (rank 0 of 1) because %s", missing, why)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    return None
+
+
+def after_stop() -> int:
+    """After a clean stop (EXIT_STOPPED): under SLURM, back in the queue at the time limit (or why not)."""
+    said = requeue.after_stop(os.environ)
+    if said:
+        log.info("%s", said)
+    requeue.wait_for_first_task(os.environ)
+    return EXIT_STOPPED
 
 
 def staging_dir() -> str | None:
@@ -93,21 +136,6 @@ def staging_dir() -> str | None:
     return (pack["local_storage"] or "auto") if pack["stage_to_local"] else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The train block comes as --config-json; every argument the launcher does not know is training's."""
-    # a stop signal during training is handled (rectrain.train.lifecycle.supervise); no "nothing published" line
-    return cli.main(
-        "launch",
-        "train",
-        _arguments,
-        _run,
-        argv,
-        errors={cluster.ClusterError: 1, pairowner.PairChanged: 1},
-        passthrough=True,
-        interrupted=None,
-    )
-
-
 def _out_dir(argv: list[str]) -> Path:
     """The training's --out (where its checkpoints and stopped.json are)."""
     for i, a in enumerate(argv):
@@ -115,7 +143,7 @@ def _out_dir(argv: list[str]) -> Path:
             return Path(argv[i + 1])
         if a.startswith("--out="):
             return Path(a.split("=", 1)[1])
-    raise ConfigError("rectrain.train.launch needs the training's --out DIR (where its checkpoints go)")
+    raise ConfigError("python -m rectrain.train needs the training's --out DIR (where its checkpoints go)")
 
 
 def _drop_option(argv: list[str], name: str) -> list[str]:
@@ -128,7 +156,3 @@ def _drop_option(argv: list[str], name: str) -> list[str]:
         elif not a.startswith(name + "="):
             out.append(a)
     return out
-
-
-if __name__ == "__main__":
-    cli.end(main())

@@ -1,13 +1,13 @@
-"""Train a torchvision model with DistributedDataParallel from the packed .rec.
+"""Train a network with DistributedDataParallel from the packed .rec: one rank's whole run.
 
-    python -m rectrain.train.launch --config-json '<train block>' --rec train.rec --idx train.idx \\
+    python -m rectrain.train --config-json '<train block>' --rec train.rec --idx train.idx \\
         --val-rec val.rec --val-idx val.idx --classes classes.tsv --out results/<ds>/train
 
-(launch execs torchrun, which starts one `python -m rectrain.train` per device with RANK, LOCAL_RANK
-and WORLD_SIZE set; rectrain.train.direct is that command's entry point).  Started without a launcher -
-plain `python -m rectrain.train ...`, an IDE's Run button - it relaunches itself through torchrun when
-the config asks for more than one process, or runs as a single process, and says which; it never dies
-on a missing RANK.  A partial --config-json block is completed from config/schema.yaml.
+is the one command that trains (rectrain.train.direct, its entry point): not yet a rank, it starts
+torchrun, which starts one `python -m rectrain.train` per device with RANK, LOCAL_RANK and WORLD_SIZE
+set, or it trains as the single rank when one process is all the config asks for, and says which
+(rectrain.train.launch); it never dies on a missing RANK.  A partial --config-json block is completed
+from config/schema.yaml.
 
 A run, in order (`train`), each step in its own module of rectrain.train: set up the rank, build the
 model (run.prepare_rank), plan the batch - on a GPU after checking it fits beside what the loaders

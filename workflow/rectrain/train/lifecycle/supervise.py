@@ -1,7 +1,7 @@
 """torchrun as a child that a stop signal reaches and whose stop is reported as EXIT_STOPPED.
 
-The process tree of a train job: Snakemake -> shell -> `python -m rectrain.train.launch` (or
-`python -m rectrain.train` relaunching itself) -> torchrun's agent -> one process per rank.  Read from
+The process tree of a train job: Snakemake -> shell -> `python -m rectrain.train` (the launcher,
+rectrain.train.launch.start) -> torchrun's agent -> one process per rank, each `python -m rectrain.train`.  Read from
 torch.distributed.elastic: the agent turns the signals of its --signals-to-handle (default SIGTERM,
 SIGINT, SIGHUP, SIGQUIT) into a shutdown - it sends that same signal to every worker, waits
 --shutdown-timeout seconds (default 30) and SIGKILLs what is left - and then exits 1 whatever the
@@ -78,7 +78,7 @@ def torchrun_stop_options(stop_signals: list[str]) -> list[str]:
 
 
 def with_stop_options(cmd: list[str], stop_signals: list[str]) -> list[str]:
-    """The torchrun command (`python -m rectrain.torchrun ...`) with torchrun_stop_options."""
+    """The torchrun command (`python -m rectrain._torchrun ...`) with torchrun_stop_options."""
     at = cmd.index(TORCHRUN) + 1
     return [*cmd[:at], *torchrun_stop_options(stop_signals), *cmd[at:]]
 

@@ -1,4 +1,4 @@
-"""torchrun (`torch.distributed.run`), run as `python -m rectrain.torchrun <torchrun's arguments>`, so
+"""torchrun (`torch.distributed.run`), run as `python -m rectrain._torchrun <torchrun's arguments>`, so
 that a stop ends it in one line.  On a stop signal torchrun's agent shuts the workers down and raises
 SignalException; when the ranks stop on their own (EXIT_STOPPED, after their stop checkpoint) it
 raises ChildFailedError with a table of their exit statuses.  torchrun's `main` lets either escape:
