@@ -296,7 +296,7 @@ def test_demo_pipeline_runs_as_slurm_jobs_to_the_report(slurm_cluster, tmp_path)
     info = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
     assert info["world_size"] == 2 and info["nodes"] == 2
     # Each node staged the pair into its node-local directory before training read it.
-    assert "[launch] copying" in train_log  # the node-local copy, logged by the launcher that made it
+    assert "] copying" in train_log  # the node-local copy, logged by the launcher that made it
     assert info["rec_device"]["path"].startswith(str(tmp_path / "node-local"))
     print(f"SLURM demo pipeline: {len(submitted)} jobs in {time.monotonic() - started:.0f} s")
 

@@ -100,7 +100,13 @@ def start(own: argparse.Namespace, s) -> int | None:
         rdzv_endpoint=own.rdzv_endpoint or node.rdzv_endpoint,
         run_id=node.run_id,
     )
-    log.info("%s", procs.reason)
+    missing = ", ".join(v for v in distributed.LAUNCH_VARS if v not in os.environ)
+    log.info(
+        "started without a launcher (%s not set): relaunching through torchrun with %d processes because %s",
+        missing,
+        procs.nproc,
+        procs.reason,
+    )
     if procs.cuda_visible_devices:
         log.info("CUDA_VISIBLE_DEVICES=%s", procs.cuda_visible_devices)
     log.info("%s", shlex.join(cmd))
@@ -115,7 +121,9 @@ def single_process(procs: distributed.ProcessPlan, own: argparse.Namespace) -> N
     """This process as rank 0 of 1, saying why."""
     why = "--single-process was given" if own.single_process else procs.reason
     missing = ", ".join(v for v in distributed.LAUNCH_VARS if v not in os.environ)
-    log.info("no launcher (%s not set): training as a single process (rank 0 of 1) because %s", missing, why)
+    log.info(
+        "started without a launcher (%s not set): running as a single process (rank 0 of 1) because %s", missing, why
+    )
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     return None
 

@@ -27,6 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+# At import, not in make_optimizer: a rank imports its modules before its watchdog starts (timm's package
+# imports its model registry, ~0.4 CPU-s), so the first step's preparation is not taken for a stall.
+from timm.optim import create_optimizer_v2
+
 from rectrain.model import name_patterns
 
 # Weight decay by model family when train.weight_decay is null: 5e-5 for the ResNet-18/34 family
@@ -115,8 +119,6 @@ def make_optimizer(optim, model, global_batch: int, opt_steps_per_epoch: int, *,
     decay) and train.precision.  The fused kernel takes the GradScaler's scale and found-inf flag as
     tensors (SGD._step_supports_amp_scaling), so an fp16 step skips an overflowed update on the device
     instead of reading the flag on the host."""
-    from timm.optim import create_optimizer_v2  # only training builds an optimizer
-
     device = next(model.parameters()).device
     optimizer = create_optimizer_v2(
         model,
