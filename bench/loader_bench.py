@@ -141,6 +141,7 @@ def before_dali_loader(ref: str, folder: Path):
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("rectrain.loaders.dali_before", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module.DaliLoader
 

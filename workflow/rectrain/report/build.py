@@ -12,7 +12,7 @@ import yaml
 
 from rectrain.data.subset import imagenet_1k, shipped
 from rectrain.log import duration
-from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions, slowdown
+from rectrain.report import efficiency, learning, plots, projection, provenance, reads, resolutions, slowdown
 from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
 from rectrain.report.stats import (
@@ -442,6 +442,7 @@ def build(
         "at_chance": data.metrics.get("at_chance"),  # the evaluate stage's verdict: the first card
         "rates": rates,
         "eff": efficiency_headline(eff, data.steps),
+        "reads": reads.summary(data.run),
         "util": utilization(data.system),
         "resolutions": resolutions.resolution_rows(data.epochs, data.steps, data.run),
         "epochs": all_epochs,

@@ -66,6 +66,7 @@ def run_info(
         "torch": torch.__version__,
         "dali": dali_version(),
         "padding_per_epoch": loader.padding_per_epoch,
+        "order": loader.order.choice.as_dict() if loader.order else None,  # train.order as it runs, and why
         "started": utc_now(),
         "finished": None,
         "preflight": plan.preflight,
@@ -116,6 +117,9 @@ def log_start(run: Run) -> None:
         run.train_loader.padding_per_epoch,
         plan.preflight,
     )
+    if run.train_loader.order is not None:
+        choice = run.train_loader.order.choice
+        log.info("training order: %s (%s)", choice.used, choice.reason)
 
 
 def resolution_words(res) -> str:
