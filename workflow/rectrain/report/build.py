@@ -393,7 +393,7 @@ def _plots(data: RunData, axis, views: dict) -> dict:
 
 def findings_of(data: RunData, report: ReportSettings) -> list:
     """The diagnosis (rectrain.report.diagnosis) with the findings on whether the run learned
-    (learning) and on epochs other processes slowed (slowdown)."""
+    (learning), on the training reads (reads) and on epochs other processes slowed (slowdown)."""
     return diagnose(
         data.steps,
         data.system,
@@ -401,7 +401,7 @@ def findings_of(data: RunData, report: ReportSettings) -> list:
         data.manifests,
         report,
         image_sizes=data.image_sizes,
-        learned=learning.findings(data, report),
+        learned=[*learning.findings(data, report), *reads.findings(data.run, report)],
         paced=[f for f in [slowdown.other_processes(data.steps, data.system, report)] if f],
     )
 

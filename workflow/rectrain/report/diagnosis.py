@@ -595,14 +595,11 @@ def diagnose(
     a sample of the packed train images) lets the resize advice quote the decode work it saves;
     `learned`: the findings on whether the run learned (rectrain.report.learning); `paced`: on epochs
     that ran slower than the others (rectrain.report.slowdown)."""
-    from rectrain.report.reads import reads_limit  # here: it builds this module's Finding
-
     run, manifests = run or {}, manifests or {}
     ev = efficiency.gather(steps, system, run, manifests, image_sizes)
     found: list[Finding] = []
     for f in (
         input_bound(steps, report, run, ev),
-        reads_limit(run, report),
         contention(run, ev, report),
         cpu_bound(run, ev, report),
         rank_imbalance(steps, system, report),

@@ -1,5 +1,6 @@
 """Which training order ran and what its reads saw (run.json's `order` and `reads`): the line of the
-report's input-efficiency section, and the finding when reading limited the run.
+report's input-efficiency section, and the finding when reading limited the run (handed to
+rectrain.report.diagnosis.diagnose with the learning findings, as rectrain.report.build does).
 
 `reads` is one entry per rank (rectrain.loaders.readahead.ReadStats, written at the finish; null where
 not measured - the torch loader reads in its worker processes).  Pure functions, like diagnosis.py.
@@ -80,3 +81,9 @@ def reads_limit(run: Mapping | None, report: ReportSettings) -> Finding | None:
         threshold=f"report.data_wait_share = {100 * limit:.1f} % of the time waited on reads, on any rank",
         fix=fix,
     )
+
+
+def findings(run: Mapping | None, report: ReportSettings) -> list[Finding]:
+    """What diagnose adds for the reads: reads_limit's finding, when there is one."""
+    found = reads_limit(run, report)
+    return [found] if found else []
