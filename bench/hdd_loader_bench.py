@@ -223,7 +223,7 @@ def main() -> None:
     ap.add_argument("--hdd-batches", type=int, default=15, help="batches of a permutation pass on the disk")
     ap.add_argument("--window-mib", type=int, default=64, help="the quasi-random window per rank (see above)")
     ap.add_argument("--runs", nargs="+", choices=RUNS + EXTRA_RUNS, default=list(RUNS))
-    ap.add_argument("--before-ref", default=BEFORE_REF)
+    ap.add_argument("--before-ref", default=BEFORE_REF, help="a commit, or a copy of its loaders/dali.py")
     ap.add_argument("--sim-python", default=sys.executable, help="a python with fusepy (runs bench/hdd_sim.py)")
     ap.add_argument("--seek-ms", type=float, default=12.7)
     ap.add_argument("--near-ms", type=float, default=5.2)

@@ -118,9 +118,9 @@ class EpochRecords:
     there: a rectrain.loaders.readahead.ReadAhead, started at the first batch asked for, reads the order
     in `pool`'s reader threads as `plan` says (plan_for: a quasi-random window's blocks whole, in offset
     order; the permutation's records in chunks of batches, several in flight), chunks ahead of the
-    step; the call only waits for a chunk not in yet (before: ~2.4 CPU-ms of that thread per batch of
-    64 from the page cache, one seek per record on a hard disk: bench/RESULTS.md, "Reads off the
-    training thread")."""
+    step; the call only waits for a chunk not in yet (before: 2.4-3.8 CPU-ms of that thread per batch of
+    64 from the page cache, one seek per record on a hard disk: bench/RESULTS.md, "Quasi-random
+    order and reads off the training thread")."""
 
     def __init__(
         self,

@@ -2,8 +2,8 @@
 
 The DALI loader's external source (rectrain.loaders.dali.EpochRecords) is called in the thread that
 runs the training step, and until issue 52 it read each record there, one os.pread after another: one
-seek per record on a hard disk (0.05x of the page-cache rate on bench/hdd_sim.py's 7,200 rpm disk),
-~0.04 CPU-ms an image of the training thread from the page cache.  Here a small pool of reader threads
+seek per record on a hard disk (~80 img/s at most on bench/hdd_sim.py's 7,200 rpm disk), and ~0.05
+CPU-ms an image of the training thread from the page cache.  Here a small pool of reader threads
 (READ_THREADS; os.pread releases the GIL) reads the epoch's order in chunks of whole batches, each
 chunk's records sorted by offset, as its ReadPlan (plan_for) says:
 - the quasi-random order (rectrain.loaders.order, a hard disk's): a chunk is one window; its blocks are
@@ -11,7 +11,8 @@ chunk's records sorted by offset, as its ReadPlan (plan_for) says:
   share a request, so a rank's share of a block interleaved with other ranks' records is one read),
   by ONE reader thread, one request at a time in offset order, window after window - a disk has one
   head: on bench/hdd_sim.py two windows read at once by four threads interleaved their requests and
-  paid a seek for each (bench/RESULTS.md, "Reads off the training thread");
+  paid a seek for each (bench/RESULTS.md,
+  "Quasi-random order and reads off the training thread");
 - the permutation (an SSD's, the page cache's): chunks of CHUNK_BATCHES batches, every record its own
   request unless adjacent in the file, READ_THREADS threads and requests in flight.
 While the training thread takes the batches of one chunk, the next `ahead` chunks are read; it waits
