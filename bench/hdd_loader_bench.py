@@ -185,7 +185,7 @@ def report(results: dict, args, mean_bytes: float) -> str:
     """Medians [min-max] over the rounds, and ratios within each round."""
     sequential = args.mb_s * 1e6 / mean_bytes
     lines = [
-        f"{args.images} records, mean {mean_bytes / 1e3:.0f} KB; DALI loader, 2 threads, crop 224, batch 64, CPU; "
+        f"{args.images} records, mean {mean_bytes / 1e3:.0f} KB; DALI loader, 2 threads, crop 224, batch 64, {args.device}; "
         f"quasi-random blocks {order.BLOCK_BYTES >> 20} MiB, window {args.window_mib} MiB; simulated disk: seek "
         f"{args.seek_ms} ms, short seek {args.near_ms} ms, {args.mb_s} MB/s = {sequential:.0f} records/s sequentially",
         "| run | img/s steady | img/s with start-up | training thread in the callback, CPU-ms/batch | head: reads, seeks + short, busy s |",

@@ -106,18 +106,35 @@ def test_each_chunk_is_read_in_offset_order_and_a_quasi_random_block_is_one_requ
                 assert len(got) <= len(set(blocks.tolist())), f"window {c}: more requests than blocks"
 
 
-def test_the_read_ahead_holds_the_chunk_taken_and_at_most_ahead_more(id_pair):
-    """The memory bound: after each batch, the chunk it came from and at most `ahead` chunks submitted."""
+def test_the_read_ahead_holds_the_chunk_taken_and_at_most_ahead_more(id_pair, monkeypatch):
+    """The memory bound: after each batch, the chunk it came from and at most `ahead` chunks submitted;
+    with one reader thread (a disk's), a chunk done with is freed before the next one is read."""
     reader = IndexedRecordReader(*id_pair)
     order = train_order(len(reader), 0, 1, 4, 1, 0)
-    pool = ReadPool()
-    for ahead in (0, 1, 2):
-        reads = ReadAhead(reader, order, 4, ReadPlan(2, ahead, 0, 2), pool)
+    events = []
+    read_stream, drop = readahead.read_stream, readahead.Chunk.drop
+
+    def logged_read(reader, chunk, plan, stream, stats):
+        events.append(("read", chunk.first))
+        return read_stream(reader, chunk, plan, stream, stats)
+
+    def logged_drop(chunk):
+        events.append(("drop", chunk.first))
+        drop(chunk)
+
+    monkeypatch.setattr(readahead, "read_stream", logged_read)
+    monkeypatch.setattr(readahead.Chunk, "drop", logged_drop)
+    for ahead, streams in ((0, 2), (1, 2), (2, 2), (1, 1)):
+        pool, events[:] = ReadPool(streams), []
+        reads = ReadAhead(reader, order, 4, ReadPlan(2, ahead, 0, streams), pool)
         for k in range(len(order) // 4):
             reads.batch(k)
             assert len(reads._pending) <= ahead and reads._current[0] == k // 2
         reads.close()
-    pool.close()
+        pool.close(wait=True)
+        if streams == 1:  # chunk c's drop (c starts at 8c) runs before chunk c + 2 is read
+            for c in range(len(order) // 8 - 2):
+                assert events.index(("drop", 8 * c)) < events.index(("read", 8 * (c + 2))), events
 
 
 def test_a_failed_read_reaches_the_training_thread_naming_the_rec(id_pair, tmp_path):

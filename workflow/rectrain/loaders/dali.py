@@ -9,9 +9,9 @@ Training reads its records in the order of rectrain.loaders.order (train.order) 
 whole dataset every epoch from (seed, epoch), a full permutation or, on a hard disk, the quasi-random
 order of shuffled blocks; dealt across the ranks as torch's DistributedSampler does; the torch
 loader's order too - fed through fn.external_source (EpochRecords) from the one .rec by the .idx's
-offsets, read ahead of the step by reader threads (rectrain.loaders.readahead).  A pipeline is built per epoch with a seed from (seed, epoch, rank) and the
-epoch's crop size (LoaderSpec.crop_at, train.progressive), so a resumed run replays exactly the epochs
-it missed, at their resolutions.  Within an epoch it is built with DALI's checkpointing on: `state()`
+offsets, read ahead of the step by reader threads (rectrain.loaders.readahead).  A pipeline is built
+per epoch with a seed from (seed, epoch, rank) and the epoch's crop size (LoaderSpec.crop_at,
+train.progressive), so a resumed run replays exactly the epochs it missed, at their resolutions.  Within an epoch it is built with DALI's checkpointing on: `state()`
 is the pipeline's checkpoint after the batches this loader has yielded (DALI counts the batches its
 consumer took, not those waiting in the prefetch queue): the batch index the external source resumes
 at and the crop and flip generators' states - the order itself needs nothing saved.  `epoch(e, start,

@@ -37,11 +37,12 @@ from rectrain.loaders.spec import epoch_seed, train_batches_per_epoch
 
 ORDERS = ("auto", "permutation", "quasi-random")
 # Blocks a hard disk reads near its sequential rate: a 12.7 ms seek (7,200 rpm) then 8 MiB at 150 MB/s
-# (56 ms) is 81 % of it (4 MiB: 69 %, 16 MiB: 90 %); FFCV's pages are 8 MiB too.  With the window, chosen
-# from bench/shuffle_bench.py's figures at 1.28 M records of 110 KB (bench/RESULTS.md, "Quasi-random
-# order and reads off the training thread"): records of one block meet in a batch again 2.0x as often as in a full permutation on one
-# rank, 1.25x on two (512 MiB windows: 5.0x and 2.0x; 16 MiB blocks: 3.0x and 1.5x), position
-# correlation between epochs <= 0.01; at pack.resize 256's ~27 KB, 1.26x and 1.03x.
+# (56 ms) is 81 % of it (4 MiB: 69 %, 16 MiB: 90 %); FFCV's pages are 8 MiB too.  With the window,
+# chosen from bench/shuffle_bench.py's figures at 1.28 M records of 110 KB (bench/RESULTS.md,
+# "Quasi-random order and reads off the training thread"): records of one block meet in a batch again
+# 2.0x as often as in a full permutation on one rank, 1.25x on two (512 MiB windows: 5.0x and 2.0x;
+# 16 MiB blocks: 3.0x and 1.5x), position correlation between epochs <= 0.01; at pack.resize 256's
+# ~27 KB, 1.26x and 1.03x.
 BLOCK_BYTES = 8 << 20
 # Records of one window per rank: the host memory a rank's reads hold is at most two windows (the one
 # trained on and the next, read meanwhile: rectrain.loaders.readahead), 2 GiB.

@@ -218,10 +218,7 @@ class ReadAhead:
         self._pending[c] = chunk
 
     def _take(self, c: int) -> Chunk:
-        """Chunk c, waited for; what came before is dropped first (the memory bound)."""
-        if self._current is not None:
-            self.pool.submit(self._current[1].drop)
-            self._current = None
+        """Chunk c, waited for (a chunk before it still pending is cancelled)."""
         for j in [j for j in self._pending if j < c]:
             self._cancel(self._pending.pop(j))
         chunk = self._pending.pop(c)
@@ -239,7 +236,12 @@ class ReadAhead:
         current = self._current[0] if self._current else None
         if self._first is None or k < self._first or (c != current and c not in self._pending):
             self.close()
-            self._first = k
+            self._first, current = k, None
+        if c != current and self._current is not None:
+            # The chunk done with is freed before more is read: with one reader thread the drop is
+            # queued ahead of the next chunk's read, so at most 1 + ahead chunks are ever held.
+            self.pool.submit(self._current[1].drop)
+            self._current = None
         last = (self.batches - 1) // self.chunk
         for j in range(c, min(c + self.plan.ahead, last) + 1):
             if j != current and j not in self._pending:
