@@ -43,7 +43,7 @@ except (ImportError, OSError) as err:  # the cost model stays importable (its te
 FS_IOC_FIEMAP = 0xC020660B
 FIEMAP_FLAG_SYNC = 0x1
 FIEMAP_HEADER = "=QQIIII"  # start, length, flags, mapped extents, extent count, reserved
-FIEMAP_EXTENT = "=QQQQQII"  # logical, physical, length, 2 reserved, flags, reserved
+FIEMAP_EXTENT = "=QQQQQIIII"  # logical, physical, length, 2 reserved, flags, 3 reserved: 56 bytes
 MAX_EXTENTS = 256
 
 

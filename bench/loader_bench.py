@@ -133,14 +133,18 @@ def _timed_passes(make_iter, n_images: int, passes: int) -> tuple[float, float, 
 
 
 def before_dali_loader(ref: str, folder: Path):
-    """The DaliLoader class of `ref`'s loaders/dali.py, imported beside today's (git show; the file in `folder`)."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{ref}:workflow/rectrain/loaders/dali.py"], capture_output=True, check=True
-    ).stdout
+    """The DaliLoader class of `ref`'s loaders/dali.py, imported beside today's (git show; the file in
+    `folder`); `ref` may also be a copy of that file (a machine without the repository's history)."""
+    if Path(ref).is_file():
+        source = Path(ref).read_bytes()
+    else:
+        show = ["git", "-C", str(REPO), "show", f"{ref}:workflow/rectrain/loaders/dali.py"]
+        source = subprocess.run(show, capture_output=True, check=True).stdout
     path = folder / "dali_before.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("rectrain.loaders.dali_before", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module.DaliLoader
 

@@ -11,9 +11,8 @@ from helpers.train_data import colour_class, tiny_train_settings, train_loader_s
 from PIL import Image
 
 from rectrain.distributed import Dist
-from rectrain.loaders import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, build_loader, train_padding
+from rectrain.loaders import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, build_loader, order, train_padding
 from rectrain.loaders.dali import DaliLoader
-from rectrain.loaders.order import train_order
 from rectrain.loaders.pytorch import TorchLoader
 from rectrain.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack_record
 from rectrain.train.run import make_loaders
@@ -208,18 +207,38 @@ def test_two_ranks_see_every_record_once_per_epoch(id_rec, kind):
     assert orders[0] != orders[1], "train order must change between epochs"
 
 
-def test_two_dali_epochs_read_different_orders_each_a_new_permutation_of_all_records_dealt_across_ranks(id_rec):
-    """Read from the records' ids (label = id): each rank's epoch is train_order's - a permutation of
-    the whole set from (seed, epoch), dealt round-robin - not a fixed shard of the .rec in file order."""
+@pytest.mark.parametrize("kind", ["permutation", "quasi-random"])
+def test_two_dali_epochs_read_different_orders_of_all_records_dealt_across_ranks_and_a_resume_goes_on_in_it(
+    id_rec, kind, monkeypatch
+):
+    """Read from the records' ids (label = id): each rank's epoch is train.order's - a new order of the
+    whole set from (seed, epoch), dealt round-robin (here quasi-random over ~1 KB blocks and 2-batch
+    windows, several of each) - not a fixed shard of the .rec in file order; read ahead by the reader
+    threads, batch for batch, and from the DALI checkpoint of a pass left after 3 batches on."""
+    monkeypatch.setattr(order, "BLOCK_BYTES", 1000)
+    monkeypatch.setattr(order, "WINDOW_BYTES", 2 * 8 * 800)
     rec, idx = id_rec
-    file_ids = IndexedRecordReader(rec, idx).file_keys  # the record ids in .rec order
-    n, world, batch = 67, 2, 4
+    reader = IndexedRecordReader(rec, idx)
+    file_ids = reader.file_keys  # the record ids in .rec order
+    n, world, batch = 67, 2, 8
+    blocks = order.blocks_of(reader.offsets, reader.file_size, batch) if kind == "quasi-random" else None
+    assert blocks is None or (len(blocks.starts) > 5 and 1 <= blocks.window_batches < 4)
+    spec = dict(batch_size=batch, image_size=16, world_size=world, seed=7, order=kind, workers=1)
     read = {}
     for rank in range(world):
-        loader = DaliLoader(LoaderSpec(rec, idx, batch_size=batch, image_size=16, rank=rank, world_size=world, seed=7))
+        loader = DaliLoader(LoaderSpec(rec, idx, rank=rank, **spec))
+        assert loader.order.choice.used == kind
         for epoch in (0, 1):
             read[rank, epoch] = [i for _, y in loader.epoch(epoch) for i in y.tolist()]
-            assert read[rank, epoch] == file_ids[train_order(n, rank, world, batch, 7, epoch)].tolist()
+            assert (
+                read[rank, epoch]
+                == file_ids[order.train_order(n, rank, world, batch, 7, epoch, blocks=blocks)].tolist()
+            )
+        first = loader.epoch(1)
+        head = [i for _, y in (next(first) for _ in range(3)) for i in y.tolist()]
+        again = DaliLoader(LoaderSpec(rec, idx, rank=rank, **spec))
+        rest = [i for _, y in again.epoch(1, 3, loader.state()) for i in y.tolist()]
+        assert head + rest == read[rank, 1], "a resumed pass left the order"
     for rank in range(world):
         assert read[rank, 0] != read[rank, 1], "two epochs read the same order"
         assert set(read[rank, 0]) != set(read[rank, 1]), "a rank keeps the same records every epoch"

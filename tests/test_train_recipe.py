@@ -231,13 +231,13 @@ def test_ddp_with_bucket_views_static_graph_and_a_compression_hook_keeps_the_ran
     assert torch.equal(a["fc"], b["fc"]) and a["static"] is (accum == 1)
 
 
-def test_two_epochs_of_the_dali_loaders_order_are_uncorrelated_and_rebatch_pairs_as_a_full_permutation(tmp_path):
+def test_two_epochs_of_the_dali_loaders_permutation_are_uncorrelated_and_rebatch_pairs_as_a_full_permutation(tmp_path):
     """bench/shuffle_bench.py's figures on 40k records, 2 ranks, from the loader itself (the mxnet
     reader's buffer it replaced: correlation 0.992 and 10x the pairs at ImageNet's size)."""
     from shuffle_bench import batch_cooccurrence, loader_orders, position_correlation, write_idx_only
 
     n = 40000
-    orders, held = loader_orders(*write_idx_only(tmp_path, n), ranks=2, batch=64, epochs=2)
+    orders, held, _ = loader_orders(*write_idx_only(tmp_path, n), ranks=2, batch=64, epochs=2, order="permutation")
     assert abs(position_correlation(orders[0, 0], orders[0, 1], n)) < 0.03
     again, full = batch_cooccurrence(orders[0, 0], [orders[0, 1], orders[1, 1]], 64, n)
     assert again < 1.2 * full, f"{again:.5f} of the pairs met again, a full permutation's share is {full:.5f}"

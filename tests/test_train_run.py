@@ -15,6 +15,7 @@ import torch
 import torchvision
 from helpers.train_data import config_json, packed_dataset, rows
 
+from rectrain.loaders.order import choose_order
 from rectrain.train.lifecycle.checkpoint import load
 from rectrain.train.lifecycle.finished import FORCED_ENV, PUBLISHED
 from rectrain.train.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
@@ -91,6 +92,12 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
     ]
     assert as_run["mechanics"]["zero_init_residual"] == {"asked": False, "changed": 0, "what": {}}
     assert info["config"]["workers"] == "auto" and info["workers"] == 2, "auto: 4 cores shared by 2 local ranks"
+    # train.order as it ran (auto: by the .rec's disk) and each rank's reads: 2 epochs of 4 batches of 8
+    assert info["order"]["used"] == choose_order("auto", data[data.index("--rec") + 1]).used
+    assert f"training order: {info['order']['used']}" in proc.stderr
+    assert [r["order"] for r in info["reads"]] == [info["order"]["used"]] * 2
+    assert 2 * 45 <= sum(r["records"] for r in info["reads"]) <= 2 * 2 * 4 * 8, info["reads"]
+    assert all(r["bytes"] > 0 and r["elapsed_s"] >= r["busy_s"] >= 0 for r in info["reads"]), info["reads"]
     model = load(out / "model.pt")
     assert model["epoch"] == 1 and model["num_classes"] == 5 and model["model_name"] == "resnet18"
     # The README's way to get the weights out of a 2-rank run: a plain torchvision model takes them.

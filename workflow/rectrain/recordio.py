@@ -17,6 +17,7 @@ import numbers
 import os
 import re
 import struct
+import threading
 from collections import namedtuple
 from typing import Callable, Iterator
 
@@ -363,6 +364,11 @@ def scan_records(rec_path: str | os.PathLike, max_record_bytes: int | None = Non
             pos = nxt
 
 
+# Held while a reader's descriptor is opened: two threads reading first at once would open it twice and
+# leak one (the .rec then stays open: a file system cannot be unmounted).
+_OPENING = threading.Lock()
+
+
 class IndexedRecordReader:
     """Random access to a .rec through its .idx.
 
@@ -387,12 +393,42 @@ class IndexedRecordReader:
 
     def _descriptor(self) -> int:
         if self._fd is None or self._pid != os.getpid():
-            self._fd = os.open(self.rec_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
-            self._pid = os.getpid()
+            with _OPENING:  # reader threads (rectrain.loaders.readahead) share one descriptor, opened once
+                if self._fd is None or self._pid != os.getpid():
+                    self._fd = os.open(self.rec_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
+                    self._pid = os.getpid()
         return self._fd
 
     def _pread(self, off: int, n: int) -> bytes:
         return os.pread(self._descriptor(), n, off)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """The records' byte offsets in file order (int64, read-only view): where nth(i) reads."""
+        view = self._sorted_offsets.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def file_size(self) -> int:
+        return self._file_size
+
+    def end_of(self, i: int) -> int:
+        """Where the i-th record (file order) ends: the next one's offset, or the file's end."""
+        return int(self._sorted_offsets[i + 1]) if i + 1 < len(self._sorted_offsets) else self._file_size
+
+    def nth_span(self, wanted: list[int]) -> dict[int, bytes]:
+        """{i: payload} of the records at file-order positions `wanted` (ascending, distinct), read with
+        ONE pread from the first one's offset to the last one's end, whatever lies between: a block of
+        contiguous records costs one request, not one per record (rectrain.loaders.readahead)."""
+        start, end = int(self._sorted_offsets[wanted[0]]), self.end_of(wanted[-1])
+        block = self._pread(start, end - start) if end > start else b""  # past a cut file's end: parsed below
+
+        def read(off: int, n: int) -> bytes:
+            rel = off - start
+            return block[rel : rel + n] if 0 <= rel and rel + n <= len(block) else self._pread(off, n)
+
+        return {i: _parse_record(read, int(self._sorted_offsets[i]), self._file_size, self.rec_path)[0] for i in wanted}
 
     def read_at(self, offset: int) -> bytes:
         """Payload of the record whose magic word is at ``offset``."""

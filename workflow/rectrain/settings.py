@@ -45,6 +45,7 @@ class TrainLoaders(_View):
     """The train block's `loaders` part: the loader, its workers, decoding and augmentation."""
 
     loader: str
+    order: str
     workers: int | str
     gpu_decode: bool
     augment: dict

@@ -26,9 +26,11 @@ RESIZED_BYTES_PER_PIXEL_Q90 = 0.45
 SPACE_MARGIN = 1.05
 
 ROTATIONAL_WARNING = (
-    "WARNING: fast_storage {path} is on a rotational disk ({device}). Training reads the .rec in "
-    "random order; once the page cache is exhausted the GPUs wait on the disk (on one such setup a "
-    "second GPU idled at 0-10 % with ~47 % iowait and 500 steps went from 70 s to 5 min). "
+    "WARNING: fast_storage {path} is on a rotational disk ({device}). Once the page cache is exhausted "
+    "the GPUs wait on the disk (on one such setup a second GPU idled at 0-10 % with ~47 % iowait and 500 "
+    "steps went from 70 s to 5 min). Training reads such a .rec in blocks (train.order: auto picks the "
+    "quasi-random order: 2 GiB of host memory per GPU, some randomness given up), never faster than the "
+    "disk streams; a full permutation would seek once per image. "
     "Fix: point pack.fast_storage at a directory on an SSD/NVMe."
 )
 

@@ -89,6 +89,8 @@ __all__ = [
 if TYPE_CHECKING:
     import torch
 
+    from rectrain.loaders.order import TrainOrder
+
 log = logging.getLogger(__name__)
 
 # The images' dtype for each train.precision: what autocast would cast the first layer's input to.
@@ -215,6 +217,7 @@ class Loader(Protocol):
     padding_per_epoch: int  # records repeated per epoch across all ranks so every batch is full
     choice: LoaderChoice  # what was asked for, what runs and why (build_loader sets it)
     image_dtype: torch.dtype  # the images' dtype: spec.dtype, or float32 where the loader lacks it
+    order: TrainOrder | None  # train.order as it runs (rectrain.loaders.order); None when evaluating
 
     def epoch(self, epoch: int, start: int = 0, state=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(images, labels) batches of one epoch, in this rank's order for that epoch; a training
@@ -225,6 +228,11 @@ class Loader(Protocol):
     def state(self):
         """A training epoch's position beyond the batch count (weights_only-loadable, None if none):
         DALI's pipeline checkpoint; nothing for the torch loader (its order and crops follow from it)."""
+        ...
+
+    def read_stats(self) -> dict | None:
+        """What the training reads did so far (rectrain.loaders.readahead.ReadStats, with the order that
+        ran); None where not measured (the torch loader's workers, evaluation)."""
         ...
 
 

@@ -5,12 +5,13 @@ fn.random_resized_crop, cpu = roi on the CPU even with a GPU.  crop_mirror_norma
 images in the training's dtype (float16 under fp16; bfloat16 where this DALI has the type, else
 float32) and, with channels_last, HWC, so torch sees channels_last without a copy.
 
-Training reads its records in the order of rectrain.loaders.order.train_order - a new permutation of
-the whole dataset every epoch from (seed, epoch), dealt across the ranks as torch's DistributedSampler
-does, the torch loader's order too - fed through fn.external_source (EpochRecords) from the one .rec
-by the .idx's offsets.  A pipeline is built per epoch with a seed from (seed, epoch, rank) and the
-epoch's crop size (LoaderSpec.crop_at, train.progressive), so a resumed run replays exactly the epochs
-it missed, at their resolutions.  Within an epoch it is built with DALI's checkpointing on: `state()`
+Training reads its records in the order of rectrain.loaders.order (train.order) - a new order of the
+whole dataset every epoch from (seed, epoch), a full permutation or, on a hard disk, the quasi-random
+order of shuffled blocks; dealt across the ranks as torch's DistributedSampler does; the torch
+loader's order too - fed through fn.external_source (EpochRecords) from the one .rec by the .idx's
+offsets, read ahead of the step by reader threads (rectrain.loaders.readahead).  A pipeline is built
+per epoch with a seed from (seed, epoch, rank) and the epoch's crop size (LoaderSpec.crop_at,
+train.progressive), so a resumed run replays exactly the epochs it missed, at their resolutions.  Within an epoch it is built with DALI's checkpointing on: `state()`
 is the pipeline's checkpoint after the batches this loader has yielded (DALI counts the batches its
 consumer took, not those waiting in the prefetch queue): the batch index the external source resumes
 at and the crop and flip generators' states - the order itself needs nothing saved.  `epoch(e, start,
@@ -36,7 +37,8 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy, fee
 from rectrain.data import pairowner
 from rectrain.loaders.augment import NONE, AugmentPolicy
 from rectrain.loaders.dali_augment import apply_policy
-from rectrain.loaders.order import train_order
+from rectrain.loaders.order import TrainOrder, order_for
+from rectrain.loaders.readahead import ReadAhead, ReadPlan, ReadPool, plan_for
 from rectrain.loaders.spec import (
     CROP_RATIO,
     CROP_SCALE,
@@ -50,7 +52,7 @@ from rectrain.loaders.spec import (
     train_batches_per_epoch,
     train_padding,
 )
-from rectrain.recordio import IndexedRecordReader, header_label, idx_arrays, unpack_record
+from rectrain.recordio import IndexedRecordReader, idx_arrays
 
 # Preprocess.interpolation as DALI's resize takes it (antialiased when shrinking, as torchvision's and PIL's).
 DALI_INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}
@@ -106,32 +108,45 @@ def train_crop(jpegs, crop: str, decode_device: str, decoder_kwargs: dict, image
 
 class EpochRecords:
     """fn.external_source's batch callback for one rank's training epoch: batch k is the records at
-    positions k x batch ... of `order` (rectrain.loaders.order.train_order), read from the one .rec
-    by their .idx offsets (IndexedRecordReader: os.pread on one descriptor per process), as (encoded
-    images as uint8 arrays, int64 labels from the records' headers).  DALI passes the iteration
-    index and, in a pipeline restored from its checkpoint, goes on from the iteration the checkpoint
-    was taken at, so a batch's records follow from (seed, epoch, rank, batch index) alone.  Past the
-    epoch's last batch: StopIteration, the end of the pass.
+    positions k x batch ... of `order` (rectrain.loaders.order.train_order), from the one .rec by their
+    .idx offsets, as (encoded images as uint8 arrays, int64 labels from the records' headers).  DALI
+    passes the iteration index and, in a pipeline restored from its checkpoint, goes on from the
+    iteration the checkpoint was taken at, so a batch's records follow from (seed, epoch, rank, batch
+    index) alone.  Past the epoch's last batch: StopIteration, the end of the pass.
 
-    Called in the consumer's thread (DALI's non-parallel external source) while DALI's threads decode
-    earlier batches: a batch of 64 records of ~107 KB from the page cache costs ~2.4 CPU-ms, against
-    ~230 CPU-ms to decode and crop them on the CPU (bench/RESULTS.md, "DALI loader: a new order every
-    epoch"), so no worker processes (external_source's parallel mode) to copy the bytes through."""
+    DALI calls it in the consumer's thread - the one that runs the training step - so it does not read
+    there: a rectrain.loaders.readahead.ReadAhead, started at the first batch asked for, reads the order
+    in `pool`'s reader threads as `plan` says (plan_for: a quasi-random window's blocks whole, in offset
+    order; the permutation's records in chunks of batches, several in flight), chunks ahead of the
+    step; the call only waits for a chunk not in yet (before: 2.4-3.8 CPU-ms of that thread per batch of
+    64 from the page cache, one seek per record on a hard disk: bench/RESULTS.md, "Quasi-random
+    order and reads off the training thread")."""
 
-    def __init__(self, reader: IndexedRecordReader, order: np.ndarray, batch_size: int):
+    def __init__(
+        self,
+        reader: IndexedRecordReader,
+        order: np.ndarray,
+        batch_size: int,
+        pool: ReadPool | None = None,
+        plan: ReadPlan | None = None,
+    ):
         self.reader, self.order, self.batch_size = reader, order, batch_size
         self.batches = len(order) // batch_size
+        self.pool, self.plan = pool, plan or plan_for(None)
+        self._reads: ReadAhead | None = None
 
     def __call__(self, iteration: int):
         if iteration >= self.batches:
             raise StopIteration
-        b = self.batch_size
-        images, labels = [], np.empty(b, np.int64)
-        for j, i in enumerate(self.order[iteration * b : (iteration + 1) * b].tolist()):
-            header, data = unpack_record(self.reader.nth(i)[1])
-            images.append(np.frombuffer(data, np.uint8))
-            labels[j] = header_label(header)
-        return images, labels
+        if self._reads is None:
+            self.pool = self.pool or ReadPool(self.plan.streams)
+            self._reads = ReadAhead(self.reader, self.order, self.batch_size, self.plan, self.pool)
+        return self._reads.batch(iteration)
+
+    def close(self) -> None:
+        """Cancel the reads not started (a pass its consumer left early)."""
+        if self._reads is not None:
+            self._reads.close()
 
 
 @dataclass(frozen=True)
@@ -245,6 +260,13 @@ class DaliLoader:
         self.reader = IndexedRecordReader(spec.rec, spec.idx) if spec.train else None
         self.size = len(self.reader) if spec.train else len(idx_arrays(spec.idx)[0])
         w, b, a = spec.world_size, spec.batch_size, spec.step_batches
+        # train.order (permutation or quasi-random) and the reader threads of every epoch's EpochRecords
+        self.order: TrainOrder | None = order_for(spec.order, self.reader, b) if spec.train else None
+        self.read_plan = plan_for(self.order.window_batches) if spec.train else None
+        self.reads = ReadPool(self.read_plan.streams) if spec.train else None
+        self._epoch_records: EpochRecords | None = None
+        if self.reads is not None:
+            weakref.finalize(self, self.reads.close)
         self.padding_per_epoch = train_padding(self.size, w, b, a) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b, a)
         self._train_iter = None  # the epoch's, for state(); None on the CPU, which runs _train_pipe itself
@@ -256,8 +278,16 @@ class DaliLoader:
         s = self.spec
         if not s.train:
             return EvalShard(s.rec, s.idx, s.rank, s.world_size)
-        order = train_order(self.size, s.rank, s.world_size, s.batch_size, s.seed, epoch, accum=s.grad_accum)
-        return EpochRecords(self.reader, order, s.batch_size)
+        order = self.order.indices(self.size, s.rank, s.world_size, s.batch_size, s.seed, epoch, accum=s.grad_accum)
+        self._epoch_records = EpochRecords(self.reader, order, s.batch_size, self.reads, self.read_plan)
+        return self._epoch_records
+
+    def read_stats(self) -> dict | None:
+        """The training reads so far (rectrain.loaders.readahead.ReadStats) with the order that ran;
+        None for an evaluation loader."""
+        if self.reads is None:
+            return None
+        return {"order": self.order.choice.used, "threads": self.reads.threads, **self.reads.stats.as_dict()}
 
     def _build(self, epoch: int, checkpoint: bytes | None = None):
         s = self.spec
@@ -316,6 +346,9 @@ class DaliLoader:
         of the epoch's timed steps."""
         for loader in [self, *_FINISHED]:
             loader._train_iter = loader._train_pipe = loader._eval_iter = None
+            if loader._epoch_records is not None:  # reads not started yet are not wanted any more
+                loader._epoch_records.close()
+                loader._epoch_records = None
         _FINISHED.clear()
 
     def _host_batches(self, epoch: int, start: int, state: bytes | None):

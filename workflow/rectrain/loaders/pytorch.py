@@ -7,8 +7,9 @@ with torchvision transforms v2, returning uint8 so little crosses the process bo
 conversion and normalisation happen once per batch on the target device.  On a GPU with gpu_decode
 (and TorchCodec installed), workers only read bytes and the batch is decoded by TorchCodec's
 decode_jpeg(device="cuda").  A record in none of those formats stops the epoch naming the record.
-Sharding (ShardSampler): one permutation of all records per epoch, seeded by (seed, epoch), the same
-on every rank; rank r takes every world-th record starting at r, like DistributedSampler.
+Sharding (ShardSampler): train.order's order of all records per epoch (rectrain.loaders.order: a
+permutation, or the quasi-random order on a hard disk), seeded by (seed, epoch), the same on every
+rank; rank r takes every world-th record starting at r, like DistributedSampler.
 Training samples are augmented under their own seed, drawn from (seed, epoch, rank, position in the
 epoch) (SeededPositions): a crop does not depend on which worker decodes it, so an epoch resumed at
 batch k (`epoch(e, start=k)`, the sampler started at position k x batch) sees exactly the samples,
@@ -185,11 +186,13 @@ class ShardSampler(Sampler[int]):
         seed: int,
         pad_to_batch: bool,
         accum: int = 1,
+        blocks: order.Blocks | None = None,
     ):
+        """blocks: the quasi-random order's (rectrain.loaders.order.order_for); None = the permutation."""
         if shuffle != pad_to_batch:
             raise ValueError("ShardSampler: shuffle and pad_to_batch go together (training) or not at all (eval)")
         self.n, self.rank, self.world, self.batch, self.accum = n, rank, world_size, batch_size, accum
-        self.shuffle, self.seed, self.pad = shuffle, seed, pad_to_batch
+        self.shuffle, self.seed, self.pad, self.blocks = shuffle, seed, pad_to_batch, blocks
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -199,7 +202,16 @@ class ShardSampler(Sampler[int]):
         if self.shuffle:
             return map(
                 int,
-                order.train_order(self.n, self.rank, self.world, self.batch, self.seed, self.epoch, accum=self.accum),
+                order.train_order(
+                    self.n,
+                    self.rank,
+                    self.world,
+                    self.batch,
+                    self.seed,
+                    self.epoch,
+                    accum=self.accum,
+                    blocks=self.blocks,
+                ),
             )
         return map(int, order.eval_order(self.n, self.rank, self.world))
 
@@ -249,8 +261,18 @@ class TorchLoader:
         w, b, a = spec.world_size, spec.batch_size, spec.step_batches
         self.padding_per_epoch = train_padding(self.size, w, b, a) if spec.train else 0
         self.batches_per_epoch = train_batches_per_epoch(self.size, w, b, a)
+        # train.order; the workers read each record where the order puts it (no read-ahead of blocks here)
+        self.order = order.order_for(spec.order, self.dataset.reader, b) if spec.train else None
         self.sampler = ShardSampler(
-            self.size, spec.rank, w, b, shuffle=spec.train, seed=spec.seed, pad_to_batch=spec.train, accum=a
+            self.size,
+            spec.rank,
+            w,
+            b,
+            shuffle=spec.train,
+            seed=spec.seed,
+            pad_to_batch=spec.train,
+            accum=a,
+            blocks=self.order.blocks if self.order else None,
         )
         device = torch.device(spec.device)
         self._mean = torch.tensor(spec.preprocess.mean, device=device).view(1, 3, 1, 1)
@@ -297,6 +319,10 @@ class TorchLoader:
 
     def state(self) -> None:
         """Nothing beyond the position: the epoch's order and every sample's seed follow from it."""
+        return None
+
+    def read_stats(self) -> None:
+        """Not measured: the records are read in the worker processes, one at a time."""
         return None
 
     def epoch(self, epoch: int, start: int = 0, state=None):

@@ -120,6 +120,7 @@ class LoaderSpec:
     crops: tuple[int, ...] = ()
 
     decode: str = "auto"  # train.decode (DECODE_PATHS, or auto)
+    order: str = "auto"  # train.order (rectrain.loaders.order.ORDERS): the training order's kind
     dtype: str = "float32"  # the images' dtype (image_dtype): float32, float16 or bfloat16
     channels_last: bool = True  # images in NHWC memory (viewed as NCHW), as channels_last training wants
     preprocess: Preprocess = IMAGENET_PREPROCESS  # normalisation, and the evaluation resize's interpolation

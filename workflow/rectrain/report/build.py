@@ -12,7 +12,7 @@ import yaml
 
 from rectrain.data.subset import imagenet_1k, shipped
 from rectrain.log import duration
-from rectrain.report import efficiency, learning, plots, projection, provenance, resolutions, slowdown
+from rectrain.report import efficiency, learning, plots, projection, provenance, reads, resolutions, slowdown
 from rectrain.report.diagnosis import diagnose
 from rectrain.report.inputs import RunData
 from rectrain.report.stats import (
@@ -393,7 +393,7 @@ def _plots(data: RunData, axis, views: dict) -> dict:
 
 def findings_of(data: RunData, report: ReportSettings) -> list:
     """The diagnosis (rectrain.report.diagnosis) with the findings on whether the run learned
-    (learning) and on epochs other processes slowed (slowdown)."""
+    (learning), on the training reads (reads) and on epochs other processes slowed (slowdown)."""
     return diagnose(
         data.steps,
         data.system,
@@ -401,7 +401,7 @@ def findings_of(data: RunData, report: ReportSettings) -> list:
         data.manifests,
         report,
         image_sizes=data.image_sizes,
-        learned=learning.findings(data, report),
+        learned=[*learning.findings(data, report), *reads.findings(data.run, report)],
         paced=[f for f in [slowdown.other_processes(data.steps, data.system, report)] if f],
     )
 
@@ -442,6 +442,7 @@ def build(
         "at_chance": data.metrics.get("at_chance"),  # the evaluate stage's verdict: the first card
         "rates": rates,
         "eff": efficiency_headline(eff, data.steps),
+        "reads": reads.summary(data.run),
         "util": utilization(data.system),
         "resolutions": resolutions.resolution_rows(data.epochs, data.steps, data.run),
         "epochs": all_epochs,

@@ -244,6 +244,7 @@ def loader_spec(
         if resolution.progressive
         else (),
         decode=loaders.decode,
+        order=loaders.order,
         dtype=image_dtype(models.resolve_precision(network.precision, d.device)),
         channels_last=network.channels_last,
         augment=parse_policy(loaders.augment["policy"]),

@@ -28,6 +28,13 @@ def dali_version() -> str | None:
     return dali.__version__
 
 
+def reading(run: Run) -> dict:
+    """Where and how training reads its .rec: the disk (rectrain.storage: rotational?) and train.order as
+    it runs, and why (rectrain.loaders.order; the reads it caused are added at the finish: trainer)."""
+    order = run.train_loader.order
+    return {"rec_device": device_info(run.args.rec), "order": order.choice.as_dict() if order else None}
+
+
 def run_info(
     run: Run,
     start_epoch: int,
@@ -60,7 +67,7 @@ def run_info(
         "image_size": res.image_size,
         "progressive": res.progressive,  # the schedule of every epoch's training crop (null: image_size throughout)
         "resolutions": resolutions(res.image_size, res.progressive, s.optim.epochs),
-        "rec_device": device_info(run.args.rec),
+        **reading(run),  # rec_device, order
         "gpus": telemetry.gpu_inventory(),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "torch": torch.__version__,
@@ -116,6 +123,9 @@ def log_start(run: Run) -> None:
         run.train_loader.padding_per_epoch,
         plan.preflight,
     )
+    if run.train_loader.order is not None:
+        choice = run.train_loader.order.choice
+        log.info("training order: %s (%s)", choice.used, choice.reason)
 
 
 def resolution_words(res) -> str:

@@ -153,8 +153,9 @@ def train_run(run: Run, request: StopRequest) -> None:
         train_epochs(run, resumed.position, Books(steps_log, epochs_log, calibration, live), agreement)
     watchdog.beat("publishing the outputs")
     used = usage.combined(all_gather(usage.own(), d))  # every rank's CPU and memory: the report's train row
+    reads = all_gather(run.train_loader.read_stats(), d)  # each rank's training reads (None: not measured)
     barrier(d)
     if d.master:
         epochs_log.close()
-        outputs.finish(run, {**info, "usage": used})
+        outputs.finish(run, {**info, "usage": used, "reads": reads})
     barrier(d)
