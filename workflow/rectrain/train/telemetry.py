@@ -438,11 +438,13 @@ def _with_columns(path: Path, columns: list[str]) -> None:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
 
-    def write(tmp: Path) -> None:
-        with open(tmp, "w", newline="") as out:
-            w = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(rows)
+    def write(binary) -> None:  # the temporary's own descriptor (rectrain.atomic)
+        out = io.TextIOWrapper(binary, encoding="utf-8", newline="")
+        w = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+        out.flush()
+        out.detach()  # the binary file stays atomic's to fsync and close
 
     atomic.write_with(path, write)
 
