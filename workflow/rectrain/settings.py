@@ -48,6 +48,7 @@ class TrainLoaders(_View):
     workers: int | str
     gpu_decode: bool
     augment: dict
+    mixup: dict
     decode: str
     dali_hw_decoder_load: float
     dali_prefetch_queue_depth: int
@@ -67,6 +68,8 @@ class TrainNetwork(_View):
     zero_init_residual: bool
     blurpool: bool
     label_smoothing: float
+    loss: str
+    bce_target_threshold: float | None
     precision: str
     channels_last: bool
     compile: bool
@@ -92,6 +95,10 @@ class TrainOptim(_View):
     optimizer: str
     momentum: float
     nesterov: bool
+    betas: list | None
+    eps: float | None
+    layer_decay: float | None
+    lr_scaling: str
     weight_decay: float | None
     decay_norm_and_bias: bool
     clip_grad_norm: float | None
@@ -100,6 +107,7 @@ class TrainOptim(_View):
     lr_step_epochs: list
     lr_step_ratio: float
     warmup_epochs: float
+    ema: dict
     fused_sgd: bool
 
 
