@@ -289,10 +289,10 @@ def test_every_new_key_out_of_range_is_refused_in_one_line_naming_it(given, key)
     assert len(lines) == 1 and f"config key '{key}'" in lines[0]
 
 
-def test_an_odd_batch_under_mixup_and_a_bce_threshold_without_bce_are_refused_before_any_job():
+def test_an_odd_batch_under_mixup_is_refused_before_any_job_and_a_bce_threshold_without_bce_is_warned_about():
     s = train_settings({"mixup": {"cutmix_alpha": 1.0}, "batch_size": 15, "bce_target_threshold": 0.2})
     (odd,) = batchaug.config_problems(s.loaders, s.batch.batch_size)
-    (threshold,) = losses.config_problems(s.network)
+    (threshold,) = losses.config_warnings(s.network)
     assert "config key 'train.mixup'" in odd and "train.batch_size = 15" in odd and "16 or 14" in odd
     assert "config key 'train.bce_target_threshold' = 0.2 changes nothing with train.loss = 'ce'" in threshold
     assert batchaug.config_problems(train_settings({"batch_size": 15}).loaders, 15) == []

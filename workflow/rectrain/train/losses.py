@@ -37,8 +37,9 @@ def train_loss(network, mixed: bool = False) -> torch.nn.Module:
     return CrossEntropyLoss(label_smoothing=network.label_smoothing)
 
 
-def config_problems(network) -> list[str]:
-    """The Snakefile's check of the loss keys (`network`: the train block's network part)."""
+def config_warnings(network) -> list[str]:
+    """The Snakefile's warning on the loss keys (`network`: the train block's network part): a threshold
+    that runs but changes nothing."""
     if network.bce_target_threshold is not None and network.loss != "bce":
         return [
             f"config key 'train.bce_target_threshold' = {network.bce_target_threshold} changes nothing with "

@@ -183,22 +183,23 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
         workers=parts.workers,
         cores=parts.cores,
         identity=identity,
-        resolved=recipe_as_run(s, parts.applied, recorded(optimizer, model, s.optim, plan.global_batch)),
+        resolved=recipe_as_run(
+            s.loaders, network, s.optim.ema, parts.applied, recorded(optimizer, model, s.optim, plan.global_batch)
+        ),
         world_sizes=(plan.from_epoch(0),),
     )
 
 
-def recipe_as_run(s: TrainSettings, applied: dict, optimizer: dict) -> dict:
+def recipe_as_run(loaders, network, ema: dict, applied: dict, optimizer: dict) -> dict:
     """run.json's and weights.json's `recipe_as_run`: what each model mechanic changed (`applied`), the
-    optimizer's groups (`optimizer`: optim.recorded), and what the batch augmentation, the loss and the EMA
-    did, in words."""
-    mixed = batchaug.mixup_on(s.loaders.mixup)
+    optimizer's groups (`optimizer`: optim.recorded), and in words what the batch augmentation (the train
+    block's `loaders` part), the loss (its `network` part) and the EMA (train.ema) did."""
     return {
         "mechanics": applied,
         "optimizer": optimizer,
-        "batch_augment": batchaug.words(s.loaders),
-        "loss": losses.words(s.network, mixed),
-        "ema": emas.words(s.optim.ema),
+        "batch_augment": batchaug.words(loaders),
+        "loss": losses.words(network, batchaug.mixup_on(loaders.mixup)),
+        "ema": emas.words(ema),
     }
 
 
