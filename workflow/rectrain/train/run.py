@@ -139,6 +139,8 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
     """Loaders, optimizer and the wrapped network for the plan's batch; the Run keeps the block `s`,
     whose whole is the checkpoint's identity."""
     d, model, network = parts.d, parts.model, s.network
+    for problem in batchaug.config_problems(s.loaders, plan.batch):  # batch_size auto's plan: known only now
+        raise ValueError(problem)
     train_loader, val_loader = make_loaders(
         args, s.loaders.loader, s.resolution.val_resolution, parts.spec, plan.batch, grad_accum=plan.grad_accum
     )
