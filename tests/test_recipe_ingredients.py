@@ -204,6 +204,12 @@ def test_lambs_first_20_steps_equal_timms_lamb_at_the_sqrt_scaled_lr_with_betas_
             opt.zero_grad()
     for (name, a), b in zip(ours_net.state_dict().items(), theirs_net.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    assert optim.recorded(ours, ours_net, lamb_settings(), 2048)["settings"] == {
+        "betas": [0.85, 0.98],
+        "eps": 1e-7,
+        "max_grad_norm": 1.0,
+        "trust_clip": False,
+    }, "run.json records LAMB's settings as it ran them"
     # timm's Lamb counts its steps in each group: the state dict a checkpoint saves carries them
     saved = ours.state_dict()
     assert int(saved["param_groups"][0]["step"]) == 20 and "exp_avg_sq" in next(iter(saved["state"].values()))

@@ -207,7 +207,15 @@ def recorded(optimizer: torch.optim.Optimizer, model: torch.nn.Module, optim=Non
         }
         for g in optimizer.param_groups
     ]
-    return {"class": type(optimizer).__name__, "lr_scaling": scaling_words(optim, global_batch), "groups": groups}
+    # the optimizer's own settings as it runs them (train.betas, eps, momentum, nesterov; LAMB's gradient clip)
+    kept = ("betas", "eps", "momentum", "nesterov", "max_grad_norm", "trust_clip")
+    settings = {k: optimizer.defaults[k] for k in kept if k in optimizer.defaults}
+    return {
+        "class": type(optimizer).__name__,
+        "lr_scaling": scaling_words(optim, global_batch),
+        "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
+        "groups": groups,
+    }
 
 
 def scaling_words(optim, global_batch: int) -> str:
