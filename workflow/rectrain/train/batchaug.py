@@ -38,6 +38,8 @@ class BatchAugment:
     smoothed targets; hard labels pass through unchanged without it)."""
 
     def __init__(self, loaders, label_smoothing: float, num_classes: int, device: torch.device):
+        # here, not at import: the Snakefile's check imports this module without torch (timm is loaded by
+        # then: rectrain.train.optim imports it with the rank's modules)
         from timm.data import Mixup
         from timm.data.random_erasing import RandomErasing
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+# At import: a rank imports its modules before its watchdog starts (rectrain.train.optim imports timm too)
+from timm.utils import ModelEmaV3
+
 
 def on(ema: dict) -> bool:
     """train.ema keeps an average: its decay is above 0."""
@@ -24,8 +27,6 @@ def build(ema: dict, model: torch.nn.Module):
     """timm's ModelEmaV3 of `model` (unwrapped: before DDP and torch.compile) for train.ema, or None when off."""
     if not on(ema):
         return None
-    from timm.utils import ModelEmaV3
-
     return ModelEmaV3(model, decay=float(ema["decay"]), use_warmup=bool(ema["warmup"]), dtype=torch.float32)
 
 
