@@ -74,6 +74,7 @@ LONGEST_FIRST = [
     "test_readme_commands.py",
     "test_progressive.py",
     "test_byo_recordio.py",
+    "test_recipes_today.py",
     "test_recipes.py",
     "test_gpu_check.py",
     "test_multinode.py",

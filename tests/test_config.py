@@ -72,6 +72,20 @@ def test_numbers_snakemake_passes_as_strings_from_the_command_line_are_read_as_n
         check_config(merged({"pack": {"resize": "abc"}}), SCHEMA, workdir=REPO)
 
 
+def test_model_args_from_the_command_line_reach_the_constructor_as_a_config_file_types_them():
+    """train.model_args is free-form (a constructor's keywords), so no schema types its values: --config's
+    strings were handed on as strings ('0.1' to timm's drop_path_rate failed in torch.linspace)."""
+    given = {"drop_path_rate": "0.1", "img_size": "32", "global_pool": "avg", "flag": "true", "sizes": ["1", "2"]}
+    t = check_config(merged({"train": {"model_args": given}}), SCHEMA, workdir=REPO)["train"]
+    assert t["model_args"] == {
+        "drop_path_rate": 0.1,
+        "img_size": 32,
+        "global_pool": "avg",
+        "flag": True,
+        "sizes": [1, 2],
+    }
+
+
 def test_nested_command_line_config_reaches_the_rules(tmp_path):
     proc = snakemake(
         "-n",

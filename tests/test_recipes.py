@@ -244,7 +244,8 @@ def test_every_preset_validates_over_the_reference_and_the_demo_config(name, bas
 
 
 def test_presets_cover_the_issues_list():
-    assert ALL_PRESETS == sorted([*FFCV, "tv-rn50-90ep"])
+    """FFCV's and torchvision's (issue 30), today's (issue 49: tests/test_recipes_today.py)."""
+    assert ALL_PRESETS == sorted([*FFCV, "tv-rn50-90ep", "rsb-a3-rn50", "deit-s", "convnext-t"])
 
 
 # A preset shortened on the command line, as a user tries one on the demo before committing a box to it:

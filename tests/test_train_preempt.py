@@ -3,7 +3,9 @@ step, checkpoint where they agreed and exit with EXIT_STOPPED; periodic mid-epoc
 (train.checkpoint_interval_min) bound what a SIGKILL loses; a full disk leaves the last checkpoint
 usable.  The resumed run sees exactly the samples of the uninterrupted one - observed as labels: the
 dataset here has one class per record, so a label is a record id - and ends with the same weights; the
-DALI runs with RandAugment on (train.augment.policy), whose draws DALI's checkpoint must carry."""
+DALI runs with RandAugment on (train.augment.policy), whose draws DALI's checkpoint must carry, and with
+random erasing, Mixup/CutMix, LAMB and the weights' EMA (issue 49), whose draws and states the
+checkpoint's RNG states, optimizer and EMA must carry: the same EMA and optimizer state too."""
 
 import errno
 import json
@@ -116,17 +118,39 @@ def labels_seen(folder):
 
 
 def assert_same_weights(a_path, b_path):
+    """The same weights, the same EMA of them (train.ema) and the same optimizer state (LAMB's moments and
+    step counts) as the uninterrupted run, bit for bit."""
     a, b = ckpt.load(a_path), ckpt.load(b_path)
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), f"{k} differs from the uninterrupted run"
+    assert (a["ema"] is None) == (b["ema"] is None)
+    for k in a["ema"] or {}:
+        assert torch.equal(a["ema"][k], b["ema"][k]), f"the EMA's {k} differs from the uninterrupted run"
+    opt_a, opt_b = a["optimizer"], b["optimizer"]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt_a["param_groups"]] == [
+        {k: v for k, v in g.items() if k != "params"} for g in opt_b["param_groups"]
+    ]
+    for i, state in opt_a["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, opt_b["state"][i][k]), f"optimizer state {i}.{k} differs"
 
 
 def step_rows(out):
     return [(int(r["rank"]), int(r["epoch"]), int(r["step"]), r["lr"]) for r in rows(out / "steps.csv")]
 
 
-# What each loader's runs below train with: the DALI runs with a policy on (its random ops in DALI's checkpoint)
-AUGMENT = {"dali": {"policy": POLICY}, "torch": {"policy": "none"}}
+# What each loader's runs below train with: the DALI runs with today's recipe ingredients on - RandAugment
+# (its random ops in DALI's checkpoint), random erasing and Mixup/CutMix on the batch (Python's, NumPy's and
+# torch's draws in each rank's RNG state), LAMB (its moments and step counts) and the weights' EMA.
+RECIPE = {
+    "dali": {
+        "augment": {"policy": POLICY, "reprob": 0.25},
+        "mixup": {"mixup_alpha": 0.8, "cutmix_alpha": 1.0},
+        "optimizer": "lamb",
+        "ema": {"decay": 0.9, "warmup": True},
+    },
+    "torch": {"augment": {"policy": "none"}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +161,7 @@ def reference(data, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"ref_{kind}")
         (out / "labels").mkdir()
         env = {"RECTRAIN_RECORD_LABELS": str(out / "labels")}
-        proc = run_train(data, out / "t", env, loader=kind, augment=AUGMENT[kind])
+        proc = run_train(data, out / "t", env, loader=kind, **RECIPE[kind])
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[kind] = SimpleNamespace(out=out / "t", labels=labels_seen(out / "labels"))
     return runs
@@ -161,12 +185,13 @@ def check_resumed_like_reference(ref, out, labels_dir):
 def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_resumes_the_same_samples(
     data, reference, tmp_path
 ):
-    """DALI loader, RandAugment on; rank 1 alone gets SIGTERM after step 2 of epoch 1: both ranks stop there."""
+    """DALI loader, RandAugment, random erasing, Mixup/CutMix, LAMB and the EMA on; rank 1 alone gets SIGTERM
+    after step 2 of epoch 1: both ranks stop there."""
     out, labels = tmp_path / "t", tmp_path / "labels"
     labels.mkdir()
     env = {"RECTRAIN_RECORD_LABELS": str(labels), "RECTRAIN_SIGNAL_AT": "1:1:2"}
     # a progress line (and curve point) a step
-    stopped = run_train(data, out, env, loader="dali", progress_s=0.001, augment=AUGMENT["dali"])
+    stopped = run_train(data, out, env, loader="dali", progress_s=0.001, **RECIPE["dali"])
     assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: stopped by SIGTERM after epoch 1 step 2 of 6: {out / 'checkpoints' / 'last.pt'}" in (
@@ -180,15 +205,21 @@ def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_r
     state = ckpt.load(out / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (1, 3) and len(state["ranks"]) == 2 and len(state["rng"]) == 2
     assert all(isinstance(r["loader"], bytes) for r in state["ranks"]), "DALI's pipeline checkpoints"
+    assert state["ema"] and int(state["optimizer"]["param_groups"][0]["step"]) == 6 + 3, "the EMA, LAMB's count"
     assert not (out / "model.pt").exists()
 
     env = {"RECTRAIN_RECORD_LABELS": str(labels)}
-    resumed = run_train(data, out, env, loader="dali", progress_s=0.001, augment=AUGMENT["dali"])
+    resumed = run_train(data, out, env, loader="dali", progress_s=0.001, **RECIPE["dali"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing at epoch 1 step 3" in resumed.stderr and "epoch 0: train loss" not in resumed.stderr
     check_resumed_like_reference(reference["dali"], out, labels)
-    augment = json.loads((out / "run.json").read_text())["augment"]
+    run = json.loads((out / "run.json").read_text())
+    augment, as_run = run["augment"], run["recipe_as_run"]
     assert augment["policy"] == POLICY and augment["ran_as"].startswith("DALI's operators on the CPU")
+    assert as_run["optimizer"]["class"] == "Lamb" and as_run["ema"].startswith("timm's ModelEmaV3, decay 0.9")
+    assert as_run["batch_augment"]["mixup"] and as_run["batch_augment"]["random_erasing"]
+    ema_top1 = [r["ema_val_single_view_top1"] for r in rows(out / "epochs.csv")]
+    assert len(ema_top1) == 2 and all(v != "" for v in ema_top1), "the EMA validated each epoch"
     # stopped after epoch 1 step 2 (0-based): global step 6 + 2 + 1 = 9, 1-based as the curves count
     check_curves_continue(out / "tensorboard", steps_per_epoch=6, epochs=2, stopped_after=9)
 
@@ -259,6 +290,7 @@ def fake_run(tmp_path):
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
         scaler=torch.amp.GradScaler("cpu", enabled=False),
+        ema=None,  # train.ema off
     )
     (tmp_path / "checkpoints").mkdir()
     return SimpleNamespace(

@@ -35,6 +35,7 @@ def fake_run(tmp_path, mode="auto", identity=IDENT, batch_size=32):
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
         scaler=torch.amp.GradScaler("cpu", enabled=False),
+        ema=None,  # train.ema off
     )
     cfg = train_settings({**identity.config, "resume": mode, "batch_size": batch_size, "workers": 2})
     (tmp_path / "checkpoints").mkdir(exist_ok=True)
@@ -57,6 +58,7 @@ def write_checkpoints(run, epochs=2, identity=IDENT, finished=False):
         "optimizer": run.step.optimizer.state_dict(),
         "scheduler": run.step.scheduler.state_dict(),
         "scaler": run.step.scaler.state_dict(),
+        "ema": run.step.ema.module.state_dict() if run.step.ema is not None else None,
         "rng": [ckpt.rng_state()],
         "config": {**identity.config, "workers": 2},
         **identity.stamp(),
@@ -211,6 +213,39 @@ def test_an_epoch_end_checkpoint_resumes_on_another_world_size_with_its_global_b
     assert "it was trained with 32 x accum 1 x 1 process(es) = global batch 32" in caplog.text
     assert "keeps its global batch with 16 x accum 1 x 2 process(es) = global batch 32" in caplog.text
     assert not (run.ck_dir / ckpt.REPLACED).exists(), "a resume, not a new run"
+
+
+def lamb_and_ema(model, steps: int):
+    """timm's Lamb after `steps` steps (its moments and step counts) and timm's ModelEmaV3 of `model` after as
+    many updates, as a run with train.optimizer lamb and train.ema holds them."""
+    from timm.optim import Lamb
+    from timm.utils import ModelEmaV3
+
+    opt, ema = Lamb(model.parameters(), lr=0.01), ModelEmaV3(model, decay=0.9, use_warmup=True)
+    for k in range(steps):
+        model(torch.full((1, 2), float(k + 1))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update(model, step=k + 1)
+    return opt, ema
+
+
+def test_lambs_state_and_the_ema_resume_exactly_on_another_world_size(tmp_path):
+    """A checkpoint of 1 process continued on 2: LAMB's moments and step counts and the weights' EMA are the
+    checkpoint's, bit for bit (the optimizer and the EMA are the same on every rank: nothing to re-split)."""
+    run = regrouped_run(tmp_path)
+    run.step.optimizer, run.step.ema = lamb_and_ema(run.model, 3)
+    run.step.scheduler = torch.optim.lr_scheduler.LambdaLR(run.step.optimizer, lambda s: 1.0)
+    write_checkpoints(run, identity=dataclasses.replace(IDENT, config={**IDENT.config, "cpu_processes": 1}))
+    saved = ckpt.load(run.ck_dir / "last.pt")
+    run.step.optimizer, run.step.ema = lamb_and_ema(run.model, 1)  # the new run's, before the resume
+    run.step.scheduler = torch.optim.lr_scheduler.LambdaLR(run.step.optimizer, lambda s: 1.0)
+    assert resume(run).regrouped
+    restored = run.step.optimizer.state_dict()
+    assert int(restored["param_groups"][0]["step"]) == 3
+    for i, state in saved["optimizer"]["state"].items():
+        assert all(torch.equal(v, restored["state"][i][k]) for k, v in state.items())
+    assert all(torch.equal(v, run.step.ema.module.state_dict()[k]) for k, v in saved["ema"].items())
 
 
 def test_a_mid_epoch_checkpoint_on_another_world_size_restarts_its_epoch_from_the_checkpoint_before_it(

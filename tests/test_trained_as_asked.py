@@ -88,6 +88,7 @@ def groups_by_decay(opt, net) -> dict[float, set[str]]:
 @pytest.mark.parametrize(
     "name, exempt",
     [
+        ("timm:resnet50", {"bn1.weight", "layer4.2.bn3.bias", "fc.bias"}),
         ("timm:vit_small_patch16_224", {"cls_token", "pos_embed"}),
         ("timm:convnext_tiny", {"stages.0.blocks.0.gamma"}),
         ("swin_t", {"features.1.0.attn.relative_position_bias_table"}),

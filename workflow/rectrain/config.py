@@ -110,7 +110,10 @@ def _coerced(value, schema: dict):
     """`value` as the schema types it: a string read as YAML (number, boolean, null, list, ...), a list
     item by item, a block key by key; unchanged when it is valid, holds no string or cannot be read."""
     if isinstance(value, dict):
-        coerce_strings(value, _object_schema(schema))
+        block = _object_schema(schema)
+        if "properties" not in block:  # a free-form block (train.model_args): each string as a YAML file reads it
+            return {k: _read_as_yaml(v) for k, v in value.items()}
+        coerce_strings(value, block)
         return value
     if not _holds_string(value) or jsonschema.Draft202012Validator(schema).is_valid(value):
         return value
@@ -123,6 +126,22 @@ def _coerced(value, schema: dict):
     except yaml.YAMLError:
         return value
     return value if isinstance(parsed, str) else _coerced(parsed, schema)
+
+
+def _read_as_yaml(value):
+    """A value of a block the schema does not describe key by key (train.model_args: a constructor's keyword
+    arguments) read as a config file gives it: '0.1' a number, 'true' a boolean, through nested blocks and
+    lists; an empty string stays one."""
+    if isinstance(value, dict):
+        return {k: _read_as_yaml(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_read_as_yaml(v) for v in value]
+    if not isinstance(value, str) or not value.strip():
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
 
 
 def _object_schema(schema: dict) -> dict:

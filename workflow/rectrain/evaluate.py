@@ -31,6 +31,7 @@ only the evaluate block; the checkpoint is loaded with weights_only=True (no pic
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -360,6 +361,8 @@ def run(
         # collective: the watchdog ends those, with training's train.watchdog_s.
         with watchdog.Watchdog(train_cfg.get("watchdog_s", 900), d.rank, d.world_size, Path(out) / ".watchdog"):
             tallies = [tally_at(p, res, pass_label(res, len(todo))) for res in todo]
+            other = weights.other_variant(weights_file) if weights_file else None
+            other_rows = variant_rows(p, ckpt, todo, other) if other is not None else None
             used = usage.combined(distributed.all_gather(usage.own(), d))
         if not d.master:
             return None
@@ -367,13 +370,17 @@ def run(
         m = metrics(rows, p.kind, checkpoint, bool(evaluate.flip_tta))
         if weights_file:
             m["weights"] = str(weights_file)
+        if other is not None:  # train.ema: the raw and the averaged weights, each measured
+            m["variants"] = variant_metrics(rows, other, other_rows)
         # num_classes: top-5 of 5 classes or fewer is 1.0 by construction; usage: this stage's own CPU and memory
         m.update(num_classes=int(tallies[0].confusion.shape[0]), usage=used)
         m["at_chance"] = at_chance(m["top1"], tallies[0].confusion, ckpt)
         write_outputs(Path(out), m, per_class(tallies[0].confusion, classes))
         if weights_file and weights_json:
-            weights.write_json(weights_file, weights_json, weights_evaluation(m))
-        log_rows(rows, bool(evaluate.flip_tta))
+            weights.write_json(weights_file, weights_json, weights_evaluation(m), m.get("variants"))
+        log_rows(rows, bool(evaluate.flip_tta), ("raw" if other[0] == "ema" else "ema") if other else "")
+        if other is not None:
+            log_rows(other_rows, bool(evaluate.flip_tta), other[0])
         if train_cfg.get("tensorboard", True):  # the checkpoint's train.tensorboard
             curves.evaluation(Path(checkpoint).parent, rows)
         return m
@@ -391,6 +398,35 @@ def at_chance(top1: float, confusion: torch.Tensor, ckpt: dict) -> dict | None:
         return None
     log.warning("%s", verdict.line(), extra=CONSOLE_LINE)
     return verdict.as_dict()
+
+
+def variant_rows(p: Passes, ckpt: dict, todo: list[Resolution], other: tuple[str, Path]) -> list[dict]:
+    """A train.ema run's other weights file (`other`: weights.other_variant) through the same passes:
+    its row per test resolution."""
+    name, path = other
+    model = passes_of(p.evaluate, p.run, p.rec, p.idx, p.d, model_from_weights(str(path), ckpt)).model
+    q = dataclasses.replace(p, model=model)
+    return [row(tally_at(q, res, f"evaluation of the {name} weights at {res.crop} px"), res) for res in todo]
+
+
+def variant_metrics(rows: list[dict], other: tuple[str, Path], other_rows: list[dict]) -> dict:
+    """metrics.json's `variants` of a train.ema run: {raw: ..., ema: ...}, each with its file, whether it is
+    weights.safetensors (the recipe's result), its headline top-1/top-5/loss and every resolution's row."""
+    name = other[0]
+    result = "raw" if name == "ema" else "ema"
+
+    def entry(variant: str, rows_of: list[dict], is_result: bool) -> dict:
+        head = {k: rows_of[0][k] for k in ("top1", "top5", "loss")}
+        what = weights.VARIANT_WORDS[variant]
+        return {
+            "file": weights.VARIANT_FILES[variant],
+            "what": what,
+            "result": is_result,
+            **head,
+            "resolutions": rows_of,
+        }
+
+    return {result: entry(result, rows, True), name: entry(name, other_rows, False)}
 
 
 def weights_evaluation(m: dict) -> dict:
@@ -425,11 +461,13 @@ def passes_of(
     return Passes(evaluate, run, rec, idx, d, model, loader_kind(evaluate, run), channels_last)
 
 
-def log_rows(rows: list[dict], flip_tta: bool) -> None:
+def log_rows(rows: list[dict], flip_tta: bool, weights_of: str = "") -> None:
+    """One line per test resolution; `weights_of`: which weights of a train.ema run the rows are of."""
     tta = ", flip TTA" if flip_tta else ""
     for k, r in enumerate(rows):
         log.info(
-            "%s%d px (resize %d%s): top-1 %.2f %%, top-5 %.2f %%, loss %.4f on %d images (%.0f img/s)",
+            "%s%s%d px (resize %d%s): top-1 %.2f %%, top-5 %.2f %%, loss %.4f on %d images (%.0f img/s)",
+            f"the {weights_of} weights, " if weights_of else "",
             "headline, " if k == 0 and len(rows) > 1 else "",
             r["crop"],
             r["resize"],

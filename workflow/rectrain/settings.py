@@ -49,6 +49,7 @@ class TrainLoaders(_View):
     workers: int | str
     gpu_decode: bool
     augment: dict
+    mixup: dict
     decode: str
     dali_hw_decoder_load: float
     dali_prefetch_queue_depth: int
@@ -68,6 +69,8 @@ class TrainNetwork(_View):
     zero_init_residual: bool
     blurpool: bool
     label_smoothing: float
+    loss: str
+    bce_target_threshold: float | None
     precision: str
     channels_last: bool
     compile: bool
@@ -93,6 +96,10 @@ class TrainOptim(_View):
     optimizer: str
     momentum: float
     nesterov: bool
+    betas: list | None
+    eps: float | None
+    layer_decay: float | None
+    lr_scaling: str
     weight_decay: float | None
     decay_norm_and_bias: bool
     clip_grad_norm: float | None
@@ -101,6 +108,7 @@ class TrainOptim(_View):
     lr_step_epochs: list
     lr_step_ratio: float
     warmup_epochs: float
+    ema: dict
     fused_sgd: bool
 
 

@@ -38,6 +38,12 @@ from rectrain.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD
 
 FILE = "weights.safetensors"
 JSON = "weights.json"
+# With train.ema, the raw and the averaged weights beside FILE (which is one of them: train.ema.result).
+VARIANT_FILES = {"raw": "weights-raw.safetensors", "ema": "weights-ema.safetensors"}
+VARIANT_WORDS = {
+    "raw": "the trained weights as the last optimizer step left them",
+    "ema": "the exponential moving average of the weights (train.ema: timm's ModelEmaV3)",
+}
 # The safetensors header's metadata key holding the description (metadata values must be strings).
 METADATA_KEY = "rectrain"
 
@@ -61,12 +67,15 @@ def describe(
     epoch: int,
     recipe: dict,
     as_run: dict | None = None,
+    variant: dict | None = None,
 ) -> dict:
     """The file's description: `architecture` {model, model_args, blurpool, blurpool_layers} as configured,
     the classes in label order (label, wnid, name), the normalisation, training's resolution
     (train.image_size, train.val_resolution), the recipe, what it did (`as_run`: rectrain.train.run.Run.
-    resolved) and the number of epochs trained."""
+    resolved), the number of epochs trained, and with train.ema which weights the file holds (`variant`:
+    {weights: raw | ema, result: the one weights.safetensors is, files: each variant's file})."""
     return {
+        **({"variant": variant} if variant else {}),
         "format": "state_dict with the architecture library's key names (rectrain.model.load_weights rebuilds it)",
         **architecture,
         "num_classes": len(classes),
@@ -134,9 +143,25 @@ def tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path} is not a safetensors file ({err}); give a weights.safetensors") from None
 
 
-def write_json(weights_path: str | os.PathLike, out: str | os.PathLike, evaluation: dict) -> dict:
+def other_variant(weights_path: str | os.PathLike) -> tuple[str, Path] | None:
+    """(name, path) of the variant beside a train.ema run's weights file that it is not (its description's
+    `variant`: weights.safetensors is the raw or the averaged weights, the other sits beside it under
+    VARIANT_FILES' name - never a name the header gives), or None for a run without train.ema."""
+    about = description(weights_path).get("variant")
+    if not isinstance(about, dict) or about.get("weights") not in VARIANT_FILES:
+        return None
+    other = "raw" if about["weights"] == "ema" else "ema"
+    return other, Path(weights_path).parent / VARIANT_FILES[other]
+
+
+def write_json(
+    weights_path: str | os.PathLike, out: str | os.PathLike, evaluation: dict, variants: dict | None = None
+) -> dict:
     """weights.json: the file's description, its name, and `evaluation` (the evaluate stage's top-1,
-    top-5 and test resolutions, measured on this file)."""
+    top-5 and test resolutions, measured on this file); with train.ema, `variants`: each variant's file,
+    what it is and its evaluation ({raw: {...}, ema: {...}})."""
     data = {"weights": Path(weights_path).name, **description(weights_path), **evaluation}
+    if variants:
+        data["variants"] = variants
     atomic.write_json(out, data)
     return data

@@ -308,6 +308,10 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
         "image_size": run.get("image_size"),
         "epochs": run.get("epochs", len(data.epochs)),
         "top1": 100 * metrics["top1"] if metrics.get("top1") is not None else None,
+        # train.ema: the raw and the averaged weights, each measured (metrics.json's variants), and epochs.csv's EMA columns
+        "variants": metrics.get("variants"),
+        "ema_epochs": "ema_val_single_view_top1" in data.epochs
+        and data.epochs["ema_val_single_view_top1"].notna().any(),
         "top5": 100 * metrics["top5"] if metrics.get("top5") is not None else None,
         "top5_trivial": 0 < n_classes < TOP5_MIN_CLASSES,
         "n_classes": n_classes,

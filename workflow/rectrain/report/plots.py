@@ -208,7 +208,11 @@ def learning_plot(epochs: pd.DataFrame) -> str | None:
         return None
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=WIDE)
     e = epochs.sort_values("epoch")
-    for col, label in (("train_loss", "train loss"), ("val_single_view_loss", "val loss (single view)")):
+    for col, label in (
+        ("train_loss", "train loss"),
+        ("val_single_view_loss", "val loss (single view)"),
+        ("ema_val_single_view_loss", "EMA's val loss (single view)"),
+    ):
         if col in e and e[col].notna().any():
             loss_ax.plot(e["epoch"], e[col], marker="o", label=label)
     loss_ax.set(xlabel="epoch", ylabel="loss", title="Loss per epoch")
@@ -217,6 +221,7 @@ def learning_plot(epochs: pd.DataFrame) -> str | None:
         ("train_acc", "train top-1"),
         ("val_single_view_top1", "val top-1 (single view)"),
         ("val_single_view_top5", "val top-5 (single view)"),
+        ("ema_val_single_view_top1", "EMA's val top-1 (single view)"),
     ):
         if col in e and e[col].notna().any():
             acc_ax.plot(e["epoch"], 100 * e[col], marker="o", label=label)

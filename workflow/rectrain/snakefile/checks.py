@@ -36,6 +36,7 @@ from rectrain.settings import (
     TrainResolution,
 )
 from rectrain.snakefile.byo import byo_problems
+from rectrain.train import batchaug, losses
 from rectrain.train.globalbatch import global_batch_problems
 from rectrain.train.resolution import largest
 
@@ -90,12 +91,15 @@ def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
         launch=train.launch,
     )
     problems += augment.config_problems(train.loaders)
+    problems += batchaug.config_problems(train.loaders, train.batch.batch_size)
     problems += check_paths(views.raw, views.pack.fast_storage, Path(workdir), written)
     fast = f"{views.pack.fast_storage.rstrip('/')}/{views.dataset}"
     problems += byo_problems(views.recordio, fast, Path(workdir), written)
     if problems:
         raise ConfigError(format_problems(problems))
-    for line in cross_warnings(views.pack, train.resolution, train.optim.epochs):
+    for line in cross_warnings(views.pack, train.resolution, train.optim.epochs) + losses.config_warnings(
+        train.network
+    ):
         log.warning("config: %s", line)
     return config
 

@@ -271,6 +271,7 @@ class Preflight:
     optim: Any
     network: Any
     validated: bool = True  # False without a val split: no validation loader will hold anything
+    augment_batch: Any = None  # the run's device-side batch augmentation (rectrain.train.batchaug), or None
 
 
 def preflight_inputs(p: Preflight, d: Dist):
@@ -285,6 +286,7 @@ def preflight_inputs(p: Preflight, d: Dist):
         # dropped between passes (rectrain.loaders.dali), but DALI's memory pool keeps what it took
         memory.loader_reservation(choice, val_spec, "validation") if p.validated else None,
         memory.ddp_reservation(p.model, d.world_size),
+        memory.ema_reservation(p.model, p.optim.ema),
     )
     trial = memory.Trial(
         p.model,
@@ -297,6 +299,7 @@ def preflight_inputs(p: Preflight, d: Dist):
         make_optimizer=lambda: make_optimizer(
             p.optim, p.model, 256, 1, family=network.model, precision=network.precision
         )[0],
+        augment_batch=p.augment_batch,
     )
     return trial, held
 

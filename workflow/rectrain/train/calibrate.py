@@ -162,6 +162,7 @@ def restored(step: Step, model: torch.nn.Module):
         "optimizer": ckpt.host_copy(step.optimizer.state_dict()),
         "scheduler": ckpt.host_copy(step.scheduler.state_dict()),
         "scaler": ckpt.host_copy(step.scaler.state_dict()),
+        "ema": ckpt.host_copy(step.ema.module.state_dict()) if step.ema is not None else None,
         "rng": ckpt.rng_state(),
     }
     try:
@@ -172,6 +173,8 @@ def restored(step: Step, model: torch.nn.Module):
         step.scheduler.load_state_dict(saved["scheduler"])
         if saved["scaler"]:
             step.scaler.load_state_dict(saved["scaler"])
+        if saved["ema"] is not None:  # the calibration's synthetic steps moved the average too
+            step.ema.module.load_state_dict(saved["ema"])
         model.zero_grad(set_to_none=True)
         ckpt.set_rng_state(saved["rng"])
 

@@ -163,6 +163,9 @@ def epoch_values(stats: dict, val: dict, efficiency: float | None) -> dict:
         # one centre crop, no flip TTA: not the final evaluation's protocol, and named so (as in epochs.csv)
         "val_single_view_top1": val["val_single_view_top1"],
         "val_single_view_top5": val["val_single_view_top5"],
+        # train.ema's validation beside the raw weights' (None without one: no point)
+        "ema_val_single_view_top1": val.get("ema_val_single_view_top1"),
+        "ema_val_single_view_top5": val.get("ema_val_single_view_top5"),
         "seconds": stats["wall_s"],
         "input_efficiency": efficiency,
     }

@@ -29,7 +29,7 @@ from rectrain.train.lifecycle.stop import Agreement
 from rectrain.train.run import Run
 from rectrain.train.step import Step, run_steps
 from rectrain.train.stepclock import StepClock
-from rectrain.train.telemetry import CsvLog
+from rectrain.train.telemetry import EMA_VAL_COLUMNS, CsvLog
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ def train_one_epoch(
     began = time.time()
     clock = StepClock(torch.device("cpu"))
     start = clock.mark()
+    if step.augment_batch is not None:  # train.mixup.off_epoch
+        step.augment_batch.begin_epoch(epoch)
     batches = faults.epoch_batches(loader.epoch(epoch, first, saved.get("loader")), step.dist.rank, epoch, first)
     batches = watchdog.watched(batches, f"epoch {epoch}")
     t = run_steps(
@@ -144,14 +146,23 @@ def train_one_epoch(
 
 
 def validate_epoch(run: Run, epoch: int, progress: Progress | None) -> dict:
-    """The epoch's validation, or NO_VAL without a val split."""
+    """The epoch's validation, or NO_VAL without a val split; with train.ema the EMA's beside the raw
+    weights' (its keys prefixed ema_)."""
     if not run.val_loader:
         return NO_VAL
-    if progress:
-        progress.begin(
-            f"epoch {epoch} (of {run.settings.optim.epochs}) validation batch", run.val_loader.batches_per_epoch
-        )
-    return validate(run.model, run.val_loader, len(run.classes), run.step, progress=progress)
+    models = {"": run.model}
+    if run.step.ema is not None:
+        models["ema_"] = run.step.ema.module
+    val = {}
+    for prefix, model in models.items():
+        if progress:
+            what = "the EMA's validation" if prefix else "validation"
+            progress.begin(
+                f"epoch {epoch} (of {run.settings.optim.epochs}) {what} batch", run.val_loader.batches_per_epoch
+            )
+        scores = validate(model, run.val_loader, len(run.classes), run.step, progress=progress)
+        val.update({prefix + k: v for k, v in scores.items()})
+    return val
 
 
 def validate(
@@ -199,6 +210,7 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         images_per_s=stats["images"] / stats["wall_s"],
         wall_s=stats["wall_s"],
         resolution=crop,
+        **{column: val.get(column) for column in EMA_VAL_COLUMNS},
     )
     watchdog.beat(f"epoch {epoch}: writing the checkpoint")
     saved = checkpoint_note(run, epoch, save_checkpoint(run, epoch, rngs))
@@ -227,10 +239,16 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
 def val_text(val: dict) -> str:
     if val["val_single_view_loss"] is None:
         return "no val split"
-    return (
+    text = (
         f"val (single view, no flip TTA) loss {val['val_single_view_loss']:.3f} "
         f"top-1 {val['val_single_view_top1']:.3f} top-5 {val['val_single_view_top5']:.3f}"
     )
+    if val.get("ema_val_single_view_loss") is not None:
+        text += (
+            f", EMA's loss {val['ema_val_single_view_loss']:.3f} top-1 {val['ema_val_single_view_top1']:.3f} "
+            f"top-5 {val['ema_val_single_view_top5']:.3f}"
+        )
+    return text
 
 
 def efficiency_note(stats: dict, calibration: dict | None, resolution: int) -> str:

@@ -250,6 +250,14 @@ def loader_reservation(choice: LoaderChoice, spec: LoaderSpec, role: str = "trai
     return Reservation(what, 0, 2 * sample)
 
 
+def ema_reservation(model: torch.nn.Module, ema: dict) -> Reservation | None:
+    """train.ema's averaged copy of the weights and buffers, fp32 on the device (rectrain.train.ema)."""
+    if not ema["decay"]:
+        return None
+    size = sum(t.numel() * 4 for t in model.state_dict().values() if t.is_floating_point())
+    return Reservation("of the weights' EMA (train.ema, fp32)", size, 0)
+
+
 def ddp_reservation(model: torch.nn.Module, world_size: int) -> Reservation | None:
     """DDP's gradient buckets: a second copy of the gradients, allocated at the first backward."""
     if world_size <= 1:
@@ -321,6 +329,18 @@ class Trial:
     precision: str
     channels_last: bool
     make_optimizer: Callable[[], torch.optim.Optimizer] | None = None
+    # the run's device-side batch augmentation: Mixup's soft targets are what the loss takes
+    augment_batch: Callable | None = None
+
+
+def trial_batch(trial: Trial, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random batch of the training shape on the trial's device, through the run's batch augmentation
+    (random erasing, Mixup/CutMix) when it has one, so the loss gets the targets it trains on."""
+    x = torch.randn(batch, 3, trial.image_size, trial.image_size, device=trial.device)
+    if trial.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, trial.num_classes, (batch,), device=trial.device)
+    return trial.augment_batch(x, y) if trial.augment_batch is not None else (x, y)
 
 
 def cuda_step_bytes(trial: Trial) -> Callable[[int], int]:
@@ -332,10 +352,7 @@ def cuda_step_bytes(trial: Trial) -> Callable[[int], int]:
         x = y = loss = optimizer = None
         try:
             torch.cuda.reset_peak_memory_stats(device)
-            x = torch.randn(batch, 3, trial.image_size, trial.image_size, device=device)
-            if trial.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            y = torch.randint(0, trial.num_classes, (batch,), device=device)
+            x, y = trial_batch(trial, batch)
             optimizer = trial.make_optimizer() if trial.make_optimizer else None
             with models.autocast(device, trial.precision):
                 loss = trial.loss_fn(trial.model(x), y)

@@ -1,5 +1,6 @@
-"""The optimizer and its learning-rate schedule: SGD (nesterov) with the LR scaled linearly with the
-global batch (train.lr is for 256), per optimizer step, in one of three shapes (train.lr_schedule):
+"""The optimizer and its learning-rate schedule: timm's optimizer factory (SGD, AdamW, LAMB, LARS) with
+the LR scaled with the global batch (train.lr is for 256; train.lr_scaling: linear, sqrt, or timm's rule
+by optimizer family), per optimizer step, in one of three shapes (train.lr_schedule):
 
 - cosine: linear warmup (train.warmup_epochs), then cosine to 0 (rectrain's original schedule);
 - linear: FFCV's step-free schedule (libffcv/ffcv-imagenet train_imagenet.py, get_cyclic_lr): from
@@ -17,7 +18,15 @@ kind: no weight decay on any parameter of 1 dimension or less (norm weights, bia
 RMSNorm scales) nor on whatever the model's no_weight_decay() names (ViT's position embedding and class
 token, Swin's relative-position bias tables; rectrain.model gives torchvision's models the same list),
 unless train.decay_norm_and_bias.  FFCV's bn_wd 0 and torchvision's norm_weight_decay 0.0 are the same
-rule for the ResNets."""
+rule for the ResNets.  With train.layer_decay the groups are timm's layer-wise ones
+(param_groups_layer_decay, by the model's group_matcher()), each with its `lr_scale`; timm's own schedulers
+multiply by it, torch's LambdaLR does not, so each group's LR is set to its scaled peak here, before the
+schedule takes it as its base.
+
+The LR scaling with the global batch, per optimizer family (train.lr_scaling auto is timm's train.py:
+`lr_base_scale = 'sqrt' if any(o in opt for o in ('ada', 'lamb')) else 'linear'`): SGD and LARS linear
+(Goyal et al. 2017), AdamW and LAMB by the square root (Hoffer et al. 2017; You et al. 2020).  linear and
+sqrt set it whatever the optimizer; run.json records the rule, the factor and the peak LR of every group."""
 
 from __future__ import annotations
 
@@ -40,7 +49,10 @@ FAMILY_WEIGHT_DECAY = {"resnet18": 5.0e-5, "resnet34": 5.0e-5}
 DEFAULT_WEIGHT_DECAY = 1.0e-4
 # ...and by optimizer where it is not SGD: AdamW 0.05, ConvNeXt's (Liu et al. 2022, Table 10) and DeiT's
 # (Touvron et al. 2021, Table 9) value; their recipes' AdamW weight decay is 25-500x SGD's.
-OPTIMIZER_WEIGHT_DECAY = {"adamw": 0.05}
+# LAMB 0.02: ResNet strikes back's A2 and A3 (Wightman et al. 2021, Table 1).
+OPTIMIZER_WEIGHT_DECAY = {"adamw": 0.05, "lamb": 0.02}
+# timm's train.py scales these by the square root of the batch ratio ('ada' or 'lamb' in the name).
+SQRT_SCALED = ("adamw", "lamb")
 LINEAR_START = 1e-4  # FFCV's get_cyclic_lr starts at 1e-4 x the peak LR
 
 
@@ -107,10 +119,50 @@ def fused_supported(device: torch.device) -> bool:
 
 
 def timm_name(optim) -> str:
-    """timm's optimizer name for train.optimizer: its 'sgd' is SGD with Nesterov momentum, 'momentum' without."""
+    """timm's optimizer name for train.optimizer: its 'sgd' is SGD with Nesterov momentum, 'momentum' without;
+    'nlars' is LARS with Nesterov momentum, 'lars' without."""
+    nesterov = optim.nesterov and optim.momentum > 0
     if optim.optimizer == "sgd":
-        return "sgd" if optim.nesterov and optim.momentum > 0 else "momentum"
+        return "sgd" if nesterov else "momentum"
+    if optim.optimizer == "lars":
+        return "nlars" if nesterov else "lars"
     return optim.optimizer
+
+
+def lr_rule(optim) -> str:
+    """train.lr_scaling as it applies to train.optimizer: linear or sqrt (auto: timm's rule by family)."""
+    if optim.lr_scaling != "auto":
+        return optim.lr_scaling
+    return "sqrt" if optim.optimizer in SQRT_SCALED else "linear"
+
+
+def peak_lr(optim, global_batch: int) -> float:
+    """The peak LR at this global batch: train.lr (for 256) scaled by lr_rule."""
+    ratio = global_batch / 256
+    return optim.lr * (math.sqrt(ratio) if lr_rule(optim) == "sqrt" else ratio)
+
+
+def factory_options(optim, model, device: torch.device) -> dict:
+    """create_optimizer_v2's keywords beyond the groups' from the train block's `optim` part: betas and eps
+    where set (the factory drops what the optimizer has not), torch's fused kernel for SGD and AdamW
+    (timm's LAMB and LARS have none), layer_decay for a model timm can group - refused, naming the key,
+    for one it cannot (timm would put every parameter in one group and change nothing)."""
+    options: dict = {}
+    if optim.betas is not None:
+        options["betas"] = tuple(optim.betas)
+    if optim.eps is not None:
+        options["eps"] = float(optim.eps)
+    if optim.optimizer in ("sgd", "adamw"):
+        options["fused"] = bool(optim.fused_sgd) and fused_supported(device)
+    if optim.layer_decay is not None:
+        if not callable(getattr(model, "group_matcher", None)):
+            raise ValueError(
+                f"config key 'train.layer_decay' = {optim.layer_decay}: {type(model).__name__} has no group_matcher(), "
+                "so timm cannot tell its layers apart and every parameter would get the same LR; use a timm model "
+                "(timm:<name>) or set train.layer_decay: null"
+            )
+        options["layer_decay"] = float(optim.layer_decay)
+    return options
 
 
 def make_optimizer(optim, model, global_batch: int, opt_steps_per_epoch: int, *, family: str, precision: str):
@@ -120,28 +172,34 @@ def make_optimizer(optim, model, global_batch: int, opt_steps_per_epoch: int, *,
     tensors (SGD._step_supports_amp_scaling), so an fp16 step skips an overflowed update on the device
     instead of reading the flag on the host."""
     device = next(model.parameters()).device
+    lr = peak_lr(optim, global_batch)
     optimizer = create_optimizer_v2(
         model,
         opt=timm_name(optim),
-        lr=optim.lr * global_batch / 256,
+        lr=lr,
         weight_decay=weight_decay(optim, family),
         momentum=optim.momentum,
         filter_bias_and_bn=not optim.decay_norm_and_bias,
-        fused=bool(optim.fused_sgd) and fused_supported(device),
+        **factory_options(optim, model, device),
     )
+    for group in optimizer.param_groups:  # layer decay: timm's schedulers apply lr_scale, LambdaLR does not
+        if "lr_scale" in group:
+            group["lr"] = lr * group["lr_scale"]
     sched = schedule(optim, opt_steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: sched.factor(s))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     return optimizer, scheduler, scaler
 
 
-def recorded(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
-    """What the optimizer does, as run.json and weights.json record it: its class, the LR scaling, and per
-    parameter group the peak LR and weight decay it runs at and its tensors by name pattern, with counts."""
+def recorded(optimizer: torch.optim.Optimizer, model: torch.nn.Module, optim=None, global_batch: int = 256) -> dict:
+    """What the optimizer does, as run.json and weights.json record it: its class, the LR scaling (`optim`:
+    the train block's optim part; `global_batch`: the one it ran at), and per parameter group the peak LR,
+    layer-decay scale and weight decay it runs at and its tensors by name pattern, with counts."""
     names = {id(p): n for n, p in model.named_parameters()}
     groups = [
         {
             "peak_lr": g.get("initial_lr", g["lr"]),
+            "lr_scale": g.get("lr_scale", 1.0),
             "weight_decay": g["weight_decay"],
             "tensors": len(g["params"]),
             "parameters": sum(p.numel() for p in g["params"]),
@@ -149,7 +207,28 @@ def recorded(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
         }
         for g in optimizer.param_groups
     ]
-    return {"class": type(optimizer).__name__, "lr_scaling": "linear: train.lr x global batch / 256", "groups": groups}
+    # the optimizer's own settings as it runs them (train.betas, eps, momentum, nesterov; LAMB's gradient clip)
+    kept = ("betas", "eps", "momentum", "nesterov", "max_grad_norm", "trust_clip")
+    settings = {k: optimizer.defaults[k] for k in kept if k in optimizer.defaults}
+    return {
+        "class": type(optimizer).__name__,
+        "lr_scaling": scaling_words(optim, global_batch),
+        "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
+        "groups": groups,
+    }
+
+
+def scaling_words(optim, global_batch: int) -> str:
+    """The LR scaling rule as it ran, in words (run.json's recipe_as_run.optimizer.lr_scaling)."""
+    if optim is None:
+        return "linear: train.lr x global batch / 256"
+    rule = lr_rule(optim)
+    formula = "sqrt(global batch / 256)" if rule == "sqrt" else "global batch / 256"
+    why = f" (train.lr_scaling auto: timm's rule for {optim.optimizer})" if optim.lr_scaling == "auto" else ""
+    return (
+        f"{rule}{why}: train.lr {optim.lr:g} x {formula} = {peak_lr(optim, global_batch):.6g} at global batch "
+        f"{global_batch}"
+    )
 
 
 def keep_configured_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, base_lrs: list[float]) -> None:

@@ -1,6 +1,7 @@
 """What a run writes in --out: the live telemetry while it trains (out/telemetry/, appended to on
 resume), and at the end the published outputs - weights.safetensors (rectrain.weights) for use
-elsewhere, model.pt last (the rule's marker of a finished run)."""
+elsewhere (with train.ema, weights-raw.safetensors and weights-ema.safetensors beside it), model.pt last
+(the rule's marker of a finished run)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rectrain import weights
 from rectrain.atomic import write_json
 from rectrain.log import utc_now
 from rectrain.storage import block_device_for
+from rectrain.train import ema as emas
 from rectrain.train import telemetry
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import finished, supervise
@@ -51,9 +53,10 @@ def telemetry_logs(run: Run, start_epoch: int, start_step: int = 0):
             sampler.stop()
 
 
-def weights_description(run: Run, final: dict) -> dict:
+def weights_description(run: Run, final: dict, variant: dict | None = None) -> dict:
     """weights.safetensors' description (rectrain.weights.describe) of the finished checkpoint `final`:
-    the recipe is the train block less its operational keys (what the checkpoint's identity compares)."""
+    the recipe is the train block less its operational keys (what the checkpoint's identity compares);
+    `variant`: which weights of a train.ema run the file holds."""
     s = run.settings
     architecture = {
         "model": s.network.model,
@@ -70,7 +73,30 @@ def weights_description(run: Run, final: dict) -> dict:
         epoch=int(final["epoch"]) + 1,
         recipe=ckpt.maths_config(s.as_dict()),
         as_run=run.resolved,
+        variant=variant,
     )
+
+
+def publish_weights(run: Run, final: dict, out) -> None:
+    """weights.safetensors from the finished checkpoint `final`, with its BlurPool layers' plain names; with
+    train.ema also weights-raw.safetensors and weights-ema.safetensors, and weights.safetensors is the one
+    train.ema.result names (the weights the recipe's published top-1 is of)."""
+    layers = models.blurpool_layers(run.model)
+    ema = run.settings.optim.ema
+    if not emas.on(ema):
+        weights.save(
+            models.plain_state_dict(final["model"], layers), weights_description(run, final), out / weights.FILE
+        )
+        return
+    states = {"raw": final["model"], "ema": final["ema"]}
+    files = {"result": weights.FILE, **weights.VARIANT_FILES}
+    for name, state in states.items():
+        variant = {"weights": name, "result": ema["result"], "files": files}
+        plain = models.plain_state_dict(state, layers)
+        description = weights_description(run, final, variant)
+        weights.save(plain, description, out / weights.VARIANT_FILES[name])
+        if name == ema["result"]:
+            weights.save(plain, description, out / weights.FILE)
 
 
 def finish(run: Run, info: dict) -> None:
@@ -85,8 +111,7 @@ def finish(run: Run, info: dict) -> None:
     shutil.copyfile(live / "system_node0.csv", out / "system.csv")  # other nodes: telemetry/system_node<k>.csv
     write_json(out / "run.json", {**info, "finished": utc_now()})
     final = ckpt.load(run.ck_dir / "last.pt")
-    plain = models.plain_state_dict(final["model"], models.blurpool_layers(run.model))
-    weights.save(plain, weights_description(run, final), out / weights.FILE)
+    publish_weights(run, final, out)
     ckpt.save_atomic(final, out / "model.pt")
     finished.keep(out, run.ck_dir)
     ckpt.mark_finished(run.ck_dir, out / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))

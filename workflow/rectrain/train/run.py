@@ -24,7 +24,8 @@ from rectrain.distributed import Dist
 from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
 from rectrain.settings import TrainSettings
 from rectrain.tables import read_classes
-from rectrain.train import init_weights
+from rectrain.train import batchaug, init_weights, losses
+from rectrain.train import ema as emas
 from rectrain.train.batchplan import BatchPlan, loader_spec, val_loader_spec
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.optim import make_optimizer, recorded
@@ -47,9 +48,10 @@ def set_backend_flags(cudnn_benchmark: bool, device: torch.device) -> None:
     torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cudnn_benchmark)
 
 
-def make_model(network, num_classes: int, device: torch.device, master: bool = True):
-    """(model on device, in channels_last when asked, from train.init_weights when set; the loss; what the
-    model-dependent mechanics and init_weights did to it), from the train block's `network` part."""
+def make_model(network, num_classes: int, device: torch.device, master: bool = True, *, mixed: bool = False):
+    """(model on device, in channels_last when asked, from train.init_weights when set; the training loss
+    (rectrain.train.losses: soft targets when `mixed`, train.mixup on); what the model-dependent mechanics
+    and init_weights did to it), from the train block's `network` part."""
     model, applied = models.construct(
         network.model,
         num_classes,
@@ -65,7 +67,7 @@ def make_model(network, num_classes: int, device: torch.device, master: bool = T
             model, network.init_weights, master, strict=network.init_weights_strict
         )
     model = model.to(device)
-    return model, torch.nn.CrossEntropyLoss(label_smoothing=network.label_smoothing), applied
+    return model, losses.train_loss(network, mixed), applied
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class RankParts:
     workers: int  # the loader workers train.workers became
     spec: LoaderSpec  # the train loader's, batch_size 0 until planned
     applied: dict  # what each model-dependent mechanic and init_weights changed (rectrain.model.construct)
+    # random erasing and Mixup/CutMix on the device batch (rectrain.train.batchaug), None when off
+    augment_batch: batchaug.BatchAugment | None = None
 
 
 def prepare_rank(
@@ -92,11 +96,13 @@ def prepare_rank(
     torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     classes = read_classes(args.classes)
     set_backend_flags(network.cudnn_benchmark, d.device)
-    model, loss_fn, applied = make_model(network, len(classes), d.device, d.master)
+    mixed = batchaug.mixup_on(loaders.mixup)
+    model, loss_fn, applied = make_model(network, len(classes), d.device, d.master, mixed=mixed)
+    augment_batch = batchaug.build(loaders, network.label_smoothing, len(classes), d.device)
     workers = resolve_workers(loaders.workers, d.local_world_size, cores)
     log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, loaders.workers)
     spec = loader_spec(loaders, resolution, network, d, args.rec, args.idx, workers=workers, seed=seed, epochs=epochs)
-    return RankParts(d, classes, model, loss_fn, cores, workers, spec, applied)
+    return RankParts(d, classes, model, loss_fn, cores, workers, spec, applied, augment_batch)
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,8 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
     """Loaders, optimizer and the wrapped network for the plan's batch; the Run keeps the block `s`,
     whose whole is the checkpoint's identity."""
     d, model, network = parts.d, parts.model, s.network
+    for problem in batchaug.config_problems(s.loaders, plan.batch):  # batch_size auto's plan: known only now
+        raise ValueError(problem)
     train_loader, val_loader = make_loaders(
         args, s.loaders.loader, s.resolution.val_resolution, parts.spec, plan.batch, grad_accum=plan.grad_accum
     )
@@ -152,6 +160,8 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
         network.channels_last,
         d,
         clip_grad_norm=s.optim.clip_grad_norm,
+        augment_batch=parts.augment_batch,
+        ema=emas.build(s.optim.ema, model),  # of the unwrapped model, before DDP and torch.compile
     )
     data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
     identity = ckpt.RunIdentity(
@@ -175,9 +185,24 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
         workers=parts.workers,
         cores=parts.cores,
         identity=identity,
-        resolved={"mechanics": parts.applied, "optimizer": recorded(optimizer, model)},
+        resolved=recipe_as_run(
+            s.loaders, network, s.optim.ema, parts.applied, recorded(optimizer, model, s.optim, plan.global_batch)
+        ),
         world_sizes=(plan.from_epoch(0),),
     )
+
+
+def recipe_as_run(loaders, network, ema: dict, applied: dict, optimizer: dict) -> dict:
+    """run.json's and weights.json's `recipe_as_run`: what each model mechanic changed (`applied`), the
+    optimizer's groups (`optimizer`: optim.recorded), and in words what the batch augmentation (the train
+    block's `loaders` part), the loss (its `network` part) and the EMA (train.ema) did."""
+    return {
+        "mechanics": applied,
+        "optimizer": optimizer,
+        "batch_augment": batchaug.words(loaders),
+        "loss": losses.words(network, batchaug.mixup_on(loaders.mixup)),
+        "ema": emas.words(ema),
+    }
 
 
 def make_loaders(

@@ -20,6 +20,7 @@ import torch
 from rectrain import model as models
 from rectrain.distributed import Dist
 from rectrain.progress import Progress
+from rectrain.train.batchaug import hard_labels
 from rectrain.train.stepclock import StepClock
 
 
@@ -39,9 +40,11 @@ class Step:
     channels_last: bool
     dist: Dist
     clip_grad_norm: float | None = None  # train.clip_grad_norm
-    # (images, labels) -> (images, targets) on the device: Mixup/CutMix, random erasing; None = as loaded
+    # (images, labels) -> (images, targets) on the device: random erasing, Mixup/CutMix (rectrain.train.batchaug);
+    # None = as loaded
     augment_batch: Callable | None = None
-    ema: object | None = None  # an EMA of the weights with update(model, step=k), after every optimizer step
+    # an EMA of the weights with update(model, step=k), after every optimizer step (rectrain.train.ema)
+    ema: object | None = None
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,9 @@ class StepOut:
 
     index: int  # the step within its epoch
     loss: torch.Tensor
-    hits: torch.Tensor  # top-1 hits against the batch's own labels
+    hits: torch.Tensor  # top-1 hits against the hard labels (under Mixup each image's larger share: batchaug)
     images: int
-    lr: float  # the LR the step ran at
+    lr: float  # the LR the step ran at (the largest group's: the head's under train.layer_decay)
     scale: torch.Tensor | None  # the fp16 loss scale after it (loss_scale)
     stepped: bool  # the optimizer stepped (the last micro-batch of its accumulation)
 
@@ -63,7 +66,7 @@ def train_step(step: Step, i: int, x: torch.Tensor, y: torch.Tensor, *, last_mic
     over the accumulated micro-batches, DDP's all-reduce only on the last: no_sync before it); then, on
     the last micro-batch, gradient clipping (on the true gradients), the optimizer step (skipped by the
     scaler on an fp16 overflow), the LR schedule and the EMA; last what the bookkeeping reads."""
-    lr = step.optimizer.param_groups[0]["lr"]
+    lr = max(group["lr"] for group in step.optimizer.param_groups)  # the head's, under train.layer_decay
     if step.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     inputs, targets = step.augment_batch(x, y) if step.augment_batch else (x, y)
@@ -83,7 +86,7 @@ def train_step(step: Step, i: int, x: torch.Tensor, y: torch.Tensor, *, last_mic
         step.scheduler.step()
         if step.ema is not None:
             step.ema.update(unwrapped(step.net), step=step.scheduler.last_epoch)
-    hits = (out.detach().argmax(1) == y).sum()
+    hits = (out.detach().argmax(1) == hard_labels(targets)).sum()
     return StepOut(i, loss.detach(), hits, len(y), lr, loss_scale(step.scaler), last_micro)
 
 

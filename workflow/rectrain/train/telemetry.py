@@ -40,6 +40,8 @@ STEP_COLUMNS = ["rank", "epoch", "step", "time", "wall_s", "data_wait_s", "compu
 # val_single_view_*: each epoch's validation, one centre crop at train.val_resolution without flip TTA -
 # not the evaluate stage's protocol (evaluate.resolutions, evaluate.flip_tta: the image and its mirror),
 # so it can read a few tenths below metrics.json for the same weights; the name says which it is.
+# ema_val_single_view_*: the same validation of the weights' EMA (train.ema), empty without one.
+EMA_VAL_COLUMNS = ["ema_val_single_view_loss", "ema_val_single_view_top1", "ema_val_single_view_top5"]
 EPOCH_COLUMNS = [
     "epoch",
     "train_loss",
@@ -50,6 +52,7 @@ EPOCH_COLUMNS = [
     "images_per_s",
     "wall_s",
     "resolution",
+    *EMA_VAL_COLUMNS,
 ]
 # cpu_percent: the machine's busy CPU (every process's, iowait left out); job_cpu_percent: this node's
 # job's own processes (its ranks, their loader workers), on the same scale (100 = every CPU of the

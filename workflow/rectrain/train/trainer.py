@@ -82,6 +82,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
                 s.optim,
                 s.network,
                 validated=bool(args.val_rec),
+                augment_batch=parts.augment_batch,
             )
             plan = batchplan.choose_batch(s.batch, d, preflight, previous=previous)
             run = build_run(args, s, parts, plan)
@@ -139,6 +140,8 @@ def train_run(run: Run, request: StopRequest) -> None:
         ckpt.set_rng_state(resumed.rng_states[d.rank])
     elif resumed.regrouped:
         ckpt.reseed(run.settings.launch.seed, resumed.start_epoch, d.rank)
+    else:
+        ckpt.seed_host_rngs(run.settings.launch.seed, d.rank)
     agreement = Agreement(d, request, run.settings.stops.checkpoint_interval_min)
     with (
         outputs.telemetry_logs(run, resumed.start_epoch, resumed.start_step) as (steps_log, epochs_log),

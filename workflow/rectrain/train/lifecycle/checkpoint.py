@@ -128,6 +128,15 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
 
 
+def seed_host_rngs(seed: int, rank: int) -> None:
+    """A new run's NumPy and Python RNGs seeded from (train.seed, rank): the draws of timm's Mixup (NumPy)
+    and random erasing (Python) are then the same in every run of the config, and differ between ranks.
+    torch's RNG keeps train.seed's stream (the model's initial weights, the same on every rank)."""
+    value = int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+    np.random.seed(value)
+    random.seed(value)
+
+
 def reseed(seed: int, epoch: int, rank: int) -> None:
     """Seed this process's RNGs (torch, numpy, python) from (train.seed, epoch, rank): a rank on another
     world size has no saved stream of its own to continue (rectrain.train.lifecycle.resume)."""

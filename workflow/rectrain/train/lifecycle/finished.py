@@ -35,6 +35,9 @@ MARKER = "finished.json"
 FOLDER = "finished"
 # The train rule's outputs in --out, model.pt last (the rule's marker of a finished run).
 PUBLISHED = ("steps.csv", "epochs.csv", "system.csv", "run.json", "weights.safetensors", "model.pt")
+# ... and beside weights.safetensors, with train.ema, the raw and the averaged weights (rectrain.train.ema):
+# kept and restored when the run wrote them, removed before a run publishes again.
+VARIANTS = ("weights-raw.safetensors", "weights-ema.safetensors")
 
 
 def marker(ck_dir: Path) -> Path:
@@ -69,19 +72,26 @@ def _copy(src: Path, out) -> None:
 def clear(out: Path) -> None:
     """Remove the published outputs in out before they are written again: one that is a link into a
     kept run (published by a restore) is then replaced, never written through."""
-    for name in PUBLISHED:
+    for name in (*VARIANTS, *PUBLISHED):
         (Path(out) / name).unlink(missing_ok=True)
+
+
+def _present(where: Path) -> tuple[str, ...]:
+    """The published outputs, with the weight variants found in `where`, model.pt last."""
+    return (*(name for name in VARIANTS if (Path(where) / name).is_file()), *PUBLISHED)
 
 
 def keep(out: Path, ck_dir: Path) -> None:
     """Link the published outputs into checkpoints/finished/ (model.pt last)."""
-    for name in PUBLISHED:
+    for name in _present(out):
         _link(Path(out) / name, folder(ck_dir) / name)
 
 
 def restore(out: Path, ck_dir: Path) -> None:
     """Publish the kept outputs again in out (model.pt last) and say so."""
-    for name in PUBLISHED:
+    for name in VARIANTS:  # a variant the kept run has not (train.ema off) is not left from another
+        (Path(out) / name).unlink(missing_ok=True)
+    for name in _present(folder(ck_dir)):
         _link(folder(ck_dir) / name, Path(out) / name)
     log.info(
         "restored the finished run's outputs (%s) from %s: no training needed - its config, records, code, "

@@ -2,8 +2,8 @@
 all ranks agreed on (rectrain.train.lifecycle.stop), into checkpoints/last.pt - the one mid-epoch checkpoint,
 replaced each time, atomically (rectrain.atomic); epoch_<k>.pt stay epoch ends.
 
-A checkpoint holds everything a resume needs (`run_state`): the model, optimizer, LR schedule and
-scaler, every rank's RNG state, `epoch`, and `step` - the steps done in that epoch (None: the epoch
+A checkpoint holds everything a resume needs (`run_state`): the model, optimizer, LR schedule,
+scaler and the weights' EMA (train.ema), every rank's RNG state, `epoch`, and `step` - the steps done in that epoch (None: the epoch
 is complete) - with `ranks`, per rank: its loader's state (rectrain.loaders: DALI's pipeline
 checkpoint; the torch loader needs none), the epoch's running totals (loss, hits, images) and the
 seconds trained in it, so the resumed epoch's epochs.csv row covers the whole epoch.  A resume
@@ -26,6 +26,7 @@ from rectrain import watchdog
 from rectrain.distributed import all_gather, barrier
 from rectrain.loaders import Loader
 from rectrain.storage import human_bytes
+from rectrain.train import ema as emas
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import divergence, faults, supervise
 from rectrain.train.lifecycle.status import EXIT_STOPPED
@@ -44,6 +45,7 @@ def run_state(run: Run, epoch: int, rngs: list, step: int | None = None, ranks: 
         "optimizer": run.step.optimizer.state_dict(),
         "scheduler": run.step.scheduler.state_dict(),
         "scaler": run.step.scaler.state_dict(),
+        "ema": emas.state(run.step.ema),  # train.ema's averaged weights (None without one)
         "epoch": epoch,
         "step": step,
         "ranks": ranks,

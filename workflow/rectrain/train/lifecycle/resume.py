@@ -58,6 +58,7 @@ from rectrain import atomic
 from rectrain.distributed import all_gather
 from rectrain.log import CONSOLE_LINE
 from rectrain.storage import human_bytes
+from rectrain.train import ema as emas
 from rectrain.train.batchplan import BatchPlan
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import finished
@@ -439,7 +440,7 @@ def _say_resuming(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -
 
 
 def restore(run: Run, state: dict, despite: tuple[str, ...] = ()) -> None:
-    """Load the checkpoint's model, optimizer, scheduler and scaler states into the run (at this run's
+    """Load the checkpoint's model, optimizer, scheduler, scaler and EMA states into the run (at this run's
     configured peak LR: optim.keep_configured_lr)."""
     base_lrs = list(run.step.scheduler.base_lrs)
     try:
@@ -447,6 +448,7 @@ def restore(run: Run, state: dict, despite: tuple[str, ...] = ()) -> None:
         run.step.optimizer.load_state_dict(state["optimizer"])
         run.step.scheduler.load_state_dict(state["scheduler"])
         run.step.scaler.load_state_dict(state["scaler"])
+        emas.load(run.step.ema, state.get("ema"))
         keep_configured_lr(run.step.scheduler, base_lrs)
     except (RuntimeError, KeyError, ValueError) as exc:
         if not despite:
