@@ -24,26 +24,12 @@ from rectrain import modelspec, safefs
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
-def build(
-    name: str,
-    num_classes: int,
-    channels_last: bool = False,
-    *,
-    zero_init_residual: bool = False,
-    blurpool: bool = False,
-    model_args: dict | None = None,
-) -> torch.nn.Module:
+def build(name: str, num_classes: int, channels_last: bool = False, **mechanics) -> torch.nn.Module:
     """The network train.model names (rectrain.modelspec: a torchvision registry name, timm:<name>, or
     your own factory in a file or module), randomly initialised, with train.model_args and the model-
-    dependent mechanics applied (`construct`, which also says what each changed)."""
-    return construct(
-        name,
-        num_classes,
-        channels_last,
-        zero_init_residual=zero_init_residual,
-        blurpool=blurpool,
-        model_args=model_args,
-    )[0]
+    dependent mechanics applied: `construct`'s network (`mechanics`: its keyword arguments), without the
+    record of what each changed."""
+    return construct(name, num_classes, channels_last, **mechanics)[0]
 
 
 def construct(

@@ -276,42 +276,26 @@ class _InProcess(Executor):
 
 @dataclass
 class _Painter:
-    """Draws image n of class k in a split, deterministically from the seed.  It holds the demo block's
-    values, not its view: the drawing processes receive it pickled, and the view's class is built at
-    run time (rectrain.settings), so pickle cannot find it by name."""
+    """Draws image n of class k in a split, deterministically from the seed of the demo block's view
+    (a declared class, rectrain.settings: the drawing processes receive it pickled as it is)."""
 
-    classes_n: int
-    train_per_class: int
-    val_per_class: int
-    min_size: int
-    max_size: int
-    quality: int
-    seed: int
-    bad_files: bool
+    demo: settings.DemoSettings
 
     @classmethod
-    def of(cls, demo) -> _Painter:
-        return cls(
-            demo.classes,
-            demo.train_per_class,
-            demo.val_per_class,
-            demo.min_size,
-            demo.max_size,
-            demo.quality,
-            demo.seed,
-            demo.bad_files,
-        )
+    def of(cls, demo: settings.DemoSettings) -> _Painter:
+        return cls(demo)
 
     def __post_init__(self):
-        self.classes = class_list(self.classes_n)
-        self.styles = [class_style(self.seed, k, self.classes_n) for k in range(self.classes_n)]
+        n = self.demo.classes
+        self.classes = class_list(n)
+        self.styles = [class_style(self.demo.seed, k, n) for k in range(n)]
 
     def draw(self, split: int, k: int, n: int) -> tuple[Image.Image, tuple]:
-        rng = np.random.default_rng([self.seed, split, k, n])
-        return draw(self.styles[k], rng, image_size(rng, self.min_size, self.max_size))
+        rng = np.random.default_rng([self.demo.seed, split, k, n])
+        return draw(self.styles[k], rng, image_size(rng, self.demo.min_size, self.demo.max_size))
 
     def jpeg(self, split: int, k: int, n: int) -> bytes:
-        return jpeg_bytes(self.draw(split, k, n)[0], self.quality)
+        return jpeg_bytes(self.draw(split, k, n)[0], self.demo.quality)
 
 
 def _defects_by_class(n_classes: int, bad_files: bool) -> dict[int, list[int]]:
@@ -339,14 +323,14 @@ def _class_files(painter: _Painter, k: int, defects: list[int]) -> tuple[list[tu
     """(name, bytes) of one train class - its images, its planted defects, and (class 0) the stray file -
     and the defects' manifest entries."""
     wnid, manifest = painter.classes[k][0], []
-    files = [(f"{wnid}_{n}.JPEG", painter.jpeg(SPLIT_TRAIN, k, n)) for n in range(1, painter.train_per_class + 1)]
+    files = [(f"{wnid}_{n}.JPEG", painter.jpeg(SPLIT_TRAIN, k, n)) for n in range(1, painter.demo.train_per_class + 1)]
     for j, i in enumerate(defects):
         kind, action, why = DEFECTS[i]
-        n = painter.train_per_class + 1 + j
+        n = painter.demo.train_per_class + 1 + j
         name = f"{wnid}_{n}.JPEG"
-        files.append((name, defect_bytes(kind, painter.draw(SPLIT_TRAIN, k, n)[0], painter.quality)))
+        files.append((name, defect_bytes(kind, painter.draw(SPLIT_TRAIN, k, n)[0], painter.demo.quality)))
         manifest.append(_defect_entry(kind, action, why, wnid, name))
-    if painter.bad_files and k == 0:
+    if painter.demo.bad_files and k == 0:
         files.append((STRAY_NAME, b"\x00" * 64))
         why = "not an image extension: the indexer lists it in unclassified.tsv"
         manifest.append(_defect_entry("stray", "unclassified", why, wnid, STRAY_NAME))
@@ -355,14 +339,14 @@ def _class_files(painter: _Painter, k: int, defects: list[int]) -> tuple[list[tu
 
 def _val_image(painter: _Painter, i: int, k: int) -> tuple[bytes, tuple]:
     img, box = painter.draw(SPLIT_VAL, k, i)
-    return jpeg_bytes(img, painter.quality), box
+    return jpeg_bytes(img, painter.demo.quality), box
 
 
 def _write_train(painter: _Painter, out: Path, manifest: list, pool: Executor) -> int:
     """train/<wnid>/ folders and the official-style tar of per-class tars; returns the file count.
     Classes are drawn in parallel (each image has its own RNG) and written in class order."""
-    n_train, n_classes = 0, painter.classes_n
-    defects = _defects_by_class(n_classes, painter.bad_files)
+    n_train, n_classes = 0, painter.demo.classes
+    defects = _defects_by_class(n_classes, painter.demo.bad_files)
     jobs = pool.map(_class_files, repeat(painter), range(n_classes), (defects.get(k, []) for k in range(n_classes)))
     with tarfile.open(out / "archives" / TRAIN_TAR, mode="w", format=tarfile.USTAR_FORMAT) as train_tar:
         for k, ((wnid, _), (files, planted)) in enumerate(zip(painter.classes, jobs, strict=True)):
@@ -377,9 +361,9 @@ def _write_train(painter: _Painter, out: Path, manifest: list, pool: Executor) -
 
 def _write_val(painter: _Painter, out: Path, pool: Executor) -> tuple[np.ndarray, list, list, np.ndarray]:
     """val/<wnid>/, val_flat/ and the val tar; returns (labels, Kaggle rows, devkit truth, ILSVRC ids)."""
-    seed, n_classes = painter.seed, painter.classes_n
+    seed, n_classes = painter.demo.seed, painter.demo.classes
     # Val: classes interleaved in a fixed random order, numbered 1..N like ILSVRC2012_val_XXXXXXXX.
-    val_labels = np.repeat(np.arange(n_classes), painter.val_per_class)
+    val_labels = np.repeat(np.arange(n_classes), painter.demo.val_per_class)
     np.random.default_rng([seed, 3]).shuffle(val_labels)
     # ILSVRC2012_IDs are a permutation of 1..C that differs from wnid order, as in the real devkit.
     ilsvrc_id = np.random.default_rng([seed, 4]).permutation(n_classes) + 1
