@@ -14,6 +14,12 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from helpers import REPO  # noqa: E402
 
+# `make test` runs this suite: the make variables it exports (MAKELEVEL, MAKEFLAGS with its jobserver) would
+# make every `make` a test starts a sub-make of it, which prints "Entering directory" lines around what the
+# test reads (a user's `make stop` from a shell prints none; CI failed on exactly that).
+for _name in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES"):
+    os.environ.pop(_name, None)
+
 # A second worktree sharing one editable-installed venv must test its own code, in subprocesses too.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "workflow"), os.environ.get("PYTHONPATH")) if p)
 

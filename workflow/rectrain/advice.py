@@ -5,6 +5,6 @@ findings (rectrain.report.learning)."""
 
 MORE_STEPS_FIX = (
     "Give it more optimizer steps: a smaller train.batch_size on a small dataset, more train.epochs; check "
-    "train.lr (it is for a global batch of 256 and scales linearly) and that the train and val splits hold the "
+    "train.lr (it is for a global batch of 256 and scales with it by train.lr_scaling) and that the train and val splits hold the "
     "same classes."
 )

@@ -463,7 +463,7 @@ def gpu_memory(system: pd.DataFrame, run: Mapping, report: ReportSettings) -> li
                 threshold=f"report.gpu_mem_low = {_pct(low)} of GPU memory",
                 fix=(
                     f"Try {suggestion} or train.batch_size: auto for more images per step; train.lr is "
-                    "scaled linearly with the global batch."
+                    "scaled with the global batch (train.lr_scaling: under auto linear, or sqrt for AdamW and LAMB as timm scales them)."
                 ),
             )
         )

@@ -53,7 +53,7 @@ def refusal(global_batch: int, batch_size: int, world_size: int) -> str:
     fixes.append(
         "train.global_batch: "
         + " or ".join(f"{g} (grad_accum {g // per_step})" for g in globals_)
-        + " (LR scaled linearly)"
+        + " (the LR scaled to it by train.lr_scaling)"
     )
     return (
         f"config key 'train.global_batch' = {global_batch} is not a whole multiple of train.batch_size {batch_size} x "
