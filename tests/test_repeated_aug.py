@@ -9,9 +9,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import REPO
+from helpers.config_edits import filled
 from helpers.train_data import write_rec
 from timm.data.distributed_sampler import RepeatAugSampler
 
+from rectrain import settings
 from rectrain.config import ConfigError, stage_block
 from rectrain.loaders import LoaderSpec, build_loader, order, train_batches_per_epoch, train_padding
 from rectrain.loaders.order import blocks_of, repeats_words, train_order
@@ -192,3 +195,13 @@ def test_the_report_words_and_the_key_check_of_repeated_augmentation():
     assert "each on another rank" in repeats_words(3, 1000, 4, 8)
     with pytest.raises(ConfigError, match="repeated_aug"):
         stage_block("train", json.dumps({"repeated_aug": 0}))
+
+
+def test_the_deit_s_preset_repeats_each_record_three_times_and_still_validates_shortened():
+    """deit-s.yaml sets DeiT's 3 repeats; the preset, shortened as tests/test_recipes_today.py runs it on
+    the demo (48 records: under 256, every record 3 times over an epoch of 48 samples), validates."""
+    cfg = filled(REPO / "config" / "imagenet-2gpu.yaml", REPO / "config" / "recipes" / "deit-s.yaml")
+    short = {**cfg["train"], "epochs": 1, "image_size": 32, "batch_size": 8, "global_batch": 16}
+    s = settings.train(stage_block("train", json.dumps(short)))
+    assert s.loaders.repeated_aug == 3
+    assert train_batches_per_epoch(48, 2, 8, 1, 3) == train_batches_per_epoch(48, 2, 8) == 3
