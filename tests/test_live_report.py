@@ -66,6 +66,14 @@ def test_before_any_epoch_finished_its_length_comes_from_the_images_and_the_batc
     assert (pos.done, pos.epoch, pos.step, pos.steps_per_epoch) == (0, 0, 3, 3)  # (600 + 40) / (128 x 2) = 2.5 -> 3
 
 
+def test_before_any_epoch_finished_a_run_json_with_the_loaders_count_gives_the_epochs_length():
+    """train.repeated_aug: an epoch is timm's length, not the records': run.json's batches_per_epoch is
+    what the loader runs (16 batches of 8 over 2 ranks for 300 records at 3 repeats, not 19)."""
+    steps = steps_with_gaps(1, 3, 0.5, [])
+    run = make_run(world_size=2, batch_size=8, padding_per_epoch=0, epochs=2, batches_per_epoch=16)
+    assert inprogress.position(steps, make_epochs(0).iloc[:0], run, {"packed": 300}).steps_per_epoch == 16
+
+
 def test_time_left_is_the_rest_of_the_epoch_and_the_epochs_after_it_at_the_measured_pace():
     steps = steps_with_gaps(3, 20, 0.5, [3.0, 5.0, 4.0])
     steps = steps[(steps["epoch"] < 2) | (steps["step"] < 5)]

@@ -47,6 +47,7 @@ SOURCES = {
         "train_size": 160,
         "test_size": 224,
         "crop_pct": 0.95,
+        "repeats": 1,  # Table 1: repeated augmentation in A1 and A2, not A3
         "top1": 0.781,
     },
     "deit-s": {
@@ -69,6 +70,7 @@ SOURCES = {
         "train_size": 224,
         "test_size": 224,
         "crop_pct": 0.875,
+        "repeats": 3,  # --repeated-aug, on by default; samplers.py's RASampler: 3 copies
         "top1": 0.798,
     },
     "convnext-t": {
@@ -91,6 +93,7 @@ SOURCES = {
         "train_size": 224,
         "test_size": 224,
         "crop_pct": 0.875,
+        "repeats": 1,  # main.py: torch's DistributedSampler
         "top1": 0.821,
     },
 }
@@ -137,6 +140,7 @@ def test_each_preset_holds_its_sources_values_and_its_peak_lr_at_the_sources_bat
     assert train["model_args"].get("drop_path_rate") == v["drop_path"]
     assert train["ema"]["decay"] == v["ema"] and (train["ema"]["result"] == "ema") == (RESULT[name] == "ema")
     assert train["image_size"] == v["train_size"] and train["progressive"] is None
+    assert train["repeated_aug"] == v["repeats"]
     crop = ev["crop"] or ev["resolutions"][0]
     resize = ev["resize"] or round(crop / 0.875)
     assert crop == v["test_size"] and resize == round(v["test_size"] / v["crop_pct"]) and not ev["flip_tta"]
@@ -215,6 +219,9 @@ def test_each_preset_shortened_on_the_command_line_trains_evaluates_and_reports_
     assert f"published top-1, {v['epochs']} epochs<b>{100 * v['top1']:.1f} %</b>" in html
     assert 'id="recipe-training"' in html and "rand-m" in html
     assert escape(as_run["optimizer"]["lr_scaling"]) in html and escape(as_run["ema"] or "off") in html
+    # deit-s's 3 repeats on the shortened demo's 48 records (under 256: all of them, 3 steps of 16 an epoch)
+    assert (as_run["repeated_aug"] is not None) == (v["repeats"] > 1) and run["batches_per_epoch"] == 3
+    assert f"<th>train.repeated_aug</th><td>{escape(as_run['repeated_aug'] or 'off')}</td>" in html
     metrics = json.loads(out["eval/metrics.json"])
     epochs = pd.read_csv(io.StringIO(out["train/epochs.csv"]))
     if v["ema"]:

@@ -141,13 +141,15 @@ def step_rows(out):
 
 # What each loader's runs below train with: the DALI runs with today's recipe ingredients on - RandAugment
 # (its random ops in DALI's checkpoint), random erasing and Mixup/CutMix on the batch (Python's, NumPy's and
-# torch's draws in each rank's RNG state), LAMB (its moments and step counts) and the weights' EMA.
+# torch's draws in each rank's RNG state), LAMB (its moments and step counts), the weights' EMA and repeated
+# augmentation (train.repeated_aug 2: each record's copies on both ranks; the order it resumes in).
 RECIPE = {
     "dali": {
         "augment": {"policy": POLICY, "reprob": 0.25},
         "mixup": {"mixup_alpha": 0.8, "cutmix_alpha": 1.0},
         "optimizer": "lamb",
         "ema": {"decay": 0.9, "warmup": True},
+        "repeated_aug": 2,
     },
     "torch": {"augment": {"policy": "none"}},
 }
@@ -167,9 +169,10 @@ def reference(data, tmp_path_factory):
     return runs
 
 
-def check_resumed_like_reference(ref, out, labels_dir):
+def check_resumed_like_reference(ref, out, labels_dir, repeats=1):
     """steps.csv: every (rank, epoch, step) once and the uninterrupted LR at each; each rank's samples
-    in each epoch those of the uninterrupted run, in its order; the same final weights."""
+    in each epoch those of the uninterrupted run, in its order; the same final weights.  `repeats`:
+    train.repeated_aug of the runs (2: each rank reads the other's records, a copy each, 24 of them)."""
     got, want = step_rows(out), step_rows(ref.out)
     assert Counter((r, e, s) for r, e, s, _ in got) == Counter((r, e, s) for r, e, s, _ in want)
     assert sorted(got) == sorted(want), "the LR schedule continues where it stopped, no jump"
@@ -177,7 +180,11 @@ def check_resumed_like_reference(ref, out, labels_dir):
     assert seen == ref.labels, "each rank's samples per epoch, in order, as uninterrupted"
     for epoch in (0, 1):
         union = Counter(v for rank in (0, 1) for v in seen[rank, epoch])
-        assert set(union) == set(range(N_TRAIN)) and sum(union.values()) == 2 * 6 * 4, "one pass, padded"
+        assert sum(union.values()) == 2 * 6 * 4
+        if repeats == 1:
+            assert set(union) == set(range(N_TRAIN)), "one pass, padded"
+        else:  # 45 records under 256: the epoch is all 45 places, 48 in whole steps, 24 records twice each
+            assert seen[0, epoch] == seen[1, epoch] and set(union.values()) == {2} and len(union) == 24
     assert_same_weights(ref.out / "model.pt", out / "model.pt")
 
 
@@ -185,8 +192,8 @@ def check_resumed_like_reference(ref, out, labels_dir):
 def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_resumes_the_same_samples(
     data, reference, tmp_path
 ):
-    """DALI loader, RandAugment, random erasing, Mixup/CutMix, LAMB and the EMA on; rank 1 alone gets SIGTERM
-    after step 2 of epoch 1: both ranks stop there."""
+    """DALI loader, RandAugment, random erasing, Mixup/CutMix, LAMB, the EMA and 2 repeats on; rank 1 alone
+    gets SIGTERM after step 2 of epoch 1: both ranks stop there."""
     out, labels = tmp_path / "t", tmp_path / "labels"
     labels.mkdir()
     env = {"RECTRAIN_RECORD_LABELS": str(labels), "RECTRAIN_SIGNAL_AT": "1:1:2"}
@@ -212,12 +219,13 @@ def test_sigterm_to_one_rank_mid_epoch_stops_both_with_status_75_and_the_rerun_r
     resumed = run_train(data, out, env, loader="dali", progress_s=0.001, **RECIPE["dali"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing at epoch 1 step 3" in resumed.stderr and "epoch 0: train loss" not in resumed.stderr
-    check_resumed_like_reference(reference["dali"], out, labels)
+    check_resumed_like_reference(reference["dali"], out, labels, repeats=2)
     run = json.loads((out / "run.json").read_text())
     augment, as_run = run["augment"], run["recipe_as_run"]
     assert augment["policy"] == POLICY and augment["ran_as"].startswith("DALI's operators on the CPU")
     assert as_run["optimizer"]["class"] == "Lamb" and as_run["ema"].startswith("timm's ModelEmaV3, decay 0.9")
     assert as_run["batch_augment"]["mixup"] and as_run["batch_augment"]["random_erasing"]
+    assert as_run["repeated_aug"].startswith("2 copies of each record") and run["batches_per_epoch"] == 6
     ema_top1 = [r["ema_val_single_view_top1"] for r in rows(out / "epochs.csv")]
     assert len(ema_top1) == 2 and all(v != "" for v in ema_top1), "the EMA validated each epoch"
     # stopped after epoch 1 step 2 (0-based): global step 6 + 2 + 1 = 9, 1-based as the curves count

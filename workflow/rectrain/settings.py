@@ -46,6 +46,7 @@ class TrainLoaders(_View):
 
     loader: str
     order: str
+    repeated_aug: int
     workers: int | str
     gpu_decode: bool
     augment: dict

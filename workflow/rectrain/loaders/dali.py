@@ -267,8 +267,8 @@ class DaliLoader:
         self._epoch_records: EpochRecords | None = None
         if self.reads is not None:
             weakref.finalize(self, self.reads.close)
-        self.padding_per_epoch = train_padding(self.size, w, b, a) if spec.train else 0
-        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b, a)
+        self.padding_per_epoch = train_padding(self.size, w, b, a, spec.repeats) if spec.train else 0
+        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b, a, spec.repeats)
         self._train_iter = None  # the epoch's, for state(); None on the CPU, which runs _train_pipe itself
         self._train_pipe = None
         self._eval_iter = None  # the last validation pass's, until the next build
@@ -278,7 +278,9 @@ class DaliLoader:
         s = self.spec
         if not s.train:
             return EvalShard(s.rec, s.idx, s.rank, s.world_size)
-        order = self.order.indices(self.size, s.rank, s.world_size, s.batch_size, s.seed, epoch, accum=s.grad_accum)
+        order = self.order.indices(
+            self.size, s.rank, s.world_size, s.batch_size, s.seed, epoch, accum=s.grad_accum, repeats=s.repeats
+        )
         self._epoch_records = EpochRecords(self.reader, order, s.batch_size, self.reads, self.read_plan)
         return self._epoch_records
 

@@ -20,7 +20,21 @@ of one epoch predicts the next (bench/shuffle_bench.py).  Two orders:
   up is that records of one block meet in a batch more often than by chance (bench/shuffle_bench.py).
 
 auto (choose_order) takes quasi-random when the .rec's disk is rotational (rectrain.storage), else
-the permutation.  An order is int64 indices into the .rec's records in file order
+the permutation.
+
+Repeated augmentation (train.repeated_aug = k > 1; DeiT's 3, timm's --aug-repeats): timm's
+RepeatAugSampler, deterministic from (seed, epoch) like the rest.  Each record of the order is laid k
+times in a row ([a, a, a, b, b, b, ...]) and the epoch is the first world x batches_per_epoch x batch
+positions of that sequence (spec.epoch_positions: timm's n // 256 x 256 in whole optimizer steps), dealt
+round-robin: so an epoch is as long as without repeats, sees about n / k records, each k times, and a
+record's k copies sit at k consecutive positions, on k different ranks while world >= k (with fewer
+ranks some copies share a rank, as in timm) - each copy augmented by its own rank's draws.  Every epoch
+selects others (a new order).  The permutation: timm's sequence exactly (its rank r's indices, from the
+same permutation, are the first of ours: tests/test_repeated_aug.py).  Quasi-random: the repeats are
+laid within the block sequence (a block's records, each k times) and the window's shuffle moves groups of
+a record's k copies, never a copy alone, so the copies stay on k ranks and the reads stay whole blocks
+(the window boundary moves by at most k - 1 positions); auto chooses by the disk as without repeats.
+k = 1 is the order above, bit for bit.  An order is int64 indices into the .rec's records in file order
 (rectrain.recordio.IndexedRecordReader.nth): ~10 MB for ImageNet's 1.28 M records, never a Python
 object per record.
 Evaluation: every record exactly once, in file order, rank r taking every world-th.
@@ -33,7 +47,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from rectrain.loaders.spec import epoch_seed, train_batches_per_epoch
+from rectrain.loaders.spec import epoch_positions, epoch_seed, train_batches_per_epoch
 
 ORDERS = ("auto", "permutation", "quasi-random")
 # Blocks a hard disk reads near its sequential rate: a 12.7 ms seek (7,200 rpm) then 8 MiB at 150 MB/s
@@ -121,39 +135,64 @@ def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def quasi_random(
-    n: int, blocks: Blocks, world: int, batch: int, seed: int, epoch: int, *, accum: int = 1
+    n: int, blocks: Blocks, world: int, batch: int, seed: int, epoch: int, *, accum: int = 1, repeats: int = 1
 ) -> np.ndarray:
-    """The epoch's quasi-random order of all n records, padded to world x batches_per_epoch x batch
-    positions (train_batches_per_epoch(n, world, batch, accum): whole optimizer steps), before it is dealt: the blocks in a permutation from (seed, epoch), their records end to
-    end in file order, repeated from the start as train_order pads, then shuffled within each window of
-    world x window_batches x batch positions.  The same on every rank."""
+    """The epoch's quasi-random order, world x batches_per_epoch x batch positions
+    (train_batches_per_epoch(n, world, batch, accum, repeats): whole optimizer steps), before it is
+    dealt: the blocks in a permutation from (seed, epoch), their records end to end in file order, each
+    `repeats` times in a row, repeated from the start as train_order pads, then shuffled within each
+    window of world x window_batches x batch positions in groups of a record's `repeats` copies (with
+    repeats 1, record by record).  The same on every rank."""
     g = torch.Generator().manual_seed(epoch_seed(seed, epoch, 0))
     starts = blocks.starts
     shuffled = torch.randperm(len(starts) - 1, generator=g).numpy()
     lengths = np.diff(starts)[shuffled]
     # Record k of the sequence is block shuffled[j]'s (k - where that block begins)-th record.
     laid = np.repeat(starts[shuffled] - (np.cumsum(lengths) - lengths), lengths) + np.arange(n)
-    total = world * train_batches_per_epoch(n, world, batch, accum) * batch
-    laid = np.resize(laid, total)
+    total = world * train_batches_per_epoch(n, world, batch, accum, repeats) * batch
+    groups = -(-total // repeats)
+    laid = np.resize(np.repeat(laid, repeats), groups * repeats)
     window = world * blocks.window_batches * batch
-    # A key per position in [w, w + 1) for window w: sorting shuffles within each window, never across.
-    keys = torch.rand(total, generator=g, dtype=torch.float64).numpy() + np.arange(total) // window
-    return laid[np.argsort(keys, kind="stable")]
+    # A key per group in [w, w + 1) for the window w its first copy is in: sorting shuffles within each
+    # window, never across; a group moves whole, so a record's copies stay consecutive (on k ranks).
+    keys = torch.rand(groups, generator=g, dtype=torch.float64).numpy() + np.arange(groups) * repeats // window
+    order = np.argsort(keys, kind="stable")
+    if repeats > 1:
+        order = (order[:, None] * repeats + np.arange(repeats)).ravel()
+    return laid[order[:total]]
+
+
+def repeated_permutation(n: int, seed: int, epoch: int, total: int, repeats: int = 1) -> np.ndarray:
+    """The permutation order's `total` positions before they are dealt: the epoch's permutation with each
+    record `repeats` times in a row (timm's RepeatAugSampler's torch.repeat_interleave), repeated from its
+    start as DistributedSampler and RepeatAugSampler pad."""
+    perm = permutation(n, seed, epoch)
+    return np.resize(np.repeat(perm, repeats) if repeats > 1 else perm, total)
 
 
 def train_order(
-    n: int, rank: int, world: int, batch: int, seed: int, epoch: int, *, accum: int = 1, blocks: Blocks | None = None
+    n: int,
+    rank: int,
+    world: int,
+    batch: int,
+    seed: int,
+    epoch: int,
+    *,
+    accum: int = 1,
+    blocks: Blocks | None = None,
+    repeats: int = 1,
 ) -> np.ndarray:
     """Record indices rank `rank` trains on in `epoch`, in order: train_batches_per_epoch(n, world,
-    batch, accum) x batch of them (see the module doc): quasi-random over `blocks`, else the
-    permutation.  Optimizer step s takes global positions [s x G, (s + 1) x G) of the order (G = world x
-    batch x accum); for the permutation whatever the world size, so a world size that keeps G (an
-    elastic resume) sums the same records into each step (the quasi-random windows are per rank)."""
+    batch, accum, repeats) x batch of them (see the module doc): quasi-random over `blocks`, else the
+    permutation; each record `repeats` times (train.repeated_aug) on consecutive ranks.  Optimizer step s
+    takes global positions [s x G, (s + 1) x G) of the order (G = world x batch x accum); for the
+    permutation whatever the world size, so a world size that keeps G (an elastic resume) sums the same
+    records into each step (the quasi-random windows are per rank)."""
     if blocks is not None:
-        return quasi_random(n, blocks, world, batch, seed, epoch, accum=accum)[rank::world].copy()
-    total = world * train_batches_per_epoch(n, world, batch, accum) * batch
-    # The permutation repeated from its start, as DistributedSampler pads; the copy frees the rest.
-    return np.resize(permutation(n, seed, epoch), total)[rank::world].copy()
+        return quasi_random(n, blocks, world, batch, seed, epoch, accum=accum, repeats=repeats)[rank::world].copy()
+    total = world * train_batches_per_epoch(n, world, batch, accum, repeats) * batch
+    # The copy frees the other ranks' positions.
+    return repeated_permutation(n, seed, epoch, total, repeats)[rank::world].copy()
 
 
 @dataclass(frozen=True)
@@ -164,9 +203,9 @@ class TrainOrder:
     blocks: Blocks | None
 
     def indices(
-        self, n: int, rank: int, world: int, batch: int, seed: int, epoch: int, *, accum: int = 1
+        self, n: int, rank: int, world: int, batch: int, seed: int, epoch: int, *, accum: int = 1, repeats: int = 1
     ) -> np.ndarray:
-        return train_order(n, rank, world, batch, seed, epoch, accum=accum, blocks=self.blocks)
+        return train_order(n, rank, world, batch, seed, epoch, accum=accum, blocks=self.blocks, repeats=repeats)
 
     @property
     def window_batches(self) -> int | None:
@@ -188,6 +227,24 @@ def order_for(requested: str, reader, batch: int, sysfs_root=None) -> TrainOrder
         "window_bytes": int(blocks.window_batches * batch * mean),
     }
     return TrainOrder(replace(choice, **shape), blocks)
+
+
+def repeats_words(repeats: int, n: int, world: int, batch: int, accum: int = 1) -> str | None:
+    """train.repeated_aug as it ran, in words (run.json's recipe_as_run, the report); None when off."""
+    if repeats <= 1:
+        return None
+    samples = epoch_positions(n, repeats)
+    per_rank = train_batches_per_epoch(n, world, batch, accum, repeats) * batch
+    where = (
+        "each on another rank"
+        if world >= repeats
+        else f"on {world} rank(s), fewer than the copies: some copies share a rank, as in timm"
+    )
+    of = f"the {n} train records" + (", rounded down to a multiple of 256" if samples != n else "")
+    return (
+        f"{repeats} copies of each record (timm's RepeatAugSampler): epochs of {samples} samples ({of}), about "
+        f"{-(-samples // repeats)} records {repeats} times each, {where}; {per_rank} per rank in whole optimizer steps"
+    )
 
 
 def eval_order(n: int, rank: int, world: int) -> np.ndarray:

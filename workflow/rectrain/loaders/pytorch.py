@@ -172,8 +172,9 @@ class ShardSampler(Sampler[int]):
     """Indices of one rank's share of an epoch (rectrain.loaders.order: the DALI loader's order too).
 
     train (pad_to_batch): every rank gets train_batches_per_epoch full batches (whole optimizer steps of
-    `accum` micro-batches), the permutation padded from its start as DistributedSampler pads; eval: every
-    index exactly once, no padding."""
+    `accum` micro-batches), the permutation padded from its start as DistributedSampler pads (each record
+    `repeats` times in a row under repeated augmentation, as timm's RepeatAugSampler); eval: every index
+    exactly once, no padding."""
 
     def __init__(
         self,
@@ -187,12 +188,14 @@ class ShardSampler(Sampler[int]):
         pad_to_batch: bool,
         accum: int = 1,
         blocks: order.Blocks | None = None,
+        repeats: int = 1,
     ):
-        """blocks: the quasi-random order's (rectrain.loaders.order.order_for); None = the permutation."""
+        """blocks: the quasi-random order's (rectrain.loaders.order.order_for); None = the permutation.
+        repeats: train.repeated_aug, each record's copies per epoch (training only)."""
         if shuffle != pad_to_batch:
             raise ValueError("ShardSampler: shuffle and pad_to_batch go together (training) or not at all (eval)")
         self.n, self.rank, self.world, self.batch, self.accum = n, rank, world_size, batch_size, accum
-        self.shuffle, self.seed, self.pad, self.blocks = shuffle, seed, pad_to_batch, blocks
+        self.shuffle, self.seed, self.pad, self.blocks, self.repeats = shuffle, seed, pad_to_batch, blocks, repeats
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -211,13 +214,14 @@ class ShardSampler(Sampler[int]):
                     self.epoch,
                     accum=self.accum,
                     blocks=self.blocks,
+                    repeats=self.repeats,
                 ),
             )
         return map(int, order.eval_order(self.n, self.rank, self.world))
 
     def __len__(self) -> int:
         if self.pad:
-            return train_batches_per_epoch(self.n, self.world, self.batch, self.accum) * self.batch
+            return train_batches_per_epoch(self.n, self.world, self.batch, self.accum, self.repeats) * self.batch
         return len(range(self.rank, self.n, self.world))
 
 
@@ -259,8 +263,8 @@ class TorchLoader:
         self.size = len(self.dataset)
         self.image_dtype = getattr(torch, spec.dtype)
         w, b, a = spec.world_size, spec.batch_size, spec.step_batches
-        self.padding_per_epoch = train_padding(self.size, w, b, a) if spec.train else 0
-        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b, a)
+        self.padding_per_epoch = train_padding(self.size, w, b, a, spec.repeats) if spec.train else 0
+        self.batches_per_epoch = train_batches_per_epoch(self.size, w, b, a, spec.repeats)
         # train.order; the workers read each record where the order puts it (no read-ahead of blocks here)
         self.order = order.order_for(spec.order, self.dataset.reader, b) if spec.train else None
         self.sampler = ShardSampler(
@@ -273,6 +277,7 @@ class TorchLoader:
             pad_to_batch=spec.train,
             accum=a,
             blocks=self.order.blocks if self.order else None,
+            repeats=spec.repeats,
         )
         device = torch.device(spec.device)
         self._mean = torch.tensor(spec.preprocess.mean, device=device).view(1, 3, 1, 1)

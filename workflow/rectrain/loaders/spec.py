@@ -37,6 +37,9 @@ AUTO_DECODE = "roi"
 # MLPerf's setting (NVIDIA's ResNet-50 submissions: hw_decoder_load 0.99 with a full decode).  GPUs
 # without the engines ignore it.
 FULL_DECODE_HW_LOAD = 0.99
+# timm's RepeatAugSampler's selected_round: under repeated augmentation an epoch is the set's count
+# rounded down to a multiple of this (epoch_positions).
+REPEAT_ROUND = 256
 
 
 def decode_path(setting: str) -> str:
@@ -125,12 +128,18 @@ class LoaderSpec:
     channels_last: bool = True  # images in NHWC memory (viewed as NCHW), as channels_last training wants
     preprocess: Preprocess = IMAGENET_PREPROCESS  # normalisation, and the evaluation resize's interpolation
     augment: AugmentPolicy = NONE  # train.augment.policy, parsed (rectrain.loaders.augment); training only
+    repeated_aug: int = 1  # train.repeated_aug: each record's copies per epoch (rectrain.loaders.order)
 
     @property
     def step_batches(self) -> int:
         """Micro-batches per optimizer step that an epoch is made whole in: grad_accum when training,
         1 for evaluation (every record once, nothing padded)."""
         return self.grad_accum if self.train else 1
+
+    @property
+    def repeats(self) -> int:
+        """Copies of each record an epoch's order holds: repeated_aug when training, 1 for evaluation."""
+        return self.repeated_aug if self.train else 1
 
     @property
     def on_gpu(self) -> bool:
@@ -180,18 +189,34 @@ def eval_resize_for(crop: int) -> int:
     return int(round(crop / EVAL_CROP_FRACTION))
 
 
-def train_batches_per_epoch(n: int, world_size: int, batch_size: int, accum: int = 1) -> int:
-    """Full batches every rank trains on per epoch: the n records in whole optimizer steps of the global
-    batch (world_size x batch_size x accum), rounded up (the shortfall is the padding).  Whole steps, so
-    the epoch's last optimizer step holds a full global batch like every other: with a count of
+def epoch_positions(n: int, repeats: int = 1) -> int:
+    """Samples an epoch covers across all ranks before it is made whole optimizer steps: the n records;
+    under repeated augmentation (train.repeated_aug > 1) the count of timm's RepeatAugSampler, n // 256 x
+    256 (its selected_round=256; over its world ranks, floor of that / world each), so an epoch is as long
+    as without repeats and sees about n / repeats records, each `repeats` times (rectrain.loaders.order).
+    Below 256 records, where that count would be 0, all n (timm 1.0's fallback too: ceil(n / world) a rank)."""
+    if repeats <= 1:
+        return n
+    return n // REPEAT_ROUND * REPEAT_ROUND or n
+
+
+def train_batches_per_epoch(n: int, world_size: int, batch_size: int, accum: int = 1, repeats: int = 1) -> int:
+    """Full batches every rank trains on per epoch: the epoch's samples (epoch_positions: the n records,
+    or timm's RepeatAugSampler's count under `repeats`) in whole optimizer steps of the global batch
+    (world_size x batch_size x accum), rounded up (the shortfall is the padding).  Whole steps, so the
+    epoch's last optimizer step holds a full global batch like every other: with a count of
     micro-batches that were not a multiple of `accum` (train.grad_accum) the last step summed fewer and
-    still divided by accum - 7/8 of a step at 2 x 256 x accum 8 on ImageNet."""
-    return accum * math.ceil(n / (world_size * batch_size * accum))
+    still divided by accum - 7/8 of a step at 2 x 256 x accum 8 on ImageNet.  Under repeats that is at
+    most one optimizer step's samples per rank beyond timm's count, and exactly it where the global
+    batch divides n // 256 x 256."""
+    return accum * math.ceil(epoch_positions(n, repeats) / (world_size * batch_size * accum))
 
 
-def train_padding(n: int, world_size: int, batch_size: int, accum: int = 1) -> int:
-    """Records yielded twice per epoch across all ranks, so that every optimizer step is a full global batch."""
-    return world_size * train_batches_per_epoch(n, world_size, batch_size, accum) * batch_size - n
+def train_padding(n: int, world_size: int, batch_size: int, accum: int = 1, repeats: int = 1) -> int:
+    """Samples yielded per epoch across all ranks beyond the epoch's (epoch_positions), so that every
+    optimizer step is a full global batch: records yielded twice, or under repeats records' further copies."""
+    per_rank = train_batches_per_epoch(n, world_size, batch_size, accum, repeats)
+    return world_size * per_rank * batch_size - epoch_positions(n, repeats)
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:

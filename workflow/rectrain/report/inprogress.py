@@ -82,11 +82,15 @@ def rank0(steps: pd.DataFrame) -> pd.DataFrame:
 
 
 def steps_per_epoch(steps0: pd.DataFrame, done: int, run: dict, manifest: dict | None) -> int | None:
-    """Steps of one epoch: counted in a finished epoch's rows, else from the train images (with the
-    padding that fills the last batch) over the batch of every process; None when neither is known."""
+    """Steps of one epoch: counted in a finished epoch's rows, else run.json's batches_per_epoch (the
+    loader's count: train.repeated_aug's epoch is not the records'), else, from a run.json without it, the
+    train images (with the padding that fills the last batch) over the batch of every process; None when
+    none is known."""
     finished = steps0[steps0["epoch"] < done] if not steps0.empty else steps0
     if not finished.empty:
         return int(finished.groupby("epoch")["step"].max().max()) + 1
+    if run.get("batches_per_epoch"):
+        return int(run["batches_per_epoch"])
     packed = (manifest or {}).get("packed")
     per_step = int(run.get("batch_size") or 0) * int(run.get("world_size") or 0)
     if not packed or not per_step:

@@ -248,6 +248,7 @@ def loader_spec(
         dtype=image_dtype(models.resolve_precision(network.precision, d.device)),
         channels_last=network.channels_last,
         augment=parse_policy(loaders.augment["policy"]),
+        repeated_aug=loaders.repeated_aug,
     )
 
 

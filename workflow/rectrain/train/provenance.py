@@ -73,6 +73,8 @@ def run_info(
         "torch": torch.__version__,
         "dali": dali_version(),
         "padding_per_epoch": loader.padding_per_epoch,
+        # per rank: the epoch's batches (under train.repeated_aug timm's epoch length, not the records')
+        "batches_per_epoch": loader.batches_per_epoch,
         "started": utc_now(),
         "finished": None,
         "preflight": plan.preflight,

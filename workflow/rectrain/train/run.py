@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rectrain import model as models
 from rectrain import sources
 from rectrain.distributed import Dist
-from rectrain.loaders import Loader, LoaderSpec, build_loader, resolve_workers
+from rectrain.loaders import Loader, LoaderSpec, build_loader, order, resolve_workers
 from rectrain.settings import TrainSettings
 from rectrain.tables import read_classes
 from rectrain.train import batchaug, init_weights, losses
@@ -186,22 +186,29 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
         cores=parts.cores,
         identity=identity,
         resolved=recipe_as_run(
-            s.loaders, network, s.optim.ema, parts.applied, recorded(optimizer, model, s.optim, plan.global_batch)
+            s.loaders,
+            network,
+            s.optim.ema,
+            parts.applied,
+            recorded(optimizer, model, s.optim, plan.global_batch),
+            order.repeats_words(s.loaders.repeated_aug, train_loader.size, d.world_size, plan.batch, plan.grad_accum),
         ),
         world_sizes=(plan.from_epoch(0),),
     )
 
 
-def recipe_as_run(loaders, network, ema: dict, applied: dict, optimizer: dict) -> dict:
+def recipe_as_run(loaders, network, ema: dict, applied: dict, optimizer: dict, repeated: str | None) -> dict:
     """run.json's and weights.json's `recipe_as_run`: what each model mechanic changed (`applied`), the
     optimizer's groups (`optimizer`: optim.recorded), and in words what the batch augmentation (the train
-    block's `loaders` part), the loss (its `network` part) and the EMA (train.ema) did."""
+    block's `loaders` part), the loss (its `network` part), the EMA (train.ema) and the repeated
+    augmentation (`repeated`: order.repeats_words, None when off) did."""
     return {
         "mechanics": applied,
         "optimizer": optimizer,
         "batch_augment": batchaug.words(loaders),
         "loss": losses.words(network, batchaug.mixup_on(loaders.mixup)),
         "ema": emas.words(ema),
+        "repeated_aug": repeated,
     }
 
 
