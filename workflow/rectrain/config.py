@@ -34,6 +34,9 @@ DEMO_CONFIG = SCHEMA_PATH.parent / "config.yaml"
 
 # Every block's operational values (x-rerun: false), as JSON, from the Snakefile to the jobs it starts.
 OPERATIONAL_ENV = "RECTRAIN_OPERATIONAL"
+# Each run's own operational values ({run: {block: values}}), and the run a job belongs to (the rules
+# set it): a sweep's run may set its own workers or intervals, still rerunning nothing.
+RUNS_OPERATIONAL_ENV, RUN_ENV = "RECTRAIN_RUNS_OPERATIONAL", "RECTRAIN_RUN"
 
 
 class ConfigError(ValueError):
@@ -298,7 +301,9 @@ def from_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
 def exported_operational() -> dict:
     """{block: operational values} as the Snakefile exported them; {} outside a Snakemake job."""
     text = os.environ.get(OPERATIONAL_ENV)
-    return json.loads(text) if text else {}
+    found = json.loads(text) if text else {}
+    own = json.loads(os.environ.get(RUNS_OPERATIONAL_ENV) or "{}").get(os.environ.get(RUN_ENV, ""), {})
+    return {**found, **own}
 
 
 @functools.lru_cache(maxsize=None)
