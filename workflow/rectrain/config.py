@@ -276,11 +276,9 @@ def complete_config(given: dict, schema_path=SCHEMA_PATH) -> dict:
     return fill_defaults(merged, schema_path)
 
 
-def from_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
-    """The whole config `snakemake --configfile <paths>` runs with, for a command that runs outside
-    Snakemake (rectrain.report.live): the files merged in order as Snakemake merges them, over the
-    demo's config file (demo_config: its path) when none names a raw root (the Snakefile's rule), completed
-    from the schema."""
+def merged_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
+    """The config files merged in order as Snakemake merges them, over the demo's config file
+    (demo_config: its path) when none names a raw root (the Snakefile's rule); not yet completed."""
     from snakemake.utils import update_config  # Snakemake's own merge: nested blocks key by key
 
     given: dict = {}
@@ -295,7 +293,15 @@ def from_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
         demo = yaml.safe_load(Path(demo_config).read_text())
         update_config(demo, given)
         given = demo
-    return complete_config(given)
+    return given
+
+
+def from_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
+    """The whole config `snakemake --configfile <paths>` runs with, for a command that runs outside
+    Snakemake (rectrain.report.live): the files merged in order as Snakemake merges them, over the
+    demo's config file (demo_config: its path) when none names a raw root (the Snakefile's rule), completed
+    from the schema."""
+    return complete_config(merged_files(paths, demo_config))
 
 
 def exported_operational() -> dict:

@@ -87,7 +87,7 @@ rule compare:
     """Write results/<dataset>/compare.html: every run's table row, curves and config differences."""
     input:
         reports=expand(rules.report.output[0], run=list(RUNS)),
-        code=code("report"),
+        code=code("compare"),
     output:
         report(f"results/{DS}/compare.html", caption="../report/compare_html.rst", category="Report"),
     log:
