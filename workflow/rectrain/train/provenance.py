@@ -43,7 +43,6 @@ def run_info(
     resumed_despite: tuple[str, ...] = (),
     start_step: int = 0,
     diverged_before: dict | None = None,
-    parent: dict | None = None,
 ) -> dict:
     """run.json as the run starts (`finished` is filled in when it is published); `resumed_despite`: the
     identity differences train.resume: always resumed across; `start_step`: a mid-epoch resume's step;
@@ -85,8 +84,6 @@ def run_info(
         # every change of world size with its epoch (a run moved from 2 GPUs to 1 and back)
         "world_sizes": list(run.world_sizes),
         "diverged_before": diverged_before,
-        # a branch (train.resume_from): the run, checkpoint, epoch and sha256 it started from
-        "parent": parent,
         # What decoded the JPEGs, and why it is not what train.loader asked for (DALI missing) when it is not.
         "loader_requested": s.loaders.loader,
         "decode": loader.choice.decode,
