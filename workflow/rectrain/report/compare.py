@@ -90,7 +90,7 @@ def load_run(name: str, folder: Path, config: dict | None = None) -> RunView:
 
 def gpus_of(run: dict) -> int:
     """The GPUs a run trained on (0 on CPU processes): its devices on each node."""
-    devices = [d for d in run.get("devices") or [] if not str(d).startswith("cpu")]
+    devices = {str(d) for d in run.get("devices") or [] if not str(d).startswith("cpu")}  # ranks may share one
     return len(devices) * int(run.get("nodes") or 1)
 
 
