@@ -2,6 +2,7 @@
 cores (rectrain.snakefile.resources), the layout before runs had names (rectrain.snakefile.runlayout),
 and the comparison page's pure parts (rectrain.report.compare): no pipeline runs here."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -14,24 +15,28 @@ from rectrain.snakefile import resources, runlayout, sweep
 BASE = {"dataset": "demo", "train": {"epochs": 4, "lr": 0.1}}
 
 
+def expand(found: dict, given: dict = BASE) -> dict:
+    """{run: its config} as the Snakefile merges them."""
+    return {
+        name: sweep.merge(given, overlay) for name, overlay in sweep.overlays(found, given.get("run", "main")).items()
+    }
+
+
 def test_no_sweep_is_the_one_run_the_config_names_main_by_default():
-    assert list(sweep.expand(dict(BASE), {})) == ["main"]
-    assert list(sweep.expand({**BASE, "run": "wide"}, {})) == ["wide"]
+    assert sweep.overlays({}) == {"main": {}} and sweep.overlays({}, "wide") == {"wide": {}}
 
 
 def test_named_runs_merge_base_then_their_overlay_and_take_their_name():
-    given = dict(BASE)
-    found = sweep.take({**given, "base": {"train": {"epochs": 2}}, "runs": {"a": {"train": {"lr": 0.2}}, "b": None}})
-    runs = sweep.expand(given, found)
+    runs = expand({"base": {"train": {"epochs": 2}}, "runs": {"a": {"train": {"lr": 0.2}}, "b": None}})
     assert runs["a"]["train"] == {"epochs": 2, "lr": 0.2} and runs["a"]["run"] == "a"
-    assert runs["b"]["train"] == {"epochs": 2, "lr": 0.1} and given["train"] == {"epochs": 4, "lr": 0.1}
+    assert runs["b"]["train"] == {"epochs": 2, "lr": 0.1} and BASE["train"] == {"epochs": 4, "lr": 0.1}
 
 
 def test_a_grid_is_every_combination_named_after_its_values_and_crossed_with_named_runs():
-    runs = sweep.expand(dict(BASE), {"grid": {"train.lr": [0.1, 0.2], "train.epochs": [1]}})
+    runs = expand({"grid": {"train.lr": [0.1, 0.2], "train.epochs": [1]}})
     assert sorted(runs) == ["lr-0.1_epochs-1", "lr-0.2_epochs-1"]
     assert runs["lr-0.2_epochs-1"]["train"] == {"epochs": 1, "lr": 0.2}
-    crossed = sweep.expand(dict(BASE), {"runs": {"rn": {"train": {"model": "resnet18"}}}, "grid": {"train.lr": [0.3]}})
+    crossed = expand({"runs": {"rn": {"train": {"model": "resnet18"}}}, "grid": {"train.lr": [0.3]}})
     assert list(crossed) == ["rn_lr-0.3"] and crossed["rn_lr-0.3"]["train"]["model"] == "resnet18"
 
 
@@ -42,13 +47,13 @@ def test_a_grid_is_every_combination_named_after_its_values_and_crossed_with_nam
         ({"base": {"dataset": "other"}}, "sweep base sets dataset"),
         ({"runs": {"index": {}}}, "run name 'index' cannot name a run's folder"),
         ({"runs": {"a b": {}}}, "run name 'a b' cannot name"),
-        ({"runs": {}}, "neither runs: nor grid: names a run"),
+        ({"runs": {}, "grid": {}}, "neither runs: nor grid: names a run"),
         ({"grid": {"train.lr": 0.1}}, "sweep grid: expected {dotted.key: [value, ...]}"),
     ],
 )
 def test_a_sweep_that_cannot_be_run_is_refused_naming_the_key_and_the_fix(found, said):
-    with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace("[", r"\[").replace("{", r"\{")):
-        sweep.expand(dict(BASE), found)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        sweep.overlays(found)
 
 
 def settings(cores, gpu=None):

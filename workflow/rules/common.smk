@@ -19,7 +19,7 @@ from rectrain.snakefile.params import block_params, index_classes_file, report_p
 from rectrain.snakefile.prestart import before_jobs
 from rectrain.snakefile.resources import run_slots, scheduled_gpus, train_rule_resources, train_threads
 from rectrain.snakefile.runlayout import legacy_layout_line
-from rectrain.snakefile.sweep import expand as expand_runs, take as take_sweep, wildcard_pattern
+from rectrain.snakefile.sweep import SWEEP_KEYS, merge as merge_config, overlays as run_overlays, wildcard_pattern
 from rectrain.private import apply as apply_private
 from rectrain.settings import train as train_view
 from rectrain.sources import stage_sources
@@ -32,13 +32,17 @@ prepare_job_env(Path(workflow.basedir) / "workflow")
 # A sweep file (--configfile config/sweeps/<name>.yaml: base, runs, grid; docs/runs.md) is taken out
 # of the config first and expanded into RUNS, {run name: its whole config}, each checked as a config
 # is; without one, RUNS holds the one run the config names (run: main by default).
-SWEEP = take_sweep(config)
+SWEEP = {key: config.pop(key) for key in SWEEP_KEYS if key in config}
 try:
     check_config(config, Path(workflow.basedir) / "config" / "schema.yaml")
     refuse_demo_name_for_own_data(config["dataset"], config["raw"])
     RUNS = {
-        name: given if given is config else check_config(given, Path(workflow.basedir) / "config" / "schema.yaml")
-        for name, given in expand_runs(config, SWEEP).items()
+        name: (
+            check_config(merge_config(config, overlay), Path(workflow.basedir) / "config" / "schema.yaml")
+            if SWEEP
+            else config
+        )
+        for name, overlay in run_overlays(SWEEP, config["run"]).items()
     }
     TRAINS = {name: train_view(given["train"]) for name, given in RUNS.items()}
     for name, view in TRAINS.items():
@@ -56,7 +60,7 @@ watch_run(workflow, RUNS)
 # Once the jobs are planned and before the first starts (nothing removed yet): each scheduled run's
 # train.devices against this machine's GPUs when the jobs run here, and whether Snakemake forced a train job.
 onstart:
-    before_jobs(workflow, TRAINS)
+    before_jobs(workflow, {name: (v.launch, v.batch, v.network.precision) for name, v in TRAINS.items()})
     # the jobs' console lines on Snakemake's console, terminal or not; SIGINT/SIGTERM stop training cleanly
     on_start(workflow, {name: f"{run_dir(name)}/train/checkpoints" for name in RUNS})
 

@@ -55,7 +55,7 @@ class RunView:
     run: dict = field(default_factory=dict)
     epochs: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=EPOCH_COLUMNS))
     metrics: dict = field(default_factory=dict)
-    config: dict = field(default_factory=dict)
+    shown: dict = field(default_factory=dict)  # its config, as the page shows it
 
 
 def _json(path: Path) -> dict:
@@ -77,15 +77,16 @@ def status_of(train: Path, run: dict, metrics: dict) -> str:
     return "training" if run else "not started"
 
 
-def load_run(name: str, folder: Path, config: dict | None = None) -> RunView:
-    """The run in results/<ds>/<name>/: published outputs first, else the live telemetry."""
+def load_run(name: str, folder: Path, shown: dict | None = None) -> RunView:
+    """The run in results/<ds>/<name>/: published outputs first, else the live telemetry; `shown`: its
+    config as the page shows it (the compare rule's), else its train block from run.json."""
     train = folder / "train"
     run = _json(train / "run.json") or _json(train / "telemetry" / LIVE_RUN_JSON)
     published = train / "epochs.csv"
     epochs = read_complete_csv(published if published.is_file() else train / "telemetry" / "epochs.csv", EPOCH_COLUMNS)
     metrics = _json(folder / "eval" / "metrics.json")
-    config = config or {"train": run.get("config") or {}}
-    return RunView(name, folder, status_of(train, run, metrics), run, epochs, metrics, config)
+    shown = shown or {"train": run.get("config") or {}}
+    return RunView(name, folder, status_of(train, run, metrics), run, epochs, metrics, shown)
 
 
 def gpus_of(run: dict) -> int:
@@ -96,7 +97,7 @@ def gpus_of(run: dict) -> int:
 
 def row(view: RunView) -> dict:
     """The run table's row (see the module doc)."""
-    run, e, m, train = view.run, view.epochs, view.metrics, view.config.get("train") or {}
+    run, e, m, train = view.run, view.epochs, view.metrics, view.shown.get("train") or {}
     wall = float(e["wall_s"].sum()) if not e.empty else None
     rates = e["images_per_s"].dropna() if not e.empty else pd.Series(dtype=float)
     gpus = gpus_of(run)
@@ -110,7 +111,7 @@ def row(view: RunView) -> dict:
         "gflops": cost["flops"] / 1e9 if cost.get("flops") is not None else None,
         "gmacs": cost["flops"] / 2e9 if cost.get("flops") is not None else None,
         "cost_size": cost.get("image_size"),
-        "recipe": (view.config.get("recipe") or {}).get("name"),
+        "recipe": (view.shown.get("recipe") or {}).get("name"),
         "settings": {k: train[k] for k in KEY_SETTINGS if train.get(k) is not None},
         "epochs_done": int(latest["epoch"]) + 1 if latest is not None else 0,
         "epochs": run.get("epochs") or train.get("epochs"),
@@ -130,10 +131,10 @@ def row(view: RunView) -> dict:
     }
 
 
-def flatten(config: dict, prefix: str = "") -> dict:
-    """{dotted.key: value} of a nested config."""
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{dotted.key: value} of a nested dict."""
     flat = {}
-    for key, value in config.items():
+    for key, value in tree.items():
         if isinstance(value, dict) and value:
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
@@ -229,7 +230,7 @@ def build(views: list[RunView], dataset: str) -> str:
         training=[r for r in rows if r["status"] in ("training", "stopped")],
         curves=curves_plot(curves(views)),
         pareto=pareto_plot(rows, front),
-        differences=differences({v.name: v.config for v in views}),
+        differences=differences({v.name: v.shown for v in views}),
         names=[v.name for v in views],
         unit=UNIT,
     )

@@ -69,8 +69,9 @@ def runs_from_files(paths: list) -> dict[str, dict]:
     """{run name: its whole config, completed} of `snakemake --configfile <paths>`: a sweep file's runs
     (rectrain.snakefile.sweep), or the one run the config names."""
     given = config.merged_files(paths)
-    found = sweep.take(given)
-    return {name: config.complete_config(run) for name, run in sweep.expand(given, found).items()}
+    found = {key: given.pop(key) for key in sweep.SWEEP_KEYS if key in given}
+    overlays = sweep.overlays(found, given.get("run", "main"))
+    return {name: config.complete_config(sweep.merge(given, overlay)) for name, overlay in overlays.items()}
 
 
 def load_live(results: Path, benchmarks: Path, dataset: str, name: str = "main") -> RunData:
@@ -99,44 +100,35 @@ def load_live(results: Path, benchmarks: Path, dataset: str, name: str = "main")
 
 
 def _run(args: argparse.Namespace, cfg: None) -> None:
-    """Each run of the config (a sweep's every run that has started; --run: that one) as far as it got."""
+    """Each run of the config (a sweep's every run that has started; --run: that one) as far as it got:
+    results/<dataset>/<run>/live.html."""
     runs = runs_from_files(args.configfile)
-    if args.run:
-        if args.run not in runs:
-            raise config.ConfigError(f"--run {args.run}: the config's runs are {', '.join(runs)}")
-        runs = {args.run: runs[args.run]}
+    if args.run and args.run not in runs:
+        raise config.ConfigError(f"--run {args.run}: the config's runs are {', '.join(runs)}")
     built = 0
-    for name, given in runs.items():
+    for name, given in runs.items() if not args.run else [(args.run, runs[args.run])]:
+        t, whole = time.perf_counter(), settings.whole(given)
+        results = Path("results") / whole.dataset
         try:
-            page(settings.whole(given))
-            built += 1
+            data = load_live(results, Path("benchmarks"), whole.dataset, name)
         except NotStarted:
-            if len(runs) == 1:
+            if len(runs) == 1 or args.run:
                 raise
             logger.info("run %s: not started yet", name)
+            continue
+        status = inprogress.status(results / name / "train", data)
+        page = {**inprogress.banner(status), "final": str(results / name / "report.html")}
+        shown = whole.as_dict()
+        html = build(
+            data, whole.report, recipe=whole.recipe, index=whole.index, dataset=whole.dataset, shown=shown, live=page
+        )
+        out = atomic.write_text(results / name / PAGE, html)
+        logger.info(
+            "%s: %s (%.2f MB, %.1f s)", out.resolve(), page["headline"], len(html) / 1e6, time.perf_counter() - t
+        )
+        built += 1
     if not built:
         raise NotStarted(f"none of the runs {', '.join(runs)} has started training yet")
-
-
-def page(whole: settings.WholeSettings) -> Path:
-    """results/<dataset>/<run>/live.html for the run `whole` (its whole config's view)."""
-    t = time.perf_counter()
-    results = Path("results") / whole.dataset
-    data = load_live(results, Path("benchmarks"), whole.dataset, whole.run)
-    status = inprogress.status(results / whole.run / "train", data)
-    shown = {**inprogress.banner(status), "final": str(results / whole.run / "report.html")}
-    html = build(
-        data,
-        whole.report,
-        recipe=whole.recipe,
-        index=whole.index,
-        dataset=whole.dataset,
-        shown=whole.as_dict(),
-        live=shown,
-    )
-    out = atomic.write_text(results / whole.run / PAGE, html)
-    logger.info("%s: %s (%.2f MB, %.1f s)", out.resolve(), shown["headline"], len(html) / 1e6, time.perf_counter() - t)
-    return out
 
 
 def main(argv=None) -> int:

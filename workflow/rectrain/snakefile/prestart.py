@@ -28,7 +28,7 @@ from snakemake.exceptions import WorkflowError
 
 from rectrain.config import format_problems
 from rectrain.data import pairowner
-from rectrain.settings import TrainSettings
+from rectrain.settings import TrainBatch, TrainLaunch
 from rectrain.snakefile.checks import device_problems, node_problems, precision_problems
 from rectrain.snakefile.resources import scheduled_gpus
 from rectrain.train.globalbatch import global_batch_problems
@@ -40,10 +40,10 @@ PACK_RULE = "pack"
 PAIR_RULES = (PACK_RULE, "check_recordio")
 
 
-def before_jobs(workflow, trains: dict[str, TrainSettings]) -> None:
+def before_jobs(workflow, trains: dict[str, tuple[TrainLaunch, TrainBatch, str]]) -> None:
     """The onstart hook: mark a forced train job, and refuse devices or nodes this machine cannot
     give a scheduled run, or a pair another run owns, before any output is removed. trains: {run name:
-    its train block's view} (a sweep's runs, or the one)."""
+    its train block's launch and batch parts and train.precision} (a sweep's runs, or the one)."""
     needed = list(workflow.dag.needrun_jobs())
     jobs = [job for job in needed if job.rule.name == TRAIN_RULE]
     mark_forced(any(workflow.dag.reason(job).forced for job in jobs))
@@ -51,7 +51,7 @@ def before_jobs(workflow, trains: dict[str, TrainSettings]) -> None:
     problems = [] if executor.dryrun_exec or executor.touch_exec else pair_problems(needed)
     if jobs and checks_gpus_here(executor):
         for name in dict.fromkeys(_run_of(job, trains) for job in jobs):
-            found = run_problems(trains[name])
+            found = run_problems(*trains[name])
             problems += [f"run {name}: {p}" for p in found] if len(trains) > 1 else found
     if problems:
         raise WorkflowError(format_problems(problems))
@@ -63,11 +63,11 @@ def _run_of(job, trains: dict) -> str:
     return name if name in trains else next(iter(trains))
 
 
-def run_problems(train: TrainSettings) -> list[str]:
-    """What this machine cannot give one run's train block (its devices, nodes, precision, global batch)."""
-    launch, batch = train.launch, train.batch
+def run_problems(launch: TrainLaunch, batch: TrainBatch, precision: str) -> list[str]:
+    """What this machine cannot give one run (its train block's launch and batch parts, train.precision):
+    its devices, nodes, precision, global batch."""
     problems = device_problems(launch.devices) + node_problems(launch.nodes)
-    problems += precision_problems(launch.devices, train.network.precision)
+    problems += precision_problems(launch.devices, precision)
     if launch.devices == "auto":  # its process count is known only here, from this machine's GPUs
         problems += global_batch_problems(batch, launch, scheduled_gpus("auto"))
     return problems

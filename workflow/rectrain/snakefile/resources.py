@@ -35,12 +35,13 @@ def run_slots(devices) -> int:
     return max(1, scheduled_gpus(devices))
 
 
-def train_threads(resource_settings, devices) -> int:
+def train_threads(snakemake_resources, devices) -> int:
     """The train job's threads: every core given with --cores, or, when --resources gpu=N shares them
     between runs, the run's part of them (run_slots / N): two 1-GPU runs under gpu=2 take half each,
+    (snakemake_resources: Snakemake's resource settings, its --cores and --resources),
     so Snakemake starts both.  Read when the job is expanded (commands that run no job need no --cores)."""
-    cores = resource_settings.cores or os.cpu_count() or 1
-    total = (resource_settings.resources or {}).get("gpu")
+    cores = snakemake_resources.cores or os.cpu_count() or 1
+    total = (snakemake_resources.resources or {}).get("gpu")
     total = getattr(total, "value", total)  # Snakemake 9 keeps a Resource; a plain number in tests
     if not isinstance(total, int) or total <= 0 or total >= 1 << 30:  # not given (or Snakemake's "unlimited")
         return cores

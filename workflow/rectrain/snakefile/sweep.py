@@ -12,8 +12,9 @@ A sweep is a config file given with --configfile (config/sweeps/backbones.yaml, 
 
 A grid run is named `<key>-<value>_...` (the last part of each key, e.g. `lr-0.1`); with `runs:` too,
 the grid is crossed with every named run (`rn18_lr-0.1`).  Snakemake merges the file into the config
-like any other, so `expand` takes the sweep's keys out of it (the schema knows none of them) and
-returns {run name: its whole config}, each completed and checked by the caller.  A run's overlay may
+like any other, so its callers take the sweep's keys (SWEEP_KEYS) out of it first (the schema knows
+none of them); `overlays` gives what each run merges over the config, {run name: overlay}, and the
+caller merges and checks each run's whole config.  A run's overlay may
 touch only the per-run blocks (RUN_BLOCKS): the index and the pack are the dataset's, shared by
 every run.  Without a sweep there is one run, named by the config's `run` key (default main).
 
@@ -36,11 +37,6 @@ RUN_BLOCKS = ("run", "train", "evaluate", "report", "recipe")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # Folders of results/<dataset>/ that are the dataset's, not a run's: no run may take their name.
 DATASET_FOLDERS = ("index", "pack", "check", "raw", "train", "eval", "compare.html", "report.html", "live.html")
-
-
-def take(config: dict) -> dict:
-    """The sweep's keys (SWEEP_KEYS) taken out of `config` (in place); {} when it has none."""
-    return {key: config.pop(key) for key in SWEEP_KEYS if key in config}
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -94,13 +90,12 @@ def check_name(name: str, where: str) -> None:
         )
 
 
-def expand(config: dict, sweep: dict) -> dict[str, dict]:
-    """{run name: its config (not yet completed)}: `config` with base and the run's overlay merged in,
-    `run` set to its name.  No sweep: the one run config["run"] (default main)."""
+def overlays(sweep: dict, name: str = "main") -> dict[str, dict]:
+    """{run name: what to merge over the config for it}: base, then the run's overlay, then its name.
+    No sweep: the one run `name` (the config's `run`), nothing merged."""
     if not sweep:
-        name = config.get("run", "main")
         check_name(name, "config key 'run'")
-        return {name: config}
+        return {name: {}}
     base = sweep.get("base") or {}
     _refuse_shared_keys("base", base)
     named = sweep.get("runs") or {}
@@ -108,17 +103,17 @@ def expand(config: dict, sweep: dict) -> dict[str, dict]:
         raise ConfigError("sweep runs: expected {run name: {train: {...}}, ...}")
     grid = grid_runs(sweep["grid"]) if sweep.get("grid") else {}
     if named and grid:
-        overlays = {f"{n}_{g}": merge(o or {}, go) for n, o in named.items() for g, go in grid.items()}
+        each = {f"{n}_{g}": merge(o or {}, go) for n, o in named.items() for g, go in grid.items()}
     else:
-        overlays = {n: o or {} for n, o in {**named, **grid}.items()}
-    if not overlays:
+        each = {n: o or {} for n, o in {**named, **grid}.items()}
+    if not each:
         raise ConfigError("sweep: neither runs: nor grid: names a run; add runs: {name: {train: {...}}}")
-    runs = {}
-    for name, overlay in overlays.items():
-        check_name(name, f"sweep run {name!r}")
-        _refuse_shared_keys(f"run {name!r}", overlay)
-        runs[name] = merge(merge(config, base), {**overlay, "run": name})
-    return runs
+    found = {}
+    for run, overlay in each.items():
+        check_name(run, f"sweep run {run!r}")
+        _refuse_shared_keys(f"run {run!r}", overlay)
+        found[run] = merge(merge(base, overlay), {"run": run})
+    return found
 
 
 def wildcard_pattern(names) -> str:
