@@ -28,6 +28,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
+from matplotlib.ticker import MaxNLocator
 
 from rectrain import atomic, cli
 from rectrain.log import utc_now
@@ -184,6 +185,7 @@ def curves_plot(long: pd.DataFrame) -> str | None:
     sns.lineplot(long, x="wall time (h)", y="val top-1 (%)", hue="run", marker="o", ax=by_time, legend=False)
     by_epoch.set(title="Val top-1 per epoch (single view)", ylim=(0, None))
     by_time.set(title="Val top-1 against wall time", ylim=(0, None))
+    by_time.xaxis.set_major_locator(MaxNLocator(5))  # short runs' hours have long tick labels
     fig.tight_layout()
     return plots.to_data_uri(fig)
 
