@@ -495,8 +495,9 @@ def edited(paths):
 
 def closures(package: Path) -> dict[str, set[Path]]:
     # check_recordio runs instead of index_raw and pack (recordio.train set): tests/test_byo_recordio.py;
-    # check runs only when asked for: test_every_module_the_check_imports_makes_the_check_rerun
-    assert set(STAGE_ENTRIES) == set(CHAIN) | {"check_recordio", "check"}, (
+    # check runs only when asked for: test_every_module_the_check_imports_makes_the_check_rerun;
+    # compare is a sweep's page after every run's report (tests/test_runs_side_by_side.py), past REPORT
+    assert set(STAGE_ENTRIES) == set(CHAIN) | {"check_recordio", "check", "compare"}, (
         "a stage was added: extend CHAIN and STAGE_TARGET"
     )
     return {stage: {p.resolve() for p in stage_sources(stage, package)} for stage in CHAIN}
