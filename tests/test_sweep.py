@@ -102,3 +102,12 @@ def test_a_sweep_dry_run_plans_one_train_evaluate_and_report_per_run_and_the_com
     }
     assert "results/demo/a/train" in proc.stdout and "results/demo/b/report.html" in proc.stdout
     assert REPO.joinpath("config", "sweeps", "backbones.yaml").is_file()
+
+
+def test_a_resume_from_that_names_no_file_is_refused_while_parsing_naming_the_key(tmp_path):
+    from rectrain.snakefile.checks import resume_from_problems
+
+    (found,) = resume_from_problems(str(tmp_path / "gone.pt"))
+    assert "config key 'train.resume_from'" in found and "no such file" in found and "epoch_<k>.pt" in found
+    (tmp_path / "epoch_1.pt").write_bytes(b"x")
+    assert resume_from_problems(str(tmp_path / "epoch_1.pt")) == [] and resume_from_problems(None) == []
