@@ -80,7 +80,7 @@ RUN ?=
 stop:
 	@PYTHONSAFEPATH=1 PYTHONPATH=$(MAKEFILE_DIR)workflow $(if $(wildcard $(PY)),$(PY),python3) -m rectrain.snakefile.runs stop $(RUN)
 
-# The report of a run still training, stopped or killed: results/<dataset>/live.html, built again at each
+# The report of a run still training, stopped or killed: results/<dataset>/<run>/live.html (each run of a sweep), built again at each
 # call (docs/watching.md). CONFIG as for make run; empty: the demo. Snakemake's lock does not stop it.
 .PHONY: live
 live: $(STAMP)

@@ -1,6 +1,7 @@
 # rectrain: raw ImageNet -> RecordIO on fast storage -> DDP training fed by DALI -> evaluation -> report.
 #
 #   snakemake --cores 8 results/report.html    # the whole chain, or only what is out of date
+#   snakemake --cores 8 results/demo/compare.html --configfile config/sweeps/backbones.yaml   # many runs
 #   snakemake -n                               # dry-run: what would run, and why
 #
 # Each stage reads only its own config block (params:), so editing train.* reruns training and what
@@ -45,9 +46,10 @@ include: "workflow/rules/report.smk"
 include: "workflow/rules/check.smk"
 
 
-# The configured dataset's report; `snakemake results/report.html` also copies it to results/report.html.
+# The configured run's report, or with a sweep (docs/runs.md) the comparison of its runs;
+# `snakemake results/report.html` also copies the configured run's report to results/report.html.
 rule all:
-    """Build the whole chain for the configured dataset: the report and everything it needs."""
+    """Build the whole chain for the configured dataset: the report (a sweep: every run's, and compare.html)."""
     default_target: True
     input:
-        rules.report.output,
+        rules.compare.output if SWEEP else expand(rules.report.output[0], run=RUN),

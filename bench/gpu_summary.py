@@ -32,7 +32,7 @@ def _read(path: Path) -> str | None:
 
 def summary(results: Path, tables: Path) -> str:
     lines = []
-    train = results / "train"
+    train = results / "main" / "train"  # the run's folder (run: main)
     run = json.loads(_read(train / "run.json") or "{}")
     if not run:
         lines.append(f"pipeline: no {train / 'run.json'} - training did not finish (see logs/ in this folder)")
@@ -76,7 +76,7 @@ def summary(results: Path, tables: Path) -> str:
         lines.append("diagnosis:")
         for f in diagnosis.diagnose(steps, system, run, manifests, report_cfg):
             lines.append(f"  [{f.severity}] {f.title}: {f.measured} -> {f.fix}")
-    metrics = _read(results / "eval" / "metrics.json")
+    metrics = _read(results / "main" / "eval" / "metrics.json")
     lines.append(f"eval: {metrics.strip() if metrics else 'missing'}")
     lines.append("efficiency (bench/gpu_efficiency.py):")
     lines.append(_read(tables / "gpu_efficiency.md") or "  missing (see gpu_check.log)")
@@ -91,7 +91,7 @@ def archive_members(results: Path, work: Path, tables: Path, out: Path) -> list[
     """(file, name in the archive) of everything worth bringing back, most useful first."""
     found = [(out / "gpu_check.log", "gpu_check.log")]
     found += [(p, f"tables/{p.name}") for p in sorted(tables.glob("*")) if p.is_file()]
-    for sub in ("eval", "train", "pack"):
+    for sub in ("main/eval", "main/train", "pack"):
         found += [(p, f"{sub}/{p.name}") for p in sorted((results / sub).glob("*")) if p.suffix in (".json", ".csv")]
     for folder in ("logs", "benchmarks"):
         found += [(p, str(p.relative_to(work))) for p in sorted((work / folder).rglob("*")) if p.is_file()]

@@ -184,7 +184,7 @@ def write_telemetry(r: Run, epochs: int = 2, world: int = 2) -> None:
     import pandas as pd
     from helpers import synthetic_run as syn
 
-    train, ev = r.run / "results" / DS / "train", r.run / "results" / DS / "eval"
+    train, ev = r.run / "results" / DS / "main" / "train", r.run / "results" / DS / "main" / "eval"
     for d in (train, ev):
         d.mkdir(parents=True, exist_ok=True)
     steps = math.ceil(r.n / (world * 128))
@@ -220,17 +220,17 @@ def run_stages(r: Run) -> None:
         write_benchmark(r, "index_raw", DS, r.stages["index"]),
         write_benchmark(r, "pack", f"{DS}_train", r.stages["pack train"]),
         write_benchmark(r, "pack", f"{DS}_val", r.stages["pack val"]),
-        write_benchmark(r, "train", DS, None),
-        write_benchmark(r, "evaluate", DS, None),
+        write_benchmark(r, "train", f"{DS}/main", None),
+        write_benchmark(r, "evaluate", f"{DS}/main", None),
     ]
     (r.run / "config.yaml").write_text(json.dumps(r.config()))
-    dirs = [f"results/{DS}/{d}" for d in ("train", "eval", "pack", "index")]
+    dirs = [f"results/{DS}/{d}" for d in ("main/train", "main/eval", "pack", "index")]
     args = ["--config-json", json.dumps(r.config())]
     args += [f"--{k}-dir" for k in ("train", "eval", "pack", "index")]
     cmd = py("rectrain.report", *args[:2], *(x for pair in zip(args[2:], dirs, strict=True) for x in pair))
     cmd += ["--benchmarks", *map(str, marks), "--out", "results/report.html"]
     r.stage("report", cmd, r.n, cwd=r.run)
-    write_benchmark(r, "report", DS, r.stages["report"])
+    write_benchmark(r, "report", f"{DS}/main", r.stages["report"])
     dry_runs(r)
 
 

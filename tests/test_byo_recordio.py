@@ -299,7 +299,7 @@ def test_an_im2rec_pair_trains_evaluates_and_the_report_says_where_the_data_came
     proc = smk(work, "--cores", "2", "results/report.html", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (work / "results" / "byo" / "index" / "train.tsv").exists(), "the index ran"
-    metrics = json.loads((work / "results" / "byo" / "eval" / "metrics.json").read_text())
+    metrics = json.loads((work / "results" / "byo" / "main" / "eval" / "metrics.json").read_text())
     assert metrics["images"] == 9, metrics
     html = (work / "results" / "report.html").read_text()
     assert "train: from an existing pair</b> (recordio.train; not packed here)" in html
@@ -309,7 +309,7 @@ def test_an_im2rec_pair_trains_evaluates_and_the_report_says_where_the_data_came
     # republishes the finished run, it does not train again (issue 38 item 10).
     again = smk(work, "--cores", "2", "results/report.html", "--forcerun", "check_recordio", timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    train_log = (work / "logs" / "train" / "byo.log").read_text()
+    train_log = (work / "logs" / "train" / "byo" / "main.log").read_text()
     assert "restored the finished run's outputs" in train_log and "epoch 0: train loss" not in train_log, train_log
     # the recordio block's keys: operational ones rerun nothing, the others the check and what follows
     for key, value, expected in [

@@ -56,6 +56,7 @@ def test_every_key_named_like_a_path_is_marked_x_path_so_it_is_expanded():
         "index.allow_outside_root",
         "recordio.classes",
         "train.init_weights",
+        "train.resume_from",
         "check.weights",
         *byo,
     }

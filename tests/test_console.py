@@ -126,7 +126,7 @@ def test_the_relay_copies_each_jobs_lines_to_snakemakes_stderr_and_removes_its_f
 
 
 def test_the_run_ends_naming_the_report_copy_it_wrote_else_the_datasets_report(tmp_path):
-    own, copy = tmp_path / "results" / "demo" / "report.html", tmp_path / "results" / "report.html"
+    own, copy = tmp_path / "results" / "demo" / "main" / "report.html", tmp_path / "results" / "report.html"
     assert report_line([own, copy]) == f"report: {copy}"
     assert report_line([own]) == f"report: {own}"
     assert report_line([]) is None, "a run that wrote no report names none"
@@ -160,7 +160,7 @@ def test_make_run_ends_naming_the_report_when_snakemake_succeeded_and_not_after_
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == f"report: {report}", done.stdout
     stopped = make_run_with_snakemake_exiting(tmp_path, 75, "results/report.html")
     assert stopped.returncode != 0 and "report:" not in stopped.stdout, stopped.stdout
-    other = make_run_with_snakemake_exiting(tmp_path, 0, "results/demo/train/model.pt")
+    other = make_run_with_snakemake_exiting(tmp_path, 0, "results/demo/main/train/model.pt")
     assert other.returncode == 0 and "report:" not in other.stdout, "a run asked for no report names none"
 
 

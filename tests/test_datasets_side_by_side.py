@@ -62,7 +62,7 @@ def smk(work: Path, dataset: str, *args: str, timeout=300):
 
 
 def report_of(work: Path, dataset: str) -> Path:
-    return work / "results" / dataset / "report.html"
+    return work / "results" / dataset / "main" / "report.html"
 
 
 def test_each_dataset_keeps_its_own_report_and_the_shared_one_is_the_last_asked_for(work):
@@ -96,7 +96,7 @@ def test_snakemake_report_bundles_only_that_datasets_artefacts(work, tmp_path, d
         names = zf.namelist()
     categories = json.loads(re.search(r"categories = (\{.*?\});\n", index).group(1))
     items = sorted(f for sub in categories.values() for files in sub.values() for f in files)
-    assert f"results/{dataset}/report.html" in items, items
+    assert f"results/{dataset}/main/report.html" in items, items
     assert all(item.startswith(f"results/{dataset}/") for item in items), items
     other = next(ds for ds in DATASETS if ds != dataset)
     assert not [n for n in names if f"/{other}/" in n], f"{other}'s files in {dataset}'s bundle"

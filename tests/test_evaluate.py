@@ -197,7 +197,17 @@ def test_outputs_follow_the_contract(val_set, tmp_path):
     evaluate(val_set, "torch", tmp_path)
     m = json.loads((tmp_path / "metrics.json").read_text())
     headline = {"top1", "top5", "loss", "images", "images_per_s", "crop", "resize"}
-    assert set(m) == headline | {"loader", "checkpoint", "flip_tta", "resolutions", "num_classes", "usage", "at_chance"}
+    assert set(m) == headline | {
+        "loader",
+        "checkpoint",
+        "flip_tta",
+        "resolutions",
+        "num_classes",
+        "usage",
+        "at_chance",
+        "cost",
+    }
+    assert m["cost"]["params"] > 0 and m["cost"]["image_size"] == CROP, "params and FLOPs at the headline crop"
     assert m["at_chance"] is None, "a one-epoch checkpoint trained too briefly for a verdict (rectrain.chance)"
     assert m["usage"]["cpu_s"] > 0 and m["usage"]["max_rss_mb"] > 100, "the evaluating process's own numbers"
     assert m["loader"] == "torch" and m["checkpoint"] == val_set["ckpt"] and m["images_per_s"] > 0

@@ -24,7 +24,7 @@ TINY = {
         calibration_steps=2,
     ),
 }
-TRAIN = "results/demo/train"
+TRAIN = "results/demo/main/train"
 PUBLISHED = ["model.pt", "weights.safetensors", "steps.csv", "epochs.csv", "system.csv", "run.json"]
 
 
@@ -72,14 +72,14 @@ def test_a_failure_inside_the_job_keeps_the_finished_run_and_the_good_config_rep
     # removed the outputs - the failure issue 22 reported
     failed = smk(work, "gpu.yaml", "--cores", "2", "--no-hooks")
     assert failed.returncode != 0
-    assert "train.devices asks for GPU ids [0] but no GPU is visible" in (work / "logs/train/demo.log").read_text()
+    assert "train.devices asks for GPU ids [0] but no GPU is visible" in (work / "logs/train/demo/main.log").read_text()
     assert not (work / TRAIN / "model.pt").exists(), "Snakemake removed the failed job's outputs"
     kept = work / TRAIN / "checkpoints" / "finished"
     assert {n: (kept / n).read_bytes() for n in PUBLISHED} == published, "the finished run, kept"
 
     again = smk(work, "good.yaml", "--cores", "2")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    log = (work / "logs/train/demo.log").read_text()
+    log = (work / "logs/train/demo/main.log").read_text()
     assert "restored the finished run's outputs" in log and "no training needed" in log
     assert "epoch 0" not in log, "no training step ran"
     assert {n: (work / TRAIN / n).read_bytes() for n in PUBLISHED} == published
@@ -93,7 +93,7 @@ def test_a_failure_inside_the_job_keeps_the_finished_run_and_the_good_config_rep
 def test_forcerun_train_still_trains_again(work):
     proc = smk(work, "good.yaml", "--cores", "2", "--forcerun", "train")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    log = (work / "logs/train/demo.log").read_text()
+    log = (work / "logs/train/demo/main.log").read_text()
     assert "a forced rerun" in log and "epoch 0: train loss" in log and "restored" not in log
     assert [p.name for p in (work / TRAIN / "checkpoints" / "replaced").iterdir()][0].endswith(
         "-a-forced-rerun-that-run-finished-and-published"
@@ -104,13 +104,13 @@ def test_a_config_edited_and_edited_back_brings_the_finished_run_back_without_tr
     (work / "lr.yaml").write_text(yaml.safe_dump({**TINY, "train": {**TINY["train"], "lr": 0.05}}))
     edited = smk(work, "lr.yaml", "--cores", "2")
     assert edited.returncode == 0, edited.stdout[-3000:] + edited.stderr[-3000:]
-    assert "the train config changed (lr)" in (work / "logs/train/demo.log").read_text()
+    assert "the train config changed (lr)" in (work / "logs/train/demo/main.log").read_text()
     model_lr = (work / TRAIN / "model.pt").read_bytes()
     kept = (work / TRAIN / "checkpoints" / "finished" / "model.pt").read_bytes()
     assert kept == model_lr, "the lr run kept in its turn"
     back = smk(work, "good.yaml", "--cores", "2")
     assert back.returncode == 0, back.stdout[-3000:] + back.stderr[-3000:]
-    log = (work / "logs/train/demo.log").read_text()
+    log = (work / "logs/train/demo/main.log").read_text()
     assert "brought back the finished run moved aside to" in log and "no training needed" in log
     assert "epoch 0" not in log, "no training step ran"
     assert load(work / TRAIN / "model.pt")["config"]["lr"] == 0.1

@@ -133,15 +133,15 @@ def test_on_another_host_the_telemetry_age_tells_training_from_killed(tmp_path):
 
 
 def test_a_training_process_is_found_by_its_out_folder_resolved_against_its_working_directory(tmp_path):
-    (tmp_path / "results/demo/train").mkdir(parents=True)
+    (tmp_path / "results/demo/main/train").mkdir(parents=True)
 
     def proc(cmdline, cwd):
         return SimpleNamespace(info={"cmdline": cmdline}, cwd=lambda: str(cwd))
 
-    rank = proc(["python", "-m", "rectrain.train", "--rec", "x", "--out", "results/demo/train"], tmp_path)
+    rank = proc(["python", "-m", "rectrain.train", "--rec", "x", "--out", "results/demo/main/train"], tmp_path)
     other = proc(["python", "-m", "rectrain.train", "--out", "results/other/train"], tmp_path)
-    editor = proc(["vim", "--out", "results/demo/train"], tmp_path)
-    target = tmp_path / "results/demo/train"
+    editor = proc(["vim", "--out", "results/demo/main/train"], tmp_path)
+    target = tmp_path / "results/demo/main/train"
     assert inprogress.training_here(target, procs=lambda: [other, editor, rank])
     assert not inprogress.training_here(target, procs=lambda: [other, editor])
 
@@ -187,8 +187,8 @@ def test_the_live_page_shows_the_banner_the_epochs_so_far_and_the_evaluation_sti
     written, real = [], live.atomic.write_text  # whole or not at all: a reader never sees half a page
     monkeypatch.setattr(live.atomic, "write_text", lambda p, t: written.append(str(p)) or real(p, t))
     assert live.main(["--configfile", "run.yaml"]) == 0
-    assert written == [os.path.join("results", "demo", "live.html")]
-    html = (tmp_path / "results/demo/live.html").read_text()
+    assert written == [os.path.join("results", "demo", "main", "live.html")]
+    html = (tmp_path / "results/demo/main/live.html").read_text()
     assert "<title>[training] watching - demo</title>" in html  # the config file's title, the demo's dataset
     assert 'id="live-banner" class="live-training"' in html
     assert "In progress: epoch 2 (of 4) step 5/20" in html and "2 of 4 epoch(s) done" in html
@@ -198,7 +198,7 @@ def test_the_live_page_shows_the_banner_the_epochs_so_far_and_the_evaluation_sti
     assert table.count("<tr") == 3  # the header and epochs 0 and 1
     assert 'id="top1-pending"' in html and 'id="classes-pending"' in html and "no val split" not in html
     after = {p: p.stat().st_mtime_ns for p in (tmp_path / "results").rglob("*") if p.is_file()}
-    assert set(after) - set(before) == {tmp_path / "results/demo/live.html"}
+    assert set(after) - set(before) == {tmp_path / "results/demo/main/live.html"}
     assert all(after[p] == t for p, t in before.items()), "the live report wrote a file of the run"
 
 
@@ -206,7 +206,7 @@ def test_a_killed_run_on_this_host_is_shown_killed_with_the_training_left(tmp_pa
     live_run(tmp_path, host=socket.gethostname(), torn=False)
     monkeypatch.chdir(tmp_path)
     assert live.main([]) == 0
-    html = (tmp_path / "results/demo/live.html").read_text()
+    html = (tmp_path / "results/demo/main/live.html").read_text()
     assert 'class="live-killed"' in html and "Killed at epoch 2 (of 4) step 5/20" in html
     assert f"{inprogress.duration(17.5)} of training left when it goes on" in html
 
@@ -216,7 +216,7 @@ def test_before_training_wrote_run_json_the_command_says_so_in_one_line(tmp_path
     (train / "run.json").unlink()
     monkeypatch.chdir(tmp_path)
     assert live.main([]) == 1
-    assert not (tmp_path / "results/demo/live.html").exists()
+    assert not (tmp_path / "results/demo/main/live.html").exists()
 
 
 @pytest.mark.parametrize(
@@ -240,7 +240,7 @@ def test_a_run_that_stopped_or_diverged_in_this_launch_is_shown_so(tmp_path, mon
     )
     monkeypatch.chdir(tmp_path)
     assert live.main([]) == 0
-    html = (tmp_path / "results/demo/live.html").read_text()
+    html = (tmp_path / "results/demo/main/live.html").read_text()
     assert f'class="live-{state}"' in html and headline in html
     if state == "diverged":
         assert "rank 0: training diverged at epoch 2 step 5" in html
@@ -259,7 +259,7 @@ def test_a_stopped_run_whose_run_json_snakemake_removed_is_read_from_its_live_co
     (train / "checkpoints" / "stopped.json").write_text(json.dumps(stopped))
     monkeypatch.chdir(tmp_path)
     assert live.main([]) == 0
-    html = (tmp_path / "results/demo/live.html").read_text()
+    html = (tmp_path / "results/demo/main/live.html").read_text()
     assert 'class="live-stopped"' in html and "Stopped at epoch 2 (of 4) step 5/20" in html
     table = html[html.index('<section id="learning">') : html.index('<section id="classes">')]
     assert table.count("<tr") == 3, "epochs 0 and 1 so far"

@@ -1,6 +1,6 @@
 """The live report of a real run (issue 34 item 2): a tiny demo trains through Snakemake; after its
 first epoch, while the job runs and Snakemake holds its lock, `python -m rectrain.report.live` builds
-results/demo/live.html and Chromium renders it with the in-progress banner and the epoch so far; then
+results/demo/main/live.html and Chromium renders it with the in-progress banner and the epoch so far; then
 every process of the run is SIGKILLed and `make live` shows the run killed, the same epoch kept."""
 
 import contextlib
@@ -25,7 +25,7 @@ TINY = {
     "demo": tiny_demo(train_per_class=12),
     "train": tiny_train(cpu_processes=1, epochs=EPOCHS, batch_size=8, model="squeezenet1_1", calibration_steps=2),
 }
-TELEMETRY = "results/demo/train/telemetry"
+TELEMETRY = "results/demo/main/train/telemetry"
 
 
 def epoch_rows(path) -> list[str]:
@@ -83,7 +83,7 @@ def test_a_run_in_progress_and_then_killed_renders_its_banner_and_epochs_so_far(
         )  # fmt: skip
         assert built.returncode == 0, built.stderr[-3000:]
         assert proc.poll() is None, "the run ended while the page was built"
-        dom = chromium(tmp_path, "--dump-dom", (work / "results/demo/live.html").as_uri()).stdout
+        dom = chromium(tmp_path, "--dump-dom", (work / "results/demo/main/live.html").as_uri()).stdout
         head = banner(dom)
         assert 'class="live-training"' in head and re.search(
             rf"In progress: epoch 1 \(of {EPOCHS}\) step \d/{STEPS}", head
@@ -92,7 +92,7 @@ def test_a_run_in_progress_and_then_killed_renders_its_banner_and_epochs_so_far(
         assert learning_rows(dom) == ["0"]
     finally:
         kill_all(proc)
-    assert json.loads((work / "results/demo/train/run.json").read_text())["finished"] is None
+    assert json.loads((work / "results/demo/main/train/run.json").read_text())["finished"] is None
     venv = VENV_BIN.parent
     make = [
         "make",
@@ -106,7 +106,7 @@ def test_a_run_in_progress_and_then_killed_renders_its_banner_and_epochs_so_far(
     ]
     built = subprocess.run(make, cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    dom = chromium(tmp_path, "--dump-dom", (work / "results/demo/live.html").as_uri()).stdout
+    dom = chromium(tmp_path, "--dump-dom", (work / "results/demo/main/live.html").as_uri()).stdout
     head = banner(dom)
     assert 'class="live-killed"' in head and re.search(rf"Killed at epoch 1 \(of {EPOCHS}\) step \d/{STEPS}", head)
     assert "no process on this host" in head and "of training left when it goes on" in head

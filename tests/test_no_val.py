@@ -54,7 +54,7 @@ def test_dry_run_packs_train_only_and_leaves_evaluate_out(work):
 
 
 def test_asking_for_evaluate_says_there_is_no_val_split(work):
-    proc = smk(work, "-n", "results/noval/eval/metrics.json")
+    proc = smk(work, "-n", "results/noval/main/eval/metrics.json")
     assert proc.returncode != 0
     assert "evaluate: this dataset has no val split (index.absent_splits lists val)" in proc.stdout + proc.stderr
 
@@ -64,11 +64,11 @@ def test_real_run_trains_without_validation_and_the_report_says_there_is_no_val_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fast = work / "results" / "fast_storage" / "noval"
     assert sorted(p.name for p in fast.iterdir() if not p.name.startswith(".")) == ["train.idx", "train.rec"]
-    assert not (work / "results" / "noval" / "eval").exists()
-    train_log = (work / "logs" / "train" / "noval.log").read_text()
+    assert not (work / "results" / "noval" / "main" / "eval").exists()
+    train_log = (work / "logs" / "train" / "noval" / "main.log").read_text()
     assert "no val split (--val-rec not given, index.absent_splits): epochs are not validated" in train_log
     assert "epoch 0: train loss" in train_log and ", no val split, " in train_log
-    with open(work / "results" / "noval" / "train" / "epochs.csv", newline="") as f:
+    with open(work / "results" / "noval" / "main" / "train" / "epochs.csv", newline="") as f:
         epochs = list(csv.DictReader(f))
     assert [
         (e["epoch"], e["val_single_view_loss"], e["val_single_view_top1"], e["val_single_view_top5"]) for e in epochs

@@ -53,7 +53,7 @@ TINY = {
         progress_s=1,
     ),
 }
-REPORT = "results/demo/report.html"
+REPORT = "results/demo/main/report.html"
 
 
 def smk(work, *args, timeout=600):
@@ -67,7 +67,7 @@ def dry_run(work) -> set[str]:
     return set(scheduled_rules(proc.stdout))
 
 
-LIVE = "results/demo/live.html"
+LIVE = "results/demo/main/live.html"
 
 
 def make(work, *targets, timeout=300):
@@ -101,7 +101,7 @@ def work(tmp_path_factory):
     first = subprocess.Popen(command, cwd=work, env=paused, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 900
     launcher_of(first, deadline)
-    steps = work / "results" / "demo" / "train" / "telemetry" / "steps_rank0.csv"
+    steps = work / "results" / "demo" / "main" / "train" / "telemetry" / "steps_rank0.csv"
     # steps_rank0.csv rows: rank, epoch, step, ...
     while not (steps.is_file() and any(line.startswith("0,1,") for line in steps.read_text().splitlines())):
         assert first.poll() is None and time.monotonic() < deadline, "the train job never reached epoch 1"
@@ -121,7 +121,7 @@ def work(tmp_path_factory):
     ], stop.stdout + stop.stderr
     out, _ = first.communicate(timeout=600)
     assert runs.runs_here(work) == [], "each run's entry goes with its Snakemake"
-    log_file = work / "logs" / "train" / "demo.log"
+    log_file = work / "logs" / "train" / "demo" / "main.log"
     stopped_at = re.search(r"it resumes at (epoch 1 step \d+)", log_file.read_text()).group(1)
     assert first.returncode == EXIT_STOPPED and "Error in rule" not in out, out[-8000:]
     assert out.strip().splitlines()[-1].startswith("[rectrain] stopped on SIGTERM after epoch 1 step "), out[-3000:]
@@ -142,7 +142,9 @@ def test_after_make_stop_the_live_page_left_behind_and_make_live_show_the_stoppe
     """Snakemake removed the stopped job's outputs (run.json among them); the page the run left behind
     was made again as it ended, and `make live` after `make stop` reads what survives: both say Stopped
     at the step it stopped (no stale "In progress"), with epoch 0's row, in Chromium."""
-    stopped_at = re.search(r"continuing at epoch 1 step (\d+)", (work / "logs/train/demo.log").read_text()).group(1)
+    stopped_at = re.search(r"continuing at epoch 1 step (\d+)", (work / "logs/train/demo/main.log").read_text()).group(
+        1
+    )
     for page in ("left-behind.html", "make-live.html"):
         banner, epochs = rendered(tmp_path, work / page)
         assert 'class="live-stopped"' in banner and f"Stopped at epoch 1 (of 2) step {stopped_at}/9" in banner, banner
@@ -152,7 +154,7 @@ def test_after_make_stop_the_live_page_left_behind_and_make_live_show_the_stoppe
 def test_own_model_trains_over_two_processes_resumes_after_make_stop_is_evaluated_and_reported(work):
     import json
 
-    results = work / "results" / "demo"
+    results = work / "results" / "demo" / "main"
     run = json.loads((results / "train" / "run.json").read_text())
     assert run["model"] == MODEL and run["world_size"] == 2, run
     metrics = json.loads((results / "eval" / "metrics.json").read_text())
@@ -197,12 +199,12 @@ def test_own_models_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_t
     from rectrain.train.lifecycle.checkpoint import load
 
     monkeypatch.chdir(work)  # train.model's file is relative to the working directory
-    path = "results/demo/train/" + weights.FILE
+    path = "results/demo/main/train/" + weights.FILE
     torch.manual_seed(0)
     batch = torch.randn(4, 3, 32, 32)
     torch.save(batch, tmp_path / "batch.pt")
     with torch.inference_mode():  # fp32: the run's precision
-        expected = metrics.predict(model_from_weights(path, load("results/demo/train/model.pt")), batch)
+        expected = metrics.predict(model_from_weights(path, load("results/demo/main/train/model.pt")), batch)
     # a model of your own: its factory named, README's example file being this run's
     rectrain_lines = readme_python("Using the trained weights")[2].replace("nets/mynet.py:build", MODEL)
     assert MODEL in rectrain_lines
@@ -223,7 +225,7 @@ def test_evaluate_refuses_the_run_once_its_model_file_is_edited_and_publishes_no
     edited network on the trained weights."""
     net = work / "nets" / "net.py"
     original = net.read_text()
-    train, fast = work / "results" / "demo" / "train", work / "results" / "fast_storage" / "demo"
+    train, fast = work / "results" / "demo" / "main" / "train", work / "results" / "fast_storage" / "demo"
     argv = [
         "--config-json",
         "{}",
@@ -269,7 +271,7 @@ def test_a_timm_model_trains_is_evaluated_through_its_weights_and_loads_with_tim
                      cwd=work, snakefile=work / "Snakefile", timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert {rule for rule, _ in job_headers(proc.stdout + proc.stderr)} >= {"train", "evaluate", "report"}
-    results = work / "results" / "demo"
+    results = work / "results" / "demo" / "main"
     published = json.loads((results / "train" / "weights.json").read_text())
     metrics = json.loads((results / "eval" / "metrics.json").read_text())
     assert published["model"] == "timm:resnet18" and published["top1"] == metrics["top1"]

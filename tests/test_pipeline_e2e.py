@@ -55,16 +55,16 @@ STAGE_TARGET = {
     "demo_data": "results/demo/raw/.done",
     "index_raw": "results/demo/index/classes.tsv",
     "pack": "results/fast_storage/demo/train.rec",
-    "train": "results/demo/train/model.pt",
-    "evaluate": "results/demo/eval/metrics.json",
-    "report": "results/demo/report.html",
+    "train": "results/demo/main/train/model.pt",
+    "evaluate": "results/demo/main/eval/metrics.json",
+    "report": "results/demo/main/report.html",
 }
 # The demo's own report; results/report.html is its copy (rule current_report), made by the fixture.
-REPORT = "results/demo/report.html"
+REPORT = "results/demo/main/report.html"
 REPORT_ITEMS = [
-    "results/demo/report.html",
-    "results/demo/eval/metrics.json",
-    "results/demo/eval/per_class.csv",
+    "results/demo/main/report.html",
+    "results/demo/main/eval/metrics.json",
+    "results/demo/main/eval/per_class.csv",
     "results/demo/pack/train.manifest.json",
     "results/demo/pack/val.manifest.json",
 ]
@@ -133,13 +133,13 @@ def test_pipeline_produces_report_and_learns(pipeline):
     results = pipeline.work / "results"
     html = (results / "report.html").read_text()
     assert "Diagnosis" in html and "Throughput" in html
-    metrics = json.loads((results / "demo" / "eval" / "metrics.json").read_text())
+    metrics = json.loads((results / "demo" / "main" / "eval" / "metrics.json").read_text())
     # 10 demo classes: chance is 0.10. A model that reaches 0.6 on held-out images can only do so
     # if every stage kept each image with its own label (a shuffled label map scores ~0.10).
     assert metrics["top1"] >= 0.6, metrics
     assert metrics["images"] == 120
     # Training's own last val pass scores the checkpointed weights on the same records.
-    with open(results / "demo" / "train" / "epochs.csv", newline="") as fh:
+    with open(results / "demo" / "main" / "train" / "epochs.csv", newline="") as fh:
         last_epoch = list(csv.DictReader(fh))[-1]
     val_single_view_top1 = float(last_epoch["val_single_view_top1"])
     assert abs(val_single_view_top1 - metrics["top1"]) <= 1 / 120 + 1e-9, (val_single_view_top1, metrics)
@@ -158,11 +158,11 @@ def test_published_weights_loaded_by_the_readme_lines_in_a_fresh_process_give_th
     from rectrain.evaluate import model_from_weights
     from rectrain.train.lifecycle.checkpoint import load
 
-    train = pipeline.work / "results" / "demo" / "train"
+    train = pipeline.work / "results" / "demo" / "main" / "train"
     ckpt = load(train / "model.pt")
     assert torch.equal(weights.tensors(train / weights.FILE)["fc.weight"], ckpt["model"]["fc.weight"])
     published = json.loads((train / weights.JSON).read_text())
-    evaluated = json.loads((pipeline.work / "results" / "demo" / "eval" / "metrics.json").read_text())
+    evaluated = json.loads((pipeline.work / "results" / "demo" / "main" / "eval" / "metrics.json").read_text())
     assert published["top1"] == evaluated["top1"] and evaluated["weights"].endswith(weights.FILE)
     assert published["model"] == "resnet18" and published["epochs_trained"] == pipeline.config["train"]["epochs"]
     assert len(published["classes"]) == published["num_classes"] == 10
@@ -223,9 +223,9 @@ def run_check(run, tmp_path, **check):
 def test_the_check_with_the_demos_own_weights_reproduces_its_top1_exactly_and_the_report_then_shows_it(
     demo_copy, tmp_path
 ):
-    results = demo_copy.work / "results" / "demo"
+    results = demo_copy.work / "results" / "demo" / "main"
     assert 'id="data-check"' not in (results / "report.html").read_text(), "no check run, none shown"
-    proc, cfg, report = run_check(demo_copy, tmp_path, weights="results/demo/train/weights.safetensors")
+    proc, cfg, report = run_check(demo_copy, tmp_path, weights="results/demo/main/train/weights.safetensors")
     metrics = json.loads((results / "eval" / "metrics.json").read_text())
     assert report["top1"] == metrics["top1"] and report["images"] == metrics["images"] == 120
     # the demo's top-1 may be saturated: its loss, the same sum over the same logits, tells passes apart
@@ -244,7 +244,7 @@ def test_every_module_the_check_imports_makes_the_check_rerun(demo_copy, tmp_pat
     """The check's code inputs are its import closure (rectrain.sources), as every stage's: with every
     module of the package (and the check's data files) edited, the check names exactly its own as updated
     inputs."""
-    _, cfg, _ = run_check(demo_copy, tmp_path, weights="results/demo/train/weights.safetensors")
+    _, cfg, _ = run_check(demo_copy, tmp_path, weights="results/demo/main/train/weights.safetensors")
     mine = {p.resolve() for p in stage_sources("check", demo_copy.package)}
     modules = {p.resolve() for p in demo_copy.package.rglob("*.py") if "__pycache__" not in p.parts} | mine
     # the dry-run records the edited files' digests in rectrain.sources' cache, which would then see the
@@ -266,7 +266,7 @@ def test_every_module_the_check_imports_makes_the_check_rerun(demo_copy, tmp_pat
 def test_the_check_with_the_class_order_permuted_reads_near_chance_and_names_misaligned_labels(demo_copy, tmp_path):
     from rectrain import weights
 
-    train = demo_copy.work / "results" / "demo" / "train"
+    train = demo_copy.work / "results" / "demo" / "main" / "train"
     about = weights.description(train / weights.FILE)
     wnids = [c["wnid"] for c in about["classes"]]
     # the header names every logit's class one place off: the labels no longer match the head
@@ -319,7 +319,7 @@ def test_init_weights_from_the_finished_demo_starts_at_the_accuracy_it_ended_wit
     LR: its first validation is within a few points of the demo's last (a random init reads ~10 %)."""
     work, fast = pipeline.work, pipeline.work / "results" / "fast_storage" / "demo"
     config = {**pipeline.config["train"], "epochs": 1, "lr": 0.001, "calibration_steps": 0}
-    config["init_weights"] = str(work / "results" / "demo" / "train" / "weights.safetensors")
+    config["init_weights"] = str(work / "results" / "demo" / "main" / "train" / "weights.safetensors")
     data = ["--rec", fast / "train.rec", "--idx", fast / "train.idx", "--val-rec", fast / "val.rec",
             "--val-idx", fast / "val.idx", "--classes", work / "results" / "demo" / "index" / "classes.tsv"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -335,7 +335,7 @@ def test_init_weights_from_the_finished_demo_starts_at_the_accuracy_it_ended_wit
         with open(train_dir / "epochs.csv", newline="") as fh:
             return [float(r["val_single_view_top1"]) for r in csv.DictReader(fh)]
 
-    ended, started = val_top1(work / "results" / "demo" / "train")[-1], val_top1(tmp_path / "train")[0]
+    ended, started = val_top1(work / "results" / "demo" / "main" / "train")[-1], val_top1(tmp_path / "train")[0]
     assert abs(started - ended) <= 0.05, (started, ended)
 
 
@@ -350,7 +350,7 @@ def test_init_weights_from_the_finished_demo_with_another_class_count_replaces_t
     from rectrain import weights
     from rectrain.train.run import make_model
 
-    path = pipeline.work / "results" / "demo" / "train" / weights.FILE
+    path = pipeline.work / "results" / "demo" / "main" / "train" / weights.FILE
     part = train_settings({"model": "resnet18", "channels_last": False, "init_weights": str(path)}).network
     with caplog.at_level(logging.INFO, logger="rectrain"):
         model, _, _ = make_model(part, 5, torch.device("cpu"))
@@ -495,8 +495,9 @@ def edited(paths):
 
 def closures(package: Path) -> dict[str, set[Path]]:
     # check_recordio runs instead of index_raw and pack (recordio.train set): tests/test_byo_recordio.py;
-    # check runs only when asked for: test_every_module_the_check_imports_makes_the_check_rerun
-    assert set(STAGE_ENTRIES) == set(CHAIN) | {"check_recordio", "check"}, (
+    # check runs only when asked for: test_every_module_the_check_imports_makes_the_check_rerun;
+    # compare is a sweep's page after every run's report (tests/test_runs_side_by_side.py), past REPORT
+    assert set(STAGE_ENTRIES) == set(CHAIN) | {"check_recordio", "check", "compare"}, (
         "a stage was added: extend CHAIN and STAGE_TARGET"
     )
     return {stage: {p.resolve() for p in stage_sources(stage, package)} for stage in CHAIN}
@@ -654,7 +655,7 @@ def test_snakemake_report_bundles_the_report_and_key_outputs(pipeline, tmp_path)
     categories = json.loads(re.search(r"categories = (\{.*?\});\n", index).group(1))
     assert {cat: sorted(f for files in sub.values() for f in files) for cat, sub in categories.items()} == {
         "Report": [REPORT],
-        "Evaluation": ["results/demo/eval/metrics.json", "results/demo/eval/per_class.csv"],
+        "Evaluation": ["results/demo/main/eval/metrics.json", "results/demo/main/eval/per_class.csv"],
         "Pack": ["results/demo/pack/train.manifest.json", "results/demo/pack/val.manifest.json"],
     }
     for caption in (
@@ -741,9 +742,9 @@ def test_sigint_to_snakemake_alone_mid_epoch_ends_every_job_in_one_line_with_sta
         start_new_session=True,
     )
     deadline = time.monotonic() + 900
-    train = pipeline.work / "results" / "demo" / "train"
+    train = pipeline.work / "results" / "demo" / "main" / "train"
     launcher_of(first, deadline)  # its shell has emptied the log: what is there now is this job's
-    log_file, steps = pipeline.work / "logs" / "train" / "demo.log", train / "telemetry" / "steps_rank0.csv"
+    log_file, steps = pipeline.work / "logs" / "train" / "demo" / "main.log", train / "telemetry" / "steps_rank0.csv"
     while "epoch 0: train loss" not in log_file.read_text():  # steps_rank0.csv is this run's from then on
         assert first.poll() is None and time.monotonic() < deadline, "the train job never finished epoch 0"
         time.sleep(0.05)
@@ -761,7 +762,7 @@ def test_sigint_to_snakemake_alone_mid_epoch_ends_every_job_in_one_line_with_sta
     assert first.returncode == EXIT_STOPPED, out[-3000:]
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"\[rectrain\] stopped on SIGINT after epoch 1 step \d+ of \d+: the checkpoint results/demo/train/"
+        r"\[rectrain\] stopped on SIGINT after epoch 1 step \d+ of \d+: the checkpoint results/demo/main/train/"
         r"checkpoints/last\.pt holds the run; run the same command again to continue at epoch 1 step \d+ "
         r"\(exit status 75: stopped, resumable\)",
         last,

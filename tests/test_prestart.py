@@ -39,7 +39,7 @@ def test_a_slurm_run_does_not_check_the_login_nodes_gpus_but_a_local_one_refuses
     monkeypatch.delenv(FORCED_ENV, raising=False)  # before_jobs sets or clears it in this process
     monkeypatch.setattr(prestart, "device_problems", lambda devices: device_problems(devices, env={}, gpus=NO_GPU))
     train = train_settings({"devices": [0], "nodes": 1, "precision": "bf16"})
-    parts = (train.launch, train.batch, train.network.precision)
+    parts = ({"main": (train.launch, train.batch, train.network.precision)},)
     prestart.before_jobs(fake_workflow("slurm", SimpleNamespace(forced=False)), *parts)
     with pytest.raises(WorkflowError, match=r"config key 'train.devices' = \[0\]"):
         prestart.before_jobs(fake_workflow("local", SimpleNamespace(forced=False)), *parts)

@@ -33,6 +33,10 @@ SKIPPED = {
     r"pytest tests/test_slurm\.py": "a test itself: a real single-host SLURM, as root (tests/test_slurm.py)",
     r"^make live\b": "builds the report of a run in progress, which a fresh copy has not started: "
     "tests/test_live_report_run.py runs it against a real training, mid-run and killed",
+    r"^python -m rectrain\.report\.compare ": "builds the comparison of runs a fresh copy has not started: "
+    "tests/test_runs_side_by_side.py builds it through the compare rule and renders it in Chromium",
+    r"^mkdir -p results/demo/main && mv results/demo/train ": "moves in a run of an earlier version, which a fresh "
+    "copy has not: tests/test_sweep.py checks the line Snakemake prints with this command",
     r"^tensorboard --logdir ": "starts TensorBoard's web server, which runs until stopped; the event files it "
     "shows are read back with tensorboard's own reader (tests/test_train_curves.py, tests/test_train_preempt.py)",
 }

@@ -278,8 +278,8 @@ def test_a_preset_shortened_on_the_command_line_runs_the_demo_and_reports_time_t
     assert "not the recipe's 16" in panel, "3 epochs are not the published recipe: the panel says so"
     assert "projected: full ImageNet on this hardware, 3 epochs" in panel  # the demo's classes are WordNet ids
     assert '<table id="per-resolution">' in panel and "steady img/s (measured)" in panel
-    epochs = pd.read_csv(work / "results" / "demo" / "train" / "epochs.csv")
-    run = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
+    epochs = pd.read_csv(work / "results" / "demo" / "main" / "train" / "epochs.csv")
+    run = json.loads((work / "results" / "demo" / "main" / "train" / "run.json").read_text())
     assert len(epochs) == 3 and run["config"]["progressive"]["max_res"] == 64 and run["config"]["blurpool"]
     assert (
         epochs["resolution"].tolist()

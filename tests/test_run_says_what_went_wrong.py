@@ -23,7 +23,7 @@ from rectrain.train.lifecycle.faults import NONFINITE_AT_ENV
 pytestmark = pytest.mark.slow
 
 DEMO = {"classes": 3, "train_per_class": 24, "val_per_class": 10, "min_size": 40, "max_size": 64, "bad_files": False}
-REPORT = "results/shuffled/report.html"
+REPORT = "results/shuffled/main/report.html"
 
 
 def shuffled_raw(root):
@@ -68,7 +68,7 @@ def test_a_run_at_chance_is_marked_carded_ends_in_its_line_and_fails_unless_allo
     assert line.startswith("[rectrain] at chance: val top-1 ") and line.endswith(f"(exit status {EXIT_AT_CHANCE})")
     assert "on 30 val images is within noise of chance (33.3 %; at most 53.4 % is chance + 2.33" in line
     assert "after 2 epochs of 9 optimizer steps" in line
-    results = work / "results" / "shuffled"
+    results = work / "results" / "shuffled" / "main"
     marked = json.loads((results / "train" / "weights.json").read_text())["at_chance"]
     metrics = json.loads((results / "eval" / "metrics.json").read_text())
     assert marked == metrics["at_chance"] and marked["top1"] == metrics["top1"] <= marked["limit"]
@@ -90,8 +90,8 @@ def test_a_training_failure_ends_the_console_with_its_cause_and_keeps_snakemakes
     assert last_line(failed).startswith("[rectrain] train failed: rank 0: training diverged at epoch 0 step 4 (lr "), (
         out[-3000:]
     )
-    assert last_line(failed).endswith("(exit status 1) (log: logs/train/shuffled.log)")
+    assert last_line(failed).endswith("(exit status 1) (log: logs/train/shuffled/main.log)")
     assert "Error in rule train (job " in out and "input:" not in out and "--config-json" not in out, out[-3000:]
-    log = (work / "logs" / "train" / "shuffled.log").read_text()
+    log = (work / "logs" / "train" / "shuffled" / "main.log").read_text()
     block = log[log.index("---- Snakemake's error block for this job ----") :]
     assert "Error in rule train:" in block and "input: " in block and "python -m rectrain.train --config-json" in block

@@ -287,13 +287,13 @@ def test_demo_pipeline_runs_as_slurm_jobs_to_the_report(slurm_cluster, tmp_path)
     assert all(states.get(j) == "COMPLETED" for j, _ in submitted), queue
 
     # Training spanned both SLURM nodes: one launcher per node via srun, rendezvous on the first node.
-    train_log = (work / "logs" / "train" / "demo.log").read_text()
+    train_log = (work / "logs" / "train" / "demo" / "main.log").read_text()
     assert "one launcher per node: srun --nodes=2" in train_log
     head = re.search(r"--rdzv_endpoint=([\w.-]+):(\d+)", train_log)
     assert head and head.group(1) in slurm_cluster["nodes"], train_log[-3000:]
     assert int(head.group(2)) == rendezvous_port(by_rule["train"][0], {}), "the port derives from the job id"
 
-    info = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
+    info = json.loads((work / "results" / "demo" / "main" / "train" / "run.json").read_text())
     assert info["world_size"] == 2 and info["nodes"] == 2
     # Each node staged the pair into its node-local directory before training read it.
     assert "] copying" in train_log  # the node-local copy, logged by the launcher that made it
@@ -340,7 +340,7 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     )
     env = cluster_env(tmp_path, RECTRAIN_SLURM_WARNING_S="600", RECTRAIN_PAUSE_AT=f"0:1:1:{tmp_path / 'no-gate'}")
     out = tmp_path / "snakemake.out"
-    argv = profile_run("results/demo/train/model.pt", "test-cluster.yaml")
+    argv = profile_run("results/demo/main/train/model.pt", "test-cluster.yaml")
     with open(out, "w") as sink:
         proc = subprocess.Popen(argv, cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
     try:
@@ -351,7 +351,7 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
             600,
             out,
         )
-        train_log = work / "logs" / "train" / "demo.log"
+        train_log = work / "logs" / "train" / "demo" / "main.log"
         wait_for(
             "rank 0's pause in epoch 1",
             lambda: (
@@ -390,9 +390,9 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     assert len(re.findall(r"jobid \d+ \(log: \S+/rule_train/", text)) == 1, "one submission: SLURM requeued the job"
     shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     assert re.search(r"Restarts=1\b", shown), shown
-    info = json.loads((work / "results" / "demo" / "train" / "run.json").read_text())
+    info = json.loads((work / "results" / "demo" / "main" / "train" / "run.json").read_text())
     assert info["resumed_from_epoch"] >= 1, info
-    with open(work / "results" / "demo" / "train" / "steps.csv") as f:
+    with open(work / "results" / "demo" / "main" / "train" / "steps.csv") as f:
         rows = [tuple(int(v) for v in line.split(",")[:3]) for line in f.read().splitlines()[1:]]
     steps = 1 + max(step for _, _, step in rows)
     grid = {(rank, epoch, step) for rank in range(2) for epoch in range(REQUEUE_EPOCHS) for step in range(steps)}

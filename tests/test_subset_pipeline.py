@@ -77,7 +77,7 @@ def test_only_the_chosen_classes_and_images_are_packed_trained_and_evaluated(wor
         assert [r["wnid"] for r in csv.DictReader(fh, delimiter="\t")] == sorted(TAKEN)
     manifests = {s: json.loads((results / "pack" / f"{s}.manifest.json").read_text()) for s in ("train", "val")}
     assert manifests["train"]["packed"] == 3 * PER_CLASS and manifests["val"]["packed"] == 3 * DEMO["val_per_class"]
-    assert json.loads((results / "eval" / "metrics.json").read_text())["images"] == 3 * DEMO["val_per_class"]
+    assert json.loads((results / "main" / "eval" / "metrics.json").read_text())["images"] == 3 * DEMO["val_per_class"]
     log = (work / "logs" / "index_raw" / "sub.log").read_text()
     assert "LOC_val_solution.csv" in log, "the flat val of the Kaggle layout"
     assert "archives/ILSVRC2012_img_train.tar (per-class tars, read in place)" in log, "train from the archive"
@@ -86,7 +86,7 @@ def test_only_the_chosen_classes_and_images_are_packed_trained_and_evaluated(wor
     assert len(train) == 3 * PER_CLASS
     assert all(r["source"].startswith(f"archives/ILSVRC2012_img_train.tar::{r['wnid']}.tar::") for r in train)
     assert "kept 3 of 5 classes, at most 5 train images per class: 15 of 40 train images, 6 of 10 val images" in log
-    html = (results / "report.html").read_text()
+    html = (results / "main" / "report.html").read_text()
     assert "<b>A subset:</b> 3 classes chosen by index.classes, at most 5 images per class" in html
 
 

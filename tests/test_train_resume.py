@@ -497,7 +497,10 @@ def test_replaced_keeps_the_newest_keep_replaced_runs_naming_what_it_deletes_and
     one = (runs[0] / "epoch_1.pt").stat().st_size
     assert ckpt.disk_bytes(tmp_path / ckpt.REPLACED) == 2 * one, "last.pt is a hard link: counted once"
     assert f"{tmp_path / ckpt.REPLACED} holds 2 replaced run(s)" in caplog.text
-    assert "(train.keep_replaced: 2); deleted the oldest: " in caplog.text and "-edit-0" in caplog.text
+    assert (
+        "(train.keep_replaced: 2 unfinished runs with a checkpoint); deleted the oldest unfinished: " in caplog.text
+        and "-edit-0" in caplog.text
+    )
 
 
 # ---- issue 47 item 10: a crafted checkpoint, resume: always below its epoch, a killed write's leftovers ----
@@ -560,3 +563,79 @@ def test_the_next_start_removes_the_temporaries_of_a_checkpoint_write_that_was_k
     assert len(left) == 3
     resume(run)
     assert [p.name for p in run.ck_dir.iterdir() if ".tmp" in p.name] == [live.name]
+
+
+# ---- issue 50: a finished run is never deleted by the bound; a branch from another run's checkpoint ----
+
+
+def test_a_finished_run_survives_any_number_of_start_overs_diverged_ones_included_keeping_all_it_published(
+    tmp_path, monkeypatch, caplog
+):
+    """keep_replaced 1 exceeded many times over, by unfinished runs and by diverged ones without a
+    checkpoint: the finished run moved aside stays whole, its evaluation and report with it, and the log
+    names what is kept and where."""
+    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    out = tmp_path / "results" / "demo" / "main" / "train"
+    out.mkdir(parents=True)
+    run = fake_run(out)
+    write_finished_run(run)
+    (out / "weights.json").write_text('{"top1": 0.5}')
+    (out.parent / "eval").mkdir()
+    (out.parent / "eval" / "metrics.json").write_text('{"top1": 0.5}')
+    (out.parent / "eval" / "per_class.csv").write_text("class,top1\n")
+    (out.parent / "report.html").write_text("<html>the finished run's report</html>")
+    caplog.set_level(logging.INFO)
+    resume_mod.start_over(run.ck_dir, "the train config changed (lr)", keep_replaced=1)
+    (kept,) = replaced(run.ck_dir)
+    for k in range(4):  # unfinished runs with a checkpoint, and diverged ones before their first
+        if k % 2 == 0:
+            write_checkpoints(run, epochs=1)
+        else:
+            (run.ck_dir / ckpt.DIVERGED).write_text("{}")
+        resume_mod.start_over(run.ck_dir, f"edit {k}", keep_replaced=1)
+    left = replaced(run.ck_dir)
+    assert kept in left, "the finished run is never deleted"
+    assert [ckpt.takes_slot(p) for p in left].count(True) == 1, "one unfinished run with a checkpoint (keep_replaced 1)"
+    assert sum((p / ckpt.DIVERGED).is_file() for p in left) == 2, "the diverged runs took no slot"
+    published = sorted(str(p.relative_to(kept / finished.FOLDER)) for p in (kept / finished.FOLDER).rglob("*.*"))
+    assert published == sorted(
+        [*finished.PUBLISHED, "weights.json", "eval/metrics.json", "eval/per_class.csv", "report.html"]
+    )
+    assert (kept / finished.FOLDER / "report.html").read_text() == "<html>the finished run's report</html>"
+    assert f"finished runs are never deleted: {kept.name} kept whole" in caplog.text
+    assert "deleted the oldest unfinished: " in caplog.text
+
+
+def test_resume_from_branches_a_new_run_from_another_runs_epoch_checkpoint_with_its_weights_and_optimizer(
+    tmp_path, caplog
+):
+    """The branch's first step continues from the parent's epoch_<k>.pt: its weights, optimizer and LR
+    schedule are the checkpoint's, it trains from epoch k+1, and run.json's parent names the checkpoint."""
+    parent_out = tmp_path / "results" / "demo" / "base" / "train"
+    parent_out.mkdir(parents=True)
+    parent = fake_run(parent_out)
+    with torch.no_grad():
+        parent.model.weight.fill_(0.25)
+    parent.step.optimizer.step()  # a momentum buffer in the optimizer's state
+    write_checkpoints(parent, epochs=3)
+    chosen = parent.ck_dir / "epoch_1.pt"
+    branch_out = tmp_path / "results" / "demo" / "branch" / "train"
+    branch_out.mkdir(parents=True)
+    run = fake_run(branch_out)
+    run.settings = run.settings.replaced(resume_from=str(chosen))
+    assert not run.model.weight.eq(0.25).all()
+    caplog.set_level(logging.INFO)
+    decided = resume(run)
+    assert decided.start_epoch == 2 and decided.regrouped and not decided.rng_states
+    assert run.model.weight.eq(0.25).all(), "the branch starts from the checkpoint's weights"
+    assert run.step.optimizer.state_dict()["state"] == ckpt.load(chosen)["optimizer"]["state"]
+    assert decided.parent["run"] == "base" and decided.parent["epoch"] == 1
+    assert decided.parent["checkpoint"] == str(chosen) and len(decided.parent["sha256"]) == 64
+    assert "branching from" in caplog.text and ckpt.run_files(parent.ck_dir)[:3] == [
+        "epoch_0.pt",
+        "epoch_1.pt",
+        "epoch_2.pt",
+    ], "the parent's checkpoints untouched"
+    with pytest.raises(ResumeRefused, match="raise train.epochs above"):
+        run.settings = run.settings.replaced(resume_from=str(parent.ck_dir / "last.pt"), epochs=2)
+        resume_mod.branch(run, parent.ck_dir / "last.pt")

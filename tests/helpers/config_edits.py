@@ -15,6 +15,8 @@ EXPLICIT = {
     ("train", "model"): ["resnet34", "resnet18"],
     ("train", "model_args"): [{"groups": 1}, {}],
     ("train", "init_weights"): ["torchvision:ResNet18_Weights.IMAGENET1K_V1", None],
+    # a branch from a checkpoint that exists in a finished demo run (a missing one is refused while parsing)
+    ("train", "resume_from"): ["results/demo/main/train/checkpoints/last.pt", None],
     ("train", "clip_grad_norm"): [1.0, None],
     ("train", "dali_preallocate"): [[64, 64], [0, 0]],
     ("train", "weight_decay"): [1.0e-4, 5.0e-5],

@@ -260,8 +260,8 @@ def write_run(
     """Write every stage output of a finished run under root; return the paths (report CLI args).
     `samples`: system.csv rows (one a second, as train.sample_interval_s's default)."""
     wait_share = wait_share or {0: 0.02, 1: 0.03}
-    train = root / "results" / ds / "train"
-    ev = root / "results" / ds / "eval"
+    train = root / "results" / ds / "main" / "train"
+    ev = root / "results" / ds / "main" / "eval"
     pack = root / "results" / ds / "pack"
     index = root / "results" / ds / "index"
     bench = root / "benchmarks"

@@ -34,6 +34,9 @@ DEMO_CONFIG = SCHEMA_PATH.parent / "config.yaml"
 
 # Every block's operational values (x-rerun: false), as JSON, from the Snakefile to the jobs it starts.
 OPERATIONAL_ENV = "RECTRAIN_OPERATIONAL"
+# Each run's own operational values ({run: {block: values}}), and the run a job belongs to (the rules
+# set it): a sweep's run may set its own workers or intervals, still rerunning nothing.
+RUNS_OPERATIONAL_ENV, RUN_ENV = "RECTRAIN_RUNS_OPERATIONAL", "RECTRAIN_RUN"
 
 
 class ConfigError(ValueError):
@@ -273,11 +276,9 @@ def complete_config(given: dict, schema_path=SCHEMA_PATH) -> dict:
     return fill_defaults(merged, schema_path)
 
 
-def from_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
-    """The whole config `snakemake --configfile <paths>` runs with, for a command that runs outside
-    Snakemake (rectrain.report.live): the files merged in order as Snakemake merges them, over the
-    demo's config file (demo_config: its path) when none names a raw root (the Snakefile's rule), completed
-    from the schema."""
+def merged_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
+    """The config files merged in order as Snakemake merges them, over the demo's config file
+    (demo_config: its path) when none names a raw root (the Snakefile's rule); not yet completed."""
     from snakemake.utils import update_config  # Snakemake's own merge: nested blocks key by key
 
     given: dict = {}
@@ -292,13 +293,23 @@ def from_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
         demo = yaml.safe_load(Path(demo_config).read_text())
         update_config(demo, given)
         given = demo
-    return complete_config(given)
+    return given
+
+
+def from_files(paths: list, demo_config: Path | str = DEMO_CONFIG) -> dict:
+    """The whole config `snakemake --configfile <paths>` runs with, for a command that runs outside
+    Snakemake (rectrain.report.live): the files merged in order as Snakemake merges them, over the
+    demo's config file (demo_config: its path) when none names a raw root (the Snakefile's rule), completed
+    from the schema."""
+    return complete_config(merged_files(paths, demo_config))
 
 
 def exported_operational() -> dict:
     """{block: operational values} as the Snakefile exported them; {} outside a Snakemake job."""
     text = os.environ.get(OPERATIONAL_ENV)
-    return json.loads(text) if text else {}
+    found = json.loads(text) if text else {}
+    own = json.loads(os.environ.get(RUNS_OPERATIONAL_ENV) or "{}").get(os.environ.get(RUN_ENV, ""), {})
+    return {**found, **own}
 
 
 @functools.lru_cache(maxsize=None)

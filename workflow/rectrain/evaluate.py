@@ -40,7 +40,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rectrain import chance, cli, distributed, usage, watchdog, weights
+from rectrain import chance, cli, distributed, modelcost, usage, watchdog, weights
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.data import pairowner
@@ -375,6 +375,8 @@ def run(
         # num_classes: top-5 of 5 classes or fewer is 1.0 by construction; usage: this stage's own CPU and memory
         m.update(num_classes=int(tallies[0].confusion.shape[0]), usage=used)
         m["at_chance"] = at_chance(m["top1"], tallies[0].confusion, ckpt)
+        # params and FLOPs at the headline test resolution: the report's and the comparison's first columns
+        m["cost"] = model_cost(p.model, todo[0].crop)
         write_outputs(Path(out), m, per_class(tallies[0].confusion, classes))
         if weights_file and weights_json:
             weights.write_json(weights_file, weights_json, weights_evaluation(m), m.get("variants"))
@@ -386,6 +388,16 @@ def run(
         return m
     finally:
         distributed.teardown()
+
+
+def model_cost(model: torch.nn.Module, crop: int) -> dict | None:
+    """Params and FLOPs at the headline crop (rectrain.modelcost); None, said in the log, when torch's
+    FLOP counter cannot trace the network: a count must never cost the evaluation."""
+    try:
+        return modelcost.cost(model, crop)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        log.warning("params and FLOPs not counted (%s): the report and weights.json leave them out", exc)
+        return None
 
 
 def at_chance(top1: float, confusion: torch.Tensor, ckpt: dict) -> dict | None:
@@ -439,6 +451,7 @@ def weights_evaluation(m: dict) -> dict:
         "val_images": m["images"],
         "flip_tta": m["flip_tta"],
         "test_resolutions": [{k: r[k] for k in ("crop", "resize", "top1", "top5")} for r in m["resolutions"]],
+        "cost": m.get("cost"),  # params and FLOPs (rectrain.modelcost), its unit stated
     }
 
 

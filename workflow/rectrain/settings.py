@@ -140,6 +140,7 @@ class TrainStops(_View):
 
     watchdog_s: float
     resume: str
+    resume_from: str | None
     keep_checkpoints: int
     stop_signals: list
     keep_replaced: int
@@ -344,6 +345,7 @@ class WholeSettings:
     several blocks and prints them all."""
 
     dataset: str
+    run: str  # the run's name: its outputs in results/<dataset>/<run>/
     raw: str | None
     private: bool
     demo: DemoSettings

@@ -32,6 +32,7 @@ STAGE_ENTRIES = {
     "evaluate": ("rectrain.evaluate",),
     "check": ("rectrain.check",),
     "report": ("rectrain.report.__main__",),
+    "compare": ("rectrain.report.compare",),
 }
 
 

@@ -9,31 +9,31 @@ rule evaluate:
     """Evaluate weights.safetensors on the val split: metrics.json, per_class.csv, weights.json."""
     input:
         unpack(val_pair),
-        checkpoint=f"results/{DS}/train/model.pt",
-        weights=f"results/{DS}/train/weights.safetensors",
+        checkpoint=f"{RUN_DIR}/train/model.pt",
+        weights=f"{RUN_DIR}/train/weights.safetensors",
         classes=f"results/{DS}/index/classes.tsv",
         code=code("evaluate"),
     output:
-        metrics=report(f"results/{DS}/eval/metrics.json", caption="../report/metrics.rst", category="Evaluation"),
-        per_class=report(f"results/{DS}/eval/per_class.csv", caption="../report/per_class.rst", category="Evaluation"),
-        weights_json=f"results/{DS}/train/weights.json",
+        metrics=report(f"{RUN_DIR}/eval/metrics.json", caption="../report/metrics.rst", category="Evaluation"),
+        per_class=report(f"{RUN_DIR}/eval/per_class.csv", caption="../report/per_class.rst", category="Evaluation"),
+        weights_json=f"{RUN_DIR}/train/weights.json",
     log:
-        f"logs/evaluate/{DS}.log",
+        f"logs/evaluate/{DS}/{{run}}.log",
     benchmark:
-        f"benchmarks/evaluate/{DS}.tsv"
+        f"benchmarks/evaluate/{DS}/{{run}}.tsv"
     conda:
         ENV
     threads: all_cores
     resources:
         # the same GPUs as training (the checkpoint's train block decides the processes at run time)
-        gpus=scheduled_gpus(config["train"]["devices"]),
+        gpus=lambda wildcards: scheduled_gpus(run_train(wildcards)["devices"]),
     params:
-        cfg=cfg_json("evaluate"),
+        cfg=lambda wildcards: block_params("evaluate", RUNS[wildcards.run]["evaluate"]),
         out=lambda wildcards, output: os.path.dirname(output.metrics),
     message:
-        f"evaluate {DS} val: {{input.weights}} -> {{params.out}} (log: {{log}})"
+        f"evaluate {DS} {{wildcards.run}} val: {{input.weights}} -> {{params.out}} (log: {{log}})"
     shell:
-        "python -m rectrain.evaluate --config-json {params.cfg:q} --checkpoint {input.checkpoint:q}"
+        "RECTRAIN_RUN={wildcards.run:q} python -m rectrain.evaluate --config-json {params.cfg:q} --checkpoint {input.checkpoint:q}"
         " --weights {input.weights:q} --weights-json {output.weights_json:q}"
         " --rec {input.rec:q} --idx {input.idx:q} --classes {input.classes:q} --out {params.out:q}"
         " > {log:q} 2>&1"

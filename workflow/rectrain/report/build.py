@@ -308,6 +308,10 @@ def summary(data: RunData, dataset: str, rates: dict) -> dict:
         "image_size": run.get("image_size"),
         "epochs": run.get("epochs", len(data.epochs)),
         "top1": 100 * metrics["top1"] if metrics.get("top1") is not None else None,
+        # params and FLOPs at the headline test resolution (rectrain.modelcost), its unit stated
+        "cost": metrics.get("cost"),
+        # a branch (train.resume_from): the run and checkpoint it started from
+        "parent": run.get("parent"),
         # train.ema: the raw and the averaged weights, each measured (metrics.json's variants), and epochs.csv's EMA columns
         "variants": metrics.get("variants"),
         "ema_epochs": "ema_val_single_view_top1" in data.epochs

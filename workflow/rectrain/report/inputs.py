@@ -103,7 +103,10 @@ def benchmark_files(paths: list[Path | str], dataset: str) -> list[Path]:
 
 
 def stage_name(path: Path, dataset: str) -> str:
-    """benchmarks/pack/demo_train.tsv -> 'pack train'; benchmarks/train/demo.tsv -> 'train'."""
+    """benchmarks/pack/demo_train.tsv -> 'pack train'; benchmarks/train/demo.tsv -> 'train'; a run's
+    own, benchmarks/train/demo/<run>.tsv -> 'train'."""
+    if path.parent.name == dataset:
+        return path.parent.parent.name
     part = path.stem[len(dataset) :].lstrip("_") if path.stem.startswith(dataset) else path.stem
     return f"{path.parent.name} {part}".strip()
 

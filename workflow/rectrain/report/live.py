@@ -1,9 +1,9 @@
-"""The report of a run that is still training, stopped or killed: results/<dataset>/live.html.
+"""The report of a run that is still training, stopped or killed: results/<dataset>/<run>/live.html.
 
     make live CONFIG=config/my-data.yaml     # or: python -m rectrain.report.live --configfile config/my-data.yaml
 
 The final report's page (rectrain.report.build) from what the run has written so far - the live
-telemetry under results/<ds>/train/telemetry/ (complete lines only: a row may be half-written), its
+telemetry under results/<ds>/<run>/train/telemetry/ (complete lines only: a row may be half-written), its
 copy of run.json (Snakemake removes the published one with a stopped or failed job's outputs), the
 checkpoints' markers and the stages before training - with a banner on where the run stands
 (rectrain.report.inprogress). No Snakemake rule: it runs while Snakemake holds its lock, reads only,
@@ -25,6 +25,7 @@ from rectrain import atomic, cli, config, settings
 from rectrain.config import ConfigError
 from rectrain.report import build, inprogress
 from rectrain.report.inputs import RunData, load_upstream, read_complete_csv, stage_paths
+from rectrain.snakefile import sweep
 from rectrain.train.telemetry import EPOCH_COLUMNS, LIVE_RUN_JSON, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,9 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
         "--configfile",
         nargs="*",
         default=[],
-        help="the config file(s) the run was started with (make run CONFIG=...); none: the demo",
+        help="the config file(s) the run was started with (make run CONFIG=...; a sweep file: each of its runs); none: the demo",
     )
+    ap.add_argument("--run", help="the run to report on (a sweep's run name); default: every run that has started")
 
 
 def run_json(train_dir: Path) -> dict:
@@ -63,9 +65,18 @@ def live_steps(telemetry: Path) -> list:
     return [read_complete_csv(p, STEP_COLUMNS) for p in logs]
 
 
-def load_live(results: Path, benchmarks: Path, dataset: str) -> RunData:
-    """The run as far as it got: the live telemetry, run.json, and the stages before training."""
-    train = results / "train"
+def runs_from_files(paths: list) -> dict[str, dict]:
+    """{run name: its whole config, completed} of `snakemake --configfile <paths>`: a sweep file's runs
+    (rectrain.snakefile.sweep), or the one run the config names."""
+    given = config.merged_files(paths)
+    found = {key: given.pop(key) for key in sweep.SWEEP_KEYS if key in given}
+    overlays = sweep.overlays(found, given.get("run", "main"))
+    return {name: config.complete_config(sweep.merge(given, overlay)) for name, overlay in overlays.items()}
+
+
+def load_live(results: Path, benchmarks: Path, dataset: str, name: str = "main") -> RunData:
+    """The run `name` as far as it got: the live telemetry, run.json, and the stages before training."""
+    train = results / name / "train"
     telemetry = train / "telemetry"
     run = run_json(train)
     up = load_upstream(results / "pack", results / "index", [benchmarks], dataset)
@@ -82,30 +93,42 @@ def load_live(results: Path, benchmarks: Path, dataset: str) -> RunData:
         benchmarks=up.benchmarks,
         # an eval folder when there is a val split: the page says evaluation comes, not that there is none
         paths=stage_paths(
-            train, results / "eval" if "val" in up.manifests else None, results / "pack", results / "index"
+            train, results / name / "eval" if "val" in up.manifests else None, results / "pack", results / "index"
         ),
         image_sizes=up.image_sizes,
     )
 
 
 def _run(args: argparse.Namespace, cfg: None) -> None:
-    t = time.perf_counter()
-    whole = settings.whole(config.from_files(args.configfile))
-    results = Path("results") / whole.dataset
-    data = load_live(results, Path("benchmarks"), whole.dataset)
-    status = inprogress.status(results / "train", data)
-    page = {**inprogress.banner(status), "final": str(results / "report.html")}
-    html = build(
-        data,
-        whole.report,
-        recipe=whole.recipe,
-        index=whole.index,
-        dataset=whole.dataset,
-        shown=whole.as_dict(),
-        live=page,
-    )
-    out = atomic.write_text(results / PAGE, html)
-    logger.info("%s: %s (%.2f MB, %.1f s)", out.resolve(), page["headline"], len(html) / 1e6, time.perf_counter() - t)
+    """Each run of the config (a sweep's every run that has started; --run: that one) as far as it got:
+    results/<dataset>/<run>/live.html."""
+    runs = runs_from_files(args.configfile)
+    if args.run and args.run not in runs:
+        raise config.ConfigError(f"--run {args.run}: the config's runs are {', '.join(runs)}")
+    built = 0
+    for name, given in runs.items() if not args.run else [(args.run, runs[args.run])]:
+        t, whole = time.perf_counter(), settings.whole(given)
+        results = Path("results") / whole.dataset
+        try:
+            data = load_live(results, Path("benchmarks"), whole.dataset, name)
+        except NotStarted:
+            if len(runs) == 1 or args.run:
+                raise
+            logger.info("run %s: not started yet", name)
+            continue
+        status = inprogress.status(results / name / "train", data)
+        page = {**inprogress.banner(status), "final": str(results / name / "report.html")}
+        shown = whole.as_dict()
+        html = build(
+            data, whole.report, recipe=whole.recipe, index=whole.index, dataset=whole.dataset, shown=shown, live=page
+        )
+        out = atomic.write_text(results / name / PAGE, html)
+        logger.info(
+            "%s: %s (%.2f MB, %.1f s)", out.resolve(), page["headline"], len(html) / 1e6, time.perf_counter() - t
+        )
+        built += 1
+    if not built:
+        raise NotStarted(f"none of the runs {', '.join(runs)} has started training yet")
 
 
 def main(argv=None) -> int:

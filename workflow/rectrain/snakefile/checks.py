@@ -27,6 +27,7 @@ from rectrain.config import (
 )
 from rectrain.data.fit import TYPICAL_ASPECT, Fit, pack_fit
 from rectrain.loaders import augment
+from rectrain.safefs import not_a_file
 from rectrain.settings import (
     CheckSettings,
     EvaluateSettings,
@@ -90,6 +91,7 @@ def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
         batch=train.batch,
         launch=train.launch,
     )
+    problems += resume_from_problems(train.stops.resume_from)
     problems += augment.config_problems(train.loaders)
     problems += batchaug.config_problems(train.loaders, train.batch.batch_size)
     problems += check_paths(views.raw, views.pack.fast_storage, Path(workdir), written)
@@ -102,6 +104,18 @@ def check_config(config: dict, schema_path=SCHEMA_PATH, workdir=".") -> dict:
     ):
         log.warning("config: %s", line)
     return config
+
+
+def resume_from_problems(checkpoint: str | None) -> list[str]:
+    """train.resume_from must name a checkpoint file: a missing one would leave Snakemake keeping the
+    finished run it should replace (a missing input of a job whose outputs exist reruns nothing)."""
+    why = not_a_file(checkpoint) if checkpoint is not None else None
+    if why is None:
+        return []
+    return [
+        f"config key 'train.resume_from' = {checkpoint!r}: {why}; name an epoch_<k>.pt or last.pt of another run "
+        "(results/<dataset>/<run>/train/checkpoints/), or null"
+    ]
 
 
 def _branches(schema: dict) -> list[dict]:

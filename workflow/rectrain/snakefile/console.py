@@ -23,7 +23,7 @@ from pathlib import Path
 from rectrain.log import RELAY_ENV
 
 # The rules whose output is a report: the run ends by naming what they wrote.
-REPORT_RULES = ("report", "current_report")
+REPORT_RULES = ("report", "current_report", "compare")  # a sweep: its comparison, the shortest path
 
 
 class Relay:

@@ -25,15 +25,15 @@ from rectrain.snakefile import causes, console, runs, stopping
 _run: dict = {"relay": None, "stop": None, "reports": [], "causes": None, "entry": None}
 # onstart ran, and planned the train job; onsuccess ran; Snakemake said "Nothing to be done"
 _run.update(started=False, trains=False, succeeded=False, nothing=False)
-_parsed: dict = {"workflow": None}
+_parsed: dict = {"workflow": None, "runs": {}}
 
 
-def watch(workflow) -> None:
+def watch(workflow, runs: dict | None = None) -> None:
     """When the Snakefile is read: keep the workflow (its config, completed) for the run's end, and
     notice a run with nothing to do (Snakemake runs no hook then, and its evaluation may still be at
     chance)."""
     first = _parsed["workflow"] is None
-    _parsed.update(workflow=workflow)
+    _parsed.update(workflow=workflow, runs=runs or {})
     if first:
         from snakemake.logging import logger
 
@@ -47,9 +47,14 @@ def _note_nothing_to_do(record) -> bool:
     return True
 
 
-def on_start(workflow, train_ck_dir: str) -> None:
+def on_start(workflow, train_ck_dirs: dict[str, str]) -> None:
+    """train_ck_dirs: {run name: its checkpoints folder}; a stop names those of the runs this process trains."""
     relay = console.start_relay(workflow)
-    stop = stopping.install(workflow, Path(train_ck_dir), relay)
+    training = {job.wildcards.get("run") for job in workflow.dag.needrun_jobs() if job.rule.name == "train"}
+    dirs = [Path(d) for name, d in train_ck_dirs.items() if name in training] or [
+        Path(d) for d in train_ck_dirs.values()
+    ]
+    stop = stopping.install(workflow, dirs, relay)
     failed = causes.install(workflow)  # after the stop's filter: a clean stop's error block is none
     _run.update(relay=relay, stop=stop, causes=failed, reports=console.reports_to_build(workflow), started=True)
     _run["trains"] = any(job.rule.name == "train" for job in workflow.dag.needrun_jobs())
@@ -97,19 +102,22 @@ def _at_end() -> None:
         _run["stop"].finish()  # after a clean stop: its last line and exit status 75 (it does not return)
     for line in failed:
         say(line)
-    verdict = at_chance(workflow) if _run["succeeded"] or _run["nothing"] else None
+    verdicts = at_chance(workflow) if _run["succeeded"] or _run["nothing"] else []
     line = console.report_line(_run["reports"]) if _run["succeeded"] else None
     if line and os.environ.get(REPORT_LINE_ENV) != "0":
         say(line, tag=False)
-    if verdict is not None:
-        allowed = bool(workflow.config["train"]["allow_chance"])
+    refused = False
+    for run, verdict in verdicts:
+        allowed = bool(_run_config(workflow, run)["train"]["allow_chance"])
+        refused |= not allowed
         say(
-            verdict["line"]
+            (f"run {run}: " if len(_parsed["runs"]) > 1 else "")
+            + verdict["line"]
             + (" (train.allow_chance: true: exit status 0)" if allowed else f" (exit status {EXIT_AT_CHANCE})")
         )
-        if not allowed:
-            sys.stdout.flush()
-            os._exit(EXIT_AT_CHANCE)
+    if refused:
+        sys.stdout.flush()
+        os._exit(EXIT_AT_CHANCE)
 
 
 def say(text: str, tag: bool = True) -> None:
@@ -117,26 +125,37 @@ def say(text: str, tag: bool = True) -> None:
     os.write(sys.stderr.fileno(), f"{'[rectrain] ' if tag else ''}{text}\n".encode())
 
 
-def at_chance(workflow) -> dict | None:
-    """The evaluate stage's verdict (rectrain.chance) when this run's targets include its evaluation."""
-    if workflow.dag is None or not any(job.rule.name == "evaluate" for job in workflow.dag.jobs):
-        return None
-    path = Path("results") / workflow.config["dataset"] / "eval" / "metrics.json"
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads(path.read_text()).get("at_chance")
-    return None
+def _run_config(workflow, run: str) -> dict:
+    """The config of the run named `run` (a sweep's own), else the workflow's."""
+    return _parsed["runs"].get(run) or workflow.config
+
+
+def at_chance(workflow) -> list[tuple[str, dict]]:
+    """(run, the evaluate stage's verdict: rectrain.chance) for each run whose evaluation this
+    Snakemake run's targets include, when it is at chance."""
+    if workflow.dag is None:
+        return []
+    found = []
+    for run in dict.fromkeys(job.wildcards.get("run") for job in workflow.dag.jobs if job.rule.name == "evaluate"):
+        path = Path("results") / workflow.config["dataset"] / str(run) / "eval" / "metrics.json"
+        with contextlib.suppress(OSError, ValueError):
+            verdict = json.loads(path.read_text()).get("at_chance")
+            if verdict is not None:
+                found.append((run, verdict))
+    return found
 
 
 def refresh_live(workflow) -> None:
     """The live report made again (rectrain.report.live) when there is one: it said how the run stood
     when it was made, maybe "In progress", and the run has ended.  It reads the run's config as this
     process completed it.  A minute at most; its failure only leaves the old page."""
-    page = Path("results") / workflow.config["dataset"] / "live.html"
-    if not page.exists():
-        return
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(workflow.config, f, default=str)  # YAML's superset: the live report reads it as a --configfile
-    cmd = [sys.executable, "-m", "rectrain.report.live", "--configfile", f.name]
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=False)
-    os.unlink(f.name)
+    for run, given in (_parsed["runs"] or {workflow.config.get("run", "main"): workflow.config}).items():
+        page = Path("results") / workflow.config["dataset"] / run / "live.html"
+        if not page.exists():
+            continue
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(given, f, default=str)  # YAML's superset: the live report reads it as a --configfile
+        cmd = [sys.executable, "-m", "rectrain.report.live", "--configfile", f.name]
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=False)
+        os.unlink(f.name)

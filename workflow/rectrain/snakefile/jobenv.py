@@ -13,17 +13,25 @@ import sys
 from pathlib import Path
 
 from rectrain.atomic import replacing
-from rectrain.config import OPERATIONAL_ENV, operational_part
+from rectrain.config import OPERATIONAL_ENV, RUNS_OPERATIONAL_ENV, operational_part
 
 # Python's -P as an environment variable: no script folder or working directory on sys.path.
 SAFE_PATH_ENV = "PYTHONSAFEPATH"
 
 
 # Every block by nature: the jobs of every stage read their operational values back from this one variable.
-def export_operational(config: dict) -> None:
-    """Every block's operational values (x-rerun: false in the schema) for the jobs to read back."""
-    blocks = {name: operational_part(name, values) for name, values in config.items() if isinstance(values, dict)}
-    os.environ[OPERATIONAL_ENV] = json.dumps({name: ops for name, ops in blocks.items() if ops}, sort_keys=True)
+def _operational(blocks) -> dict:
+    """{block: its operational values} of (name, values) pairs, the blocks without any left out."""
+    found = {name: operational_part(name, values) for name, values in blocks if isinstance(values, dict)}
+    return {name: ops for name, ops in found.items() if ops}
+
+
+def export_operational(config: dict, runs: dict | None = None) -> None:
+    """Every block's operational values (x-rerun: false in the schema) for the jobs to read back, and
+    each run's own (`runs`: {name: its config}; a job names its run in RUN_ENV)."""
+    os.environ[OPERATIONAL_ENV] = json.dumps(_operational(config.items()), sort_keys=True)
+    per_run = {name: _operational(values.items()) for name, values in (runs or {}).items()}
+    os.environ[RUNS_OPERATIONAL_ENV] = json.dumps(per_run, sort_keys=True)
 
 
 def prepare_job_env(package_dir, executable: str = sys.executable) -> None:

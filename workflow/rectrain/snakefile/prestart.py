@@ -40,22 +40,37 @@ PACK_RULE = "pack"
 PAIR_RULES = (PACK_RULE, "check_recordio")
 
 
-def before_jobs(workflow, launch: TrainLaunch, batch: TrainBatch, precision: str) -> None:
+def before_jobs(workflow, trains: dict[str, tuple[TrainLaunch, TrainBatch, str]]) -> None:
     """The onstart hook: mark a forced train job, and refuse devices or nodes this machine cannot
-    give it, or a pair another run owns, before any output is removed. launch and batch: the train
-    block's parts; precision: train.precision."""
+    give a scheduled run, or a pair another run owns, before any output is removed. trains: {run name:
+    its train block's launch and batch parts and train.precision} (a sweep's runs, or the one)."""
     needed = list(workflow.dag.needrun_jobs())
     jobs = [job for job in needed if job.rule.name == TRAIN_RULE]
     mark_forced(any(workflow.dag.reason(job).forced for job in jobs))
     executor = workflow.executor_plugin.common_settings
     problems = [] if executor.dryrun_exec or executor.touch_exec else pair_problems(needed)
     if jobs and checks_gpus_here(executor):
-        problems += device_problems(launch.devices) + node_problems(launch.nodes)
-        problems += precision_problems(launch.devices, precision)
-        if launch.devices == "auto":  # its process count is known only here, from this machine's GPUs
-            problems += global_batch_problems(batch, launch, scheduled_gpus("auto"))
+        for name in dict.fromkeys(_run_of(job, trains) for job in jobs):
+            found = run_problems(*trains[name])
+            problems += [f"run {name}: {p}" for p in found] if len(trains) > 1 else found
     if problems:
         raise WorkflowError(format_problems(problems))
+
+
+def _run_of(job, trains: dict) -> str:
+    """The run a train job trains (its wildcard; the one run when it has none)."""
+    name = (getattr(job, "wildcards", None) or {}).get("run")
+    return name if name in trains else next(iter(trains))
+
+
+def run_problems(launch: TrainLaunch, batch: TrainBatch, precision: str) -> list[str]:
+    """What this machine cannot give one run (its train block's launch and batch parts, train.precision):
+    its devices, nodes, precision, global batch."""
+    problems = device_problems(launch.devices) + node_problems(launch.nodes)
+    problems += precision_problems(launch.devices, precision)
+    if launch.devices == "auto":  # its process count is known only here, from this machine's GPUs
+        problems += global_batch_problems(batch, launch, scheduled_gpus("auto"))
+    return problems
 
 
 def pair_problems(jobs) -> list[str]:

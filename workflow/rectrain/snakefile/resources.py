@@ -28,6 +28,26 @@ def scheduled_gpus(devices) -> int:
     return len(gpu_inventory())
 
 
+def run_slots(devices) -> int:
+    """The train rule's `gpu` resource: the GPUs the run takes (scheduled_gpus), and 1 for a run on CPU
+    processes, so `--resources gpu=N` caps the runs training at once on any machine: on a 2-GPU box,
+    gpu=2 runs two 1-GPU runs side by side, or one 2-GPU run (docs/runs.md)."""
+    return max(1, scheduled_gpus(devices))
+
+
+def train_threads(snakemake_resources, devices) -> int:
+    """The train job's threads: every core given with --cores, or, when --resources gpu=N shares them
+    between runs, the run's part of them (run_slots / N): two 1-GPU runs under gpu=2 take half each,
+    (snakemake_resources: Snakemake's resource settings, its --cores and --resources),
+    so Snakemake starts both.  Read when the job is expanded (commands that run no job need no --cores)."""
+    cores = snakemake_resources.cores or os.cpu_count() or 1
+    total = (snakemake_resources.resources or {}).get("gpu")
+    total = getattr(total, "value", total)  # Snakemake 9 keeps a Resource; a plain number in tests
+    if not isinstance(total, int) or total <= 0 or total >= 1 << 30:  # not given (or Snakemake's "unlimited")
+        return cores
+    return max(1, cores * min(run_slots(devices), total) // total)
+
+
 def nvml_loads() -> bool:
     """Whether the driver's NVML library loads (what pynvml tries first on Linux).  Without it there is
     no GPU to count, and every dry-run on a machine without a driver skips pynvml's 0.15 s import."""

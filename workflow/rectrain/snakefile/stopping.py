@@ -76,9 +76,12 @@ def final_line(info: dict, ck_dir: Path) -> str:
 class Stop:
     """The stop of one Snakemake run (see the module doc)."""
 
-    def __init__(self, workflow, ck_dir: Path, relay=None, out=None):
-        # read by its full path (a job may change the directory), named as the config does
-        self.workflow, self.shown, self.ck_dir, self.relay = workflow, Path(ck_dir), Path(ck_dir).resolve(), relay
+    def __init__(self, workflow, ck_dir: Path | list[Path], relay=None, out=None):
+        # read by its full path (a job may change the directory), named as the config does; one folder
+        # per run of the config (a sweep's runs train side by side): the first that stopped is named
+        self.dirs = [(Path(d), Path(d).resolve()) for d in (ck_dir if isinstance(ck_dir, list) else [ck_dir])]
+        self.workflow, self.relay = workflow, relay
+        self.shown, self.ck_dir = self.dirs[0]
         self.out = out or sys.stderr
         self.signum, self.at = 0, 0.0
 
@@ -101,7 +104,14 @@ class Stop:
                 proc.send_signal(signum)
 
     def stopped(self) -> dict | None:
-        return stopped_since(self.ck_dir, self.at) if self.signum else None
+        if not self.signum:
+            return None
+        for shown, ck_dir in self.dirs:
+            info = stopped_since(ck_dir, self.at)
+            if info is not None:
+                self.shown, self.ck_dir = shown, ck_dir
+                return info
+        return None
 
     def keep_record(self, record: logging.LogRecord) -> bool:
         """Snakemake's logger filter: after a clean stop, its error block for the train job and its
@@ -126,7 +136,7 @@ class Stop:
         os._exit(EXIT_STOPPED)
 
 
-def install(workflow, ck_dir: Path, relay=None) -> Stop | None:
+def install(workflow, ck_dir: Path | list[Path], relay=None) -> Stop | None:
     """The onstart hook's part: SIGINT and SIGTERM stop the jobs this process runs (none under a cluster
     executor, whose own handling cancels its jobs); `finish` is for the end of the process."""
     if not workflow.local_exec:

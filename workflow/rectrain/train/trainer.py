@@ -130,6 +130,9 @@ def train_run(run: Run, request: StopRequest) -> None:
         diverged_before=divergence.diverged_before(run.ck_dir) if resumed.start_epoch or resumed.start_step else None,
     )
     info["calibration_setup"] = calibrate.setup_key(run)  # a resume on the same setup reuses the calibration
+    info["parent"] = (
+        resumed.parent
+    )  # a branch (train.resume_from): the run, checkpoint, epoch and sha256 it started from
     if d.master:
         write_json(run.out / "run.json", info)
         (run.out / "telemetry").mkdir(parents=True, exist_ok=True)

@@ -398,6 +398,8 @@ def move_aside(ck_dir: Path, reason: str) -> tuple[Path | None, list[str]]:
     curves = ck_dir.parent / CURVES
     if curves.is_dir():
         os.rename(curves, dest / CURVES)
+    if (dest / FINISHED).is_file():  # a finished run keeps all it published, not its training's outputs alone
+        names += finished.keep_evaluation(ck_dir.parent, dest)
     return dest, names
 
 
@@ -426,17 +428,35 @@ def prune(ck_dir: Path, keep: int) -> list[str]:
     return gone
 
 
+def takes_slot(folder: Path) -> bool:
+    """A replaced run that train.keep_replaced counts: an unfinished one holding a checkpoint.  A finished
+    run is never deleted by the bound, and a run with no checkpoint (diverged before its first, or
+    stopped at once: a few KB) takes no slot."""
+    if (folder / FINISHED).is_file():
+        return False
+    return (folder / "last.pt").is_file() or any(EPOCH_FILE.fullmatch(p.name) for p in folder.glob("epoch_*.pt"))
+
+
 def bound_replaced(ck_dir: Path, keep: int) -> tuple[list[str], int, int]:
-    """Delete all but the newest `keep` runs in replaced/ (train.keep_replaced; folders named by UTC
-    time, so by name).  Returns (the folders deleted, the runs left, their bytes on disk)."""
+    """Delete all but the newest `keep` unfinished runs holding a checkpoint in replaced/
+    (train.keep_replaced; folders named by UTC time, so by name): finished runs and runs without a
+    checkpoint are kept and take no slot (takes_slot).  Returns (the folders deleted, the runs left,
+    their bytes on disk)."""
     root = Path(ck_dir) / REPLACED
     if not root.is_dir():
         return [], 0, 0
     runs = sorted(p for p in root.iterdir() if p.is_dir())
-    gone = runs[: max(0, len(runs) - keep)]
+    counted = [p for p in runs if takes_slot(p)]
+    gone = counted[: max(0, len(counted) - keep)]
     for folder in gone:
         shutil.rmtree(folder)
     return [p.name for p in gone], len(runs) - len(gone), disk_bytes(root)
+
+
+def finished_replaced(ck_dir: Path) -> list[Path]:
+    """The finished runs kept in replaced/ (never deleted by bound_replaced), oldest first."""
+    root = Path(ck_dir) / REPLACED
+    return sorted(p for p in root.iterdir() if (p / FINISHED).is_file()) if root.is_dir() else []
 
 
 def disk_bytes(folder: Path) -> int:

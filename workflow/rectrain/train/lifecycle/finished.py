@@ -35,6 +35,10 @@ MARKER = "finished.json"
 FOLDER = "finished"
 # The train rule's outputs in --out, model.pt last (the rule's marker of a finished run).
 PUBLISHED = ("steps.csv", "epochs.csv", "system.csv", "run.json", "weights.safetensors", "model.pt")
+# What the later stages published from the finished run's weights (evaluate: weights.json beside them,
+# eval/; report: report.html, in the run's folder): kept with the run when it is moved aside.
+EVALUATION = ("weights.json",)
+RUN_PUBLISHED = ("eval", "report.html")
 # ... and beside weights.safetensors, with train.ema, the raw and the averaged weights (rectrain.train.ema):
 # kept and restored when the run wrote them, removed before a run publishes again.
 VARIANTS = ("weights-raw.safetensors", "weights-ema.safetensors")
@@ -101,3 +105,20 @@ def restore(out: Path, ck_dir: Path) -> None:
         folder(ck_dir),
         extra=CONSOLE_LINE,
     )
+
+
+def keep_evaluation(out: Path, dest: Path) -> list[str]:
+    """Link what the later stages published from a finished run (weights.json in `out`, the run's eval/
+    and report.html beside `out`) into dest/finished/, as that run moves aside to `dest` (the train job
+    starts before Snakemake removes the evaluate and report outputs, so they are still the run's).
+    Returns the names kept, as paths under dest."""
+    kept, home = [], folder(dest)
+    sources = [Path(out) / n for n in EVALUATION] + [Path(out).parent / n for n in RUN_PUBLISHED]
+    for src in sources:
+        files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src] if src.is_file() else []
+        for f in files:
+            rel = f.relative_to(src.parent)
+            (home / rel).parent.mkdir(parents=True, exist_ok=True)
+            _link(f, home / rel)
+            kept.append(str(Path(FOLDER) / rel))
+    return kept

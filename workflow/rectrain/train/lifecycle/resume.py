@@ -92,6 +92,7 @@ class Resumed:
     ranks: list | None = None  # ... and each rank's loader state and running totals (rectrain.train.lifecycle.midepoch)
     world_sizes: tuple[dict, ...] = ()  # every change of world size, with its epoch (checkpoint.world_sizes)
     regrouped: bool = False  # on another world size: every rank's RNG is seeded afresh (reseed)
+    parent: dict | None = None  # a branch (train.resume_from): the checkpoint it started from (run.json's parent)
 
     @property
     def continues(self) -> bool:
@@ -141,8 +142,11 @@ def resume(run: Run) -> Resumed:
     else:
         decided, why_not = _continue(run)
     kept = None if decided.continues else kept_finished_run(run)
+    fresh = not decided.continues  # whatever checkpoints are here belong to another run
     if kept is not None:
         decided = Resumed(run.settings.optim.epochs, restored=True)
+    elif not decided.continues and run.settings.stops.resume_from is not None:
+        decided = branch(run, Path(run.settings.stops.resume_from))
     # also: nobody writes checkpoints before every rank read last.pt
     starts = all_gather((decided.start_epoch, decided.start_step), run.d)
     if len(set(starts)) > 1:
@@ -152,11 +156,54 @@ def resume(run: Run) -> Resumed:
         )
     if run.d.master and kept is not None:
         bring_back(run.ck_dir, kept, why_not, run.settings.stops.keep_replaced)
-    elif run.d.master and not decided.continues:  # whatever checkpoints are here belong to another run
+    elif run.d.master and fresh:
         start_over(run.ck_dir, why_not, run.settings.stops.keep_replaced)
     if run.d.master and decided.restored:
         finished.restore(run.out, run.ck_dir)
     return decided
+
+
+def parent_run(checkpoint: Path) -> str | None:
+    """The run a checkpoint belongs to: <run> in results/<dataset>/<run>/train/checkpoints/<file>
+    (also from a run moved aside in checkpoints/replaced/<folder>/), else None."""
+    parts = Path(checkpoint).parts
+    if "checkpoints" not in parts:
+        return None
+    at = parts.index("checkpoints")
+    return parts[at - 2] if at >= 2 and parts[at - 1] == "train" else None
+
+
+def branch(run: Run, checkpoint: Path) -> Resumed:
+    """train.resume_from: this new run starts from another run's checkpoint - its weights, optimizer,
+    LR schedule, scaler and EMA - at the epoch after it (a mid-epoch last.pt: at its epoch again, from
+    those weights); every rank's RNG is seeded afresh.  Its own checkpoints stay here: a stopped branch
+    resumes from its own last.pt, as any run does."""
+    if not checkpoint.is_file():
+        raise ResumeRefused(
+            f"train.resume_from: {checkpoint} is no file; name an epoch_<k>.pt or last.pt of another run "
+            "(results/<dataset>/<run>/train/checkpoints/)"
+        )
+    state = ckpt.load(checkpoint)
+    at = Position.of(state)
+    if at.epoch >= run.settings.optim.epochs:
+        raise ResumeRefused(
+            f"train.resume_from: {checkpoint} ends at epoch {at.epoch} and this run's train.epochs is "
+            f"{run.settings.optim.epochs}: nothing would be trained; raise train.epochs above {at.epoch}"
+        )
+    restore(run, state, (f"a branch from {checkpoint}",))
+    parent = {"run": parent_run(checkpoint), "checkpoint": str(checkpoint), "epoch": int(state["epoch"])}
+    parent.update(step=state.get("step"), sha256=ckpt._sha256(checkpoint))
+    if run.d.master:
+        log.info(
+            "branching from %s (run %s, epoch %d): its weights, optimizer and LR schedule; training epochs %d-%d here",
+            checkpoint,
+            parent["run"],
+            parent["epoch"],
+            at.epoch,
+            run.settings.optim.epochs - 1,
+            extra=CONSOLE_LINE,
+        )
+    return Resumed(at.epoch, regrouped=True, parent=parent)
 
 
 def kept_finished_run(run: Run) -> Path | None:
@@ -231,14 +278,22 @@ def start_over(ck_dir: Path, why_not: str, keep_replaced: int) -> None:
 def bound_replaced(ck_dir: Path, keep: int) -> None:
     """Keep the newest `keep` runs in replaced/ (train.keep_replaced), saying its size and what was deleted."""
     gone, left, size = ckpt.bound_replaced(ck_dir, keep)
-    removed = f"; deleted the oldest: {', '.join(gone)}" if gone else ""
+    removed = f"; deleted the oldest unfinished: {', '.join(gone)}" if gone else ""
+    whole = ckpt.finished_replaced(ck_dir)
+    kept = (
+        f"; finished runs are never deleted: {', '.join(p.name for p in whole)} kept whole (their checkpoints, "
+        "and in finished/ their weights, weights.json, csvs, run.json, eval/ and report.html)"
+        if whole
+        else ""
+    )
     log.info(
-        "%s holds %d replaced run(s), %s on disk (train.keep_replaced: %d)%s",
+        "%s holds %d replaced run(s), %s on disk (train.keep_replaced: %d unfinished runs with a checkpoint)%s%s",
         Path(ck_dir) / ckpt.REPLACED,
         left,
         human_bytes(size),
         keep,
         removed,
+        kept,
         extra=CONSOLE_LINE,
     )
 
