@@ -199,7 +199,7 @@ def runs(tmp_path_factory):
             cwd=work, snakefile=work / "Snakefile", timeout=900,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        demo = work / "results" / "demo"
+        demo = work / "results" / "demo" / "main"  # the run named main (issue 50)
         results[name] = {out: (demo / out).read_text() for out in OUTPUTS}
         results[name]["weights files"] = sorted(p.name for p in (demo / "train").glob("weights*.safetensors"))
         results[name]["rec written"] = (work / "results" / "fast_storage" / "demo" / "train.rec").stat().st_mtime_ns

@@ -43,11 +43,13 @@ from rectrain.loaders.spec import (
     IMAGENET_MEAN,
     IMAGENET_PREPROCESS,
     IMAGENET_STD,
+    REPEAT_ROUND,
     TORCHCODEC_FIX,
     DaliOptions,
     LoaderSpec,
     Preprocess,
     decode_path,
+    epoch_positions,
     epoch_seed,
     eval_resize_for,
     train_batches_per_epoch,
@@ -55,6 +57,8 @@ from rectrain.loaders.spec import (
 )
 
 __all__ = [
+    "REPEAT_ROUND",
+    "epoch_positions",
     "AUTO_DECODE",
     "CROP_RATIO",
     "CROP_SCALE",

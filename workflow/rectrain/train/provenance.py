@@ -35,6 +35,21 @@ def reading(run: Run) -> dict:
     return {"rec_device": device_info(run.args.rec), "order": order.choice.as_dict() if order else None}
 
 
+def batching(run: Run) -> dict:
+    """The batch plan as it runs: per device, accumulated, global (beside the config's), and the epoch's
+    length per rank."""
+    plan, loader = run.plan, run.train_loader
+    return {
+        "batch_size": plan.batch,
+        "grad_accum": plan.grad_accum,
+        "global_batch": plan.global_batch,  # what ran
+        "recipe_global_batch": batchplan.recipe_global_batch(run.settings.batch),  # what the config asked for
+        "padding_per_epoch": loader.padding_per_epoch,
+        # per rank: the epoch's batches (under train.repeated_aug timm's epoch length, not the records')
+        "batches_per_epoch": loader.batches_per_epoch,
+    }
+
+
 def run_info(
     run: Run,
     start_epoch: int,
@@ -59,10 +74,7 @@ def run_info(
         "loader": loader.kind,
         "model": s.network.model,
         "precision": s.network.precision,
-        "batch_size": plan.batch,
-        "grad_accum": plan.grad_accum,
-        "global_batch": plan.global_batch,  # what ran
-        "recipe_global_batch": batchplan.recipe_global_batch(s.batch),  # what the config asked for (None: nothing)
+        **batching(run),  # batch_size, grad_accum, global_batch, recipe_global_batch, padding, batches per epoch
         "epochs": s.optim.epochs,
         "image_size": res.image_size,
         "progressive": res.progressive,  # the schedule of every epoch's training crop (null: image_size throughout)
@@ -72,9 +84,6 @@ def run_info(
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "dali": dali_version(),
-        "padding_per_epoch": loader.padding_per_epoch,
-        # per rank: the epoch's batches (under train.repeated_aug timm's epoch length, not the records')
-        "batches_per_epoch": loader.batches_per_epoch,
         "started": utc_now(),
         "finished": None,
         "preflight": plan.preflight,
