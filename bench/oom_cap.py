@@ -1,5 +1,5 @@
 """Play a smaller card: cap this process's GPU memory (default 11 GB, a 2080 Ti) and run the training
-preflight exactly as a run would (rectrain.train.batchplan.choose_batch): once at a fixed batch, which must stop
+preflight exactly as a run would (rectrain.train.batchplan.plan_batch): once at a fixed batch, which must stop
 with the out-of-memory explanation, and once with `batch_size: auto`.
 
     python bench/oom_cap.py --cap-gb 11 --model resnet50 --size 224 --batch 256 --out bench/out/gpu
@@ -23,9 +23,8 @@ from rectrain import settings  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
 from rectrain.loaders import resolve_workers  # noqa: E402
 from rectrain.snakefile.checks import check_config  # noqa: E402
-from rectrain.train import memory  # noqa: E402
-from rectrain.train.batchplan import Preflight, choose_batch, loader_spec  # noqa: E402
-from rectrain.train.run import make_model, set_backend_flags  # noqa: E402
+from rectrain.train import batchplan  # noqa: E402
+from rectrain.train.run import loader_spec, make_model, set_backend_flags  # noqa: E402
 
 
 def cap_memory(device: torch.device, cap_gb: float) -> float:
@@ -37,7 +36,7 @@ def cap_memory(device: torch.device, cap_gb: float) -> float:
 
 
 def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
-    """choose_batch for this train block: {'batch', 'grad_accum', 'report'} or {'error': message}."""
+    """plan_batch for this train block: {'batch', 'grad_accum', 'report'} or {'error': message}."""
     cfg = check_config({"dataset": "oomcap", "train": block}, REPO / "config" / "schema.yaml", workdir=REPO)["train"]
     cfg = settings.train(cfg)
     set_backend_flags(cfg.network.cudnn_benchmark, device)
@@ -56,12 +55,14 @@ def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
             seed=cfg.launch.seed,
             epochs=cfg.optim.epochs,
         )
-        inputs = Preflight(
-            model, loss_fn, num_classes, spec, cfg.loaders.loader, cfg.resolution, cfg.optim, cfg.network
+        classes = [{"label": k} for k in range(num_classes)]
+        val_spec = spec.validation("", "", cfg.resolution.val_resolution)  # reserved for, as in a validated run
+        parts = batchplan.RankParts(d, classes, model, loss_fn, 1, workers, spec, {}, val_spec=val_spec)
+        plan = batchplan.plan_batch(
+            cfg.batch, d, parts, loader=cfg.loaders.loader, optim=cfg.optim, network=cfg.network
         )
-        plan = choose_batch(cfg.batch, d, inputs)
         return {"batch": plan.batch, "grad_accum": plan.grad_accum, "report": plan.preflight}
-    except memory.BatchDoesNotFit as exc:
+    except batchplan.BatchDoesNotFit as exc:
         return {"error": str(exc)}
     finally:
         del model
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     }
     fixed = preflight({**base, "batch_size": args.batch}, device, args.num_classes)
     auto = preflight({**base, "batch_size": "auto", "global_batch": args.batch}, device, args.num_classes)
-    gpu = memory.GpuInfo.of(device)
+    gpu = batchplan.GpuInfo.of(device)
     lines = [
         f"{args.model} @{args.size}px {args.precision} channels_last on {gpu.label()} "
         f"(set_per_process_memory_fraction({fraction:.4f}))",

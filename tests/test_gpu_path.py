@@ -174,7 +174,7 @@ def test_raw_bytes_train_path_matches_the_worker_decode_path(colour_rec):
 
 
 def test_capped_gpu_label_says_what_the_process_may_use():
-    from rectrain.train.memory import GpuInfo, oom_message
+    from rectrain.train.batchplan import GpuInfo, oom_message
 
     capped = GpuInfo(0, "NVIDIA H200", 11 * 1024, card_mb=140 * 1024)
     assert capped.label() == "GPU 0 (NVIDIA H200, 11.0 GB of the card's 140.0 GB, capped for this process)"

@@ -1,6 +1,5 @@
 """Both loaders read the packed .rec, agree with the index, and shard every record once per epoch."""
 
-import argparse
 import io
 
 import numpy as np
@@ -379,8 +378,8 @@ def test_per_epoch_validation_runs_at_train_val_resolution(colour_rec, val_resol
     (rec, idx), labels = colour_rec
     cfg = tiny_train_settings(image_size=16, val_resolution=val_resolution, loader="torch")
     spec = train_loader_spec(cfg, Dist(0, 1, 0, 1, torch.device("cpu")), rec, idx, workers=1)
-    args = argparse.Namespace(val_rec=rec, val_idx=idx)
-    train_loader, val_loader = make_loaders(args, cfg.loaders.loader, cfg.resolution.val_resolution, spec, batch=8)
+    val_spec = spec.validation(rec, idx, cfg.resolution.val_resolution)  # as run.prepare_rank builds it
+    train_loader, val_loader = make_loaders(cfg.loaders.loader, spec, val_spec, batch=8)
     assert (val_loader.spec.image_size, val_loader.spec.eval_resize, val_loader.spec.train) == (crop, shorter, False)
     assert next(iter(train_loader.epoch(0)))[0].shape[2:] == (16, 16)
     seen = [(images.shape[2:], y) for images, y in val_loader.epoch(0)]

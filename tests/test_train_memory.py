@@ -5,15 +5,15 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.train_data import preflight_of, tiny_train_settings, train_settings
+from helpers.train_data import plan_batch_of, rank_parts, tiny_train_settings, train_settings
 
 from rectrain.distributed import Dist
 from rectrain.loaders import DaliOptions, LoaderSpec, choose_loader
-from rectrain.train import batchplan, memory
+from rectrain.train import batchplan
 from rectrain.train.lifecycle import failure
 from rectrain.train.run import make_model
 
-GPU = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
+GPU = batchplan.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
 PLAN_128_ON_2 = batchplan.BatchPlan(128, 1, 2, reason="train.batch_size: 128")
 
 
@@ -33,7 +33,7 @@ class FakeAllocator:
 @pytest.mark.parametrize("limit,failed", [(96, 128), (1, 128), (127, 128), (0, 64), (300, 512)])
 def test_search_finds_the_largest_fitting_batch(limit, failed):
     fake = FakeAllocator(limit)
-    assert memory.largest_fitting_batch(fake, failed) == min(limit, failed - 1)
+    assert batchplan.largest_fitting_batch(fake, failed) == min(limit, failed - 1)
     assert len(fake.tries) <= failed.bit_length() + 1, "binary search, not a linear scan"
 
 
@@ -42,12 +42,12 @@ def test_search_propagates_errors_that_are_not_oom():
         raise RuntimeError("cuDNN error: CUDNN_STATUS_MAPPING_ERROR")
 
     with pytest.raises(RuntimeError, match="MAPPING"):
-        memory.largest_fitting_batch(broken, 64)
+        batchplan.largest_fitting_batch(broken, 64)
 
 
 def test_failing_batch_message_names_gpu_memory_batch_fit_and_both_fixes():
-    with pytest.raises(memory.BatchDoesNotFit) as err:
-        memory.check_batch(FakeAllocator(96), 128, GPU, world_size=2)
+    with pytest.raises(batchplan.BatchDoesNotFit) as err:
+        batchplan.check_batch(FakeAllocator(96), 128, GPU, world_size=2)
     msg = str(err.value)
     for part in (
         "GPU 0",
@@ -64,19 +64,19 @@ def test_failing_batch_message_names_gpu_memory_batch_fit_and_both_fixes():
 
 def test_allocator_errors_spelled_as_runtime_errors_count_as_oom():
     fake = FakeAllocator(50, error=lambda m: RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
-    with pytest.raises(memory.BatchDoesNotFit, match="largest batch that fits is 50"):
-        memory.check_batch(fake, 64, GPU, world_size=1)
+    with pytest.raises(batchplan.BatchDoesNotFit, match="largest batch that fits is 50"):
+        batchplan.check_batch(fake, 64, GPU, world_size=1)
 
 
 def test_fitting_batch_passes_after_one_try():
     fake = FakeAllocator(256)
-    assert memory.check_batch(fake, 128, GPU, world_size=2)["fits"] is True
+    assert batchplan.check_batch(fake, 128, GPU, world_size=2)["fits"] is True
     assert fake.tries == [128]
 
 
 def test_nothing_fits_says_so_with_other_fixes():
-    with pytest.raises(memory.BatchDoesNotFit, match="no batch fits.*not even batch 1"):
-        memory.check_batch(FakeAllocator(0), 32, GPU, world_size=1)
+    with pytest.raises(batchplan.BatchDoesNotFit, match="no batch fits.*not even batch 1"):
+        batchplan.check_batch(FakeAllocator(0), 32, GPU, world_size=1)
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_nothing_fits_says_so_with_other_fixes():
 )
 def test_auto_batch_keeps_the_global_batch(limit, global_batch, world, expect):
     batch_part = train_settings({"batch_size": "auto", "global_batch": global_batch, "grad_accum": 1}).batch
-    fits, why = memory.auto_fit(FakeAllocator(limit), batchplan.wanted(batch_part, world))
+    fits, why = batchplan.auto_fit(FakeAllocator(limit), batchplan.wanted(batch_part, world))
     plan = batchplan.plan(batch_part, world, fits)
     batch, accum = plan.batch, plan.grad_accum
     assert (batch, accum) == expect and plan.global_batch == batch * accum * world
@@ -112,13 +112,13 @@ def test_the_plan_is_one_frozen_value_whose_global_batch_counts_accumulation():
 
 def test_the_fix_for_a_batch_that_does_not_fit_keeps_the_global_batch_with_its_accumulation():
     """batch 128 x grad_accum 2 on 2 processes is a global batch of 512, not 256."""
-    with pytest.raises(memory.BatchDoesNotFit) as err:
-        memory.check_batch(FakeAllocator(96), 128, GPU, world_size=2, accum=2)
+    with pytest.raises(batchplan.BatchDoesNotFit) as err:
+        batchplan.check_batch(FakeAllocator(96), 128, GPU, world_size=2, accum=2)
     assert "global batch of 512 with train.batch_size: 86 and train.grad_accum: 3" in str(err.value)
 
 
 def test_headroom_exceeded_is_treated_as_oom():
-    assert memory.is_oom(memory.HeadroomExceeded("batch 64 peaks at 10500 MB"))
+    assert batchplan.is_oom(batchplan.HeadroomExceeded("batch 64 peaks at 10500 MB"))
 
 
 def test_cuda_error_hint_is_none_on_cpu():
@@ -128,7 +128,7 @@ def test_cuda_error_hint_is_none_on_cpu():
 
 def test_illegal_memory_access_near_the_limit_gets_the_oom_hint(monkeypatch):
     """An 'illegal memory access' is explained as OOM when reserved memory was near the card's size."""
-    monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
+    monkeypatch.setattr(batchplan.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 10900 * 2**20)
     hint = failure.explain_cuda_error(err, torch.device("cuda", 0), PLAN_128_ON_2)
@@ -158,21 +158,24 @@ def step_bytes(batch):
 def dali_held(workers=8, image_size=224):
     spec = LoaderSpec("t.rec", "t.idx", 0, image_size, device="cuda:0", workers=workers, dali=DaliOptions.defaults())
     choice = choose_loader("dali", has_cuda=True, has_dali=True, gpu_decode=True)
-    return (memory.loader_reservation(choice, spec, "training"), memory.loader_reservation(choice, spec, "validation"))
+    return (
+        batchplan.loader_reservation(choice, spec, "training"),
+        batchplan.loader_reservation(choice, spec, "validation"),
+    )
 
 
-def budget(held, headroom=memory.HEADROOM):
-    return memory.device_budget(torch.device("cuda", 0), held, headroom, mem_get_info=fake_mem_get_info)
+def budget(held, headroom=batchplan.HEADROOM):
+    return batchplan.device_budget(torch.device("cuda", 0), held, headroom, mem_get_info=fake_mem_get_info)
 
 
 def test_auto_batch_counts_the_decoder_and_says_why_it_chose_lower():
     """11 GB card: the step alone fits at 256 within the headroom; beside DALI's mixed decoder (8 decode
     threads x 201 MB padding, per loader, plus prefetched batches) it does not, so auto goes lower."""
-    alone = memory.budgeted(step_bytes, budget(()))
+    alone = batchplan.budgeted(step_bytes, budget(()))
     assert alone(256) == pytest.approx(step_bytes(256) / 2**20), "the step alone fits at 256"
-    try_step = memory.budgeted(step_bytes, budget(dali_held()))
-    fits, why = memory.auto_fit(try_step, 256)
-    assert memory.split_batch(256, fits) == (128, 2)
+    try_step = batchplan.budgeted(step_bytes, budget(dali_held()))
+    fits, why = batchplan.auto_fit(try_step, 256)
+    assert batchplan.split_batch(256, fits) == (128, 2)
     for part in (
         "batch 256 needs",
         "for the training step (model, activations, optimizer state)",
@@ -185,10 +188,10 @@ def test_auto_batch_counts_the_decoder_and_says_why_it_chose_lower():
 
 
 def test_fixed_batch_that_fits_only_without_the_decoder_stops_naming_its_share():
-    gpu = memory.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
-    try_step = memory.budgeted(step_bytes, budget(dali_held(), headroom=1.0))
-    with pytest.raises(memory.BatchDoesNotFit) as err:
-        memory.check_batch(try_step, 256, gpu, world_size=1)
+    gpu = batchplan.GpuInfo(0, "NVIDIA GeForce RTX 2080 Ti", 11264.0)
+    try_step = batchplan.budgeted(step_bytes, budget(dali_held(), headroom=1.0))
+    with pytest.raises(batchplan.BatchDoesNotFit) as err:
+        batchplan.check_batch(try_step, 256, gpu, world_size=1)
     msg = str(err.value)
     assert "batch 256 per device does not fit on GPU 0" in msg and "largest batch that fits is 192" in msg
     assert "DALI mixed decoder (dali_device_memory_padding 201 MB per decode thread x 8 threads" in msg
@@ -202,10 +205,13 @@ def test_without_a_val_split_the_preflight_reserves_nothing_for_a_validation_loa
     cfg = tiny_train_settings(image_size=224)
     model, loss, _ = make_model(cfg.network, 5, torch.device("cpu"))
 
+    def parts(validated):
+        return rank_parts(cfg, model, loss, d, validated=validated)
+
     def held(validated):
         return [
             r.what
-            for r in batchplan.preflight_inputs(preflight_of(cfg, model, loss, d, validated=validated), d)[1]
+            for r in batchplan.preflight_inputs(d, parts(validated), cfg.loaders.loader, cfg.optim, cfg.network)[1]
             if r
         ]
 
@@ -215,14 +221,14 @@ def test_without_a_val_split_the_preflight_reserves_nothing_for_a_validation_loa
     assert any("training loader" in what for what in without) and any("DDP" in what for what in without)
 
 
-def test_choose_batch_hands_the_preflight_whether_a_val_split_is_validated(monkeypatch):
+def test_plan_batch_hands_the_preflight_whether_a_val_split_is_validated(monkeypatch):
     seen = []
 
     class Seen(Exception):
         pass
 
-    def record(preflight, d):
-        seen.append(preflight.validated)
+    def record(d, parts, loader, optim, network):
+        seen.append(parts.val_spec is not None)
         raise Seen
 
     monkeypatch.setattr(batchplan, "preflight_inputs", record)
@@ -231,7 +237,7 @@ def test_choose_batch_hands_the_preflight_whether_a_val_split_is_validated(monke
     for validated in (True, False):
         with pytest.raises(Seen):
             spec = LoaderSpec("t.rec", "t.idx", 0, 32)
-            batchplan.choose_batch(cfg.batch, d, preflight_of(cfg, None, None, d, spec=spec, validated=validated))
+            plan_batch_of(cfg, d, rank_parts(cfg, None, None, d, spec=spec, validated=validated))
     assert seen == [True, False]
 
 
@@ -245,7 +251,7 @@ def test_the_preallocation_is_counted_only_on_a_gpu_with_hardware_jpeg_decoders(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("NVIDIA GeForce RTX 2080 Ti", "NVIDIA H200"):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        per_sample[name] = memory.loader_reservation(choice, spec).per_sample_bytes
+        per_sample[name] = batchplan.loader_reservation(choice, spec).per_sample_bytes
     assert per_sample["NVIDIA H200"] - per_sample["NVIDIA GeForce RTX 2080 Ti"] == 3 * 6430 * 5980
 
 
@@ -258,7 +264,7 @@ def test_the_loaders_batches_are_counted_in_the_dtype_they_reach_the_device_in()
         choice = choose_loader(kind, has_cuda=True, has_dali=True, gpu_decode=True)
         for dtype in ("float32", "float16", "bfloat16"):
             spec = LoaderSpec("t.rec", "t.idx", 0, 224, device="cuda:0", workers=4, dtype=dtype)
-            per_sample[kind, dtype] = memory.loader_reservation(choice, spec).per_sample_bytes
+            per_sample[kind, dtype] = batchplan.loader_reservation(choice, spec).per_sample_bytes
     for kind in ("dali", "torch"):
         assert per_sample[kind, "float16"] * 2 == per_sample[kind, "float32"], kind
     assert per_sample["torch", "bfloat16"] == per_sample["torch", "float16"]
@@ -270,7 +276,7 @@ def test_decoder_padding_is_counted_per_decode_thread():
     one, four = dali_held(workers=1)[0], dali_held(workers=4)[0]
     assert four.fixed_bytes == 4 * one.fixed_bytes == 4 * DaliOptions.defaults().device_memory_padding
     cpu_spec = LoaderSpec("t.rec", "t.idx", 0, 224, device="cpu")
-    assert memory.loader_reservation(choose_loader("dali", False, True), cpu_spec) is None, "nothing on a CPU run"
+    assert batchplan.loader_reservation(choose_loader("dali", False, True), cpu_spec) is None, "nothing on a CPU run"
 
 
 def test_budget_is_the_free_memory_plus_what_torch_already_caches(monkeypatch):
@@ -292,24 +298,24 @@ def test_preflight_runs_the_search_with_cudnn_autotune_off_and_restores_it(monke
         seen.append(torch.backends.cudnn.benchmark)
         return FakeAllocator(96)(batch)
 
-    assert memory.preflight(try_step, 128, auto=True, gpu=GPU, world_size=2)[0] == 96
+    assert batchplan.preflight(try_step, 128, auto=True, gpu=GPU, world_size=2)[0] == 96
     assert seen and not any(seen), "cuDNN's autotuner must be off during the trials"
     assert torch.backends.cudnn.benchmark is True, "and on again afterwards"
 
 
 def test_trainer_preflight_on_a_fake_gpu_counts_the_configured_decoder(monkeypatch):
-    """choose_batch's wiring: the train block's loader settings (DALI, 8 decode threads, 224 px) become
+    """plan_batch's wiring: the train block's loader settings (DALI, 8 decode threads, 224 px) become
     the held memory, free memory comes from mem_get_info, and the report says why auto went lower."""
     from rectrain.distributed import Dist
     from rectrain.train.run import make_model
 
     cfg = train_settings({"batch_size": "auto", "global_batch": 256, "workers": 8, "image_size": 224})
-    monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
-    monkeypatch.setattr(memory, "cuda_step_bytes", lambda trial: step_bytes)
+    monkeypatch.setattr(batchplan.GpuInfo, "of", classmethod(lambda cls, device: GPU))
+    monkeypatch.setattr(batchplan, "cuda_step_bytes", lambda trial: step_bytes)
     monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
     model, loss_fn, _ = make_model(cfg.network, 5, torch.device("cpu"))
     d = Dist(0, 1, 0, 1, torch.device("cuda", 0))
-    plan = batchplan.choose_batch(cfg.batch, d, preflight_of(cfg, model, loss_fn, d))
+    plan = plan_batch_of(cfg, d, rank_parts(cfg, model, loss_fn, d))
     report = plan.preflight
     assert (plan.batch, plan.grad_accum, plan.global_batch) == (128, 2, 256)
     assert report["auto"] and report["global_batch"] == 256 and report["batch"] == 128 and report["grad_accum"] == 2
@@ -352,7 +358,7 @@ def as_if_on_an_11gb_card_near_full(monkeypatch):
     """From now on the failure handler sees GPU 0, a 2080 Ti with 10.9 of its 11 GB reserved."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: GPU))
+    monkeypatch.setattr(batchplan.GpuInfo, "of", classmethod(lambda cls, device: GPU))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 10900 * 2**20)
 
 

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.train_data import preflight_of, run_identity, train_settings
+from helpers.train_data import plan_batch_of, rank_parts, run_identity, train_settings
 
 from rectrain import atomic
 from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec
-from rectrain.train import batchplan, memory
+from rectrain.train import batchplan
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import finished
 from rectrain.train.lifecycle import resume as resume_mod
@@ -361,13 +361,13 @@ def test_the_checkpoints_plan_is_read_from_last_pt_for_batch_size_auto_only(tmp_
     ident = dataclasses.replace(IDENT, batch_size=43, grad_accum=3, world_size=2)
     run = fake_run(tmp_path, "auto", ident, batch_size="auto")
     write_checkpoints(run, identity=ident)
-    found = previous_plan(run.ck_dir, run.settings.batch, run.settings.stops)
+    found = previous_plan(run.ck_dir, run.settings.stops.resume)
     assert (found.batch, found.grad_accum, found.world_size) == (43, 3, 2)
-    numeric = previous_plan(run.ck_dir, run.settings.replaced(batch_size=32).batch, run.settings.stops)
+    numeric = previous_plan(run.ck_dir, run.settings.stops.resume)  # it takes no train.batch_size: 32 reads it too
     assert numeric.global_batch == 43 * 3 * 2, "a numeric batch keeps it on another world size (regroup)"
     other = ckpt.maths_config({**run.settings.as_dict(), "lr": 9.0})
-    assert previous_plan(run.ck_dir, run.settings.batch, run.settings.stops, other) is None, "another run's plan"
-    assert previous_plan(run.ck_dir, run.settings.batch, run.settings.replaced(resume="never").stops) is None
+    assert previous_plan(run.ck_dir, run.settings.stops.resume, other) is None, "another run's plan"
+    assert previous_plan(run.ck_dir, run.settings.replaced(resume="never").stops.resume) is None
 
 
 def finished_run_replaced_by_an_lr_edit(run):
@@ -407,19 +407,19 @@ def test_a_finished_runs_plan_is_reused_only_when_it_may_be_republished(tmp_path
     run = fake_run(tmp_path, "auto", ident, batch_size="auto")
     write_finished_run(run, identity=ident)
     monkeypatch.delenv(finished.FORCED_ENV, raising=False)
-    found = previous_plan(run.ck_dir, run.settings.batch, run.settings.stops)
+    found = previous_plan(run.ck_dir, run.settings.stops.resume)
     assert (found.batch, found.grad_accum) == (43, 3)
     monkeypatch.setenv(finished.FORCED_ENV, "1")
-    assert previous_plan(run.ck_dir, run.settings.batch, run.settings.stops) is None, "a forced rerun plans afresh"
+    assert previous_plan(run.ck_dir, run.settings.stops.resume) is None, "a forced rerun plans afresh"
 
 
 def test_auto_batch_on_cpu_reuses_the_checkpoints_plan_as_is():
     d = Dist(0, 2, 0, 2, torch.device("cpu"))
     previous = batchplan.BatchPlan(43, 3, 2)  # planned on a GPU where 50 fitted
-    chosen = batchplan.choose_batch(AUTO.batch, d, previous=previous)
+    chosen = batchplan.plan_batch(AUTO.batch, d, previous=previous)
     assert (chosen.batch, chosen.grad_accum, chosen.world_size) == (43, 3, 2) and chosen.auto
     assert "the checkpoint's plan 43 x accum 3 reused" in chosen.reason
-    four = batchplan.choose_batch(AUTO.batch, Dist(0, 4, 0, 4, torch.device("cpu")), previous=previous)
+    four = batchplan.plan_batch(AUTO.batch, Dist(0, 4, 0, 4, torch.device("cpu")), previous=previous)
     assert (four.batch, four.grad_accum) == (64, 1), "4 processes cannot split its 258: planned afresh"
 
 
@@ -449,19 +449,23 @@ def test_another_process_count_is_not_a_train_config_difference_but_a_world_size
 
 @pytest.fixture
 def fake_gpu_preflight(monkeypatch):
-    """choose_batch on a 'GPU' whose preflight measures that at most `fits[0]` samples fit per device."""
+    """plan_batch on a 'GPU' whose preflight measures that at most `fits[0]` samples fit per device."""
     fits = [128]
     monkeypatch.setattr(batchplan, "preflight_inputs", lambda *a, **k: (None, ()))
-    monkeypatch.setattr(memory.GpuInfo, "of", classmethod(lambda cls, device: memory.GpuInfo(0, "fake", 11264.0)))
+    monkeypatch.setattr(batchplan.GpuInfo, "of", classmethod(lambda cls, device: batchplan.GpuInfo(0, "fake", 11264.0)))
     monkeypatch.setattr(
-        memory, "device_budget", lambda device, held, headroom=1.0: SimpleNamespace(available_bytes=10 * 2**30, held=())
+        batchplan,
+        "device_budget",
+        lambda device, held, headroom=1.0: SimpleNamespace(available_bytes=10 * 2**30, held=()),
     )
-    monkeypatch.setattr(memory, "cuda_try_step", lambda trial, budget: lambda batch: batch * 10.0)
-    monkeypatch.setattr(memory, "preflight", lambda try_step, want, **kw: (fits[0], {"auto": True, "why_lower": None}))
+    monkeypatch.setattr(batchplan, "cuda_try_step", lambda trial, budget: lambda batch: batch * 10.0)
+    monkeypatch.setattr(
+        batchplan, "preflight", lambda try_step, want, **kw: (fits[0], {"auto": True, "why_lower": None})
+    )
     model = torch.nn.Linear(2, 2)
     d = Dist(0, 1, 0, 1, torch.device("cuda", 0))
-    return fits, lambda previous: batchplan.choose_batch(
-        AUTO.batch, d, preflight_of(AUTO, model, None, d, spec=LoaderSpec("", "", 0, 32)), previous=previous
+    return fits, lambda previous: plan_batch_of(
+        AUTO, d, rank_parts(AUTO, model, None, d, spec=LoaderSpec("", "", 0, 32)), previous=previous
     )
 
 

@@ -93,10 +93,10 @@ def train_settings(given: dict):
 
 
 def train_loader_spec(s, d, rec="", idx="", workers=None):
-    """batchplan.loader_spec of the train block's view `s`, handed its parts as train.run.prepare_rank
+    """run.loader_spec of the train block's view `s`, handed its parts as train.run.prepare_rank
     does; `workers`: train.workers resolved for `d` unless given."""
     from rectrain.loaders import resolve_workers
-    from rectrain.train.batchplan import loader_spec
+    from rectrain.train.run import loader_spec
 
     workers = resolve_workers(s.loaders.workers, d.local_world_size) if workers is None else workers
     return loader_spec(
@@ -104,13 +104,23 @@ def train_loader_spec(s, d, rec="", idx="", workers=None):
     )
 
 
-def preflight_of(s, model, loss_fn, d, num_classes=5, spec=None, validated=True):
-    """batchplan.Preflight as train.trainer builds it from the view `s`; `spec`: the train loader's,
-    by default one without data (train_loader_spec)."""
-    from rectrain.train.batchplan import Preflight
+def rank_parts(s, model, loss_fn, d, spec=None, num_classes=5, validated=True):
+    """The batchplan.RankParts run.prepare_rank builds from the view `s`: the model and its loss,
+    `num_classes` classes, the train loader's `spec` - by default one without data (train_loader_spec) -
+    and, when `validated`, the validation loader's."""
+    from rectrain.train.batchplan import RankParts
 
     spec = train_loader_spec(s, d) if spec is None else spec
-    return Preflight(model, loss_fn, num_classes, spec, s.loaders.loader, s.resolution, s.optim, s.network, validated)
+    val_spec = spec.validation(spec.rec, spec.idx, s.resolution.val_resolution) if validated else None
+    classes = [{"label": k} for k in range(num_classes)]
+    return RankParts(d, classes, model, loss_fn, 1, spec.workers, spec, {}, val_spec=val_spec)
+
+
+def plan_batch_of(s, d, parts, previous=None):
+    """batchplan.plan_batch for the view `s` as train.trainer calls it."""
+    from rectrain.train.batchplan import plan_batch
+
+    return plan_batch(s.batch, d, parts, loader=s.loaders.loader, optim=s.optim, network=s.network, previous=previous)
 
 
 def config_json(**overrides):

@@ -13,7 +13,7 @@ loaders it builds and none of them imports the package back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rectrain.loaders.augment import NONE, AugmentPolicy
 
@@ -181,6 +181,13 @@ class LoaderSpec:
     @property
     def eval_resize(self) -> int:
         return self.resize or eval_resize_for(self.image_size)
+
+    def validation(self, rec: str, idx: str, size: int | None = None) -> LoaderSpec:
+        """The per-epoch validation loader's spec, from this training one: every record of `rec` once, a
+        centre crop of `size` (train.val_resolution; None: image_size) from a shorter side of it / 0.875,
+        not augmented."""
+        size = size or self.image_size
+        return replace(self, rec=rec, idx=idx, train=False, image_size=size, crops=(), augment=NONE)
 
 
 def eval_resize_for(crop: int) -> int:

@@ -1,6 +1,6 @@
 """Building one rank's training run, in two steps around the batch plan (rectrain.train.batchplan):
 first what the preflight needs (`prepare_rank`: threads, classes, the model and its loss, the loader
-spec), then, once the plan exists, everything sized by it (`build_run`: loaders, optimizer, the
+spec, `loader_spec`), then, once the plan exists, everything sized by it (`build_run`: loaders, optimizer, the
 network the steps run, the identity a checkpoint must match).  A Run is complete when built and never
 changes; what is learnt later (the calibration, run.json) are separate values."""
 
@@ -21,14 +21,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rectrain import model as models
 from rectrain import sources
 from rectrain.distributed import Dist
-from rectrain.loaders import Loader, LoaderSpec, build_loader, order, resolve_workers
+from rectrain.loaders import DaliOptions, Loader, LoaderSpec, build_loader, image_dtype, order, resolve_workers
+from rectrain.loaders.augment import parse_policy
 from rectrain.settings import TrainSettings
 from rectrain.tables import read_classes
 from rectrain.train import batchaug, init_weights, losses
 from rectrain.train import ema as emas
-from rectrain.train.batchplan import BatchPlan, loader_spec, val_loader_spec
+from rectrain.train.batchplan import BatchPlan, RankParts
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.optim import make_optimizer, recorded
+from rectrain.train.resolution import resolutions
 from rectrain.train.step import Step
 
 log = logging.getLogger(__name__)
@@ -70,27 +72,12 @@ def make_model(network, num_classes: int, device: torch.device, master: bool = T
     return model, losses.train_loss(network, mixed), applied
 
 
-@dataclass(frozen=True)
-class RankParts:
-    """What a rank has before its batch is planned: all the preflight needs."""
-
-    d: Dist
-    classes: list[dict]
-    model: torch.nn.Module
-    loss_fn: torch.nn.Module
-    cores: int  # CPU cores the job may use (--threads, else this process's affinity)
-    workers: int  # the loader workers train.workers became
-    spec: LoaderSpec  # the train loader's, batch_size 0 until planned
-    applied: dict  # what each model-dependent mechanic and init_weights changed (rectrain.model.construct)
-    # random erasing and Mixup/CutMix on the device batch (rectrain.train.batchaug), None when off
-    augment_batch: batchaug.BatchAugment | None = None
-
-
 def prepare_rank(
     args: argparse.Namespace, d: Dist, network, loaders, resolution, *, seed: int, epochs: int
 ) -> RankParts:
-    """The network, the classes and the train loader's spec of this rank; `network`, `loaders`, `resolution`:
-    the train block's model, loaders and resolution parts; `seed`: train.seed; `epochs`: train.epochs."""
+    """The network, the classes and the loaders' specs of this rank (the validation one None without a val
+    split); `network`, `loaders`, `resolution`: the train block's model, loaders and resolution parts;
+    `seed`: train.seed; `epochs`: train.epochs."""
     cores = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // d.local_world_size))
     torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -102,7 +89,40 @@ def prepare_rank(
     workers = resolve_workers(loaders.workers, d.local_world_size, cores)
     log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, loaders.workers)
     spec = loader_spec(loaders, resolution, network, d, args.rec, args.idx, workers=workers, seed=seed, epochs=epochs)
-    return RankParts(d, classes, model, loss_fn, cores, workers, spec, applied, augment_batch)
+    val_spec = spec.validation(args.val_rec, args.val_idx, resolution.val_resolution) if args.val_rec else None
+    return RankParts(d, classes, model, loss_fn, cores, workers, spec, applied, augment_batch, val_spec)
+
+
+def loader_spec(
+    loaders, resolution, network, d: Dist, rec: str, idx: str, *, workers: int, seed: int, epochs: int
+) -> LoaderSpec:
+    """This rank's train loader as the train block asks for it; batch_size 0 until the plan sets it.
+    `loaders`, `resolution`, `network`: the block's loaders, resolution and model parts (the images'
+    precision and layout); `seed`: train.seed; `epochs`: train.epochs (a progressive schedule's length).
+    train.augment.policy is parsed here, once (a policy timm's grammar lacks fails naming the key)."""
+    return LoaderSpec(
+        rec,
+        idx,
+        batch_size=0,
+        image_size=resolution.image_size,
+        train=True,
+        rank=d.rank,
+        world_size=d.world_size,
+        workers=workers,
+        device=str(d.device),
+        gpu_decode=loaders.gpu_decode,
+        seed=seed,
+        dali=DaliOptions.from_config(loaders),
+        crops=tuple(resolutions(resolution.image_size, resolution.progressive, epochs))
+        if resolution.progressive
+        else (),
+        decode=loaders.decode,
+        order=loaders.order,
+        dtype=image_dtype(models.resolve_precision(network.precision, d.device)),
+        channels_last=network.channels_last,
+        augment=parse_policy(loaders.augment["policy"]),
+        repeated_aug=loaders.repeated_aug,
+    )
 
 
 @dataclass(frozen=True)
@@ -141,9 +161,7 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
     d, model, network = parts.d, parts.model, s.network
     for problem in batchaug.config_problems(s.loaders, plan.batch):  # batch_size auto's plan: known only now
         raise ValueError(problem)
-    train_loader, val_loader = make_loaders(
-        args, s.loaders.loader, s.resolution.val_resolution, parts.spec, plan.batch, grad_accum=plan.grad_accum
-    )
+    train_loader, val_loader = make_loaders(s.loaders.loader, parts.spec, parts.val_spec, plan.batch, plan.grad_accum)
     opt_steps = math.ceil(train_loader.batches_per_epoch / plan.grad_accum)
     optimizer, scheduler, scaler = make_optimizer(
         s.optim, model, plan.global_batch, opt_steps, family=network.model, precision=network.precision
@@ -213,22 +231,15 @@ def recipe_as_run(loaders, network, ema: dict, applied: dict, optimizer: dict, r
 
 
 def make_loaders(
-    args: argparse.Namespace,
-    kind: str,
-    val_resolution: int | None,
-    spec: LoaderSpec,
-    batch: int,
-    *,
-    grad_accum: int = 1,
+    kind: str, spec: LoaderSpec, val_spec: LoaderSpec | None, batch: int, grad_accum: int = 1
 ) -> tuple[Loader, Loader | None]:
-    """(train loader, val loader or None without a val split) at the planned batch, the training epoch in
-    whole optimizer steps of `grad_accum` micro-batches; `kind`: train.loader."""
+    """(train loader, val loader or None without a val split: `val_spec` None) at the planned batch, the
+    training epoch in whole optimizer steps of `grad_accum` micro-batches; `kind`: train.loader."""
     train_loader = build_loader(kind, dataclasses.replace(spec, batch_size=batch, grad_accum=grad_accum))
-    if not args.val_rec:
+    if val_spec is None:
         log.info("no val split (--val-rec not given, index.absent_splits): epochs are not validated")
         return train_loader, None
-    val_spec = dataclasses.replace(val_loader_spec(val_resolution, spec, args.val_rec, args.val_idx), batch_size=batch)
-    return train_loader, build_loader(kind, val_spec)
+    return train_loader, build_loader(kind, dataclasses.replace(val_spec, batch_size=batch))
 
 
 def wrap(model: torch.nn.Module, d: Dist, launch, network, grad_accum: int = 1) -> torch.nn.Module:

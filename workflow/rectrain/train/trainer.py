@@ -69,22 +69,12 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
             stop.handling(s.stops.stop_signals) as request,  # after the watchdog's SIGTERM stack dump: replaces it
         ):
             watchdog.beat("preparing: model, memory preflight, loaders")
+            # the checkpoint's plan: batch_size auto reuses it when it fits, another world size regroups it
+            previous = previous_plan(Path(args.out) / "checkpoints", s.stops.resume, ckpt.maths_config(s.as_dict()))
             parts = prepare_rank(args, d, s.network, s.loaders, s.resolution, seed=s.launch.seed, epochs=s.optim.epochs)
-            # batch_size auto reuses it when it fits
-            previous = previous_plan(Path(args.out) / "checkpoints", s.batch, s.stops, ckpt.maths_config(s.as_dict()))
-            preflight = batchplan.Preflight(
-                parts.model,
-                parts.loss_fn,
-                len(parts.classes),
-                parts.spec,
-                s.loaders.loader,
-                s.resolution,
-                s.optim,
-                s.network,
-                validated=bool(args.val_rec),
-                augment_batch=parts.augment_batch,
+            plan = batchplan.plan_batch(
+                s.batch, d, parts, loader=s.loaders.loader, optim=s.optim, network=s.network, previous=previous
             )
-            plan = batchplan.choose_batch(s.batch, d, preflight, previous=previous)
             run = build_run(args, s, parts, plan)
             train_run(run, request)
     except stop.Agreed:  # a clean stop or a divergence: each said what it kept, no traceback

@@ -1,7 +1,7 @@
 """The line a failing rank leaves in the log: which rank, the error, and - for a CUDA error with the
 card near full, often an out-of-memory surfacing as `an illegal memory access` - the batch the plan
-trains with and the config change that fits (explain_cuda_error, from rectrain.train.memory's
-measures: this module depends on the memory preflight and the batch plan, neither on it)."""
+trains with and the config change that fits (explain_cuda_error, from rectrain.train.batchplan's
+measures: this module depends on the batch plan and its memory preflight, not they on it)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import os
 import torch
 
 from rectrain.train import batchplan
-from rectrain.train.batchplan import BatchPlan
-from rectrain.train.memory import NEAR_LIMIT, GpuInfo, fix_hint, is_oom
+from rectrain.train.batchplan import NEAR_LIMIT, BatchPlan, GpuInfo, fix_hint, is_oom
 
 log = logging.getLogger(__name__)
 

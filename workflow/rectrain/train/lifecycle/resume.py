@@ -107,21 +107,20 @@ class ResumeRefused(RuntimeError):
     """train.resume: always, but the checkpoint differs in an item no resume can cross."""
 
 
-def previous_plan(ck_dir: Path, batch, stops, maths: dict | None = None) -> BatchPlan | None:
+def previous_plan(ck_dir: Path, resume: str, maths: dict | None = None) -> BatchPlan | None:
     """The batch plan checkpoints/last.pt was written with, for `batch_size: auto` to reuse and for a run on
     another world size to keep its global batch (batchplan.regroup); None when there is none to reuse (no
-    checkpoint, a finished run, train.resume: never, or under auto one of another train config - `maths`:
-    this run's maths config (checkpoint.maths_config) - which this run will not continue).
-    `batch`, `stops`: the train block's parts (rectrain.settings)."""
+    checkpoint, a finished run, `resume` (train.resume) never, or under auto one of another train config -
+    `maths`: this run's maths config (checkpoint.maths_config) - which this run will not continue)."""
     last = Path(ck_dir) / "last.pt"
-    if stops.resume == "never" or not last.exists():
+    if resume == "never" or not last.exists():
         return None
     if ckpt.finished_marker(ck_dir).exists() and not republishable(ck_dir):
         return None
     stamp = ckpt.stamp_of(last)
     if not all(isinstance(stamp[k], int) for k in ("batch_size", "grad_accum", "world_size")):
         return None
-    if stops.resume == "auto" and maths is not None:
+    if resume == "auto" and maths is not None:
         same = ckpt.RunIdentity(maths, 0, 0, 0, stamp["data"], stamp["code"])
         if any(d.item == "config" for d in ckpt.differences(stamp, same)):
             return None  # a new run: it plans from its own train.batch_size and grad_accum
