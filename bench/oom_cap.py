@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "workflow"))
 
 from rectrain import settings  # noqa: E402
 from rectrain.distributed import Dist  # noqa: E402
-from rectrain.loaders import resolve_workers  # noqa: E402
+from rectrain.loaders import resolve_loader, resolve_workers  # noqa: E402
 from rectrain.snakefile.checks import check_config  # noqa: E402
 from rectrain.train import batchplan  # noqa: E402
 from rectrain.train.run import loader_spec, make_model, set_backend_flags  # noqa: E402
@@ -57,10 +57,9 @@ def preflight(block: dict, device: torch.device, num_classes: int) -> dict:
         )
         classes = [{"label": k} for k in range(num_classes)]
         val_spec = spec.validation("", "", cfg.resolution.val_resolution)  # reserved for, as in a validated run
-        parts = batchplan.RankParts(d, classes, model, loss_fn, 1, workers, spec, {}, val_spec=val_spec)
-        plan = batchplan.plan_batch(
-            cfg.batch, d, parts, loader=cfg.loaders.loader, optim=cfg.optim, network=cfg.network
-        )
+        choice = resolve_loader(cfg.loaders.loader, spec)
+        parts = batchplan.RankParts(d, classes, model, loss_fn, 1, workers, spec, choice, {}, val_spec=val_spec)
+        plan = batchplan.plan_batch(cfg.batch, d, parts, optim=cfg.optim, network=cfg.network)
         return {"batch": plan.batch, "grad_accum": plan.grad_accum, "report": plan.preflight}
     except batchplan.BatchDoesNotFit as exc:
         return {"error": str(exc)}

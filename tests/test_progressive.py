@@ -111,7 +111,7 @@ def test_the_preflight_sizes_the_step_and_the_loaders_for_the_largest_resolution
     def inputs(**over):
         cfg = tiny_train_settings(**over)
         model, loss, _ = make_model(cfg.network, 5, torch.device("cpu"))
-        trial, held = preflight_inputs(d, rank_parts(cfg, model, loss, d), cfg.loaders.loader, cfg.optim, cfg.network)
+        trial, held = preflight_inputs(d, rank_parts(cfg, model, loss, d), cfg.optim, cfg.network)
         return trial.image_size, [r.bytes(8) for r in held if r]
 
     ramped = inputs(image_size=32, epochs=3, progressive=RAMP)

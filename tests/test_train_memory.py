@@ -209,11 +209,7 @@ def test_without_a_val_split_the_preflight_reserves_nothing_for_a_validation_loa
         return rank_parts(cfg, model, loss, d, validated=validated)
 
     def held(validated):
-        return [
-            r.what
-            for r in batchplan.preflight_inputs(d, parts(validated), cfg.loaders.loader, cfg.optim, cfg.network)[1]
-            if r
-        ]
+        return [r.what for r in batchplan.preflight_inputs(d, parts(validated), cfg.optim, cfg.network)[1] if r]
 
     assert any("validation loader" in what for what in held(True))
     without = held(False)
@@ -227,7 +223,7 @@ def test_plan_batch_hands_the_preflight_whether_a_val_split_is_validated(monkeyp
     class Seen(Exception):
         pass
 
-    def record(d, parts, loader, optim, network):
+    def record(d, parts, optim, network):
         seen.append(parts.val_spec is not None)
         raise Seen
 

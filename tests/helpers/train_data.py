@@ -107,20 +107,22 @@ def train_loader_spec(s, d, rec="", idx="", workers=None):
 def rank_parts(s, model, loss_fn, d, spec=None, num_classes=5, validated=True):
     """The batchplan.RankParts run.prepare_rank builds from the view `s`: the model and its loss,
     `num_classes` classes, the train loader's `spec` - by default one without data (train_loader_spec) -
-    and, when `validated`, the validation loader's."""
+    and, when `validated`, the validation loader's; the loader train.loader runs as here."""
+    from rectrain.loaders import resolve_loader
     from rectrain.train.batchplan import RankParts
 
     spec = train_loader_spec(s, d) if spec is None else spec
     val_spec = spec.validation(spec.rec, spec.idx, s.resolution.val_resolution) if validated else None
     classes = [{"label": k} for k in range(num_classes)]
-    return RankParts(d, classes, model, loss_fn, 1, spec.workers, spec, {}, val_spec=val_spec)
+    choice = resolve_loader(s.loaders.loader, spec)
+    return RankParts(d, classes, model, loss_fn, 1, spec.workers, spec, choice, {}, val_spec=val_spec)
 
 
 def plan_batch_of(s, d, parts, previous=None):
     """batchplan.plan_batch for the view `s` as train.trainer calls it."""
     from rectrain.train.batchplan import plan_batch
 
-    return plan_batch(s.batch, d, parts, loader=s.loaders.loader, optim=s.optim, network=s.network, previous=previous)
+    return plan_batch(s.batch, d, parts, optim=s.optim, network=s.network, previous=previous)
 
 
 def config_json(**overrides):

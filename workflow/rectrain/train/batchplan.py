@@ -58,7 +58,7 @@ import torch
 
 from rectrain import model as models
 from rectrain.distributed import Dist, all_gather
-from rectrain.loaders import LoaderChoice, LoaderSpec, image_itemsize, resolve_loader
+from rectrain.loaders import LoaderChoice, LoaderSpec, image_itemsize
 from rectrain.recordio import idx_arrays
 from rectrain.train import globalbatch
 from rectrain.train.lifecycle.checkpoint import host_copy
@@ -95,6 +95,7 @@ class RankParts:
     cores: int  # CPU cores the job may use (--threads, else this process's affinity)
     workers: int  # the loader workers train.workers became
     spec: LoaderSpec  # the train loader's, batch_size 0 until planned
+    loader: LoaderChoice  # the loader train.loader runs as on this machine (rectrain.loaders.resolve_loader)
     applied: dict  # what each model-dependent mechanic and init_weights changed (rectrain.model.construct)
     # random erasing and Mixup/CutMix on the device batch (rectrain.train.batchaug), None when off
     augment_batch: BatchAugment | None = None
@@ -128,16 +129,14 @@ def plan_batch(
     d: Dist,
     parts: RankParts | None = None,
     *,
-    loader: str | None = None,
     optim: TrainOptim | None = None,
     network: TrainNetwork | None = None,
     previous: BatchPlan | None = None,
 ) -> BatchPlan:
     """This rank's batch plan for the train block's `batch` part.  On a GPU, one training step proves the
     batch fits beside what the loaders, DDP and the EMA will hold - or the run stops here with what does
-    fit (BatchDoesNotFit): `parts` are the rank's model, loss and loader specs to try, `loader`
-    (train.loader), `optim` and `network` (the block's parts) the loaders, optimizer and numerics the run
-    will have.  On CPU nothing is measured, and only `parts.spec` is read: the train images may cap an
+    fit (BatchDoesNotFit): `parts` are the rank's model, loss and loaders to try, `optim` and `network`
+    (the block's parts) the optimizer and numerics the run will have.  On CPU nothing is measured, and only `parts.spec` is read: the train images may cap an
     'auto' batch.  `previous`: the checkpoint's plan, preferred with batch_size auto (module doc)."""
     auto = batch.batch_size == "auto"
     images = train_images(parts.spec if parts else None) if auto else None
@@ -146,9 +145,9 @@ def plan_batch(
         preflight = {"skipped": skipped or "no GPU memory to check on CPU"}
         chosen = plan(batch, d.world_size, preflight=preflight, previous=previous, train_images=images)
     else:
-        if parts is None or loader is None or optim is None or network is None:
-            raise ValueError("plan_batch on a GPU needs the rank's parts (run.prepare_rank), loader, optim and network")
-        trial, held = preflight_inputs(d, parts, loader, optim, network)
+        if parts is None or optim is None or network is None:
+            raise ValueError("plan_batch on a GPU needs the rank's parts (run.prepare_rank), optim and network")
+        trial, held = preflight_inputs(d, parts, optim, network)
         state = host_copy(parts.model.state_dict())  # the trial steps move weights and BatchNorm statistics
         try:
             chosen = _measured_plan(batch, trial, held, d, previous, images)
@@ -193,16 +192,15 @@ def _measured_plan(
     return dataclasses.replace(draft, preflight=report)
 
 
-def preflight_inputs(d: Dist, parts: RankParts, loader: str, optim: TrainOptim, network: TrainNetwork):
+def preflight_inputs(d: Dist, parts: RankParts, optim: TrainOptim, network: TrainNetwork):
     """(the trial step, what will be held beside it) for plan_batch, at the run's largest training crop
     (train.progressive, the spec's largest_crop): a batch that fits there fits every epoch.  Without a
     val split (`parts.val_spec` None) no validation loader is reserved for (its DALI decoder alone is GBs)."""
     spec, model = parts.spec, parts.model
-    choice = resolve_loader(loader, spec)
     held = (
-        loader_reservation(choice, spec, "training"),
+        loader_reservation(parts.loader, spec, "training"),
         # dropped between passes (rectrain.loaders.dali), but DALI's memory pool keeps what it took
-        loader_reservation(choice, parts.val_spec, "validation") if parts.val_spec else None,
+        loader_reservation(parts.loader, parts.val_spec, "validation") if parts.val_spec else None,
         ddp_reservation(model, d.world_size),
         ema_reservation(model, optim.ema),
     )

@@ -21,7 +21,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rectrain import model as models
 from rectrain import sources
 from rectrain.distributed import Dist
-from rectrain.loaders import DaliOptions, Loader, LoaderSpec, build_loader, image_dtype, order, resolve_workers
+from rectrain.loaders import (
+    DaliOptions,
+    Loader,
+    LoaderSpec,
+    build_loader,
+    image_dtype,
+    order,
+    resolve_loader,
+    resolve_workers,
+)
 from rectrain.loaders.augment import parse_policy
 from rectrain.settings import TrainSettings
 from rectrain.tables import read_classes
@@ -90,7 +99,8 @@ def prepare_rank(
     log.info("rank %d: %d loader workers (train.workers: %s)", d.rank, workers, loaders.workers)
     spec = loader_spec(loaders, resolution, network, d, args.rec, args.idx, workers=workers, seed=seed, epochs=epochs)
     val_spec = spec.validation(args.val_rec, args.val_idx, resolution.val_resolution) if args.val_rec else None
-    return RankParts(d, classes, model, loss_fn, cores, workers, spec, applied, augment_batch, val_spec)
+    choice = resolve_loader(loaders.loader, spec)
+    return RankParts(d, classes, model, loss_fn, cores, workers, spec, choice, applied, augment_batch, val_spec)
 
 
 def loader_spec(

@@ -72,9 +72,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
             # the checkpoint's plan: batch_size auto reuses it when it fits, another world size regroups it
             previous = previous_plan(Path(args.out) / "checkpoints", s.stops.resume, ckpt.maths_config(s.as_dict()))
             parts = prepare_rank(args, d, s.network, s.loaders, s.resolution, seed=s.launch.seed, epochs=s.optim.epochs)
-            plan = batchplan.plan_batch(
-                s.batch, d, parts, loader=s.loaders.loader, optim=s.optim, network=s.network, previous=previous
-            )
+            plan = batchplan.plan_batch(s.batch, d, parts, optim=s.optim, network=s.network, previous=previous)
             run = build_run(args, s, parts, plan)
             train_run(run, request)
     except stop.Agreed:  # a clean stop or a divergence: each said what it kept, no traceback
