@@ -1,7 +1,7 @@
 """The batch: the per-device batch, gradient accumulation and world size a run trains with, and the
 memory preflight that proves it fits.  `plan_batch` is the one entry: a rank calls it once, before its
-loaders are built, with the train block, its rank's parts (run.prepare_rank) and the checkpoint's plan;
-from then on the BatchPlan is only read: the learning rate scales with its global batch, the
+loaders are built, with the train block's batch, optim and network parts, the rank's parts (RankParts,
+from run.prepare_rank) and the checkpoint's plan; from then on the BatchPlan is only read: the learning rate scales with its global batch, the
 checkpoint's run identity records it, run.json and the start line report it, and the failure line
 (rectrain.train.lifecycle.failure) names it when a CUDA error looks like an out-of-memory in disguise.
 `plan` is the arithmetic that turns (the train block's `batch` part, what fits, world size) into it.
@@ -136,8 +136,9 @@ def plan_batch(
     """This rank's batch plan for the train block's `batch` part.  On a GPU, one training step proves the
     batch fits beside what the loaders, DDP and the EMA will hold - or the run stops here with what does
     fit (BatchDoesNotFit): `parts` are the rank's model, loss and loaders to try, `optim` and `network`
-    (the block's parts) the optimizer and numerics the run will have.  On CPU nothing is measured, and only `parts.spec` is read: the train images may cap an
-    'auto' batch.  `previous`: the checkpoint's plan, preferred with batch_size auto (module doc)."""
+    (the block's parts) the optimizer and numerics the run will have.  On CPU nothing is measured, and
+    only `parts.spec` is read: the train images may cap an 'auto' batch.  `previous`: the checkpoint's
+    plan, preferred with batch_size auto (module doc)."""
     auto = batch.batch_size == "auto"
     images = train_images(parts.spec if parts else None) if auto else None
     if d.device.type != "cuda":
