@@ -126,7 +126,7 @@ def rows(path):
 
 def run_identity(**changes):
     """A checkpoint's RunIdentity for the resume tests: a fixed sample, with `changes` applied."""
-    from rectrain.train.lifecycle.checkpoint import RunIdentity
+    from rectrain.train.lifecycle.identity import RunIdentity
 
     base = dict(
         config={"lr": 0.1, "epochs": 4},

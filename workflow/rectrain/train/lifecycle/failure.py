@@ -1,7 +1,5 @@
-"""The line a failing rank leaves in the log: which rank, the error, and - for a CUDA error with the
-card near full, often an out-of-memory surfacing as `an illegal memory access` - the batch the plan
-trains with and the config change that fits (explain_cuda_error, from rectrain.train.memory's
-measures: this module depends on the memory preflight and the batch plan, neither on it)."""
+"""A failing rank's line in the log: which rank, the error and, for a CUDA error with the card near full (often
+an out-of-memory surfacing as `an illegal memory access`), the batch and the config change that fits."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""Checkpoints within an epoch: after a stop signal and every train.checkpoint_interval_min, at the step
-all ranks agreed on (rectrain.train.lifecycle.stop), into checkpoints/last.pt - the one mid-epoch checkpoint,
-replaced each time, atomically (rectrain.atomic); epoch_<k>.pt stay epoch ends.
-
-A checkpoint holds everything a resume needs (`run_state`): the model, optimizer, LR schedule,
-scaler and the weights' EMA (train.ema), every rank's RNG state, `epoch`, and `step` - the steps done in that epoch (None: the epoch
-is complete) - with `ranks`, per rank: its loader's state (rectrain.loaders: DALI's pipeline
-checkpoint; the torch loader needs none), the epoch's running totals (loss, hits, images) and the
-seconds trained in it, so the resumed epoch's epochs.csv row covers the whole epoch.  A resume
-(`Position.of`) restarts at that step, each rank's loader yielding the rest of the epoch's batches.
-
-A checkpoint that cannot be written (a full disk) never touches the one before: the write goes to a
-temporary file that is removed on the error.  A periodic one then logs that and training goes on
-(the next try is one interval later); a stop then fails the job (exit status 1, not EXIT_STOPPED),
-naming the checkpoint a rerun resumes from instead.
-"""
+"""Checkpoints within an epoch (after a stop signal, every train.checkpoint_interval_min) into last.pt, at
+the step every rank agreed on (rectrain.train.lifecycle.stop).  `run_state` is what a checkpoint holds
+(with each rank's loader state, running totals and seconds for a mid-epoch one), `Position.of` where it
+resumes.  A write that fails (a full disk) leaves the previous last.pt intact: a periodic one is logged
+and training goes on; a stop then fails the job.  docs/architecture.md, "Stopping and mid-epoch checkpoints"."""
 
 from __future__ import annotations
 
@@ -105,9 +94,8 @@ class MidEpoch:
         self.watch, self.detector = watch, watch.detector
 
     def poll(self, step: int) -> Decision:
-        faults.signal_at(self.run.d.rank, self.epoch, step)
-        faults.lr_times_at(self.run.step.scheduler, self.epoch, step)
-        faults.pause_at(self.run.d.rank, self.epoch, step, stopping=lambda: self.agreement.request.signum != 0)
+        stopping = lambda: self.agreement.request.signum != 0  # noqa: E731
+        faults.after_step(self.run.d.rank, self.epoch, step, self.run.step.scheduler, stopping)
         return self.agreement.poll(self.detector.tripped)
 
     def act(self, decision: Decision, steps_done: int, totals: dict) -> None:

@@ -1,15 +1,6 @@
-"""Under SLURM, a run stopped by its time limit's warning goes back in the queue by itself.
-
-profiles/slurm asks SLURM for SIGTERM RECTRAIN_SLURM_WARNING_S seconds (default 300) before the
-train job's time limit (stop_signal_option, called by the profile's train resources).  The ranks checkpoint and
-stop; then the launcher on the job's first task asks SLURM to requeue the job (`scontrol requeue`).
-The job keeps its id, so the Snakemake that submitted it keeps waiting for it; it starts again with a
-fresh time limit and the run resumes from the checkpoint.
-
-Only a stop within the warning window is requeued: a SIGTERM with more time left is a preemption
-(SLURM requeues the job itself when the profile's `slurm-requeue` is on) or a `scancel` (the user
-meant it).  Everything here is pure apart from the injected `run` (squeue, scontrol).
-"""
+"""Under SLURM, a run stopped by its time limit's warning goes back in the queue by itself (`scontrol
+requeue`: same job id, a fresh time limit); a stop with more time left (a preemption, a scancel) is not
+requeued.  docs/cluster.md, "Time limits, preemption and lost nodes".  Pure apart from the injected `run`."""
 
 from __future__ import annotations
 

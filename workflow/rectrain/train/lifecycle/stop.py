@@ -1,20 +1,8 @@
-"""Stopping cleanly: a stop signal (train.stop_signals: SIGTERM, SIGINT, SIGUSR1 by default - what SLURM
-sends before a time limit or a preemption, Ctrl-C, a job's warning signal) and the periodic mid-epoch
-checkpoint (train.checkpoint_interval_min) are decided the same way.
-
-The protocol.  A rank's signal handler only records the signal (`StopRequest`); the step loop asks
-`Agreement.poll` after every optimizer step, which all-reduces (MAX) three numbers over every rank: the
-signal this rank got (0: none), from rank 0 alone whether its clock says a periodic checkpoint is
-due, and whether the rank's divergence detector tripped (rectrain.train.lifecycle.divergence).  Every rank takes part in the same all-reduce after the same step, so all of them learn the same
-answer at the same step, even when only one rank was signalled - and then all checkpoint there
-(rectrain.train.lifecycle.midepoch), and on a stop all exit with EXIT_STOPPED.  The all-reduce runs on a gloo
-group of CPU tensors even when training uses NCCL, so it never waits for the GPU (bench/RESULTS.md
-has its cost).
-
-EXIT_STOPPED (75, rectrain.train.lifecycle.status) is the exit status of every rank, of the launcher
-(rectrain.train.lifecycle.supervise) and so of the train job after a stop whose checkpoint was
-written: rerunning the same command resumes at the next step.
-"""
+"""Stopping cleanly: a rank's signal handler only records a stop signal (`StopRequest`); after every optimizer
+step each rank calls `Agreement.poll`, one all-reduce MAX (on a gloo group of CPU tensors: no GPU wait) of
+the signal it got, rank 0's "periodic checkpoint due" (train.checkpoint_interval_min) and its divergence
+detector, so every rank stops, checkpoints or diverges at the same step.  docs/architecture.md, "Follow one
+stop signal"."""
 
 from __future__ import annotations
 
