@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from helpers.config_edits import another_value, block_keys
-from helpers.train_data import TINY_TRAIN, packed_dataset, tiny_train_config
+from helpers.train_data import TINY_TRAIN, first_difference, packed_dataset, tiny_train_config
 
 from rectrain.config import OPERATIONAL_ENV, output_part, stage_block
 from rectrain.snakefile.jobenv import export_operational
@@ -35,7 +35,7 @@ def test_a_checkpoint_resumes_across_an_operational_train_key(key, spec):
     cfg = tiny_train_config()
     state = {"config": cfg, **identity(cfg).stamp()}
     edited = dict(cfg, **{key: another_value("train", key, spec, cfg[key])})
-    assert runid.resumable(state, identity(edited)) is None
+    assert first_difference(state, identity(edited)) is None
 
 
 @pytest.mark.parametrize("key,spec", TRAIN_CONFIG, ids=[k for k, _ in TRAIN_CONFIG])
@@ -43,7 +43,7 @@ def test_a_checkpoint_is_another_run_after_an_output_train_key_changes_naming_it
     cfg = tiny_train_config()
     state = {"config": cfg, **identity(cfg).stamp()}
     edited = dict(cfg, **{key: another_value("train", key, spec, cfg[key])})
-    assert runid.resumable(state, identity(edited)) == f"the train config changed ({key})"
+    assert first_difference(state, identity(edited)) == f"the train config changed ({key})"
 
 
 def test_the_process_count_and_batch_keys_are_output_keys_judged_by_the_plan_they_make():
@@ -51,7 +51,7 @@ def test_the_process_count_and_batch_keys_are_output_keys_judged_by_the_plan_the
     cfg = tiny_train_config()
     state = {"config": cfg, **identity(cfg).stamp()}
     edited = dict(cfg, cpu_processes=1, batch_size=16, grad_accum=1)
-    assert runid.resumable(state, identity(edited)) is None, "the same plan and world size: the same run"
+    assert first_difference(state, identity(edited)) is None, "the same plan and world size: the same run"
     moved = runid.RunIdentity(runid.maths_config(edited), 16, 1, 1, {"idx_sha256": "a"}, {"train.py": "b"})
     assert [d.item for d in runid.differences(state, moved)] == ["batch", "world_size"]
 

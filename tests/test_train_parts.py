@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers.train_data import run_identity
+from helpers.train_data import first_difference, run_identity
 
 from rectrain.train import telemetry
 from rectrain.train.lifecycle import checkpoint as ckpt
@@ -37,8 +37,8 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
 def test_resume_is_refused_naming_the_item_that_differs():
     ident = run_identity()
     state = {"config": {"lr": 0.1, "epochs": 4, "workers": 2}, **ident.stamp()}
-    assert runid.resumable(state, ident) is None
-    assert runid.resumable(dict(state, config={"lr": 0.1, "epochs": 4, "workers": 8}), ident) is None, (
+    assert first_difference(state, ident) is None
+    assert first_difference(dict(state, config={"lr": 0.1, "epochs": 4, "workers": 8}), ident) is None, (
         "workers: same maths"
     )
     cases = {
@@ -51,7 +51,7 @@ def test_resume_is_refused_naming_the_item_that_differs():
         "the training code changed (loaders/dali.py)": run_identity(code=dict(ident.code, **{"loaders/dali.py": "cc"})),
     }
     for why, other in cases.items():
-        assert why in runid.resumable(state, other)
+        assert why in first_difference(state, other)
 
 
 def _rec(path, labels, name):

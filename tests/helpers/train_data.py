@@ -137,3 +137,11 @@ def run_identity(**changes):
         code={"train.py": "aa", "loaders/dali.py": "bb"},
     )
     return RunIdentity(**{**base, **changes})
+
+
+def first_difference(state, ident):
+    """The first item in which the checkpoint `state` differs from the run `ident`, in words (None: the same run)."""
+    from rectrain.train.lifecycle.identity import differences
+
+    found = differences(state, ident)
+    return found[0].text if found else None

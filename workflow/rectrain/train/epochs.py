@@ -65,7 +65,7 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
             books.curves.begin_epoch(run.train_loader.spec.crop_at(epoch))
         first, saved = start.rank_part(epoch, d.rank)
         wall_before = saved.get("wall_s", 0.0)
-        control = MidEpoch(run, agreement, epoch, run.train_loader, books.steps, wall_before, watch=watch)
+        control = MidEpoch(run, agreement, epoch, books.steps, wall_before, watch)
         stats = train_one_epoch(
             run.step,
             run.train_loader,

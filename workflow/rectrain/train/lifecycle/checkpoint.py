@@ -68,20 +68,18 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
 
 
-def seed_host_rngs(seed: int, rank: int) -> None:
-    """A new run's NumPy and Python RNGs (timm's Mixup, random erasing) seeded from (train.seed, rank);
-    torch's keeps train.seed's stream (the initial weights, the same on every rank)."""
-    value = int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+def seed_host_rngs(seed: int, *keys: int) -> int:
+    """NumPy's and Python's RNG (timm's Mixup, random erasing) seeded from (train.seed, *keys): a new run's
+    from (seed, rank), torch's keeping train.seed's stream (the initial weights, the same on every rank)."""
+    value = int(np.random.SeedSequence([seed, *keys]).generate_state(1)[0])
     np.random.seed(value)
     random.seed(value)
+    return value
 
 
 def reseed(seed: int, epoch: int, rank: int) -> None:
     """Every RNG seeded from (train.seed, epoch, rank): a rank on another world size has no stream to continue."""
-    value = int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
-    torch.manual_seed(value)
-    np.random.seed(value)
-    random.seed(value)
+    torch.manual_seed(seed_host_rngs(seed, epoch, rank))
 
 
 def _walk(obj, leaf):
@@ -166,12 +164,9 @@ def _slug(reason: str) -> str:
 
 def run_files(ck_dir: Path) -> list[str]:
     """A run's files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED, DIVERGED and its kept outputs."""
-    epochs = sorted((p.name for p in Path(ck_dir).glob("epoch_*.pt") if EPOCH_FILE.fullmatch(p.name)), key=_epoch_of)
+    found = (EPOCH_FILE.fullmatch(p.name) for p in Path(ck_dir).glob("epoch_*.pt"))
+    epochs = [m.string for m in sorted(filter(None, found), key=lambda m: int(m.group(1)))]
     return epochs + [n for n in ("last.pt", FINISHED, DIVERGED, KEPT) if (Path(ck_dir) / n).exists()]
-
-
-def _epoch_of(name: str) -> int:
-    return int(EPOCH_FILE.fullmatch(name).group(1))
 
 
 def disk_bytes(folder: Path) -> int:
@@ -188,9 +183,8 @@ def disk_bytes(folder: Path) -> int:
 def takes_slot(folder: Path) -> bool:
     """A replaced run that train.keep_replaced counts: an unfinished one holding a checkpoint (a run that
     diverged or stopped before its first takes a few KB)."""
-    if (folder / FINISHED).is_file():
-        return False
-    return (folder / "last.pt").is_file() or any(EPOCH_FILE.fullmatch(p.name) for p in folder.glob("epoch_*.pt"))
+    names = run_files(folder)
+    return FINISHED not in names and any(n == "last.pt" or EPOCH_FILE.fullmatch(n) for n in names)
 
 
 def clear(out: Path) -> None:
@@ -279,26 +273,18 @@ class CheckpointSaver:
         dest, moved = self.move_aside(why_not)
         if moved:
             then = "" if bring_back else "; starting from epoch 0"
-            log.info(
-                "not resuming from %s: %s; moved its checkpoints (%s) aside to %s%s",
-                self.ck_dir / "last.pt",
-                why_not,
-                ", ".join(moved),
-                dest,
-                then,
-                extra=CONSOLE_LINE,
-            )
-        if bring_back is not None:
-            self.move_back(bring_back)
-        if moved or bring_back is not None:
-            self.bound_replaced()
-        if bring_back is not None:
-            log.info(
-                "brought back the finished run moved aside to %s: it is this run (the same train config, batch "
-                "plan, records, processes and code)",
-                bring_back,
-                extra=CONSOLE_LINE,
-            )
+            text = f"not resuming from {self.ck_dir / 'last.pt'}: {why_not}; moved its checkpoints ({', '.join(moved)})"
+            log.info("%s aside to %s%s", text, dest, then, extra=CONSOLE_LINE)
+        if bring_back is None:
+            if moved:
+                self.bound_replaced()
+            return
+        self.move_back(bring_back)
+        self.bound_replaced()
+        same = "the same train config, batch plan, records, processes and code"
+        log.info(
+            "brought back the finished run moved aside to %s: it is this run (%s)", bring_back, same, extra=CONSOLE_LINE
+        )
 
     def replaced_runs(self) -> list[Path]:
         """The runs in replaced/, oldest first (folders named by UTC time)."""
@@ -322,16 +308,11 @@ class CheckpointSaver:
             if whole
             else ""
         )
-        log.info(
-            "%s holds %d replaced run(s), %s on disk (train.keep_replaced: %d unfinished runs with a checkpoint)%s%s",
-            self.replaced,
-            len(runs) - len(gone),
-            human_bytes(disk_bytes(self.replaced)),
-            self.keep_replaced,
-            removed,
-            kept,
-            extra=CONSOLE_LINE,
+        held = (
+            f"{self.replaced} holds {len(runs) - len(gone)} replaced run(s), {human_bytes(disk_bytes(self.replaced))}"
         )
+        bound = f"train.keep_replaced: {self.keep_replaced} unfinished runs with a checkpoint"
+        log.info("%s on disk (%s)%s%s", held, bound, removed, kept, extra=CONSOLE_LINE)
 
     def mark_finished(self, model: Path, launch_id: str | None = None) -> None:
         """After model.pt is published: a later start of this job is a new run.  The launch's id lets its
@@ -353,12 +334,14 @@ class CheckpointSaver:
             (Path(out) / name).unlink(missing_ok=True)
         for name in _present(self.kept):
             _link(self.kept / name, Path(out) / name)
+        same = "its config, records, code, batch plan and processes match this job's"
+        again = "to train again: snakemake --forcerun train, or train.resume: never"
         log.info(
-            "restored the finished run's outputs (%s) from %s: no training needed - its config, records, code, "
-            "batch plan and processes match this job's (to train again: snakemake --forcerun train, or "
-            "train.resume: never)",
+            "restored the finished run's outputs (%s) from %s: no training needed - %s (%s)",
             ", ".join(PUBLISHED),
             self.kept,
+            same,
+            again,
             extra=CONSOLE_LINE,
         )
 

@@ -67,33 +67,32 @@ def _leaves(obj, prefix: str):
 
 
 def run_states(model: torch.nn.Module, step) -> dict[str, dict]:
-    """What a checkpoint saves that training changes: the model (parameters and buffers), the
-    optimizer (its momentum) and the scaler (of the rectrain.train.step.Step `step`)."""
+    """What a checkpoint saves that training changes: the model, the optimizer and the scaler of `step`."""
     return {"model": model.state_dict(), "optimizer": step.optimizer.state_dict(), "scaler": step.scaler.state_dict()}
 
 
 def advice(optim, precision: str) -> str:
-    """What to change, for this run's optimizer part of the train block (rectrain.settings' TrainOptim)
-    and train.precision: its own values named, and only the cures it does not use already (no bf16 to
-    a bf16 run)."""
+    """What to change, for the run's optimizer settings and train.precision: its own values named, and only
+    the cures it does not use already (no bf16 to a bf16 run)."""
     cures = [f"lower train.lr (now {optim.lr:g}, the peak for a global batch of 256)"]
-    if optim.lr_schedule == "linear":
-        cures.append(f"move train.lr_peak_epoch later (now {optim.lr_peak_epoch:g})")
-    else:
-        cures.append(f"lengthen train.warmup_epochs (now {optim.warmup_epochs:g})")
+    linear = optim.lr_schedule == "linear"
+    cures.append(
+        f"move train.lr_peak_epoch later (now {optim.lr_peak_epoch:g})"
+        if linear
+        else f"lengthen train.warmup_epochs (now {optim.warmup_epochs:g})"
+    )
     if precision == "fp16":
         cures.append("use train.precision: bf16 where the GPU has it (fp16 overflows where bf16 does not)")
-    if optim.clip_grad_norm is None:
-        cures.append("set train.clip_grad_norm (e.g. 1.0)")
-    else:
-        cures.append(f"lower train.clip_grad_norm (now {optim.clip_grad_norm:g})")
+    clip = optim.clip_grad_norm
+    cures.append(
+        "set train.clip_grad_norm (e.g. 1.0)" if clip is None else f"lower train.clip_grad_norm (now {clip:g})"
+    )
     return f"To go on: {', or '.join(cures)}; then rerun with train.resume: always"
 
 
 @dataclass(frozen=True)
 class Watch:
-    """What the stop on divergence needs of a run: this rank, the checkpoints folder, train.precision,
-    the rank's detector, the states a checkpoint would save (`run_states`) and what to change (`advice`)."""
+    """What the stop on divergence needs of a run (`watch_of`)."""
 
     d: Dist
     ck_dir: Path
@@ -126,10 +125,8 @@ def guard(watch: Watch, agreement, where: str) -> None:
 
 
 def keep_margins(watch: Watch, where: str) -> None:
-    """Rank 0, at each checkpoint that passed the guard: how close this launch came to each threshold so
-    far, in telemetry/divergence.json (`margins`: its loss's highest share of the band's top, its
-    parameters' norm's highest growth, SGD's longest update as a share of the weights; `thresholds`:
-    the shares that stop a run) - bench/divergence_fp.py reads it."""
+    """Rank 0, at each checkpoint that passed the guard: how close this launch came to each threshold
+    (rectrain.train.lossband.Detector.peaks), in telemetry/divergence.json - bench/divergence_fp.py reads it."""
     thresholds = {"loss_over_band": 1.0, "norm_growth": NORM_GROWTH, "update_share": UPDATE_SHARE}
     info = {"where": where, "steps": watch.detector.steps, "margins": watch.detector.peaks, "thresholds": thresholds}
     with contextlib.suppress(OSError):
@@ -203,10 +200,6 @@ def last_good(ck_dir: Path) -> str:
 def diverged_before(ck_dir: Path) -> dict | None:
     """diverged.json of the checkpoints this run continues (it stopped on divergence before), or None;
     run.json's `diverged_before`, which the report shows."""
-    path = Path(ck_dir) / DIVERGED
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((Path(ck_dir) / DIVERGED).read_text())
+    return None

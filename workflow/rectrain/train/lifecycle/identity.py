@@ -24,31 +24,12 @@ SAMPLE_BYTES = 64
 # The manifest keys that decide the records (pack settings, counts, what was skipped or repaired, the
 # published bytes); never its timings, storage or paths: a repack that writes the same .rec, or a
 # second check of the same pair, is the same data and resumes.
-MANIFEST_RECORD_KEYS = (
-    "discovered",
-    "packed",
-    "skipped",
-    "repaired",
-    "skipped_files",
-    "bytes_written",
-    "num_classes",
-    "resize",
-    "max_side",
-    "quality",
-    "shuffle_seed",
-    "check_scan_data",
-    "max_image_bytes",
+MANIFEST_RECORD_KEYS = tuple(
+    "discovered packed skipped repaired skipped_files bytes_written num_classes resize max_side quality shuffle_seed "
+    "check_scan_data max_image_bytes".split()
 )
 # check_recordio's `existing` block: the same, for a brought pair.
-EXISTING_RECORD_KEYS = (
-    "bytes",
-    "checked_records",
-    "kept_unusual",
-    "formats",
-    "published",
-    "shuffle_seed",
-    "bytes_written",
-)
+EXISTING_RECORD_KEYS = tuple("bytes checked_records kept_unusual formats published shuffle_seed bytes_written".split())
 # Train keys whose only effect is the number of processes or their batch plan: the `world_size` and
 # `batch` items compare what they became (a run moved from 2 GPUs to 1 is the same run when its
 # global batch is kept, rectrain.train.lifecycle.resume), so the `config` item leaves them out.
@@ -159,12 +140,6 @@ def differences(state: dict, ident: RunIdentity) -> list[Difference]:
     if state.get("code") != ident.code:
         found.append(Difference("code", f"the training code changed ({_changed(state.get('code') or {}, ident.code)})"))
     return found
-
-
-def resumable(state: dict, ident: RunIdentity) -> str | None:
-    """None if the checkpoint `state` continues the run `ident`, else the first item that differs, in words."""
-    found = differences(state, ident)
-    return found[0].text if found else None
 
 
 def stamp_of(path: str | os.PathLike) -> dict:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from rectrain import watchdog
 from rectrain.distributed import all_gather, barrier
-from rectrain.loaders import Loader
 from rectrain.storage import human_bytes
 from rectrain.train import ema as emas
 from rectrain.train.lifecycle import checkpoint as ckpt
@@ -70,26 +69,15 @@ class Position:
             return 0, {}
         return self.step, self.ranks[rank]
 
-    def text(self) -> str:
-        return f"epoch {self.epoch} step {self.step}" if self.step else f"epoch {self.epoch}"
-
 
 class MidEpoch:
     """One epoch's control for run_steps: asked after every optimizer step, it checkpoints and stops as
     the ranks agreed; `watch.detector` (the run's, rectrain.train.lifecycle.divergence) reads the steps' losses."""
 
     def __init__(
-        self,
-        run: Run,
-        agreement: Agreement,
-        epoch: int,
-        loader: Loader,
-        steps_log,
-        wall_before: float,
-        *,
-        watch: divergence.Watch,
+        self, run: Run, agreement: Agreement, epoch: int, steps_log, wall_before: float, watch: divergence.Watch
     ):
-        self.run, self.agreement, self.epoch, self.loader = run, agreement, epoch, loader
+        self.run, self.agreement, self.epoch, self.loader = run, agreement, epoch, run.train_loader
         self.steps_log, self.wall_before, self.started = steps_log, wall_before, time.monotonic()
         self.watch, self.detector = watch, watch.detector
 
@@ -110,13 +98,10 @@ class MidEpoch:
         why = f"stop signal {decision.signal_name}" if decision.stop else "train.checkpoint_interval_min"
         watchdog.beat(f"epoch {self.epoch}: writing the mid-epoch checkpoint ({why})")
         self.steps_log.sync()  # the rows up to this step outlive a power cut as the checkpoint does
-        mine = {
-            "rng": ckpt.rng_state(),
-            "loader": self.loader.state(),
-            "totals": dict(totals),
-            "wall_s": self.wall_before + time.monotonic() - self.started,
-        }
-        gathered = all_gather(mine, d)
+        wall_s = self.wall_before + time.monotonic() - self.started
+        gathered = all_gather(
+            {"rng": ckpt.rng_state(), "loader": self.loader.state(), "totals": dict(totals), "wall_s": wall_s}, d
+        )
         error = write(run, self.epoch, steps_done, gathered) if d.master else None
         written = self.agreement.all_true(error is None)
         self.agreement.checkpointed()
@@ -141,14 +126,10 @@ def write(run: Run, epoch: int, steps_done: int, gathered: list[dict]) -> str | 
     else:
         log.debug("mid-epoch checkpoint written in %.2f s", time.monotonic() - started)
         return None
-    log.warning(
-        "could not write the mid-epoch checkpoint %s (%s free on that disk): %s; the previous checkpoint "
-        "there is intact and a rerun resumes from it; training goes on and tries again in "
-        "train.checkpoint_interval_min (free space on that disk)",
-        run.ck_dir / "last.pt",
-        human_bytes(shutil.disk_usage(run.ck_dir).free),
-        error,
-    )
+    free = human_bytes(shutil.disk_usage(run.ck_dir).free)
+    said = f"could not write the mid-epoch checkpoint {run.ck_dir / 'last.pt'} ({free} free on that disk): {error}"
+    then = "training goes on and tries again in train.checkpoint_interval_min (free space on that disk)"
+    log.warning("%s; the previous checkpoint there is intact and a rerun resumes from it; %s", said, then)
     return error
 
 
@@ -164,17 +145,9 @@ def stop(run: Run, decision: Decision, where: str, written: bool, resumes_at: st
             f"written (see the warning above): nothing of this epoch's steps since the last checkpoint is saved; "
             f"{CONTINUE}: it resumes from {last} as it was before"
         )
-    log.info(
-        "rank %d: stopped by %s after %s: %s holds the model, optimizer, LR schedule, scaler, every rank's RNG "
-        "and loader position; exit status %d; %s: it resumes at %s",
-        d.rank,
-        decision.signal_name,
-        where,
-        last,
-        EXIT_STOPPED,
-        CONTINUE,
-        resumes_at,
-    )
+    kept = f"{last} holds the model, optimizer, LR schedule, scaler, every rank's RNG and loader position"
+    said = f"exit status {EXIT_STOPPED}; {CONTINUE}: it resumes at {resumes_at}"
+    log.info("rank %d: stopped by %s after %s: %s; %s", d.rank, decision.signal_name, where, kept, said)
     raise Stopped(f"stopped by {decision.signal_name} after {where}")
 
 

@@ -23,10 +23,9 @@ from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
 
-# Identity items train.resume: always does not resume across on the same world size (see the module doc).
-REFUSED = ("batch",)
-# On another world size the global batch decides instead of these (batchplan.regroup, module doc).
-REGROUPED = ("world_size", "batch")
+# Identity items train.resume: always does not resume across on the same world size; on another world size
+# the global batch decides instead of REGROUPED (batchplan.regroup).
+REFUSED, REGROUPED = ("batch",), ("world_size", "batch")
 FORCED = (
     "a forced rerun: that run finished and published model.pt, and Snakemake forced this job (snakemake --forcerun "
     "train, -F or -f): a new run"
@@ -64,10 +63,8 @@ class ResumeRefused(RuntimeError):
 
 def previous_plan(ck_dir: Path, batch, stops, maths: dict | None = None) -> BatchPlan | None:
     """The batch plan checkpoints/last.pt was written with, for `batch_size: auto` to reuse and for a run on
-    another world size to keep its global batch (batchplan.regroup); None when there is none to reuse (no
-    checkpoint, a finished run, train.resume: never, or under auto one of another train config - `maths`:
-    this run's maths config (checkpoint.maths_config) - which this run will not continue).
-    `batch`, `stops`: the train block's parts (rectrain.settings)."""
+    another world size to keep its global batch (batchplan.regroup); None when this run will not continue it
+    (no checkpoint, a finished run, train.resume: never, or under auto another `maths` config: identity.maths_config)."""
     last = Path(ck_dir) / "last.pt"
     if stops.resume == "never" or not last.exists():
         return None
@@ -128,10 +125,8 @@ def parent_run(checkpoint: Path) -> str | None:
 
 
 def branch(run: Run, checkpoint: Path) -> Resumed:
-    """train.resume_from: this new run starts from another run's checkpoint - its weights, optimizer,
-    LR schedule, scaler and EMA - at the epoch after it (a mid-epoch last.pt: at its epoch again, from
-    those weights); every rank's RNG is seeded afresh.  Its own checkpoints stay here: a stopped branch
-    resumes from its own last.pt, as any run does."""
+    """train.resume_from: this new run starts from another run's checkpoint's states at the epoch after it (a
+    mid-epoch last.pt: at its epoch again), every rank's RNG seeded afresh; its own checkpoints stay here."""
     if not checkpoint.is_file():
         raise ResumeRefused(
             f"train.resume_from: {checkpoint} is no file; name an epoch_<k>.pt or last.pt of another run "
@@ -145,16 +140,13 @@ def branch(run: Run, checkpoint: Path) -> Resumed:
             f"{run.settings.optim.epochs}: nothing would be trained; raise train.epochs above {at.epoch}"
         )
     restore(run, state, (f"a branch from {checkpoint}",))
+    epochs = run.settings.optim.epochs
     parent = {"run": parent_run(checkpoint), "checkpoint": str(checkpoint), "epoch": int(state["epoch"])}
     parent.update(step=state.get("step"), sha256=identity.sha256(checkpoint))
     if run.d.master:
         log.info(
             "branching from %s (run %s, epoch %d): its weights, optimizer and LR schedule; training epochs %d-%d here",
-            checkpoint,
-            parent["run"],
-            parent["epoch"],
-            at.epoch,
-            run.settings.optim.epochs - 1,
+            *(checkpoint, parent["run"], parent["epoch"], at.epoch, epochs - 1),
             extra=CONSOLE_LINE,
         )
     return Resumed(at.epoch, regrouped=True, parent=parent)

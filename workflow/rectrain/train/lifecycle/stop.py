@@ -64,29 +64,24 @@ class StopRequest:
 @contextlib.contextmanager
 def handling(names: list[str]):
     """Within: the signals `names` set the yielded StopRequest instead of ending the process."""
-    request, previous = StopRequest(), {}
-    for sig in signal_numbers(names):
-        previous[sig] = signal.signal(sig, request.handle)
-    stopped = False
+    request = StopRequest()
+    previous = {sig: signal.signal(sig, request.handle) for sig in signal_numbers(names)}
     try:
         yield request
     except Agreed:
-        stopped = True
+        # Ended by agreement (stopped and checkpointed, or diverged): a late copy of the signal (torchrun ending
+        # the peers of the first rank to exit) must not turn this rank's exit status into a kill.
+        previous = dict.fromkeys(previous, signal.SIG_IGN)
         raise
     finally:
-        for sig, handler in previous.items():
-            # Ended by agreement (stopped and checkpointed, or diverged): a late copy of the signal (torchrun
-            # ending the peers of the first rank to exit) must not turn this rank's exit status into a kill.  A handler installed
-            # outside Python (faulthandler) reads as None: the default then.
-            if stopped:
-                handler = signal.SIG_IGN
+        for sig, handler in previous.items():  # one installed outside Python (faulthandler) reads as None
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What every rank does after a step: stop (the signal's number, 0: go on), checkpoint first or not,
-    or stop as diverged (rectrain.train.lifecycle.divergence: no checkpoint then)."""
+    """What every rank does after a step: stop (the signal's number, 0: go on), checkpoint first or not, or
+    stop as diverged (no checkpoint then)."""
 
     signum: int = 0
     checkpoint: bool = False
