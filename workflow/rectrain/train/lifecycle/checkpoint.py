@@ -200,10 +200,9 @@ def _present(where: Path) -> tuple[str, ...]:
 
 
 class CheckpointSaver:
-    """The checkpoints folder `ck_dir` of one run: epoch checkpoints keeping the last `keep` (last.pt
-    always), the runs it replaced under replaced/ keeping `keep_replaced` unfinished ones with a
-    checkpoint, and the finished record (finished.json, and checkpoints/finished/ holding the published
-    outputs as hard links, so a rerun that fails never costs a finished run)."""
+    """The checkpoints folder `ck_dir` of one run: epoch checkpoints (the last `keep`, and last.pt), the runs it
+    replaced (`keep_replaced` unfinished ones with a checkpoint), and the finished record (finished.json, and
+    finished/ holding the published outputs as hard links: a rerun that fails never costs a finished run)."""
 
     def __init__(self, ck_dir: Path, keep: int = 1, keep_replaced: int = 1):
         self.ck_dir, self.keep, self.keep_replaced = Path(ck_dir), keep, keep_replaced
@@ -232,9 +231,8 @@ class CheckpointSaver:
         return gone
 
     def move_aside(self, reason: str) -> tuple[Path | None, list[str]]:
-        """Rename the run's files (and its curves, and a finished run's evaluation) into
-        replaced/<UTC time>-<reason slug>/: nothing copied or deleted.  Returns (that folder, the names),
-        (None, []) when there were none."""
+        """Rename the run's files (its curves, a finished run's evaluation) into replaced/<UTC time>-<reason>/:
+        nothing copied or deleted.  Returns (that folder, the names), (None, []) when there were none."""
         names = run_files(self.ck_dir)
         if not names:
             return None, []
@@ -281,10 +279,8 @@ class CheckpointSaver:
             return
         self.move_back(bring_back)
         self.bound_replaced()
-        same = "the same train config, batch plan, records, processes and code"
-        log.info(
-            "brought back the finished run moved aside to %s: it is this run (%s)", bring_back, same, extra=CONSOLE_LINE
-        )
+        same = "it is this run (the same train config, batch plan, records, processes and code)"
+        log.info("brought back the finished run moved aside to %s: %s", bring_back, same, extra=CONSOLE_LINE)
 
     def replaced_runs(self) -> list[Path]:
         """The runs in replaced/, oldest first (folders named by UTC time)."""
@@ -308,11 +304,10 @@ class CheckpointSaver:
             if whole
             else ""
         )
-        held = (
-            f"{self.replaced} holds {len(runs) - len(gone)} replaced run(s), {human_bytes(disk_bytes(self.replaced))}"
-        )
+        held = f"{self.replaced} holds {len(runs) - len(gone)} replaced run(s)"
         bound = f"train.keep_replaced: {self.keep_replaced} unfinished runs with a checkpoint"
-        log.info("%s on disk (%s)%s%s", held, bound, removed, kept, extra=CONSOLE_LINE)
+        size = human_bytes(disk_bytes(self.replaced))
+        log.info("%s, %s on disk (%s)%s%s", held, size, bound, removed, kept, extra=CONSOLE_LINE)
 
     def mark_finished(self, model: Path, launch_id: str | None = None) -> None:
         """After model.pt is published: a later start of this job is a new run.  The launch's id lets its
@@ -334,22 +329,15 @@ class CheckpointSaver:
             (Path(out) / name).unlink(missing_ok=True)
         for name in _present(self.kept):
             _link(self.kept / name, Path(out) / name)
-        same = "its config, records, code, batch plan and processes match this job's"
+        match = "its config, records, code, batch plan and processes match this job's"
         again = "to train again: snakemake --forcerun train, or train.resume: never"
-        log.info(
-            "restored the finished run's outputs (%s) from %s: no training needed - %s (%s)",
-            ", ".join(PUBLISHED),
-            self.kept,
-            same,
-            again,
-            extra=CONSOLE_LINE,
-        )
+        said = f"restored the finished run's outputs ({', '.join(PUBLISHED)}) from {self.kept}"
+        log.info("%s: no training needed - %s (%s)", said, match, again, extra=CONSOLE_LINE)
 
     @staticmethod
     def keep_evaluation(out: Path, dest: Path) -> list[str]:
-        """Link what the later stages published from a finished run (weights.json in `out`, eval/ and
-        report.html beside it) into dest/finished/ as that run moves aside to `dest` (the train job starts
-        before Snakemake removes those outputs).  Returns the names kept, as paths under dest."""
+        """Link what the later stages published from a finished run (EVALUATION in `out`, RUN_PUBLISHED beside
+        it: Snakemake removes them after the train job starts) into dest/finished/.  Returns their paths there."""
         kept, home = [], Path(dest) / KEPT
         sources = [Path(out) / n for n in EVALUATION] + [Path(out).parent / n for n in RUN_PUBLISHED]
         for src in sources:

@@ -39,9 +39,8 @@ class Diverged(Agreed):
 
 
 def nonfinite_names(states: dict[str, dict]) -> list[str]:
-    """The names ("model.fc.weight", "optimizer.state.3.momentum_buffer", "scaler.scale") of the floating
-    point tensors and numbers in `states` (name -> a state dict) holding a NaN or an infinity.  One device
-    sync for all tensors (a ResNet-50 with momentum: ~500 tensors, well under a millisecond on a GPU)."""
+    """The names ("model.fc.weight", "scaler.scale") of the tensors and numbers in `states` holding a NaN or an
+    infinity.  One device sync for all (a ResNet-50 with momentum: ~500 tensors, well under a millisecond)."""
     names, flags, numbers = [], [], []
     for name, value in _leaves(states, ""):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -112,9 +111,8 @@ def watch_of(run: Run) -> Watch:
 
 
 def guard(watch: Watch, agreement, where: str) -> None:
-    """Every rank, before a checkpoint replaces the one on disk: when rank 0's state holds a non-finite
-    tensor or its parameters exploded, or any rank's detector tripped or its last loss is above the
-    band, every rank stops (`stop`); else nothing."""
+    """Every rank, before a checkpoint replaces the one on disk: every rank stops (`stop`) when rank 0's state
+    holds a non-finite tensor or its parameters exploded, or any rank tripped or its last loss is above the band."""
     watch.detector.check_norms()
     bad = nonfinite_names(watch.states()) if watch.d.master else []
     tripped, count, above = agreement.any_of(int(watch.detector.tripped), len(bad), int(watch.detector.above_band))

@@ -21,33 +21,22 @@ KILL_AFTER_EPOCH_ENV = "RECTRAIN_KILL_AFTER_EPOCH"
 STALL_RANK_ENV = "RECTRAIN_STALL_RANK"
 # Why: a rank dying while its peers wait in an all-reduce must end the job, naming it (crash test).
 FAIL_RANK_ENV = "RECTRAIN_FAIL_RANK"
-# Why: a stop signal mid-epoch must checkpoint at the step the ranks agree on and resume after it,
-# even when only one rank got it (preemption tests).  "<rank>:<epoch>:<step>[:<signal>]"; a step equal to
-# the epoch's step count: at its end, after its checkpoint (a stop at the boundary).
+# Why: a stop signal mid-epoch must checkpoint at the step the ranks agree on and resume after it, even when
+# only one rank got it (preemption tests); a step equal to the epoch's step count: after its checkpoint.
 SIGNAL_AT_ENV = "RECTRAIN_SIGNAL_AT"
-# Why: a resumed epoch must feed each rank exactly the samples of the uninterrupted epoch; the tests
-# read them from this folder (labels_rank<r>.csv: epoch, step, the batch's labels space-separated).
+# Why: a resumed epoch must feed each rank exactly the samples of the uninterrupted epoch.
 RECORD_LABELS_ENV = "RECTRAIN_RECORD_LABELS"
-# Why: every rank must train each epoch at train.progressive's resolution, a resumed epoch too; the
-# tests read it from this folder (shapes_rank<r>.csv: epoch, step, the batch's height and width).
+# Why: every rank must train each epoch at train.progressive's resolution, a resumed epoch too.
 RECORD_SHAPES_ENV = "RECTRAIN_RECORD_SHAPES"
 # Why: a run whose loss turns non-finite must stop within train.nonfinite_steps, write no non-finite
-# checkpoint and resume from the last good one (divergence tests).  "<epoch>:<step>": from that step
-# on, every rank's images are infinite, so the loss is NaN (and the weights after the update).
+# checkpoint and resume from the last good one (divergence tests): infinite images make the loss NaN.
 NONFINITE_AT_ENV = "RECTRAIN_NONFINITE_AT"
 # Why: a run whose loss explodes while it stays finite must stop on its loss band, naming a last good
-# checkpoint from before (divergence tests).  "<epoch>:<step>:<factor>": after that step the schedule's
-# peak LR is multiplied by factor (every rank: each polls after the same step).
+# checkpoint from before (divergence tests).
 LR_TIMES_AT_ENV = "RECTRAIN_LR_TIMES_AT"
 # Why: a test that waits for an outside stop (SLURM's time-limit warning) needs the run still inside an
-# epoch when it comes, however slow the box, without training many epochs to make sure of it.
-# "<rank>:<epoch>:<step>:<gate file>": that rank waits after that step until the gate file exists or a
-# stop signal has arrived (its peers wait for it in their next all-reduce).
+# epoch when it comes, however slow the box (its peers wait for the paused rank in their next all-reduce).
 PAUSE_AT_ENV = "RECTRAIN_PAUSE_AT"
-
-
-def _chosen(env: str, value: int) -> bool:
-    return os.environ.get(env) == str(value)
 
 
 def _at(env: str, *where: int, cut: int = -1) -> list[str] | None:
@@ -77,7 +66,7 @@ def epoch_batches(batches, rank: int, epoch: int, first: int):
                 shapes.write(f"{epoch},{step},{x.shape[-2]},{x.shape[-1]}\n")
             if nonfinite and (epoch, step) >= nonfinite and x.is_floating_point():
                 x = torch.full_like(x, float("inf"))
-            if step == first + 1 and _chosen(STALL_RANK_ENV, rank):
+            if step == first + 1 and _at(STALL_RANK_ENV, rank) == []:
                 stall_loader(rank)
             yield x, y
     finally:
@@ -94,13 +83,13 @@ def stall_loader(rank: int) -> None:
 
 def fail_rank(rank: int) -> None:
     """With RECTRAIN_FAIL_RANK=rank: raise as the epoch starts, while the peers go on to their all-reduce."""
-    if _chosen(FAIL_RANK_ENV, rank):
+    if _at(FAIL_RANK_ENV, rank) == []:
         raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={rank})")
 
 
 def kill_after_checkpoint(epoch: int) -> None:
     """With RECTRAIN_KILL_AFTER_EPOCH=epoch: `kill -9` this process once the epoch's checkpoint is written."""
-    if _chosen(KILL_AFTER_EPOCH_ENV, epoch):
+    if _at(KILL_AFTER_EPOCH_ENV, epoch) == []:
         log.info("%s=%d: killing this process as a crash would", KILL_AFTER_EPOCH_ENV, epoch)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -115,14 +104,8 @@ def after_step(rank: int, epoch: int, step: int, scheduler, stopping) -> None:
         log.info("%s: the peak LR times %s after epoch %d step %d", LR_TIMES_AT_ENV, factor[0], epoch, step)
     gate = _at(PAUSE_AT_ENV, rank, epoch, step, cut=3)
     if gate:
-        log.info(
-            "%s: rank %d pauses after epoch %d step %d until %s exists or a stop signal",
-            PAUSE_AT_ENV,
-            rank,
-            epoch,
-            step,
-            gate[0],
-        )
+        where = f"rank {rank} pauses after epoch {epoch} step {step}"
+        log.info("%s: %s until %s exists or a stop signal", PAUSE_AT_ENV, where, gate[0])
         while not (os.path.exists(gate[0]) or stopping()):
             watchdog.beat(f"{PAUSE_AT_ENV}: paused after epoch {epoch} step {step}")
             time.sleep(0.2)

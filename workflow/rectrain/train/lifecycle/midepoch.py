@@ -71,12 +71,10 @@ class Position:
 
 
 class MidEpoch:
-    """One epoch's control for run_steps: asked after every optimizer step, it checkpoints and stops as
-    the ranks agreed; `watch.detector` (the run's, rectrain.train.lifecycle.divergence) reads the steps' losses."""
+    """One epoch's control for run_steps: asked after every optimizer step, it checkpoints and stops as the
+    ranks agreed; `watch.detector` (divergence.watch_of) reads the steps' losses."""
 
-    def __init__(
-        self, run: Run, agreement: Agreement, epoch: int, steps_log, wall_before: float, watch: divergence.Watch
-    ):
+    def __init__(self, run: Run, agreement: Agreement, epoch: int, steps_log, wall_before: float, watch):
         self.run, self.agreement, self.epoch, self.loader = run, agreement, epoch, run.train_loader
         self.steps_log, self.wall_before, self.started = steps_log, wall_before, time.monotonic()
         self.watch, self.detector = watch, watch.detector
@@ -98,10 +96,8 @@ class MidEpoch:
         why = f"stop signal {decision.signal_name}" if decision.stop else "train.checkpoint_interval_min"
         watchdog.beat(f"epoch {self.epoch}: writing the mid-epoch checkpoint ({why})")
         self.steps_log.sync()  # the rows up to this step outlive a power cut as the checkpoint does
-        wall_s = self.wall_before + time.monotonic() - self.started
-        gathered = all_gather(
-            {"rng": ckpt.rng_state(), "loader": self.loader.state(), "totals": dict(totals), "wall_s": wall_s}, d
-        )
+        mine = {"rng": ckpt.rng_state(), "loader": self.loader.state(), "totals": dict(totals)}
+        gathered = all_gather({**mine, "wall_s": self.wall_before + time.monotonic() - self.started}, d)
         error = write(run, self.epoch, steps_done, gathered) if d.master else None
         written = self.agreement.all_true(error is None)
         self.agreement.checkpointed()

@@ -153,9 +153,8 @@ def branch(run: Run, checkpoint: Path) -> Resumed:
 
 
 def kept_finished_run(run: Run) -> Path | None:
-    """The newest finished run under checkpoints/replaced/ that is this run and kept whole (a config edited
-    and edited back, a new run that failed after it started over); None under train.resume: never, when
-    Snakemake forced the job, or when there is none."""
+    """The newest finished run under replaced/ that is this run and kept whole (a config edited and edited back,
+    a new run that failed after it started over); None under train.resume: never, or when forced."""
     if run.settings.stops.resume == "never" or forced():
         return None
     for folder in reversed(CheckpointSaver.of(run).replaced_runs()):

@@ -45,9 +45,8 @@ def signal_numbers(names: list[str]) -> list[signal.Signals]:
 
 
 class StopRequest:
-    """The stop signal this process got (0: none).  The handler only records it: the step loop acts at
-    the next step boundary.  A stop signal repeated STUCK_S after the first, still pending, dumps this
-    process's Python stacks (a rank that does not reach its next step is stuck: that says where)."""
+    """The stop signal this process got (0: none), acted on at the next step boundary.  One repeated STUCK_S
+    after the first dumps this process's stacks (a rank that does not reach its next step: that says where)."""
 
     def __init__(self) -> None:
         self.signum, self.since = 0, 0.0

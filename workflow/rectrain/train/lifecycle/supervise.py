@@ -102,9 +102,8 @@ def run_torchrun(cmd: list[str], env: dict, ck_dir: Path, stop_signals: list[str
     if info:
         # the progress logger: this line also reaches the terminal the job was started from (rectrain.log)
         said = f"the ranks stopped on {info['signal']} after {info['after']} with their checkpoint written"
-        logging.getLogger(PROGRESS_LOGGER).info(
-            "%s: exit status %d (run the same command again to continue)", said, EXIT_STOPPED
-        )
+        progress = logging.getLogger(PROGRESS_LOGGER)
+        progress.info("%s: exit status %d (run the same command again to continue)", said, EXIT_STOPPED)
         return EXIT_STOPPED
     return rc if rc >= 0 else 128 - rc
 
@@ -135,9 +134,8 @@ def stop_signal_option(env=None) -> str:
 def seconds_left(job_id: str, run=subprocess.run, now: float | None = None) -> float | None:
     """Seconds until the job's end time (squeue's %e, local time), or None when SLURM cannot say."""
     proc = run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True)
-    text = proc.stdout.strip() if proc.returncode == 0 else ""
     try:
-        end = datetime.fromisoformat(text).timestamp()
+        end = datetime.fromisoformat(proc.stdout.strip() if proc.returncode == 0 else "").timestamp()
     except ValueError:
         return None  # 'N/A', 'Unknown', not found
     return end - (time.time() if now is None else now)
@@ -176,10 +174,9 @@ def after_stop(env, run=subprocess.run, now: float | None = None) -> str | None:
 
 
 def wait_for_first_task(env, sleep=time.sleep) -> None:
-    """A stopped launcher that is not the job's first task, in a step of several: wait for the first
-    task to end the step (srun then ends this one), at most FIRST_TASK_WAIT_S.  Exiting at once with
-    the stop's non-zero status would make srun (--kill-on-bad-exit) kill the first task before its
-    `scontrol requeue`, and the job would fail instead of going back in the queue."""
+    """A stopped launcher that is not the job's first task: wait (at most FIRST_TASK_WAIT_S) for the first to
+    end the step.  Exiting at once, non-zero, would make srun (--kill-on-bad-exit) kill the first task
+    before its `scontrol requeue`, and the job would fail instead of going back in the queue."""
     if _another_task(env):
         sleep(FIRST_TASK_WAIT_S)
 
