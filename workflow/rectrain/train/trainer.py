@@ -22,7 +22,7 @@ Outputs in --out: checkpoints/epoch_<k>.pt (the last train.keep_checkpoints) + l
 atomic; a replaced run's under checkpoints/replaced/), telemetry/ (live CSVs),
 and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last), then
 checkpoints/finished/ (links to the published outputs) and checkpoints/finished.json: a later start of
-the job republishes them when it is the same run and Snakemake did not force it (resume, finished).
+the job republishes them when it is the same run and Snakemake did not force it (resume, checkpoint.CheckpointSaver).
 See docs/architecture.md for the formats.
 """
 

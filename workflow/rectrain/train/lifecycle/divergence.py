@@ -74,18 +74,14 @@ def advice(optim, precision: str) -> str:
     """What to change, for the run's optimizer settings and train.precision: its own values named, and only
     the cures it does not use already (no bf16 to a bf16 run)."""
     cures = [f"lower train.lr (now {optim.lr:g}, the peak for a global batch of 256)"]
-    linear = optim.lr_schedule == "linear"
-    cures.append(
-        f"move train.lr_peak_epoch later (now {optim.lr_peak_epoch:g})"
-        if linear
-        else f"lengthen train.warmup_epochs (now {optim.warmup_epochs:g})"
-    )
+    if optim.lr_schedule == "linear":
+        cures.append(f"move train.lr_peak_epoch later (now {optim.lr_peak_epoch:g})")
+    else:
+        cures.append(f"lengthen train.warmup_epochs (now {optim.warmup_epochs:g})")
     if precision == "fp16":
         cures.append("use train.precision: bf16 where the GPU has it (fp16 overflows where bf16 does not)")
     clip = optim.clip_grad_norm
-    cures.append(
-        "set train.clip_grad_norm (e.g. 1.0)" if clip is None else f"lower train.clip_grad_norm (now {clip:g})"
-    )
+    cures.append(f"lower train.clip_grad_norm (now {clip:g})" if clip else "set train.clip_grad_norm (e.g. 1.0)")
     return f"To go on: {', or '.join(cures)}; then rerun with train.resume: always"
 
 
@@ -135,9 +131,8 @@ def stop(watch: Watch, where: str, bad: list[str] = (), count: int = 0) -> None:
     """Every rank: log the one line (see `line`), rank 0 writes diverged.json, then raise Diverged."""
     text = line(watch, where, bad, count)
     if watch.d.master:
-        atomic.write_json(
-            watch.ck_dir / DIVERGED, {"time": utc_now(), "where": where, **_last(watch.detector), "line": text}
-        )
+        info = {"time": utc_now(), "where": where, **_last(watch.detector), "line": text}
+        atomic.write_json(watch.ck_dir / DIVERGED, info)
     barrier(watch.d)  # the marker is on disk before a first rank's exit makes torchrun end the others
     # rank 0's line also reaches the terminal the run was started from (rectrain.log), not only its log,
     # and it is the run's cause (an error record: rectrain.snakefile.causes repeats it last on the console)

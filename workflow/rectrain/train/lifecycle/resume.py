@@ -242,11 +242,8 @@ def check_position(state: dict, last: Path, run: Run, moved: bool) -> None:
     if moved:
         return  # another world size: the ranks are reseeded, and a mid-epoch position restarts its epoch
     world, rngs, ranks = run.d.world_size, state.get("rng"), state.get("ranks")
-    if not (
-        isinstance(rngs, list)
-        and len(rngs) == world
-        and all(isinstance(r, dict) and set(RNG_KEYS) <= set(r) for r in rngs)
-    ):
+    one_each = isinstance(rngs, list) and len(rngs) == world
+    if not (one_each and all(isinstance(r, dict) and set(RNG_KEYS) <= set(r) for r in rngs)):
         shown = f"{len(rngs)} entries" if isinstance(rngs, list) else type(rngs).__name__
         raise ResumeRefused(
             f"{last} is damaged: its RNG states ({shown}) are not one per each of its {world} processes; {damaged}"
