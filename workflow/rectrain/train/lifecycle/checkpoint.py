@@ -98,9 +98,10 @@ def host_copy(obj):
 
 def tensor_bytes(obj) -> int:
     """The bytes of every tensor in a (nested) state: about what torch.save writes."""
-    sizes = []
-    _walk(obj, lambda v: sizes.append(v.nbytes if isinstance(v, torch.Tensor) else 0))
-    return sum(sizes)
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in items)
 
 
 class NoSpace(OSError):
