@@ -405,7 +405,8 @@ def test_ctrl_c_while_a_rank_still_imports_torch_is_one_line_and_status_130(tmp_
 FINISHED_RANK = """
 import os, signal, sys, time
 from pathlib import Path
-from rectrain.train.lifecycle import checkpoint as ckpt, supervise
+from rectrain.train.lifecycle import supervise
+from rectrain.train.lifecycle.checkpoint import CheckpointSaver
 signal.signal(signal.SIGTERM, lambda *_: None)
 ck = Path(sys.argv[1])
 CheckpointSaver(ck).mark_finished(ck.parent / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))
