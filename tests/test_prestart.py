@@ -13,7 +13,7 @@ from snakemake_interface_executor_plugins.registry import ExecutorPluginRegistry
 from rectrain.driver_check import Gpus
 from rectrain.snakefile import prestart
 from rectrain.snakefile.checks import device_problems, node_problems, precision_problems
-from rectrain.train.lifecycle.finished import FORCED_ENV
+from rectrain.train.lifecycle.status import FORCED_ENV
 
 NO_GPU = Gpus(0, None, None, "/dev/nvidia[0-9]*")
 FOUR = Gpus(4, "580.65.06", "13.0", "NVML")  # a driver every pinned torch build runs on

@@ -334,19 +334,20 @@ def test_timm_is_the_version_these_tests_compare_with():
 def test_a_finished_ema_run_keeps_and_republishes_both_weight_files_and_a_plain_run_leaves_none_behind(tmp_path):
     """checkpoints/finished/ keeps weights-raw/-ema.safetensors beside the published outputs, a restore
     links them back, and a run without train.ema restored over them leaves no stale variant."""
-    from rectrain.train.lifecycle import finished
+    from rectrain.train.lifecycle import checkpoint as ckpt
+    from rectrain.train.lifecycle.checkpoint import CheckpointSaver
 
     out, ck = tmp_path / "train", tmp_path / "train" / "checkpoints"
     ck.mkdir(parents=True)
-    for name in (*finished.PUBLISHED, *finished.VARIANTS):
+    for name in (*ckpt.PUBLISHED, *ckpt.VARIANTS):
         (out / name).write_text(name)
-    finished.keep(out, ck)
-    assert sorted(p.name for p in finished.folder(ck).iterdir()) == sorted((*finished.PUBLISHED, *finished.VARIANTS))
-    finished.clear(out)
-    assert not any((out / name).exists() for name in (*finished.PUBLISHED, *finished.VARIANTS))
-    finished.restore(out, ck)
-    assert all((out / name).read_text() == name for name in (*finished.PUBLISHED, *finished.VARIANTS))
-    for name in finished.VARIANTS:  # a plain run kept: its restore removes the EMA run's variants
-        (finished.folder(ck) / name).unlink()
-    finished.restore(out, ck)
-    assert not any((out / name).exists() for name in finished.VARIANTS)
+    CheckpointSaver(ck).keep_finished(out)
+    assert sorted(p.name for p in CheckpointSaver(ck).kept.iterdir()) == sorted((*ckpt.PUBLISHED, *ckpt.VARIANTS))
+    ckpt.clear(out)
+    assert not any((out / name).exists() for name in (*ckpt.PUBLISHED, *ckpt.VARIANTS))
+    CheckpointSaver(ck).restore_finished(out)
+    assert all((out / name).read_text() == name for name in (*ckpt.PUBLISHED, *ckpt.VARIANTS))
+    for name in ckpt.VARIANTS:  # a plain run kept: its restore removes the EMA run's variants
+        (CheckpointSaver(ck).kept / name).unlink()
+    CheckpointSaver(ck).restore_finished(out)
+    assert not any((out / name).exists() for name in ckpt.VARIANTS)

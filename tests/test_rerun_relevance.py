@@ -12,22 +12,22 @@ import sys
 
 import pytest
 from helpers.config_edits import another_value, block_keys
-from helpers.train_data import TINY_TRAIN, packed_dataset, tiny_train_config
+from helpers.train_data import TINY_TRAIN, first_difference, packed_dataset, tiny_train_config
 
 from rectrain.config import OPERATIONAL_ENV, output_part, stage_block
 from rectrain.snakefile.jobenv import export_operational
 from rectrain.snakefile.params import block_params, report_params
-from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import identity as runid
 
 TRAIN_OPERATIONAL = [(key, spec) for block, key, spec, op in block_keys() if block == "train" and op]
 TRAIN_OUTPUT = [(key, spec) for block, key, spec, op in block_keys() if block == "train" and not op]
 # ... of which the process count and batch keys, whose effect the identity compares as its world_size
 # and batch items (a run moved from 2 GPUs to 1 with its global batch kept is the same run).
-TRAIN_CONFIG = [(key, spec) for key, spec in TRAIN_OUTPUT if key not in ckpt.PLAN_KEYS]
+TRAIN_CONFIG = [(key, spec) for key, spec in TRAIN_OUTPUT if key not in runid.PLAN_KEYS]
 
 
-def identity(cfg: dict) -> ckpt.RunIdentity:
-    return ckpt.RunIdentity(ckpt.maths_config(cfg), 8, 1, 2, {"idx_sha256": "a"}, {"train.py": "b"})
+def identity(cfg: dict) -> runid.RunIdentity:
+    return runid.RunIdentity(runid.maths_config(cfg), 8, 1, 2, {"idx_sha256": "a"}, {"train.py": "b"})
 
 
 @pytest.mark.parametrize("key,spec", TRAIN_OPERATIONAL, ids=[k for k, _ in TRAIN_OPERATIONAL])
@@ -35,7 +35,7 @@ def test_a_checkpoint_resumes_across_an_operational_train_key(key, spec):
     cfg = tiny_train_config()
     state = {"config": cfg, **identity(cfg).stamp()}
     edited = dict(cfg, **{key: another_value("train", key, spec, cfg[key])})
-    assert ckpt.resumable(state, identity(edited)) is None
+    assert first_difference(state, identity(edited)) is None
 
 
 @pytest.mark.parametrize("key,spec", TRAIN_CONFIG, ids=[k for k, _ in TRAIN_CONFIG])
@@ -43,23 +43,23 @@ def test_a_checkpoint_is_another_run_after_an_output_train_key_changes_naming_it
     cfg = tiny_train_config()
     state = {"config": cfg, **identity(cfg).stamp()}
     edited = dict(cfg, **{key: another_value("train", key, spec, cfg[key])})
-    assert ckpt.resumable(state, identity(edited)) == f"the train config changed ({key})"
+    assert first_difference(state, identity(edited)) == f"the train config changed ({key})"
 
 
 def test_the_process_count_and_batch_keys_are_output_keys_judged_by_the_plan_they_make():
-    assert {key for key, _ in TRAIN_OUTPUT} >= set(ckpt.PLAN_KEYS), "an edit still reruns the train job"
+    assert {key for key, _ in TRAIN_OUTPUT} >= set(runid.PLAN_KEYS), "an edit still reruns the train job"
     cfg = tiny_train_config()
     state = {"config": cfg, **identity(cfg).stamp()}
     edited = dict(cfg, cpu_processes=1, batch_size=16, grad_accum=1)
-    assert ckpt.resumable(state, identity(edited)) is None, "the same plan and world size: the same run"
-    moved = ckpt.RunIdentity(ckpt.maths_config(edited), 16, 1, 1, {"idx_sha256": "a"}, {"train.py": "b"})
-    assert [d.item for d in ckpt.differences(state, moved)] == ["batch", "world_size"]
+    assert first_difference(state, identity(edited)) is None, "the same plan and world size: the same run"
+    moved = runid.RunIdentity(runid.maths_config(edited), 16, 1, 1, {"idx_sha256": "a"}, {"train.py": "b"})
+    assert [d.item for d in runid.differences(state, moved)] == ["batch", "world_size"]
 
 
 def test_rule_params_and_the_resume_identity_hold_the_same_keys():
     config = {"dataset": "demo", "train": tiny_train_config()}
     params = json.loads(block_params("train", config["train"]))
-    assert params == ckpt.maths_config(config["train"]) == output_part("train", config["train"])
+    assert params == runid.maths_config(config["train"]) == output_part("train", config["train"])
     assert not set(params) & {key for key, _ in TRAIN_OPERATIONAL}
     assert json.loads(report_params(config))["train"] == params
 

@@ -17,6 +17,7 @@ from test_train_resume import fake_run, write_checkpoints
 from rectrain.data.byo_recordio import check_pairs
 from rectrain.recordio import IRHeader, RecordWriter, pack_record
 from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import identity as runid
 from rectrain.train.lifecycle.resume import resume
 
 PACK_CFG = json.dumps({"resize": 0, "quality": 90, "shuffle_seed": 0, "max_skipped_share": 0.5})
@@ -30,7 +31,7 @@ def _pack(raw, index, out, workflow) -> None:
 
 def _fingerprint(out):
     fast, pack = out / "fast", out / "pack"
-    return ckpt.data_fingerprint(fast / "train.rec", fast / "train.idx", manifest=pack / "train.manifest.json")
+    return runid.data_fingerprint(fast / "train.rec", fast / "train.idx", manifest=pack / "train.manifest.json")
 
 
 def resumes(tmp_path, checkpointed: dict, now: dict) -> bool:

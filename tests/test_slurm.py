@@ -334,7 +334,7 @@ def test_a_train_job_warned_before_its_time_limit_checkpoints_requeues_itself_an
     a requeued job before it may start again; the test releases it at once and restores the limit.)"""
     work = copy_repo(tmp_path / "rectrain")
     # Still training when the warning comes (SLURM checks the limits every ~30 s): rank 0 pauses inside
-    # epoch 1 (rectrain.train.lifecycle.faults.pause_at, on a gate that never opens) until the warning's SIGTERM.
+    # epoch 1 (rectrain.train.lifecycle.faults.after_step, on a gate that never opens) until the warning's SIGTERM.
     (work / "test-cluster.yaml").write_text(
         TEST_CONFIG.replace("epochs: 1,", f"epochs: {REQUEUE_EPOCHS}, checkpoint_interval_min: 0,")
     )

@@ -8,6 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from rectrain.progress import Window
 from rectrain.train import curves
 from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle.checkpoint import CheckpointSaver
 
 
 def scalars(folder):
@@ -44,10 +45,10 @@ def test_a_run_moved_aside_takes_its_curves_along_and_the_new_run_starts_apart(t
     old = curves.Curves(tmp_path, steps_per_epoch=5, steps_done=0)
     write_lines(old, 0, range(1, 6), lr=0.1)
     old.close()
-    dest, _ = ckpt.move_aside(ck, "the train config changed (lr)")
+    dest, _ = CheckpointSaver(ck).move_aside("the train config changed (lr)")
     assert not (tmp_path / ckpt.CURVES).exists()
     assert [s for s, _ in scalars(dest / ckpt.CURVES)["train/lr"]] == [1, 2, 3, 4, 5]
-    ckpt.move_back(dest, ck)
+    CheckpointSaver(ck).move_back(dest)
     assert (tmp_path / ckpt.CURVES).is_dir() and not (dest / ckpt.CURVES).exists(), "back with its run"
 
 

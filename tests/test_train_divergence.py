@@ -20,11 +20,12 @@ import torch
 from helpers.train_data import config_json, packed_dataset, train_settings
 
 from rectrain.distributed import Dist
-from rectrain.train import optim
+from rectrain.train import lossband, optim
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import divergence, faults
-from rectrain.train.lifecycle.divergence import Detector, Diverged
+from rectrain.train.lifecycle.divergence import Diverged
 from rectrain.train.lifecycle.stop import Agreement, StopRequest
+from rectrain.train.lossband import Detector
 from rectrain.train.step import Step, run_steps
 
 NAN, INF = float("nan"), float("inf")
@@ -68,7 +69,7 @@ def test_a_loss_above_its_band_for_nonfinite_steps_in_a_row_trips_and_a_single_s
     assert 500.0 not in d.history, "a loss above the band never raises the level"
     for step, loss in enumerate([50.0, 60.0, 70.0], start=7):
         d.observe(0, step, loss, 0.1, None)
-    assert d.tripped and d.kind == divergence.ABOVE_BAND
+    assert d.tripped and d.kind == lossband.ABOVE_BAND
     assert d.cause().startswith(
         "the training loss stayed above its band for 3 consecutive steps (train.nonfinite_steps: 3), last 70"
     ), d.cause()
@@ -110,17 +111,17 @@ class FakeNorms:
 
     def __call__(self):
         self.calls += 1
-        return divergence.Norms(self.params, self.update)
+        return lossband.Norms(self.params, self.update)
 
 
 def test_the_parameters_are_measured_every_norm_every_steps_not_every_step_and_trip_when_they_explode():
     norms = FakeNorms()
     d = Detector(3, classes=5, norms=norms)
     assert norms.calls == 1 and d.start_norm == 10.0, "the launch's starting norm"
-    for step in range(divergence.NORM_EVERY_STEPS * 3):
+    for step in range(lossband.NORM_EVERY_STEPS * 3):
         d.observe(0, step, 1.5, 0.1, None)
     assert norms.calls == 1 + 3 and not d.tripped, "no host sync per step"
-    norms.params = 10.0 * divergence.NORM_GROWTH
+    norms.params = 10.0 * lossband.NORM_GROWTH
     d.check_norms()  # as the guard does before a checkpoint
     assert d.tripped and d.cause() == (
         "the parameters' norm grew from 10 at this launch's start to 1000 (100 x; limit 100 x)"
@@ -134,7 +135,7 @@ def test_the_parameters_are_measured_every_norm_every_steps_not_every_step_and_t
 def test_sgds_update_norm_is_the_lr_times_its_momentum_buffer_and_adamw_has_none():
     net = torch.nn.Linear(3, 2)
     sgd = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
-    measure = divergence.parameter_norms(net, sgd)
+    measure = lossband.parameter_norms(net, sgd)
     assert measure().update is None, "no step yet: no momentum buffer"
     net(torch.ones(1, 3)).sum().backward()
     sgd.step()
@@ -145,7 +146,7 @@ def test_sgds_update_norm_is_the_lr_times_its_momentum_buffer_and_adamw_has_none
     adamw = torch.optim.AdamW(net.parameters(), lr=0.5)
     net(torch.ones(1, 3)).sum().backward()
     adamw.step()
-    assert divergence.parameter_norms(net, adamw)().update is None
+    assert lossband.parameter_norms(net, adamw)().update is None
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,11 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers.train_data import run_identity
+from helpers.train_data import first_difference, run_identity
 
 from rectrain.train import telemetry
 from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle import identity as runid
 
 
 def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
@@ -36,8 +37,8 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
 def test_resume_is_refused_naming_the_item_that_differs():
     ident = run_identity()
     state = {"config": {"lr": 0.1, "epochs": 4, "workers": 2}, **ident.stamp()}
-    assert ckpt.resumable(state, ident) is None
-    assert ckpt.resumable(dict(state, config={"lr": 0.1, "epochs": 4, "workers": 8}), ident) is None, (
+    assert first_difference(state, ident) is None
+    assert first_difference(dict(state, config={"lr": 0.1, "epochs": 4, "workers": 8}), ident) is None, (
         "workers: same maths"
     )
     cases = {
@@ -50,7 +51,7 @@ def test_resume_is_refused_naming_the_item_that_differs():
         "the training code changed (loaders/dali.py)": run_identity(code=dict(ident.code, **{"loaders/dali.py": "cc"})),
     }
     for why, other in cases.items():
-        assert why in ckpt.resumable(state, other)
+        assert why in first_difference(state, other)
 
 
 def _rec(path, labels, name):
@@ -64,14 +65,14 @@ def _rec(path, labels, name):
 
 
 def test_record_fingerprint_sees_a_relabel_with_identical_sizes(tmp_path):
-    a = ckpt.data_fingerprint(*_rec(tmp_path, [0, 1, 2, 3], "a"))
-    b = ckpt.data_fingerprint(*_rec(tmp_path, [1, 0, 2, 3], "b"))
+    a = runid.data_fingerprint(*_rec(tmp_path, [0, 1, 2, 3], "a"))
+    b = runid.data_fingerprint(*_rec(tmp_path, [1, 0, 2, 3], "b"))
     assert a["rec_bytes"] == b["rec_bytes"] and a["idx_sha256"] == b["idx_sha256"], "same sizes and offsets"
     assert a["headers_sha256"] != b["headers_sha256"]
-    assert ckpt.data_fingerprint(*_rec(tmp_path, [0, 1, 2, 3], "c")) == a, "same content, same fingerprint"
+    assert runid.data_fingerprint(*_rec(tmp_path, [0, 1, 2, 3], "c")) == a, "same content, same fingerprint"
     classes = tmp_path / "classes.tsv"
     classes.write_text("label\twnid\tname\n0\tn1\tx\n")
-    assert "classes_sha256" in ckpt.data_fingerprint(*_rec(tmp_path, [0], "d"), classes=str(classes))
+    assert "classes_sha256" in runid.data_fingerprint(*_rec(tmp_path, [0], "d"), classes=str(classes))
 
 
 def test_step_log_on_resume_drops_the_interrupted_epoch(tmp_path):

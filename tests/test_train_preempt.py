@@ -30,6 +30,7 @@ from rectrain.loaders.dali import DaliLoader
 from rectrain.loaders.pytorch import TorchLoader
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import midepoch
+from rectrain.train.lifecycle.checkpoint import CheckpointSaver
 from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 N_TRAIN = 45
@@ -404,10 +405,11 @@ def test_ctrl_c_while_a_rank_still_imports_torch_is_one_line_and_status_130(tmp_
 FINISHED_RANK = """
 import os, signal, sys, time
 from pathlib import Path
-from rectrain.train.lifecycle import checkpoint as ckpt, supervise
+from rectrain.train.lifecycle import supervise
+from rectrain.train.lifecycle.checkpoint import CheckpointSaver
 signal.signal(signal.SIGTERM, lambda *_: None)
 ck = Path(sys.argv[1])
-ckpt.mark_finished(ck, ck.parent / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))
+CheckpointSaver(ck).mark_finished(ck.parent / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))
 time.sleep(4)
 """
 LAUNCHER = """
@@ -454,7 +456,7 @@ def test_a_finished_marker_of_an_earlier_launch_does_not_make_a_failed_one_succe
     """finished.json left by the last launch (its run already done) says nothing about this one."""
     ck = tmp_path / "checkpoints"
     ck.mkdir()
-    ckpt.mark_finished(ck, tmp_path / "model.pt", "an-earlier-launch")
+    CheckpointSaver(ck).mark_finished(tmp_path / "model.pt", "an-earlier-launch")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     (tmp_path / "rank.py").write_text("import sys; sys.exit(3)\n")
     proc = subprocess.run(

@@ -20,9 +20,11 @@ from rectrain.distributed import Dist
 from rectrain.loaders import LoaderSpec
 from rectrain.train import batchplan
 from rectrain.train.lifecycle import checkpoint as ckpt
-from rectrain.train.lifecycle import finished
+from rectrain.train.lifecycle import identity as runid
 from rectrain.train.lifecycle import resume as resume_mod
+from rectrain.train.lifecycle.checkpoint import CheckpointSaver
 from rectrain.train.lifecycle.resume import ResumeRefused, previous_plan, resume
+from rectrain.train.lifecycle.status import FORCED_ENV
 
 IDENT = run_identity(world_size=1)
 
@@ -67,7 +69,7 @@ def write_checkpoints(run, epochs=2, identity=IDENT, finished=False):
         ckpt.save_atomic({**state, "epoch": epoch}, run.ck_dir / f"epoch_{epoch}.pt")
     ckpt.save_atomic({**state, "epoch": epochs - 1}, run.ck_dir / "last.pt")
     if finished:
-        ckpt.mark_finished(run.ck_dir, run.ck_dir.parent / "model.pt")
+        CheckpointSaver(run.ck_dir).mark_finished(run.ck_dir.parent / "model.pt")
 
 
 def replaced(ck_dir):
@@ -78,7 +80,7 @@ def test_moving_aside_renames_every_checkpoint_into_a_folder_named_by_time_and_r
     for name in ("epoch_0.pt", "epoch_1.pt", "epoch_10.pt", "last.pt", ckpt.FINISHED, "notes.txt"):
         (tmp_path / name).write_text(name)
     inodes = {p.name: p.stat().st_ino for p in tmp_path.iterdir()}
-    dest, moved = ckpt.move_aside(tmp_path, "the train config changed (lr)")
+    dest, moved = CheckpointSaver(tmp_path).move_aside("the train config changed (lr)")
     assert moved == ["epoch_0.pt", "epoch_1.pt", "epoch_10.pt", "last.pt", ckpt.FINISHED], "epochs by number"
     assert dest.parent == tmp_path / ckpt.REPLACED
     assert re.fullmatch(r"\d{8}T\d{6}Z-the-train-config-changed-lr", dest.name), dest.name
@@ -86,14 +88,14 @@ def test_moving_aside_renames_every_checkpoint_into_a_folder_named_by_time_and_r
         assert (dest / name).read_text() == name, "nothing deleted"
         assert (dest / name).stat().st_ino == inodes[name], "renamed, not copied"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", ckpt.REPLACED]
-    assert ckpt.move_aside(tmp_path, "again") == (None, []), "nothing left to move: no empty folder"
+    assert CheckpointSaver(tmp_path).move_aside("again") == (None, []), "nothing left to move: no empty folder"
     assert len(replaced(tmp_path)) == 1
 
 
 def test_moving_aside_twice_in_one_second_keeps_both_runs(tmp_path):
     for _ in range(2):
         (tmp_path / "last.pt").write_text("x")
-        ckpt.move_aside(tmp_path, "train.resume is never")
+        CheckpointSaver(tmp_path).move_aside("train.resume is never")
     assert [len(list(d.iterdir())) for d in replaced(tmp_path)] == [1, 1]
 
 
@@ -132,11 +134,11 @@ def test_prune_keeps_the_newest_epoch_checkpoints_and_last_pt(tmp_path):
     (tmp_path / "last.pt").write_text("x")
     (tmp_path / ckpt.REPLACED).mkdir()
     (tmp_path / ckpt.REPLACED / "epoch_0.pt").write_text("a replaced run's")
-    gone = ckpt.prune(tmp_path, keep=3)
+    gone = CheckpointSaver(tmp_path, keep=3).prune()
     assert gone == [f"epoch_{k}.pt" for k in range(9)], "by epoch number, not by name (epoch_10 > epoch_9)"
     assert ckpt.run_files(tmp_path) == ["epoch_9.pt", "epoch_10.pt", "epoch_11.pt", "last.pt"]
     assert (tmp_path / ckpt.REPLACED / "epoch_0.pt").exists(), "moved-aside runs are not pruned"
-    assert ckpt.prune(tmp_path, keep=3) == []
+    assert CheckpointSaver(tmp_path, keep=3).prune() == []
 
 
 def test_resume_auto_starts_over_on_a_config_difference_moving_the_checkpoints_aside(tmp_path, caplog):
@@ -267,7 +269,7 @@ def test_a_mid_epoch_checkpoint_on_another_world_size_restarts_its_epoch_from_th
 def test_a_mid_epoch_checkpoint_of_epoch_0_on_another_world_size_starts_over_saying_what_it_repeats(tmp_path, caplog):
     run = regrouped_run(tmp_path)
     write_checkpoints(run, epochs=1)
-    ckpt.prune(run.ck_dir, 1)
+    CheckpointSaver(run.ck_dir, keep=1).prune()
     (run.ck_dir / "epoch_0.pt").unlink()
     state = ckpt.load(run.ck_dir / "last.pt")
     ckpt.save_atomic({**state, "epoch": 0, "step": 3, "ranks": [{}]}, run.ck_dir / "last.pt")
@@ -303,51 +305,46 @@ def write_finished_run(run, identity=IDENT):
     """A finished run as outputs.finish leaves it: checkpoints, the published outputs kept in
     checkpoints/finished/ and finished.json; then Snakemake's removal of the published outputs."""
     write_checkpoints(run, identity=identity)
-    for name in finished.PUBLISHED:
+    for name in ckpt.PUBLISHED:
         (run.out / name).write_text(f"{name} of the finished run")
-    finished.keep(run.out, run.ck_dir)
-    ckpt.mark_finished(run.ck_dir, run.out / "model.pt")
-    for name in finished.PUBLISHED:
+    CheckpointSaver(run.ck_dir).keep_finished(run.out)
+    CheckpointSaver(run.ck_dir).mark_finished(run.out / "model.pt")
+    for name in ckpt.PUBLISHED:
         (run.out / name).unlink()
 
 
 @pytest.mark.parametrize("mode", ["auto", "always"])
 def test_a_finished_run_whose_outputs_are_kept_is_republished_not_trained(tmp_path, monkeypatch, caplog, mode):
-    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    monkeypatch.delenv(FORCED_ENV, raising=False)
     run = fake_run(tmp_path, mode)
     write_finished_run(run)
     caplog.set_level(logging.INFO)
     decided = resume(run)
     assert decided.restored and decided.start_epoch == run.settings.optim.epochs
-    assert [(run.out / n).read_text() for n in finished.PUBLISHED] == [
-        f"{n} of the finished run" for n in finished.PUBLISHED
-    ]
+    assert [(run.out / n).read_text() for n in ckpt.PUBLISHED] == [f"{n} of the finished run" for n in ckpt.PUBLISHED]
     assert "restored the finished run's outputs" in caplog.text and "no training needed" in caplog.text
     assert not (run.ck_dir / ckpt.REPLACED).exists() and (run.ck_dir / "last.pt").exists()
 
 
 def test_a_finished_run_forced_by_snakemake_starts_over_with_its_kept_outputs_moved_aside(tmp_path, monkeypatch):
-    monkeypatch.setenv(finished.FORCED_ENV, "1")
+    monkeypatch.setenv(FORCED_ENV, "1")
     run = fake_run(tmp_path)
     write_finished_run(run)
     decided = resume(run)
     assert not decided.restored and decided.start_epoch == 0
     (dest,) = replaced(run.ck_dir)
-    assert (
-        "forced-rerun" in dest.name
-        and (dest / finished.FOLDER / "model.pt").read_text() == "model.pt of the finished run"
-    )
+    assert "forced-rerun" in dest.name and (dest / ckpt.KEPT / "model.pt").read_text() == "model.pt of the finished run"
     assert not (run.out / "model.pt").exists()
 
 
 def test_a_finished_run_of_another_config_is_not_republished_and_says_what_differs(tmp_path, monkeypatch, caplog):
-    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    monkeypatch.delenv(FORCED_ENV, raising=False)
     run = fake_run(tmp_path, identity=dataclasses.replace(IDENT, config={**IDENT.config, "lr": 0.05}))
     write_finished_run(run)
     caplog.set_level(logging.INFO)
     assert resume(run).start_epoch == 0
     (dest,) = replaced(run.ck_dir)
-    assert (dest / finished.FOLDER).is_dir() and "the train config changed (lr)" in caplog.text
+    assert (dest / ckpt.KEPT).is_dir() and "the train config changed (lr)" in caplog.text
     assert not (run.out / "model.pt").exists()
 
 
@@ -365,7 +362,7 @@ def test_the_checkpoints_plan_is_read_from_last_pt_for_batch_size_auto_only(tmp_
     assert (found.batch, found.grad_accum, found.world_size) == (43, 3, 2)
     numeric = previous_plan(run.ck_dir, run.settings.stops.resume)  # it takes no train.batch_size: 32 reads it too
     assert numeric.global_batch == 43 * 3 * 2, "a numeric batch keeps it on another world size (regroup)"
-    other = ckpt.maths_config({**run.settings.as_dict(), "lr": 9.0})
+    other = runid.maths_config({**run.settings.as_dict(), "lr": 9.0})
     assert previous_plan(run.ck_dir, run.settings.stops.resume, other) is None, "another run's plan"
     assert previous_plan(run.ck_dir, run.settings.replaced(resume="never").stops.resume) is None
 
@@ -373,7 +370,7 @@ def test_the_checkpoints_plan_is_read_from_last_pt_for_batch_size_auto_only(tmp_
 def finished_run_replaced_by_an_lr_edit(run):
     """A finished run (IDENT), moved aside by a run with another lr that was then stopped after epoch 0."""
     write_finished_run(run)
-    ckpt.move_aside(run.ck_dir, "the train config changed (lr)")
+    CheckpointSaver(run.ck_dir).move_aside("the train config changed (lr)")
     write_checkpoints(run, epochs=1, identity=dataclasses.replace(IDENT, config={**IDENT.config, "lr": 0.05}))
     return replaced(run.ck_dir)[0]
 
@@ -381,21 +378,21 @@ def finished_run_replaced_by_an_lr_edit(run):
 def test_a_finished_run_moved_aside_is_brought_back_and_republished_when_the_config_is_edited_back(
     tmp_path, monkeypatch, caplog
 ):
-    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    monkeypatch.delenv(FORCED_ENV, raising=False)
     run = fake_run(tmp_path)
     old = finished_run_replaced_by_an_lr_edit(run)
     caplog.set_level(logging.INFO)
     assert resume(run).restored
     assert f"brought back the finished run moved aside to {old}" in caplog.text
     assert (run.out / "model.pt").read_text() == "model.pt of the finished run"
-    assert not old.exists() and ckpt.finished_marker(run.ck_dir).exists()
+    assert not old.exists() and (run.ck_dir / ckpt.FINISHED).exists()
     (lr_run,) = replaced(run.ck_dir)  # the stopped lr run, kept aside in its turn
     assert sorted(p.name for p in lr_run.iterdir()) == ["epoch_0.pt", "last.pt"]
     assert ckpt.load(lr_run / "last.pt")["config"]["lr"] == 0.05
 
 
 def test_a_forced_job_does_not_bring_back_a_finished_run_moved_aside(tmp_path, monkeypatch):
-    monkeypatch.setenv(finished.FORCED_ENV, "1")
+    monkeypatch.setenv(FORCED_ENV, "1")
     run = fake_run(tmp_path)
     old = finished_run_replaced_by_an_lr_edit(run)
     decided = resume(run)
@@ -406,10 +403,10 @@ def test_a_finished_runs_plan_is_reused_only_when_it_may_be_republished(tmp_path
     ident = dataclasses.replace(IDENT, batch_size=43, grad_accum=3)
     run = fake_run(tmp_path, "auto", ident, batch_size="auto")
     write_finished_run(run, identity=ident)
-    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    monkeypatch.delenv(FORCED_ENV, raising=False)
     found = previous_plan(run.ck_dir, run.settings.stops.resume)
     assert (found.batch, found.grad_accum) == (43, 3)
-    monkeypatch.setenv(finished.FORCED_ENV, "1")
+    monkeypatch.setenv(FORCED_ENV, "1")
     assert previous_plan(run.ck_dir, run.settings.stops.resume) is None, "a forced rerun plans afresh"
 
 
@@ -444,7 +441,7 @@ def test_a_plan_on_another_world_size_keeps_the_checkpoints_global_batch(batch_s
 def test_another_process_count_is_not_a_train_config_difference_but_a_world_size_one():
     ident = dataclasses.replace(IDENT, config={**IDENT.config, "cpu_processes": 2, "batch_size": 16})
     state = {**dataclasses.replace(IDENT, config={**IDENT.config, "cpu_processes": 1}).stamp(), "config": IDENT.config}
-    assert [d.item for d in ckpt.differences(state, dataclasses.replace(ident, world_size=2))] == ["world_size"]
+    assert [d.item for d in runid.differences(state, dataclasses.replace(ident, world_size=2))] == ["world_size"]
 
 
 @pytest.fixture
@@ -495,7 +492,7 @@ def test_replaced_keeps_the_newest_keep_replaced_runs_naming_what_it_deletes_and
         ckpt.save_atomic({"w": torch.zeros(1000)}, tmp_path / f"epoch_{k}.pt")
         ckpt.save_linked({"w": torch.zeros(1000)}, tmp_path / f"epoch_{k}.pt", tmp_path / "last.pt")
         with caplog.at_level(logging.INFO):
-            resume_mod.start_over(tmp_path, f"edit {k}", keep_replaced=2)
+            CheckpointSaver(tmp_path, keep_replaced=2).start_over(f"edit {k}")
     runs = replaced(tmp_path)
     assert [p.name.split("-", 1)[1] for p in runs] == ["edit-1", "edit-2"]
     one = (runs[0] / "epoch_1.pt").stat().st_size
@@ -578,7 +575,7 @@ def test_a_finished_run_survives_any_number_of_start_overs_diverged_ones_include
     """keep_replaced 1 exceeded many times over, by unfinished runs and by diverged ones without a
     checkpoint: the finished run moved aside stays whole, its evaluation and report with it, and the log
     names what is kept and where."""
-    monkeypatch.delenv(finished.FORCED_ENV, raising=False)
+    monkeypatch.delenv(FORCED_ENV, raising=False)
     out = tmp_path / "results" / "demo" / "main" / "train"
     out.mkdir(parents=True)
     run = fake_run(out)
@@ -589,23 +586,23 @@ def test_a_finished_run_survives_any_number_of_start_overs_diverged_ones_include
     (out.parent / "eval" / "per_class.csv").write_text("class,top1\n")
     (out.parent / "report.html").write_text("<html>the finished run's report</html>")
     caplog.set_level(logging.INFO)
-    resume_mod.start_over(run.ck_dir, "the train config changed (lr)", keep_replaced=1)
+    CheckpointSaver(run.ck_dir, keep_replaced=1).start_over("the train config changed (lr)")
     (kept,) = replaced(run.ck_dir)
     for k in range(4):  # unfinished runs with a checkpoint, and diverged ones before their first
         if k % 2 == 0:
             write_checkpoints(run, epochs=1)
         else:
             (run.ck_dir / ckpt.DIVERGED).write_text("{}")
-        resume_mod.start_over(run.ck_dir, f"edit {k}", keep_replaced=1)
+        CheckpointSaver(run.ck_dir, keep_replaced=1).start_over(f"edit {k}")
     left = replaced(run.ck_dir)
     assert kept in left, "the finished run is never deleted"
     assert [ckpt.takes_slot(p) for p in left].count(True) == 1, "one unfinished run with a checkpoint (keep_replaced 1)"
     assert sum((p / ckpt.DIVERGED).is_file() for p in left) == 2, "the diverged runs took no slot"
-    published = sorted(str(p.relative_to(kept / finished.FOLDER)) for p in (kept / finished.FOLDER).rglob("*.*"))
+    published = sorted(str(p.relative_to(kept / ckpt.KEPT)) for p in (kept / ckpt.KEPT).rglob("*.*"))
     assert published == sorted(
-        [*finished.PUBLISHED, "weights.json", "eval/metrics.json", "eval/per_class.csv", "report.html"]
+        [*ckpt.PUBLISHED, "weights.json", "eval/metrics.json", "eval/per_class.csv", "report.html"]
     )
-    assert (kept / finished.FOLDER / "report.html").read_text() == "<html>the finished run's report</html>"
+    assert (kept / ckpt.KEPT / "report.html").read_text() == "<html>the finished run's report</html>"
     assert f"finished runs are never deleted: {kept.name} kept whole" in caplog.text
     assert "deleted the oldest unfinished: " in caplog.text
 

@@ -16,8 +16,8 @@ import torchvision
 from helpers.train_data import config_json, packed_dataset, rows
 
 from rectrain.loaders.order import choose_order
-from rectrain.train.lifecycle.checkpoint import load
-from rectrain.train.lifecycle.finished import FORCED_ENV, PUBLISHED
+from rectrain.train.lifecycle.checkpoint import PUBLISHED, load
+from rectrain.train.lifecycle.status import FORCED_ENV
 from rectrain.train.telemetry import EPOCH_COLUMNS, STEP_COLUMNS, SYSTEM_BASE_COLUMNS
 
 

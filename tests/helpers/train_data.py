@@ -138,7 +138,7 @@ def rows(path):
 
 def run_identity(**changes):
     """A checkpoint's RunIdentity for the resume tests: a fixed sample, with `changes` applied."""
-    from rectrain.train.lifecycle.checkpoint import RunIdentity
+    from rectrain.train.lifecycle.identity import RunIdentity
 
     base = dict(
         config={"lr": 0.1, "epochs": 4},
@@ -149,3 +149,11 @@ def run_identity(**changes):
         code={"train.py": "aa", "loaders/dali.py": "bb"},
     )
     return RunIdentity(**{**base, **changes})
+
+
+def first_difference(state, ident):
+    """The first item in which the checkpoint `state` differs from the run `ident`, in words (None: the same run)."""
+    from rectrain.train.lifecycle.identity import differences
+
+    found = differences(state, ident)
+    return found[0].text if found else None

@@ -35,9 +35,7 @@ from rectrain.log import utc_now
 from rectrain.report import plots
 from rectrain.report.build import environment
 from rectrain.report.inputs import read_complete_csv
-from rectrain.train.lifecycle.checkpoint import DIVERGED
-from rectrain.train.lifecycle.finished import MARKER as FINISHED
-from rectrain.train.lifecycle.status import STOPPED
+from rectrain.train.lifecycle.status import DIVERGED, FINISHED, STOPPED
 from rectrain.train.telemetry import EPOCH_COLUMNS, LIVE_RUN_JSON
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,7 @@ import psutil
 from rectrain.log import duration
 from rectrain.progress import run_eta_s
 from rectrain.report.inputs import RunData
-from rectrain.train.lifecycle.checkpoint import DIVERGED
-from rectrain.train.lifecycle.supervise import STOPPED
+from rectrain.train.lifecycle.status import DIVERGED, STOPPED
 
 TRAINING, STOPPED_STATE, KILLED, DIVERGED_STATE, FINISHED = "training", "stopped", "killed", "diverged", "finished"
 # The pace is the mean of rank 0's last steps (as a progress line's window is its last steps), each

@@ -13,7 +13,7 @@ so `workflow.local_exec` is always true during the parse) and why the train job 
   (rectrain.data.pairowner) is refused now: Snakemake would delete it before the job could refuse it.
 - train.global_batch with a numeric batch_size and train.devices auto is checked against the
   processes this machine's GPUs give (a GPU list or cpu was checked while parsing).
-- The train job learns whether Snakemake forced it (rectrain.train.lifecycle.finished.FORCED_ENV): forced, it
+- The train job learns whether Snakemake forced it (rectrain.train.lifecycle.status.FORCED_ENV): forced, it
   trains again; otherwise it republishes a finished run it matches.
 
 Not run by a dry-run (nothing runs) or with --no-hooks; the train job's own checks still hold then.
@@ -32,7 +32,7 @@ from rectrain.settings import TrainBatch, TrainLaunch
 from rectrain.snakefile.checks import device_problems, node_problems, precision_problems
 from rectrain.snakefile.resources import scheduled_gpus
 from rectrain.train.globalbatch import global_batch_problems
-from rectrain.train.lifecycle.finished import FORCED_ENV
+from rectrain.train.lifecycle.status import FORCED_ENV
 
 TRAIN_RULE = "train"
 PACK_RULE = "pack"

@@ -6,7 +6,7 @@ One x axis for every tag: the training step of the run, epoch x steps per epoch 
 it; an epoch's values sit at its last step.  A resumed run (mid-epoch too) opens a new event file
 with TensorBoard's purge_step at the first step it trains: whatever the previous process wrote from
 there on (a SIGKILL after the last checkpoint) is dropped by every reader, so no step is written twice.
-A run that starts over moves the curves aside with its checkpoints (rectrain.train.lifecycle.checkpoint.move_aside).
+A run that starts over moves the curves aside with its checkpoints (rectrain.train.lifecycle.checkpoint.CheckpointSaver.move_aside).
 
 Tags (docs/watching.md says what each is):
   per progress line   train/loss (rank 0's steps since the last line), train/lr, train/images_per_s (all

@@ -24,6 +24,7 @@ from rectrain.storage import device_info, human_bytes
 from rectrain.train import calibrate, curves, early_warning
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import divergence, faults
+from rectrain.train.lifecycle.checkpoint import CheckpointSaver
 from rectrain.train.lifecycle.midepoch import MidEpoch, Position, run_state, stop_at_epoch_end
 from rectrain.train.lifecycle.stop import Agreement
 from rectrain.train.run import Run
@@ -64,7 +65,7 @@ def train_epochs(run: Run, start: Position, books: Books, agreement: Agreement) 
             books.curves.begin_epoch(run.train_loader.spec.crop_at(epoch))
         first, saved = start.rank_part(epoch, d.rank)
         wall_before = saved.get("wall_s", 0.0)
-        control = MidEpoch(run, agreement, epoch, run.train_loader, books.steps, wall_before, watch=watch)
+        control = MidEpoch(run, agreement, epoch, books.steps, wall_before, watch)
         stats = train_one_epoch(
             run.step,
             run.train_loader,
@@ -213,7 +214,7 @@ def end_epoch(run: Run, epoch: int, stats: dict, val: dict, rngs: list, books: B
         **{column: val.get(column) for column in EMA_VAL_COLUMNS},
     )
     watchdog.beat(f"epoch {epoch}: writing the checkpoint")
-    saved = checkpoint_note(run, epoch, save_checkpoint(run, epoch, rngs))
+    saved = checkpoint_note(run, epoch, CheckpointSaver.of(run).save_epoch(run_state(run, epoch, rngs), epoch))
     log.info(
         "epoch %d%s: train loss %.3f acc %.3f, %s, %.0f img/s, %.1f s%s; %s",
         epoch,
@@ -261,19 +262,6 @@ def efficiency_note(stats: dict, calibration: dict | None, resolution: int) -> s
         f", input efficiency {stats['steady'] / ceiling:.2f} ({stats['steady']:.1f} img/s steady against "
         f"{ceiling:.1f} calibrated)"
     )
-
-
-def save_checkpoint(run: Run, epoch: int, rngs: list) -> list[str]:
-    """epoch_<k>.pt and last.pt (replacing a mid-epoch one): everything a resume needs
-    (midepoch.run_state), and what makes it the same run.  last.pt is a hard link to epoch_<k>.pt where
-    the file system allows (one write and one copy on disk instead of two; a mid-epoch checkpoint later
-    replaces last.pt alone).  Then the epoch checkpoints beyond train.keep_checkpoints are deleted
-    (after the new one is in place, so a kill in between keeps them).  Returns the names deleted."""
-    state = run_state(run, epoch, rngs)
-    epoch_file = run.ck_dir / f"epoch_{epoch}.pt"
-    ckpt.save_atomic(state, epoch_file)
-    ckpt.save_linked(state, epoch_file, run.ck_dir / "last.pt")
-    return ckpt.prune(run.ck_dir, run.settings.stops.keep_checkpoints)
 
 
 def names_of_one_file(ck_dir: Path, epoch: int) -> str:

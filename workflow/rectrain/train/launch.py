@@ -31,7 +31,7 @@ from rectrain.config import ConfigError, stage_block
 from rectrain.data import pairowner
 from rectrain.train import cluster
 from rectrain.train import local_copy as stage
-from rectrain.train.lifecycle import requeue, supervise
+from rectrain.train.lifecycle import supervise
 from rectrain.train.lifecycle.status import EXIT_STOPPED
 
 log = logging.getLogger(__name__)
@@ -130,10 +130,10 @@ def single_process(procs: distributed.ProcessPlan, own: argparse.Namespace) -> N
 
 def after_stop() -> int:
     """After a clean stop (EXIT_STOPPED): under SLURM, back in the queue at the time limit (or why not)."""
-    said = requeue.after_stop(os.environ)
+    said = supervise.after_stop(os.environ)
     if said:
         log.info("%s", said)
-    requeue.wait_for_first_task(os.environ)
+    supervise.wait_for_first_task(os.environ)
     return EXIT_STOPPED
 
 

@@ -18,7 +18,9 @@ from rectrain.storage import block_device_for
 from rectrain.train import ema as emas
 from rectrain.train import telemetry
 from rectrain.train.lifecycle import checkpoint as ckpt
-from rectrain.train.lifecycle import finished, supervise
+from rectrain.train.lifecycle import supervise
+from rectrain.train.lifecycle.checkpoint import CheckpointSaver
+from rectrain.train.lifecycle.identity import maths_config
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ def weights_description(run: Run, final: dict, variant: dict | None = None) -> d
         architecture,
         run.classes,
         epoch=int(final["epoch"]) + 1,
-        recipe=ckpt.maths_config(s.as_dict()),
+        recipe=maths_config(s.as_dict()),
         as_run=run.resolved,
         variant=variant,
     )
@@ -104,7 +106,7 @@ def finish(run: Run, info: dict) -> None:
     (weights.safetensors) and model.pt last;
     then keep them beside the checkpoints (checkpoints/finished/) and mark the run finished."""
     live, out = run.out / "telemetry", run.out
-    finished.clear(out)
+    ckpt.clear(out)
     most = max([run.d.world_size, *(w["world_size"] for w in run.world_sizes)])  # a run moved 2 -> 1: both ranks' rows
     telemetry.merge_steps(live, out / "steps.csv", most)
     shutil.copyfile(live / "epochs.csv", out / "epochs.csv")
@@ -113,6 +115,7 @@ def finish(run: Run, info: dict) -> None:
     final = ckpt.load(run.ck_dir / "last.pt")
     publish_weights(run, final, out)
     ckpt.save_atomic(final, out / "model.pt")
-    finished.keep(out, run.ck_dir)
-    ckpt.mark_finished(run.ck_dir, out / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))
+    saver = CheckpointSaver.of(run)
+    saver.keep_finished(out)
+    saver.mark_finished(out / "model.pt", os.environ.get(supervise.LAUNCH_ID_ENV))
     log.info("done: %s", out / "model.pt")

@@ -37,7 +37,7 @@ from rectrain.tables import read_classes
 from rectrain.train import batchaug, init_weights, losses
 from rectrain.train import ema as emas
 from rectrain.train.batchplan import BatchPlan, RankParts
-from rectrain.train.lifecycle import checkpoint as ckpt
+from rectrain.train.lifecycle.identity import RunIdentity, data_fingerprint, maths_config
 from rectrain.train.optim import make_optimizer, recorded
 from rectrain.train.resolution import resolutions
 from rectrain.train.step import Step
@@ -150,7 +150,7 @@ class Run:
     plan: BatchPlan
     workers: int
     cores: int
-    identity: ckpt.RunIdentity
+    identity: RunIdentity
     # the recipe as it ran: what each mechanic changed, the optimizer's groups (run.json, weights.json)
     resolved: dict
     # every change of world size, with its epoch (rectrain.train.lifecycle.resume.world_sizes); a resume replaces it
@@ -191,9 +191,9 @@ def build_run(args: argparse.Namespace, s: TrainSettings, parts: RankParts, plan
         augment_batch=parts.augment_batch,
         ema=emas.build(s.optim.ema, model),  # of the unwrapped model, before DDP and torch.compile
     )
-    data = ckpt.data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
-    identity = ckpt.RunIdentity(
-        ckpt.maths_config(s.as_dict()),
+    data = data_fingerprint(args.rec, args.idx, args.classes, args.manifest)
+    identity = RunIdentity(
+        maths_config(s.as_dict()),
         plan.batch,
         plan.grad_accum,
         d.world_size,

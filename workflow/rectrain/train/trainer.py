@@ -13,7 +13,7 @@ A run, in order (`train`), each step in its own module of rectrain.train: set up
 model (run.prepare_rank), plan the batch - on a GPU after checking it fits beside what the loaders
 will hold (batchplan) - build the loaders, optimizer (optim) and network (run.build_run), resume a
 checkpoint of the same run or move the one it replaces aside (resume, train.resume), calibrate (img/s on synthetic data,
-calibrate), write run.json (provenance), then per epoch train (step.run_steps), validate (rectrain.metrics'
+calibrate), write run.json (runinfo), then per epoch train (step.run_steps), validate (rectrain.metrics'
 tally, as the evaluate stage counts) and checkpoint (epochs); finally publish the outputs (outputs).  A watchdog
 (rectrain.watchdog, train.watchdog_s) ends a rank that stops making progress; a failing rank's log
 line says what an out-of-memory in disguise needs (failure).  Test hooks: faults.
@@ -22,7 +22,7 @@ Outputs in --out: checkpoints/epoch_<k>.pt (the last train.keep_checkpoints) + l
 atomic; a replaced run's under checkpoints/replaced/), telemetry/ (live CSVs),
 and once finished steps.csv, epochs.csv, system.csv, run.json and model.pt (written last), then
 checkpoints/finished/ (links to the published outputs) and checkpoints/finished.json: a later start of
-the job republishes them when it is the same run and Snakemake did not force it (resume, finished).
+the job republishes them when it is the same run and Snakemake did not force it (resume, checkpoint.CheckpointSaver).
 See docs/architecture.md for the formats.
 """
 
@@ -39,10 +39,11 @@ from rectrain import distributed, settings, usage, watchdog, weights
 from rectrain import model as models
 from rectrain.atomic import write_json
 from rectrain.distributed import all_gather, barrier
-from rectrain.train import batchplan, calibrate, curves, outputs, provenance, telemetry
+from rectrain.train import batchplan, calibrate, curves, outputs, runinfo, telemetry
 from rectrain.train.epochs import Books, train_epochs
 from rectrain.train.lifecycle import checkpoint as ckpt
 from rectrain.train.lifecycle import divergence, failure, stop
+from rectrain.train.lifecycle.identity import maths_config
 from rectrain.train.lifecycle.resume import previous_plan, resume
 from rectrain.train.lifecycle.stop import Agreement, StopRequest
 from rectrain.train.run import Run, build_run, prepare_rank
@@ -70,7 +71,7 @@ def train(args: argparse.Namespace, s: settings.TrainSettings) -> None:
         ):
             watchdog.beat("preparing: model, memory preflight, loaders")
             # the checkpoint's plan: batch_size auto reuses it when it fits, another world size regroups it
-            previous = previous_plan(Path(args.out) / "checkpoints", s.stops.resume, ckpt.maths_config(s.as_dict()))
+            previous = previous_plan(Path(args.out) / "checkpoints", s.stops.resume, maths_config(s.as_dict()))
             parts = prepare_rank(args, d, s.network, s.loaders, s.resolution, seed=s.launch.seed, epochs=s.optim.epochs)
             plan = batchplan.plan_batch(s.batch, d, parts, optim=s.optim, network=s.network, previous=previous)
             run = build_run(args, s, parts, plan)
@@ -109,7 +110,7 @@ def train_run(run: Run, request: StopRequest) -> None:
     if resumed.world_sizes:
         run = dataclasses.replace(run, world_sizes=resumed.world_sizes)
     calibration = calibrate.reused_or_measured(run, run.out / calibrate.KEPT, resumed.continues)
-    info = provenance.run_info(
+    info = runinfo.run_info(
         run,
         resumed.start_epoch,
         calibration,
@@ -126,7 +127,7 @@ def train_run(run: Run, request: StopRequest) -> None:
         (run.out / "telemetry").mkdir(parents=True, exist_ok=True)
         write_json(run.out / "telemetry" / telemetry.LIVE_RUN_JSON, info)  # what survives Snakemake's clean-up
         calibrate.keep(run.out / calibrate.KEPT, info)
-        provenance.log_start(run)
+        runinfo.log_start(run)
     if resumed.rng_states is not None:
         ckpt.set_rng_state(resumed.rng_states[d.rank])
     elif resumed.regrouped:

@@ -1,28 +1,7 @@
-"""Checkpoints that survive a kill, load without pickle, and resume only the run that wrote them.
-
-Everything is stored as tensors, numbers, strings, lists and dicts so `torch.load(weights_only=True)`
-accepts it (no code runs when a checkpoint is loaded).  Writes go to a temporary file in the same
-directory and are moved into place with os.replace, so a kill never leaves a half-written last.pt.
-
-A checkpoint carries its run's identity (RunIdentity): the train config (less the operational keys,
-x-rerun: false in the schema), the batch and accumulation the preflight CHOSE (`batch_size: auto` may choose
-differently on another card), the record content, the world size and the sha256 of every training
-source file.  `differences` compares them and names each that differs (`resumable`: the first);
-which of them train.resume: always may resume across is rectrain.train.lifecycle.resume's decision.
-
-Starting over deletes nothing of the run it replaces: a run that does not continue the checkpoints here moves them
-(`move_aside`: a rename within the folder's filesystem, never a copy) into
-replaced/<UTC time>-<what differed>/ beside them; `bound_replaced` then keeps the newest
-train.keep_replaced runs there, deleting older ones by name.  Within a run, `prune` keeps the last
-train.keep_checkpoints epoch_<k>.pt files (last.pt is always kept, model.pt is not in this folder).
-
-Finished runs: after model.pt is published, its outputs are linked into finished/ (rectrain.train.lifecycle.finished)
-and FINISHED is written beside the checkpoints.  Snakemake deletes a rule's outputs before it runs the
-job, so a train job that starts with FINISHED present was started again: forced by the user
-(`--forcerun train`) it retrains; otherwise (a failed rerun removed the outputs, or they were deleted by
-hand) it republishes finished/ when the run still matches (rectrain.train.lifecycle.resume).  A job killed at any
-point before FINISHED (even after its last epoch's checkpoint) resumes instead.
-"""
+"""The checkpoint files of one run: `CheckpointSaver` writes, prunes, moves replaced runs aside and keeps
+the finished record, as timm's CheckpointSaver is one class; docs/architecture.md, "Rerun semantics"
+(Resume, A finished run survives).  Everything is stored as tensors, numbers, strings, lists and dicts,
+so `torch.load(weights_only=True)` runs no code; every write is atomic (rectrain.atomic)."""
 
 from __future__ import annotations
 
@@ -30,71 +9,37 @@ import contextlib
 import copy
 import datetime
 import errno
-import hashlib
-import json
 import logging
 import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from rectrain import atomic
-from rectrain.config import output_part
-from rectrain.recordio import read_idx
+from rectrain.log import CONSOLE_LINE
 from rectrain.storage import human_bytes
-from rectrain.train.lifecycle import finished
+from rectrain.train.lifecycle.status import DIVERGED, FINISHED
 
 log = logging.getLogger(__name__)
 
-# Written beside the checkpoints once model.pt is published: this run is complete (finished.py: torch-free,
-# so the launcher reads it without importing torch).
-FINISHED, finished_marker = finished.MARKER, finished.marker
-# Written beside the checkpoints when the ranks stopped on divergence (rectrain.train.lifecycle.divergence).
-DIVERGED = "diverged.json"
-# The run's TensorBoard curves, beside the checkpoints folder (rectrain.train.curves.FOLDER); a run
-# moved aside takes them along, so a new run's curves start apart.
+# The run's TensorBoard curves, beside the checkpoints folder (rectrain.train.curves): a run moved
+# aside takes them along, so a new run's curves start apart.
 CURVES = "tensorboard"
-# Record headers hashed for the content fingerprint: evenly spaced over the .idx.  Reading every
-# header of ImageNet's .rec would read nearly the whole 140 GB file; 4096 reads take well under a
-# second and catch any relabel that moves more than ~0.1 % of the records (a class-to-label change).
-SAMPLED_RECORDS = 4096
-# Bytes read at each sampled record: the frame and IRHeader (label, id) and the first image bytes.
-SAMPLE_BYTES = 64
-# The manifest keys that decide the records (pack settings, counts, what was skipped or repaired, the
-# published bytes); never its timings (wall_s, images_per_s, decode ms, usage), storage or paths: a
-# repack that writes the same .rec, or a second check of the same pair, is the same data and resumes.
-MANIFEST_RECORD_KEYS = (
-    "discovered",
-    "packed",
-    "skipped",
-    "repaired",
-    "skipped_files",
-    "bytes_written",
-    "num_classes",
-    "resize",
-    "max_side",
-    "quality",
-    "shuffle_seed",
-    "check_scan_data",
-    "max_image_bytes",
-)
-# check_recordio's `existing` block: the same, for a brought pair.
-EXISTING_RECORD_KEYS = (
-    "bytes",
-    "checked_records",
-    "kept_unusual",
-    "formats",
-    "published",
-    "shuffle_seed",
-    "bytes_written",
-)
 # Where the checkpoints of a replaced run go (under the checkpoints folder: same filesystem, a rename).
 REPLACED = "replaced"
+# checkpoints/finished/: the finished run's published outputs (hard links), moved aside with its checkpoints.
+KEPT = "finished"
+# The train rule's outputs in --out, model.pt last (the rule's marker of a finished run).
+PUBLISHED = ("steps.csv", "epochs.csv", "system.csv", "run.json", "weights.safetensors", "model.pt")
+# With train.ema, the raw and the averaged weights: kept and restored when the run wrote them.
+VARIANTS = ("weights-raw.safetensors", "weights-ema.safetensors")
+# What the later stages published from a finished run (weights.json beside its weights; eval/ and
+# report.html in the run's folder): kept with the run when it is moved aside.
+EVALUATION, RUN_PUBLISHED = ("weights.json",), ("eval", "report.html")
 # The reason's words in a moved-aside folder's name: enough to tell folders apart, short enough to list.
 SLUG_CHARS = 48
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt")
@@ -104,16 +49,11 @@ def rng_state() -> dict:
     """This process's RNG states (torch, cuda, numpy, python) in weights_only-loadable form."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, py_gauss = random.getstate()
+    numpy_state = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos)}
     return {
         "torch": torch.get_rng_state(),
         "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
-        "numpy": {
-            "name": name,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
+        "numpy": {**numpy_state, "has_gauss": int(has_gauss), "gauss": float(gauss)},
         "python": {"version": version, "state": list(internal), "gauss": py_gauss},
     }
 
@@ -128,39 +68,63 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
 
 
-def seed_host_rngs(seed: int, rank: int) -> None:
-    """A new run's NumPy and Python RNGs seeded from (train.seed, rank): the draws of timm's Mixup (NumPy)
-    and random erasing (Python) are then the same in every run of the config, and differ between ranks.
-    torch's RNG keeps train.seed's stream (the model's initial weights, the same on every rank)."""
-    value = int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+def seed_host_rngs(seed: int, *keys: int) -> int:
+    """NumPy's and Python's RNG (timm's Mixup, random erasing) seeded from (train.seed, *keys): a new run's
+    from (seed, rank), torch's keeping train.seed's stream (the initial weights, the same on every rank)."""
+    value = int(np.random.SeedSequence([seed, *keys]).generate_state(1)[0])
     np.random.seed(value)
     random.seed(value)
+    return value
 
 
 def reseed(seed: int, epoch: int, rank: int) -> None:
-    """Seed this process's RNGs (torch, numpy, python) from (train.seed, epoch, rank): a rank on another
-    world size has no saved stream of its own to continue (rectrain.train.lifecycle.resume)."""
-    value = int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
-    torch.manual_seed(value)
-    np.random.seed(value)
-    random.seed(value)
+    """Every RNG seeded from (train.seed, epoch, rank): a rank on another world size has no stream to continue."""
+    torch.manual_seed(seed_host_rngs(seed, epoch, rank))
+
+
+def _walk(obj, leaf):
+    """`obj` (nested dicts, lists, tuples) with `leaf` applied to every other value."""
+    if isinstance(obj, dict):
+        return {k: _walk(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_walk(v, leaf) for v in obj)
+    return leaf(obj)
 
 
 def host_copy(obj):
-    """A copy of a (nested) state dict with every tensor cloned to host memory: a snapshot that costs
-    no device memory (the preflight's and the calibration's)."""
+    """A (nested) state dict with every tensor cloned to host memory: a snapshot costing no device memory."""
+    return _walk(obj, lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of every tensor in a (nested) state: about what torch.save writes."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(v) for v in obj)
-    return copy.deepcopy(obj)
+        return obj.nbytes
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in items)
+
+
+class NoSpace(OSError):
+    """A checkpoint did not fit on its disk; the message says how much it needs and how much is free."""
+
+
+def no_space(exc: BaseException, path: Path, obj: dict) -> NoSpace | None:
+    """NoSpace when `exc` (torch.save's zip writer says "unexpected pos ...", a file ENOSPC) came from a
+    disk without room for `obj`, else None."""
+    needed, free = tensor_bytes(obj), shutil.disk_usage(path.parent).free
+    if not (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) and free >= needed:
+        return None
+    return NoSpace(
+        errno.ENOSPC,
+        f"no space left for the checkpoint {path}: it needs about {human_bytes(needed)}, and its disk has "
+        f"{human_bytes(free)} free; free at least {human_bytes(max(needed - free, 0) + (1 << 20))} there (or lower "
+        "train.keep_checkpoints)",
+    )
 
 
 def save_atomic(obj: dict, path: str | os.PathLike) -> None:
-    """torch.save through rectrain.atomic (into the temporary's own descriptor): a kill mid-write leaves
-    the previous checkpoint intact.  A full disk raises NoSpace, saying how much the checkpoint needs."""
+    """torch.save through rectrain.atomic: a kill mid-write leaves the previous file intact; a full disk
+    raises NoSpace."""
     try:
         atomic.write_with(path, lambda f: torch.save(obj, f))
         return
@@ -172,40 +136,9 @@ def save_atomic(obj: dict, path: str | os.PathLike) -> None:
 
 
 def save_linked(obj: dict, source: str | os.PathLike, path: str | os.PathLike) -> bool:
-    """`path` holding `obj`, which the finished checkpoint `source` already holds: a hard link to it
-    where the file system has them (True), else saved (rectrain.atomic.link_or_write)."""
+    """`path` holding `obj`, which `source` already holds: a hard link where the file system has them
+    (True), else saved (rectrain.atomic.link_or_write)."""
     return atomic.link_or_write(source, path, lambda f: torch.save(obj, f))
-
-
-class NoSpace(OSError):
-    """A checkpoint did not fit on its disk; the message says how much it needs and how much is free."""
-
-
-def tensor_bytes(obj) -> int:
-    """The bytes of every tensor in a (nested) state: about what torch.save writes."""
-    if isinstance(obj, torch.Tensor):
-        return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
-
-
-def no_space(exc: BaseException, path: Path, obj: dict) -> NoSpace | None:
-    """NoSpace when `exc` (torch.save's zip writer reports a full disk as "unexpected pos ...", a file
-    as ENOSPC) came from a disk without room for the checkpoint `obj`, else None."""
-    needed = tensor_bytes(obj)
-    free = shutil.disk_usage(path.parent).free
-    full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    if not full and free >= needed:
-        return None
-    return NoSpace(
-        errno.ENOSPC,
-        f"no space left for the checkpoint {path}: it needs about {human_bytes(needed)}, and its disk has "
-        f"{human_bytes(free)} free; free at least {human_bytes(max(needed - free, 0) + (1 << 20))} there (or lower "
-        "train.keep_checkpoints)",
-    )
 
 
 def load(path: str | os.PathLike) -> dict:
@@ -213,149 +146,14 @@ def load(path: str | os.PathLike) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def maths_config(recorded: dict) -> dict:
-    """The train block, recorded flat (TrainSettings.as_dict(), or a checkpoint's `config`), without its
-    operational keys (x-rerun: false in the schema, the same split the rule's params use): a checkpoint
-    written under other intervals, timeouts or worker counts is resumed."""
-    return output_part("train", recorded)
+def _link(src: Path, dest: Path) -> None:
+    """dest becomes src's bytes, atomically: a hard link, else (no links on this filesystem) a copy."""
 
+    def copy_to(out) -> None:
+        with open(src, "rb") as f:
+            shutil.copyfileobj(f, out, 1 << 20)
 
-def _sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def manifest_records(manifest: str) -> dict:
-    """The part of a pack (or check_recordio) manifest that decides the records: MANIFEST_RECORD_KEYS
-    and EXISTING_RECORD_KEYS of its `existing` block, nothing measured."""
-    with open(manifest, encoding="utf-8") as fh:
-        found = json.load(fh)
-    kept = {k: found[k] for k in MANIFEST_RECORD_KEYS if k in found}
-    if isinstance(found.get("existing"), dict):
-        kept["existing"] = {k: found["existing"][k] for k in EXISTING_RECORD_KEYS if k in found["existing"]}
-    return kept
-
-
-def data_fingerprint(rec: str, idx: str, classes: str | None = None, manifest: str | None = None) -> dict:
-    """What the records are: sha256 of the .idx (keys and offsets), of SAMPLED_RECORDS evenly spaced
-    records' headers (labels, ids) and first image bytes, of classes.tsv (label -> class), and of what
-    in the pack manifest decides the records (manifest_records: settings and counts, no timings);
-    plus the .rec's size."""
-    pairs = read_idx(idx)
-    step = max(1, len(pairs) // SAMPLED_RECORDS)
-    h = hashlib.sha256()
-    fd = os.open(rec, os.O_RDONLY)
-    try:
-        for _, offset in pairs[::step]:
-            h.update(os.pread(fd, SAMPLE_BYTES, offset))
-    finally:
-        os.close(fd)
-    fp = {"rec_bytes": os.path.getsize(rec), "idx_sha256": _sha256(idx), "headers_sha256": h.hexdigest()}
-    if classes:
-        fp["classes_sha256"] = _sha256(classes)
-    if manifest:
-        kept = json.dumps(manifest_records(manifest), sort_keys=True).encode()
-        fp["manifest_records_sha256"] = hashlib.sha256(kept).hexdigest()
-    return fp
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """Everything that makes two trainings the same run (see the module doc)."""
-
-    config: dict  # the train block without its operational keys (see maths_config)
-    batch_size: int
-    grad_accum: int
-    world_size: int
-    data: dict
-    code: dict
-
-    def stamp(self) -> dict:
-        """The checkpoint fields that record this identity, beside its full "config"."""
-        return {
-            "batch_size": self.batch_size,
-            "grad_accum": self.grad_accum,
-            "world_size": self.world_size,
-            "data": self.data,
-            "code": self.code,
-        }
-
-
-def _comparable_data(old: dict, new: dict) -> tuple[dict, dict]:
-    """A checkpoint written before the fingerprint left the manifest's timings out holds
-    manifest_sha256 (the whole manifest): it is compared on its other items, so an upgrade does not
-    start every run over."""
-    if "manifest_sha256" not in old:
-        return old, new
-    return {k: v for k, v in old.items() if k != "manifest_sha256"}, {
-        k: v for k, v in new.items() if k != "manifest_records_sha256"
-    }
-
-
-def _changed(a: dict, b: dict) -> str:
-    return ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))
-
-
-@dataclass(frozen=True)
-class Difference:
-    """One item of the run identity that differs between a checkpoint and this run."""
-
-    item: str  # config, batch, world_size, data or code
-    text: str  # in words, for the log line and run.json
-
-
-# Train keys whose only effect is the number of processes or their batch plan: the `world_size` and
-# `batch` items compare what they became (a run moved from 2 GPUs to 1 is the same run when its
-# global batch is kept, rectrain.train.lifecycle.resume), so the `config` item leaves them out.
-PLAN_KEYS = ("devices", "cpu_processes", "nodes", "batch_size", "grad_accum")
-
-
-def _without_plan_keys(maths: dict) -> dict:
-    return {k: v for k, v in maths.items() if k not in PLAN_KEYS}
-
-
-def differences(state: dict, ident: RunIdentity) -> list[Difference]:
-    """Every item in which the checkpoint `state` differs from the run `ident` (empty: the same run)."""
-    found = []
-    old_cfg, new_cfg = _without_plan_keys(maths_config(state.get("config") or {})), _without_plan_keys(ident.config)
-    if old_cfg != new_cfg:
-        found.append(Difference("config", f"the train config changed ({_changed(old_cfg, new_cfg)})"))
-    old, new = (state.get("batch_size"), state.get("grad_accum")), (ident.batch_size, ident.grad_accum)
-    if old != new:
-        text = f"the chosen batch changed ({old[0]} x accum {old[1]} then, {new[0]} x accum {new[1]} now)"
-        found.append(Difference("batch", text))
-    if state.get("world_size") != ident.world_size:
-        text = f"it was written by {state.get('world_size')} processes, this run has {ident.world_size}"
-        found.append(Difference("world_size", text))
-    old_data, new_data = _comparable_data(state.get("data") or {}, ident.data)
-    if old_data != new_data:
-        text = f"the training records changed ({_changed(old_data, new_data)})"
-        found.append(Difference("data", text))
-    if state.get("code") != ident.code:
-        found.append(Difference("code", f"the training code changed ({_changed(state.get('code') or {}, ident.code)})"))
-    return found
-
-
-def resumable(state: dict, ident: RunIdentity) -> str | None:
-    """None if the checkpoint `state` continues the run `ident`, else the first item that differs, in words."""
-    found = differences(state, ident)
-    return found[0].text if found else None
-
-
-def stamp_of(path: str | os.PathLike) -> dict:
-    """The identity fields of a checkpoint (RunIdentity.stamp, its config), read through mmap: the batch
-    plan reads them before the run is built without loading every tensor of a large checkpoint."""
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return {k: state.get(k) for k in ("batch_size", "grad_accum", "world_size", "config", "data", "code")}
-
-
-def mark_finished(ck_dir: Path, model: Path, launch_id: str | None = None) -> None:
-    """After model.pt is published: a later start of this job is a new run (see the module doc).  The
-    launch's id lets its launcher tell a finished run from a failed one whatever torchrun's status."""
-    atomic.write_json(finished_marker(ck_dir), {"model": str(model), "launch_id": launch_id})
+    atomic.link_or_write(src, dest, copy_to)
 
 
 def _slug(reason: str) -> str:
@@ -366,97 +164,10 @@ def _slug(reason: str) -> str:
 
 
 def run_files(ck_dir: Path) -> list[str]:
-    """The names of a run's checkpoint files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED, DIVERGED
-    and the folder of its kept outputs (rectrain.train.lifecycle.finished)."""
-    ck_dir = Path(ck_dir)
-    epochs = sorted((p.name for p in ck_dir.glob("epoch_*.pt") if EPOCH_FILE.fullmatch(p.name)), key=_epoch_of)
-    return epochs + [n for n in ("last.pt", FINISHED, DIVERGED, finished.FOLDER) if (ck_dir / n).exists()]
-
-
-def _epoch_of(name: str) -> int:
-    return int(EPOCH_FILE.fullmatch(name).group(1))
-
-
-def move_aside(ck_dir: Path, reason: str) -> tuple[Path | None, list[str]]:
-    """Move the checkpoints (and FINISHED, and the curves beside the folder: CURVES) of a run being
-    replaced into replaced/<UTC time>-<reason slug>/; returns (that folder, the names moved), (None, []) when there
-    were none.  os.rename within one folder tree: no copy, no byte rewritten, nothing deleted."""
-    ck_dir = Path(ck_dir)
-    names = run_files(ck_dir)
-    if not names:
-        return None, []
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    dest = ck_dir / REPLACED / f"{stamp}-{_slug(reason)}"
-    for n in range(1, 1000):  # two replacements within a second keep both
-        try:
-            dest.mkdir(parents=True)
-            break
-        except FileExistsError:
-            dest = dest.with_name(f"{stamp}-{_slug(reason)}-{n}")
-    for name in names:
-        os.rename(ck_dir / name, dest / name)
-    curves = ck_dir.parent / CURVES
-    if curves.is_dir():
-        os.rename(curves, dest / CURVES)
-    if (dest / FINISHED).is_file():  # a finished run keeps all it published, not its training's outputs alone
-        names += finished.keep_evaluation(ck_dir.parent, dest)
-    return dest, names
-
-
-def move_back(folder: Path, ck_dir: Path) -> list[str]:
-    """Undo move_aside: rename a replaced run's files from folder back into ck_dir (emptied by a
-    move_aside first) and remove the then empty folder.  Returns the names moved."""
-    names = run_files(folder)
-    for name in names:
-        os.rename(Path(folder) / name, Path(ck_dir) / name)
-    curves, home = Path(folder) / CURVES, Path(ck_dir).parent / CURVES
-    if curves.is_dir() and not home.exists():
-        os.rename(curves, home)
-    with contextlib.suppress(OSError):  # something else left there stays, with its folder
-        Path(folder).rmdir()
-    return names
-
-
-def prune(ck_dir: Path, keep: int) -> list[str]:
-    """Delete all but the newest `keep` epoch_<k>.pt (by k; last.pt and the moved-aside runs are not
-    touched).  Called after the new checkpoint is in place (save_atomic), so a kill during the prune
-    leaves at least `keep` whole checkpoints.  Returns the names deleted."""
-    epochs = [n for n in run_files(ck_dir) if EPOCH_FILE.fullmatch(n)]
-    gone = epochs[: max(0, len(epochs) - max(1, keep))]
-    for name in gone:
-        (Path(ck_dir) / name).unlink(missing_ok=True)
-    return gone
-
-
-def takes_slot(folder: Path) -> bool:
-    """A replaced run that train.keep_replaced counts: an unfinished one holding a checkpoint.  A finished
-    run is never deleted by the bound, and a run with no checkpoint (diverged before its first, or
-    stopped at once: a few KB) takes no slot."""
-    if (folder / FINISHED).is_file():
-        return False
-    return (folder / "last.pt").is_file() or any(EPOCH_FILE.fullmatch(p.name) for p in folder.glob("epoch_*.pt"))
-
-
-def bound_replaced(ck_dir: Path, keep: int) -> tuple[list[str], int, int]:
-    """Delete all but the newest `keep` unfinished runs holding a checkpoint in replaced/
-    (train.keep_replaced; folders named by UTC time, so by name): finished runs and runs without a
-    checkpoint are kept and take no slot (takes_slot).  Returns (the folders deleted, the runs left,
-    their bytes on disk)."""
-    root = Path(ck_dir) / REPLACED
-    if not root.is_dir():
-        return [], 0, 0
-    runs = sorted(p for p in root.iterdir() if p.is_dir())
-    counted = [p for p in runs if takes_slot(p)]
-    gone = counted[: max(0, len(counted) - keep)]
-    for folder in gone:
-        shutil.rmtree(folder)
-    return [p.name for p in gone], len(runs) - len(gone), disk_bytes(root)
-
-
-def finished_replaced(ck_dir: Path) -> list[Path]:
-    """The finished runs kept in replaced/ (never deleted by bound_replaced), oldest first."""
-    root = Path(ck_dir) / REPLACED
-    return sorted(p for p in root.iterdir() if (p / FINISHED).is_file()) if root.is_dir() else []
+    """A run's files in ck_dir: epoch_<k>.pt by k, last.pt, FINISHED, DIVERGED and its kept outputs."""
+    found = (EPOCH_FILE.fullmatch(p.name) for p in Path(ck_dir).glob("epoch_*.pt"))
+    epochs = [m.string for m in sorted(filter(None, found), key=lambda m: int(m.group(1)))]
+    return epochs + [n for n in ("last.pt", FINISHED, DIVERGED, KEPT) if (Path(ck_dir) / n).exists()]
 
 
 def disk_bytes(folder: Path) -> int:
@@ -468,3 +179,173 @@ def disk_bytes(folder: Path) -> int:
             seen.add((st.st_dev, st.st_ino))
             total += st.st_size
     return total
+
+
+def takes_slot(folder: Path) -> bool:
+    """A replaced run that train.keep_replaced counts: an unfinished one holding a checkpoint (a run that
+    diverged or stopped before its first takes a few KB)."""
+    names = run_files(folder)
+    return FINISHED not in names and any(n == "last.pt" or EPOCH_FILE.fullmatch(n) for n in names)
+
+
+def clear(out: Path) -> None:
+    """Remove the published outputs in out before they are written again: one that is a link into a
+    kept run (published by a restore) is then replaced, never written through."""
+    for name in (*VARIANTS, *PUBLISHED):
+        (Path(out) / name).unlink(missing_ok=True)
+
+
+def _present(where: Path) -> tuple[str, ...]:
+    """The published outputs, with the weight variants found in `where`, model.pt last."""
+    return (*(name for name in VARIANTS if (Path(where) / name).is_file()), *PUBLISHED)
+
+
+class CheckpointSaver:
+    """The checkpoints folder `ck_dir` of one run: epoch checkpoints (the last `keep`, and last.pt), the runs it
+    replaced (`keep_replaced` unfinished ones with a checkpoint), and the finished record (finished.json, and
+    finished/ holding the published outputs as hard links: a rerun that fails never costs a finished run)."""
+
+    def __init__(self, ck_dir: Path, keep: int = 1, keep_replaced: int = 1):
+        self.ck_dir, self.keep, self.keep_replaced = Path(ck_dir), keep, keep_replaced
+        self.replaced, self.kept, self.marker = self.ck_dir / REPLACED, self.ck_dir / KEPT, self.ck_dir / FINISHED
+
+    @classmethod
+    def of(cls, run) -> CheckpointSaver:
+        """The saver of a rectrain.train.run.Run: its train.keep_checkpoints and train.keep_replaced."""
+        return cls(run.ck_dir, run.settings.stops.keep_checkpoints, run.settings.stops.keep_replaced)
+
+    def save_epoch(self, state: dict, epoch: int) -> list[str]:
+        """epoch_<k>.pt, last.pt as a hard link to it (one write; a mid-epoch checkpoint later replaces
+        last.pt alone), then `prune`.  Returns the names pruned."""
+        epoch_file = self.ck_dir / f"epoch_{epoch}.pt"
+        save_atomic(state, epoch_file)
+        save_linked(state, epoch_file, self.ck_dir / "last.pt")
+        return self.prune()
+
+    def prune(self) -> list[str]:
+        """Delete all but the newest `keep` epoch_<k>.pt, after the new one is in place (a kill during the
+        prune leaves at least `keep`).  Returns the names deleted."""
+        epochs = [n for n in run_files(self.ck_dir) if EPOCH_FILE.fullmatch(n)]
+        gone = epochs[: max(0, len(epochs) - max(1, self.keep))]
+        for name in gone:
+            (self.ck_dir / name).unlink(missing_ok=True)
+        return gone
+
+    def move_aside(self, reason: str) -> tuple[Path | None, list[str]]:
+        """Rename the run's files (its curves, a finished run's evaluation) into replaced/<UTC time>-<reason>/:
+        nothing copied or deleted.  Returns (that folder, the names), (None, []) when there were none."""
+        names = run_files(self.ck_dir)
+        if not names:
+            return None, []
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        dest = self.replaced / f"{stamp}-{_slug(reason)}"
+        for n in range(1, 1000):  # two replacements within a second keep both
+            try:
+                dest.mkdir(parents=True)
+                break
+            except FileExistsError:
+                dest = dest.with_name(f"{stamp}-{_slug(reason)}-{n}")
+        for name in names:
+            os.rename(self.ck_dir / name, dest / name)
+        curves = self.ck_dir.parent / CURVES
+        if curves.is_dir():
+            os.rename(curves, dest / CURVES)
+        if (dest / FINISHED).is_file():  # a finished run keeps all it published, not its training's outputs alone
+            names += self.keep_evaluation(self.ck_dir.parent, dest)
+        return dest, names
+
+    def move_back(self, folder: Path) -> list[str]:
+        """Undo move_aside into the (emptied) ck_dir and remove the then empty folder.  Returns the names."""
+        names = run_files(folder)
+        for name in names:
+            os.rename(Path(folder) / name, self.ck_dir / name)
+        curves, home = Path(folder) / CURVES, self.ck_dir.parent / CURVES
+        if curves.is_dir() and not home.exists():
+            os.rename(curves, home)
+        with contextlib.suppress(OSError):  # something else left there stays, with its folder
+            Path(folder).rmdir()
+        return names
+
+    def start_over(self, why_not: str, bring_back: Path | None = None) -> None:
+        """Move the run here aside, saying where and why (nothing here: nothing said); then move the finished
+        run in `bring_back` (this run, kept under replaced/) back, and bound_replaced."""
+        dest, moved = self.move_aside(why_not)
+        if moved:
+            then = "" if bring_back else "; starting from epoch 0"
+            text = f"not resuming from {self.ck_dir / 'last.pt'}: {why_not}; moved its checkpoints ({', '.join(moved)})"
+            log.info("%s aside to %s%s", text, dest, then, extra=CONSOLE_LINE)
+        if bring_back is None:
+            if moved:
+                self.bound_replaced()
+            return
+        self.move_back(bring_back)
+        self.bound_replaced()
+        same = "it is this run (the same train config, batch plan, records, processes and code)"
+        log.info("brought back the finished run moved aside to %s: %s", bring_back, same, extra=CONSOLE_LINE)
+
+    def replaced_runs(self) -> list[Path]:
+        """The runs in replaced/, oldest first (folders named by UTC time)."""
+        return sorted(p for p in self.replaced.iterdir() if p.is_dir()) if self.replaced.is_dir() else []
+
+    def bound_replaced(self) -> None:
+        """Delete all but the newest `keep_replaced` runs that take a slot (takes_slot) and say what
+        replaced/ holds: finished runs are never deleted."""
+        runs = self.replaced_runs()
+        if not runs:
+            return
+        counted = [p for p in runs if takes_slot(p)]
+        gone = counted[: max(0, len(counted) - self.keep_replaced)]
+        for folder in gone:
+            shutil.rmtree(folder)
+        removed = f"; deleted the oldest unfinished: {', '.join(p.name for p in gone)}" if gone else ""
+        whole = [p.name for p in runs if p not in gone and (p / FINISHED).is_file()]
+        kept = (
+            f"; finished runs are never deleted: {', '.join(whole)} kept whole (their checkpoints, and in finished/ "
+            "their weights, weights.json, csvs, run.json, eval/ and report.html)"
+            if whole
+            else ""
+        )
+        held = f"{self.replaced} holds {len(runs) - len(gone)} replaced run(s)"
+        bound = f"train.keep_replaced: {self.keep_replaced} unfinished runs with a checkpoint"
+        size = human_bytes(disk_bytes(self.replaced))
+        log.info("%s, %s on disk (%s)%s%s", held, size, bound, removed, kept, extra=CONSOLE_LINE)
+
+    def mark_finished(self, model: Path, launch_id: str | None = None) -> None:
+        """After model.pt is published: a later start of this job is a new run.  The launch's id lets its
+        launcher tell a finished run from a failed one whatever torchrun's status."""
+        atomic.write_json(self.marker, {"model": str(model), "launch_id": launch_id})
+
+    def complete(self) -> bool:
+        """Every published output is kept in checkpoints/finished/."""
+        return all((self.kept / name).is_file() for name in PUBLISHED)
+
+    def keep_finished(self, out: Path) -> None:
+        """Link the published outputs in `out` into checkpoints/finished/ (model.pt last)."""
+        for name in _present(out):
+            _link(Path(out) / name, self.kept / name)
+
+    def restore_finished(self, out: Path) -> None:
+        """Publish the kept outputs again in out (model.pt last) and say so."""
+        for name in VARIANTS:  # a variant the kept run has not (train.ema off) is not left from another
+            (Path(out) / name).unlink(missing_ok=True)
+        for name in _present(self.kept):
+            _link(self.kept / name, Path(out) / name)
+        match = "its config, records, code, batch plan and processes match this job's"
+        again = "to train again: snakemake --forcerun train, or train.resume: never"
+        said = f"restored the finished run's outputs ({', '.join(PUBLISHED)}) from {self.kept}"
+        log.info("%s: no training needed - %s (%s)", said, match, again, extra=CONSOLE_LINE)
+
+    @staticmethod
+    def keep_evaluation(out: Path, dest: Path) -> list[str]:
+        """Link what the later stages published from a finished run (EVALUATION in `out`, RUN_PUBLISHED beside
+        it: Snakemake removes them after the train job starts) into dest/finished/.  Returns their paths there."""
+        kept, home = [], Path(dest) / KEPT
+        sources = [Path(out) / n for n in EVALUATION] + [Path(out).parent / n for n in RUN_PUBLISHED]
+        for src in sources:
+            files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src] if src.is_file() else []
+            for f in files:
+                rel = f.relative_to(src.parent)
+                (home / rel).parent.mkdir(parents=True, exist_ok=True)
+                _link(f, home / rel)
+                kept.append(str(Path(KEPT) / rel))
+        return kept

@@ -1,7 +1,5 @@
-"""The line a failing rank leaves in the log: which rank, the error, and - for a CUDA error with the
-card near full, often an out-of-memory surfacing as `an illegal memory access` - the batch the plan
-trains with and the config change that fits (explain_cuda_error, from rectrain.train.batchplan's
-measures: this module depends on the batch plan and its memory preflight, not they on it)."""
+"""A failing rank's line in the log: which rank, the error and, for a CUDA error with the card near full (often
+an out-of-memory surfacing as `an illegal memory access`), the batch and the config change that fits."""
 
 from __future__ import annotations
 
@@ -21,31 +19,22 @@ def explain(exc: BaseException, batch, devices, plan: BatchPlan | None) -> str:
     train block's `batch` part) is the batch (no preflight decides it), and batch_size auto has none to
     name.  `devices`: train.devices ('cpu': no CUDA error to explain)."""
     line = f"rank {os.environ.get('RANK', '?')} failed: {type(exc).__name__}: {exc}"
+    hint = None
     try:
-        hint = _hint(exc, batch, devices, plan)
+        on_gpu = torch.cuda.is_available() and devices != "cpu"
+        if plan is None and batch.batch_size != "auto":
+            plan = batchplan.plan(batch, int(os.environ.get("WORLD_SIZE", 1)))
+        # setup() chose the rank's GPU (ranks may share one); before it ran, this is GPU 0.
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        hint = explain_cuda_error(exc, device, plan) if plan is not None else None
     except Exception:  # noqa: BLE001 - a second error here would replace the first in the log
         log.debug("no explanation for the failure", exc_info=True)
-        hint = None
     return line + (f"\n{hint}" if hint else "")
 
 
-def _hint(exc: BaseException, batch, devices, plan: BatchPlan | None) -> str | None:
-    if plan is None and batch.batch_size != "auto":
-        plan = batchplan.plan(batch, int(os.environ.get("WORLD_SIZE", 1)))
-    if plan is None:
-        return None
-    on_gpu = torch.cuda.is_available() and devices != "cpu"
-    # setup() chose the rank's GPU (ranks may share one); before it ran, this is GPU 0.
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    return explain_cuda_error(exc, device, plan)
-
-
 def explain_cuda_error(exc: BaseException, device: torch.device, plan: BatchPlan) -> str | None:
-    """A hint for a CUDA error raised during training when memory was near the card's limit, else None;
-    the fix keeps the plan's global batch.
-
-    'illegal memory access' and friends after the allocator ran near full are usually an OOM in
-    disguise (on an 11 GB 2080 Ti, batch 128 of ResNet-50 surfaced exactly so)."""
+    """A hint for a CUDA error raised when memory was near the card's limit (usually an OOM in disguise: on an
+    11 GB 2080 Ti, batch 128 of ResNet-50 surfaced as 'illegal memory access'), else None."""
     if device.type != "cuda" or not isinstance(exc, RuntimeError) or "cuda" not in str(exc).lower():
         return None
     try:

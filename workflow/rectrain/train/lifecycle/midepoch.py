@@ -1,19 +1,8 @@
-"""Checkpoints within an epoch: after a stop signal and every train.checkpoint_interval_min, at the step
-all ranks agreed on (rectrain.train.lifecycle.stop), into checkpoints/last.pt - the one mid-epoch checkpoint,
-replaced each time, atomically (rectrain.atomic); epoch_<k>.pt stay epoch ends.
-
-A checkpoint holds everything a resume needs (`run_state`): the model, optimizer, LR schedule,
-scaler and the weights' EMA (train.ema), every rank's RNG state, `epoch`, and `step` - the steps done in that epoch (None: the epoch
-is complete) - with `ranks`, per rank: its loader's state (rectrain.loaders: DALI's pipeline
-checkpoint; the torch loader needs none), the epoch's running totals (loss, hits, images) and the
-seconds trained in it, so the resumed epoch's epochs.csv row covers the whole epoch.  A resume
-(`Position.of`) restarts at that step, each rank's loader yielding the rest of the epoch's batches.
-
-A checkpoint that cannot be written (a full disk) never touches the one before: the write goes to a
-temporary file that is removed on the error.  A periodic one then logs that and training goes on
-(the next try is one interval later); a stop then fails the job (exit status 1, not EXIT_STOPPED),
-naming the checkpoint a rerun resumes from instead.
-"""
+"""Checkpoints within an epoch (after a stop signal, every train.checkpoint_interval_min) into last.pt, at
+the step every rank agreed on (rectrain.train.lifecycle.stop).  `run_state` is what a checkpoint holds
+(with each rank's loader state, running totals and seconds for a mid-epoch one), `Position.of` where it
+resumes.  A write that fails (a full disk) leaves the previous last.pt intact: a periodic one is logged
+and training goes on; a stop then fails the job.  docs/architecture.md, "Stopping and mid-epoch checkpoints"."""
 
 from __future__ import annotations
 
@@ -24,7 +13,6 @@ from dataclasses import dataclass
 
 from rectrain import watchdog
 from rectrain.distributed import all_gather, barrier
-from rectrain.loaders import Loader
 from rectrain.storage import human_bytes
 from rectrain.train import ema as emas
 from rectrain.train.lifecycle import checkpoint as ckpt
@@ -81,33 +69,19 @@ class Position:
             return 0, {}
         return self.step, self.ranks[rank]
 
-    def text(self) -> str:
-        return f"epoch {self.epoch} step {self.step}" if self.step else f"epoch {self.epoch}"
-
 
 class MidEpoch:
-    """One epoch's control for run_steps: asked after every optimizer step, it checkpoints and stops as
-    the ranks agreed; `watch.detector` (the run's, rectrain.train.lifecycle.divergence) reads the steps' losses."""
+    """One epoch's control for run_steps: asked after every optimizer step, it checkpoints and stops as the
+    ranks agreed; `watch.detector` (divergence.watch_of) reads the steps' losses."""
 
-    def __init__(
-        self,
-        run: Run,
-        agreement: Agreement,
-        epoch: int,
-        loader: Loader,
-        steps_log,
-        wall_before: float,
-        *,
-        watch: divergence.Watch,
-    ):
-        self.run, self.agreement, self.epoch, self.loader = run, agreement, epoch, loader
+    def __init__(self, run: Run, agreement: Agreement, epoch: int, steps_log, wall_before: float, watch):
+        self.run, self.agreement, self.epoch, self.loader = run, agreement, epoch, run.train_loader
         self.steps_log, self.wall_before, self.started = steps_log, wall_before, time.monotonic()
         self.watch, self.detector = watch, watch.detector
 
     def poll(self, step: int) -> Decision:
-        faults.signal_at(self.run.d.rank, self.epoch, step)
-        faults.lr_times_at(self.run.step.scheduler, self.epoch, step)
-        faults.pause_at(self.run.d.rank, self.epoch, step, stopping=lambda: self.agreement.request.signum != 0)
+        stopping = lambda: self.agreement.request.signum != 0  # noqa: E731
+        faults.after_step(self.run.d.rank, self.epoch, step, self.run.step.scheduler, stopping)
         return self.agreement.poll(self.detector.tripped)
 
     def act(self, decision: Decision, steps_done: int, totals: dict) -> None:
@@ -122,13 +96,8 @@ class MidEpoch:
         why = f"stop signal {decision.signal_name}" if decision.stop else "train.checkpoint_interval_min"
         watchdog.beat(f"epoch {self.epoch}: writing the mid-epoch checkpoint ({why})")
         self.steps_log.sync()  # the rows up to this step outlive a power cut as the checkpoint does
-        mine = {
-            "rng": ckpt.rng_state(),
-            "loader": self.loader.state(),
-            "totals": dict(totals),
-            "wall_s": self.wall_before + time.monotonic() - self.started,
-        }
-        gathered = all_gather(mine, d)
+        mine = {"rng": ckpt.rng_state(), "loader": self.loader.state(), "totals": dict(totals)}
+        gathered = all_gather({**mine, "wall_s": self.wall_before + time.monotonic() - self.started}, d)
         error = write(run, self.epoch, steps_done, gathered) if d.master else None
         written = self.agreement.all_true(error is None)
         self.agreement.checkpointed()
@@ -153,14 +122,10 @@ def write(run: Run, epoch: int, steps_done: int, gathered: list[dict]) -> str | 
     else:
         log.debug("mid-epoch checkpoint written in %.2f s", time.monotonic() - started)
         return None
-    log.warning(
-        "could not write the mid-epoch checkpoint %s (%s free on that disk): %s; the previous checkpoint "
-        "there is intact and a rerun resumes from it; training goes on and tries again in "
-        "train.checkpoint_interval_min (free space on that disk)",
-        run.ck_dir / "last.pt",
-        human_bytes(shutil.disk_usage(run.ck_dir).free),
-        error,
-    )
+    free = human_bytes(shutil.disk_usage(run.ck_dir).free)
+    said = f"could not write the mid-epoch checkpoint {run.ck_dir / 'last.pt'} ({free} free on that disk): {error}"
+    then = "training goes on and tries again in train.checkpoint_interval_min (free space on that disk)"
+    log.warning("%s; the previous checkpoint there is intact and a rerun resumes from it; %s", said, then)
     return error
 
 
@@ -176,17 +141,9 @@ def stop(run: Run, decision: Decision, where: str, written: bool, resumes_at: st
             f"written (see the warning above): nothing of this epoch's steps since the last checkpoint is saved; "
             f"{CONTINUE}: it resumes from {last} as it was before"
         )
-    log.info(
-        "rank %d: stopped by %s after %s: %s holds the model, optimizer, LR schedule, scaler, every rank's RNG "
-        "and loader position; exit status %d; %s: it resumes at %s",
-        d.rank,
-        decision.signal_name,
-        where,
-        last,
-        EXIT_STOPPED,
-        CONTINUE,
-        resumes_at,
-    )
+    kept = f"{last} holds the model, optimizer, LR schedule, scaler, every rank's RNG and loader position"
+    said = f"exit status {EXIT_STOPPED}; {CONTINUE}: it resumes at {resumes_at}"
+    log.info("rank %d: stopped by %s after %s: %s; %s", d.rank, decision.signal_name, where, kept, said)
     raise Stopped(f"stopped by {decision.signal_name} after {where}")
 
 

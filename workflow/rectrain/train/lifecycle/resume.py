@@ -1,52 +1,6 @@
-"""Resume: continue from checkpoints/last.pt, or start over without deleting anything.
-
-train.resume (operational, x-rerun: false) says when a checkpoint is continued:
-
-- auto (the default): only when it was written by this same run (rectrain.train.lifecycle.checkpoint.RunIdentity:
-  the train config's output part, the batch plan, the records, the world size, the code all match).
-- always: also across the differences the user vouches for - the output-changing train config (an
-  lr or epochs edit), the training records' fingerprint, the training code (an edit known to be
-  harmless) - each named in the log line and in run.json's `resumed_despite`.  Refused even so, the
-  job failing before it trains and naming it (REFUSED): another batch plan on the same world size.
-  A checkpoint whose tensors do not fit this model (another train.model, another number of
-  classes) fails as it is restored, saying so.
-- never: always start over.
-
-A checkpoint that is continued is first checked against its own run and this one (check_position): its
-epoch within its train.epochs and not past this run's (train.resume: always below the checkpoint's
-epoch would publish at once), a mid-epoch step that is a step, and, on the same number of processes,
-one RNG state and loader position per rank; a crafted or damaged one is refused in one line naming
-the file and the fix.  Every start also removes the temporaries a checkpoint write killed mid-way left
-(rectrain.atomic.remove_dead_temporaries).
-
-Another world size (a GPU lent to a colleague, 2 -> 1 and back, another node count) is the same run
-under auto and always when the checkpoint's global batch is kept: the batch plan regroups it
-(batchplan.regroup: 2 -> 1 processes doubles grad_accum), so the LR and its schedule, which counts
-optimizer steps, continue unchanged.  An epoch-end checkpoint continues at the next epoch; a mid-epoch
-one restarts its epoch from the epoch checkpoint before it (its ranks' loader positions and RNG
-streams belong to the old split and cannot be re-split exactly), the log saying how many steps that
-repeats.  Every rank's RNG is then seeded afresh from (train.seed, epoch, rank).  The checkpoint and
-run.json keep every change (`world_sizes`: epoch, world size, batch, grad_accum).  A world size that
-does not divide the global batch is refused, naming both plans and the process counts that keep it.
-
-Starting over never deletes the run it replaces: the checkpoints here are moved aside (checkpoint.move_aside,
-a rename) into checkpoints/replaced/<UTC time>-<what differed>/ and the log line says where and why;
-only runs beyond the newest train.keep_replaced there are deleted, each named, with the folder's size.
-
-A finished run (checkpoint.FINISHED present: Snakemake deleted the job's outputs and started it
-again) is never continued.  Under auto and always it is republished, without training, from the
-outputs kept in checkpoints/finished/ (rectrain.train.lifecycle.finished) when its identity matches this run's
-in every item - the outputs were removed by a rerun that failed, or deleted by hand; it starts over
-(moved aside, with its kept outputs) when anything differs, when those outputs are not all kept, and
-when Snakemake forced the job (`--forcerun train`, -F, -f: finished.FORCED_ENV) - the user asked for
-a new training.  train.resume: never always trains again.  A run about to start over first looks in
-checkpoints/replaced/ for a finished run it matches (newest first: a config edited and edited back, a
-new run that failed after it started over) and, not forced, brings it back and republishes it.
-
-The batch plan (`batch_size: auto`) reads the checkpoint's plan before the run is built
-(`previous_plan`) and reuses it when it still fits (rectrain.train.batchplan), so a restart with
-less free GPU memory is still the same run.
-"""
+"""Resume: continue checkpoints/last.pt when train.resume allows it (`resume`), or start over without
+deleting anything, or republish a finished run; docs/architecture.md, "Rerun semantics" (Resume, A
+finished run survives).  `check_position` refuses a damaged or crafted checkpoint in one line."""
 
 from __future__ import annotations
 
@@ -57,21 +11,21 @@ from pathlib import Path
 from rectrain import atomic
 from rectrain.distributed import all_gather
 from rectrain.log import CONSOLE_LINE
-from rectrain.storage import human_bytes
 from rectrain.train import ema as emas
 from rectrain.train.batchplan import BatchPlan
 from rectrain.train.lifecycle import checkpoint as ckpt
-from rectrain.train.lifecycle import finished
+from rectrain.train.lifecycle import identity
+from rectrain.train.lifecycle.checkpoint import CheckpointSaver
 from rectrain.train.lifecycle.midepoch import Position
+from rectrain.train.lifecycle.status import FINISHED, forced
 from rectrain.train.optim import keep_configured_lr
 from rectrain.train.run import Run
 
 log = logging.getLogger(__name__)
 
-# Identity items train.resume: always does not resume across on the same world size (see the module doc).
-REFUSED = ("batch",)
-# On another world size the global batch decides instead of these (batchplan.regroup, module doc).
-REGROUPED = ("world_size", "batch")
+# Identity items train.resume: always does not resume across on the same world size; on another world size
+# the global batch decides instead of REGROUPED (batchplan.regroup).
+REFUSED, REGROUPED = ("batch",), ("world_size", "batch")
 FORCED = (
     "a forced rerun: that run finished and published model.pt, and Snakemake forced this job (snakemake --forcerun "
     "train, -F or -f): a new run"
@@ -109,20 +63,19 @@ class ResumeRefused(RuntimeError):
 
 def previous_plan(ck_dir: Path, resume: str, maths: dict | None = None) -> BatchPlan | None:
     """The batch plan checkpoints/last.pt was written with, for `batch_size: auto` to reuse and for a run on
-    another world size to keep its global batch (batchplan.regroup); None when there is none to reuse (no
-    checkpoint, a finished run, `resume` (train.resume) never, or under auto one of another train config -
-    `maths`: this run's maths config (checkpoint.maths_config) - which this run will not continue)."""
+    another world size to keep its global batch (batchplan.regroup); None when this run will not continue it
+    (no checkpoint, a finished run, train.resume: never, or under auto another `maths` config: identity.maths_config)."""
     last = Path(ck_dir) / "last.pt"
     if resume == "never" or not last.exists():
         return None
-    if ckpt.finished_marker(ck_dir).exists() and not republishable(ck_dir):
+    if (Path(ck_dir) / FINISHED).exists() and not (CheckpointSaver(ck_dir).complete() and not forced()):
         return None
-    stamp = ckpt.stamp_of(last)
+    stamp = identity.stamp_of(last)
     if not all(isinstance(stamp[k], int) for k in ("batch_size", "grad_accum", "world_size")):
         return None
     if resume == "auto" and maths is not None:
-        same = ckpt.RunIdentity(maths, 0, 0, 0, stamp["data"], stamp["code"])
-        if any(d.item == "config" for d in ckpt.differences(stamp, same)):
+        same = identity.RunIdentity(maths, 0, 0, 0, stamp["data"], stamp["code"])
+        if any(d.item == "config" for d in identity.differences(stamp, same)):
             return None  # a new run: it plans from its own train.batch_size and grad_accum
     return BatchPlan(stamp["batch_size"], stamp["grad_accum"], stamp["world_size"], reason="the checkpoint's")
 
@@ -153,12 +106,11 @@ def resume(run: Run) -> Resumed:
             f"ranks disagree on the epoch to resume from ({starts}): {run.ck_dir} must be on a "
             "filesystem every node sees (shared --out)"
         )
-    if run.d.master and kept is not None:
-        bring_back(run.ck_dir, kept, why_not, run.settings.stops.keep_replaced)
-    elif run.d.master and fresh:
-        start_over(run.ck_dir, why_not, run.settings.stops.keep_replaced)
+    saver = CheckpointSaver.of(run)
+    if run.d.master and (fresh or kept is not None):
+        saver.start_over(why_not, bring_back=kept)
     if run.d.master and decided.restored:
-        finished.restore(run.out, run.ck_dir)
+        saver.restore_finished(run.out)
     return decided
 
 
@@ -173,10 +125,8 @@ def parent_run(checkpoint: Path) -> str | None:
 
 
 def branch(run: Run, checkpoint: Path) -> Resumed:
-    """train.resume_from: this new run starts from another run's checkpoint - its weights, optimizer,
-    LR schedule, scaler and EMA - at the epoch after it (a mid-epoch last.pt: at its epoch again, from
-    those weights); every rank's RNG is seeded afresh.  Its own checkpoints stay here: a stopped branch
-    resumes from its own last.pt, as any run does."""
+    """train.resume_from: this new run starts from another run's checkpoint's states at the epoch after it (a
+    mid-epoch last.pt: at its epoch again), every rank's RNG seeded afresh; its own checkpoints stay here."""
     if not checkpoint.is_file():
         raise ResumeRefused(
             f"train.resume_from: {checkpoint} is no file; name an epoch_<k>.pt or last.pt of another run "
@@ -190,111 +140,41 @@ def branch(run: Run, checkpoint: Path) -> Resumed:
             f"{run.settings.optim.epochs}: nothing would be trained; raise train.epochs above {at.epoch}"
         )
     restore(run, state, (f"a branch from {checkpoint}",))
+    epochs = run.settings.optim.epochs
     parent = {"run": parent_run(checkpoint), "checkpoint": str(checkpoint), "epoch": int(state["epoch"])}
-    parent.update(step=state.get("step"), sha256=ckpt._sha256(checkpoint))
+    parent.update(step=state.get("step"), sha256=identity.sha256(checkpoint))
     if run.d.master:
         log.info(
             "branching from %s (run %s, epoch %d): its weights, optimizer and LR schedule; training epochs %d-%d here",
-            checkpoint,
-            parent["run"],
-            parent["epoch"],
-            at.epoch,
-            run.settings.optim.epochs - 1,
+            *(checkpoint, parent["run"], parent["epoch"], at.epoch, epochs - 1),
             extra=CONSOLE_LINE,
         )
     return Resumed(at.epoch, regrouped=True, parent=parent)
 
 
 def kept_finished_run(run: Run) -> Path | None:
-    """The newest finished run moved aside under checkpoints/replaced/ that is this run and kept whole
-    (a config edited and edited back, a new run that failed after it started over); None under
-    train.resume: never, when Snakemake forced the job, or when there is none."""
-    root = run.ck_dir / ckpt.REPLACED
-    if run.settings.stops.resume == "never" or finished.forced() or not root.is_dir():
+    """The newest finished run under replaced/ that is this run and kept whole (a config edited and edited back,
+    a new run that failed after it started over); None under train.resume: never, or when forced."""
+    if run.settings.stops.resume == "never" or forced():
         return None
-    for folder in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):  # named by UTC time
+    for folder in reversed(CheckpointSaver.of(run).replaced_runs()):
         last = folder / "last.pt"
-        if not (last.is_file() and (folder / ckpt.FINISHED).is_file() and finished.complete(folder)):
+        if not (last.is_file() and (folder / FINISHED).is_file() and CheckpointSaver(folder).complete()):
             continue
-        if not ckpt.differences(ckpt.stamp_of(last), run.identity):
+        if not identity.differences(identity.stamp_of(last), run.identity):
             return folder
     return None
 
 
-def bring_back(ck_dir: Path, kept: Path, why_not: str, keep_replaced: int) -> None:
-    """Move the checkpoints here aside (they are not this run's) and the finished run in `kept` back."""
-    dest, moved = ckpt.move_aside(ck_dir, why_not)
-    if moved:
-        log.info(
-            "not resuming from %s: %s; moved its checkpoints (%s) aside to %s",
-            ck_dir / "last.pt",
-            why_not,
-            ", ".join(moved),
-            dest,
-            extra=CONSOLE_LINE,
-        )
-    ckpt.move_back(kept, ck_dir)
-    bound_replaced(ck_dir, keep_replaced)
-    log.info(
-        "brought back the finished run moved aside to %s: it is this run (the same train config, batch plan, "
-        "records, processes and code)",
-        kept,
-        extra=CONSOLE_LINE,
-    )
-
-
-def republishable(ck_dir: Path) -> bool:
-    """A finished run here may be republished: its outputs are all kept and Snakemake did not force the job."""
-    return finished.complete(ck_dir) and not finished.forced()
-
-
-def _finished_run(run: Run, found: list[ckpt.Difference]) -> tuple[Resumed, str | None]:
+def _finished_run(run: Run, found: list[identity.Difference]) -> tuple[Resumed, str | None]:
     """A finished run started again: republished when it is this run, kept and not forced; else a new run."""
-    if finished.forced():
+    if forced():
         return Resumed(0), FORCED
     if found:
         return Resumed(0), "; ".join(d.text for d in found)
-    if not finished.complete(run.ck_dir):
+    if not CheckpointSaver.of(run).complete():
         return Resumed(0), NOT_KEPT
     return Resumed(run.settings.optim.epochs, restored=True), None
-
-
-def start_over(ck_dir: Path, why_not: str, keep_replaced: int) -> None:
-    """Move the replaced run's checkpoints aside and say where and why (nothing here: nothing said)."""
-    dest, moved = ckpt.move_aside(ck_dir, why_not)
-    if moved:
-        log.info(
-            "not resuming from %s: %s; moved its checkpoints (%s) aside to %s; starting from epoch 0",
-            Path(ck_dir) / "last.pt",
-            why_not,
-            ", ".join(moved),
-            dest,
-            extra=CONSOLE_LINE,
-        )
-        bound_replaced(ck_dir, keep_replaced)
-
-
-def bound_replaced(ck_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` runs in replaced/ (train.keep_replaced), saying its size and what was deleted."""
-    gone, left, size = ckpt.bound_replaced(ck_dir, keep)
-    removed = f"; deleted the oldest unfinished: {', '.join(gone)}" if gone else ""
-    whole = ckpt.finished_replaced(ck_dir)
-    kept = (
-        f"; finished runs are never deleted: {', '.join(p.name for p in whole)} kept whole (their checkpoints, "
-        "and in finished/ their weights, weights.json, csvs, run.json, eval/ and report.html)"
-        if whole
-        else ""
-    )
-    log.info(
-        "%s holds %d replaced run(s), %s on disk (train.keep_replaced: %d unfinished runs with a checkpoint)%s%s",
-        Path(ck_dir) / ckpt.REPLACED,
-        left,
-        human_bytes(size),
-        keep,
-        removed,
-        kept,
-        extra=CONSOLE_LINE,
-    )
 
 
 def _continue(run: Run) -> tuple[Resumed, str | None]:
@@ -302,8 +182,8 @@ def _continue(run: Run) -> tuple[Resumed, str | None]:
     (a start at epoch 0, why not)."""
     last, mode = run.ck_dir / "last.pt", run.settings.stops.resume
     state = ckpt.load(last)
-    found = ckpt.differences(state, run.identity)
-    if ckpt.finished_marker(run.ck_dir).exists():
+    found = identity.differences(state, run.identity)
+    if (run.ck_dir / FINISHED).exists():
         return _finished_run(run, found)
     moved = any(d.item == "world_size" for d in found)
     if moved:  # the batch differs with it: judged by the global batch instead (batchplan.regroup)
@@ -338,10 +218,9 @@ RNG_KEYS = ("torch", "cuda", "numpy", "python")
 
 
 def check_position(state: dict, last: Path, run: Run, moved: bool) -> None:
-    """ResumeRefused, naming the file and the fix, unless the checkpoint's position fits its own run and
-    this one: its epoch within its train.epochs, and not past this run's (train.resume: always below the
-    checkpoint's epoch would publish at once, epochs.csv short of run.json's epochs); a mid-epoch step
-    within an epoch; and, on the same number of processes, one RNG state (and loader position) per rank."""
+    """ResumeRefused, naming the file and the fix, unless the checkpoint's position fits its own run and this
+    one: its epoch within its train.epochs and not past this run's, a mid-epoch step that is a step, and (on
+    the same number of processes) one RNG state and loader position per rank."""
     epoch, step = state.get("epoch"), state.get("step")
     own_epochs = (state.get("config") or {}).get("epochs")
     damaged = "move it aside (or set train.resume: never: it is moved to checkpoints/replaced/) and train again"
@@ -363,11 +242,8 @@ def check_position(state: dict, last: Path, run: Run, moved: bool) -> None:
     if moved:
         return  # another world size: the ranks are reseeded, and a mid-epoch position restarts its epoch
     world, rngs, ranks = run.d.world_size, state.get("rng"), state.get("ranks")
-    if not (
-        isinstance(rngs, list)
-        and len(rngs) == world
-        and all(isinstance(r, dict) and set(RNG_KEYS) <= set(r) for r in rngs)
-    ):
+    one_each = isinstance(rngs, list) and len(rngs) == world
+    if not (one_each and all(isinstance(r, dict) and set(RNG_KEYS) <= set(r) for r in rngs)):
         shown = f"{len(rngs)} entries" if isinstance(rngs, list) else type(rngs).__name__
         raise ResumeRefused(
             f"{last} is damaged: its RNG states ({shown}) are not one per each of its {world} processes; {damaged}"
@@ -378,10 +254,6 @@ def check_position(state: dict, last: Path, run: Run, moved: bool) -> None:
         )
 
 
-def _plan_of(state: dict) -> BatchPlan:
-    return BatchPlan(state["batch_size"], state["grad_accum"], state["world_size"])
-
-
 def plan_words(plan: BatchPlan) -> str:
     return f"{plan.batch} x accum {plan.grad_accum} x {plan.world_size} process(es) = global batch {plan.global_batch}"
 
@@ -389,22 +261,22 @@ def plan_words(plan: BatchPlan) -> str:
 def world_sizes(state: dict) -> list[dict]:
     """The checkpoint's record of its world sizes: [{epoch, world_size, batch_size, grad_accum}, ...], one
     entry per change, the first at epoch 0 (a checkpoint written before this record: its own plan)."""
-    return list(state.get("world_sizes") or [_plan_of(state).from_epoch(0)])
+    plan = BatchPlan(state["batch_size"], state["grad_accum"], state["world_size"])
+    return list(state.get("world_sizes") or [plan.from_epoch(0)])
 
 
 def _on_another_world_size(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -> tuple[Resumed, str | None]:
     """Continue a checkpoint written by another number of processes, its global batch kept (batchplan.regroup),
-    from its epoch's start when it was written mid-epoch (module doc); refused when the global batch changed."""
-    old, new = _plan_of(state), run.plan
+    from its epoch's start when it was written mid-epoch; refused when the global batch changed."""
+    old, new = BatchPlan(state["batch_size"], state["grad_accum"], state["world_size"]), run.plan
     if old.global_batch != new.global_batch:
         raise ResumeRefused(
             f"train.resume: {run.settings.stops.resume} cannot continue {last} on {new.world_size} process(es): it was "
             f"trained with {plan_words(old)}, this run plans {plan_words(new)}, and the LR and its schedule belong "
             f"to the global batch. {keeping_hint(old.global_batch, new.world_size)}"
         )
-    at, repeated = Position.of(state), 0
+    at, restarted = Position.of(state), ""
     if at.step:
-        repeated = at.step
         start = run.ck_dir / f"epoch_{at.epoch - 1}.pt"
         if at.epoch == 0 or not start.exists():
             none = "it is the first epoch" if at.epoch == 0 else f"{start.name} is missing"
@@ -412,16 +284,27 @@ def _on_another_world_size(run: Run, last: Path, state: dict, despite: tuple[str
                 f"it stopped in epoch {at.epoch} after {at.step} steps on {old.world_size} process(es), and its ranks' "
                 f"loader positions cannot be re-split over {new.world_size}: epoch {at.epoch} restarts from its start, "
                 f"and no checkpoint holds that start ({none}), so the run starts from epoch 0 (repeating "
-                f"{repeated} steps)"
+                f"{at.step} steps)"
             )
             return Resumed(0), why
+        restarted = (
+            f"; {last.name} was written mid-epoch {at.epoch} after {at.step} steps, whose ranks' loader "
+            f"positions cannot be re-split over {new.world_size} process(es): epoch {at.epoch} restarts "
+            f"from its start (epoch_{at.epoch - 1}.pt), repeating those {at.step} steps"
+        )
         state = {**ckpt.load(start), "world_sizes": world_sizes(state)}
     restore(run, state, despite)
     at = Position.of(state)
-    history = world_sizes(state) + [new.from_epoch(at.epoch)]
     if run.d.master:
-        _say_regrouped(run, last, state, old, repeated)
-    return Resumed(at.epoch, None, despite, world_sizes=tuple(history), regrouped=True), None
+        done, continuing = _done_text(state, run.settings.optim.epochs)
+        log.info(
+            "resuming from %s on another number of processes: it was trained with %s, this run keeps its global "
+            "batch with %s (the LR and its schedule, counted in optimizer steps, unchanged)%s; %s; %s",
+            *(last, plan_words(old), plan_words(new), restarted, done, continuing),
+            extra=CONSOLE_LINE,
+        )
+    history = (*world_sizes(state), new.from_epoch(at.epoch))
+    return Resumed(at.epoch, None, despite, world_sizes=history, regrouped=True), None
 
 
 def keeping_hint(global_batch: int, world_size: int) -> str:
@@ -434,63 +317,26 @@ def keeping_hint(global_batch: int, world_size: int) -> str:
     )
 
 
-def _say_regrouped(run: Run, last: Path, state: dict, old: BatchPlan, repeated: int) -> None:
-    done, continuing = _done_text({**state, "config": run.settings.as_dict()})
-    restarted = ""
-    if repeated:
-        restarted = (
-            f"; {last.name} was written mid-epoch {state['epoch'] + 1} after {repeated} steps, whose ranks' loader "
-            f"positions cannot be re-split over {run.plan.world_size} process(es): epoch {state['epoch'] + 1} restarts "
-            f"from its start (epoch_{state['epoch']}.pt), repeating those {repeated} steps"
-        )
-    log.info(
-        "resuming from %s on another number of processes: it was trained with %s, this run keeps its global batch "
-        "with %s (the LR and its schedule, counted in optimizer steps, unchanged)%s; %s; %s",
-        last,
-        plan_words(old),
-        plan_words(run.plan),
-        restarted,
-        done,
-        continuing,
-        extra=CONSOLE_LINE,
-    )
-
-
-def _done_text(state: dict) -> tuple[str, str]:
+def _done_text(state: dict, epochs: int) -> tuple[str, str]:
     """What a checkpoint holds, and where the run continues: 'epoch 3 of 90 done; continuing at epoch 4'
     or, mid-epoch, 'epoch 3 step 1200 of 90 epochs done ...; continuing at epoch 3 step 1201'."""
     at = Position.of(state)
     if not at.step:
-        return f"epoch {state['epoch']} of {state['config']['epochs']} done", f"continuing at epoch {at.epoch}"
+        return f"epoch {state['epoch']} of {epochs} done", f"continuing at epoch {at.epoch}"
     return (
-        f"epoch {at.epoch} up to step {at.step - 1} of {state['config']['epochs']} epochs done (a mid-epoch checkpoint)",
+        f"epoch {at.epoch} up to step {at.step - 1} of {epochs} epochs done (a mid-epoch checkpoint)",
         f"continuing at epoch {at.epoch} step {at.step}",
     )
 
 
 def _say_resuming(run: Run, last: Path, state: dict, despite: tuple[str, ...]) -> None:
-    done, continuing = _done_text({**state, "config": run.settings.as_dict()})
+    done, continuing = _done_text(state, run.settings.optim.epochs)
     if despite:
-        log.info(
-            "resuming from %s despite %s (train.resume: always; recorded in run.json's resumed_despite): %s; %s",
-            last,
-            "; ".join(despite),
-            done,
-            continuing,
-            extra=CONSOLE_LINE,
-        )
-        return
-    log.info(
-        "resuming from %s: %s by the same run (config, batch %d x accum %d, records, %d processes and code "
-        "all match); %s",
-        last,
-        done,
-        run.plan.batch,
-        run.plan.grad_accum,
-        run.d.world_size,
-        continuing,
-        extra=CONSOLE_LINE,
-    )
+        why = f" despite {'; '.join(despite)} (train.resume: always; recorded in run.json's resumed_despite): {done}"
+    else:
+        plan = f"batch {run.plan.batch} x accum {run.plan.grad_accum}, records, {run.d.world_size} processes"
+        why = f": {done} by the same run (config, {plan} and code all match)"
+    log.info("resuming from %s%s; %s", last, why, continuing, extra=CONSOLE_LINE)
 
 
 def restore(run: Run, state: dict, despite: tuple[str, ...] = ()) -> None:

@@ -1,20 +1,8 @@
-"""Stopping cleanly: a stop signal (train.stop_signals: SIGTERM, SIGINT, SIGUSR1 by default - what SLURM
-sends before a time limit or a preemption, Ctrl-C, a job's warning signal) and the periodic mid-epoch
-checkpoint (train.checkpoint_interval_min) are decided the same way.
-
-The protocol.  A rank's signal handler only records the signal (`StopRequest`); the step loop asks
-`Agreement.poll` after every optimizer step, which all-reduces (MAX) three numbers over every rank: the
-signal this rank got (0: none), from rank 0 alone whether its clock says a periodic checkpoint is
-due, and whether the rank's divergence detector tripped (rectrain.train.lifecycle.divergence).  Every rank takes part in the same all-reduce after the same step, so all of them learn the same
-answer at the same step, even when only one rank was signalled - and then all checkpoint there
-(rectrain.train.lifecycle.midepoch), and on a stop all exit with EXIT_STOPPED.  The all-reduce runs on a gloo
-group of CPU tensors even when training uses NCCL, so it never waits for the GPU (bench/RESULTS.md
-has its cost).
-
-EXIT_STOPPED (75, rectrain.train.lifecycle.status) is the exit status of every rank, of the launcher
-(rectrain.train.lifecycle.supervise) and so of the train job after a stop whose checkpoint was
-written: rerunning the same command resumes at the next step.
-"""
+"""Stopping cleanly: a rank's signal handler only records a stop signal (`StopRequest`); after every optimizer
+step each rank calls `Agreement.poll`, one all-reduce MAX (on a gloo group of CPU tensors: no GPU wait) of
+the signal it got, rank 0's "periodic checkpoint due" (train.checkpoint_interval_min) and its divergence
+detector, so every rank stops, checkpoints or diverges at the same step.  docs/architecture.md, "Follow one
+stop signal"."""
 
 from __future__ import annotations
 
@@ -57,9 +45,8 @@ def signal_numbers(names: list[str]) -> list[signal.Signals]:
 
 
 class StopRequest:
-    """The stop signal this process got (0: none).  The handler only records it: the step loop acts at
-    the next step boundary.  A stop signal repeated STUCK_S after the first, still pending, dumps this
-    process's Python stacks (a rank that does not reach its next step is stuck: that says where)."""
+    """The stop signal this process got (0: none), acted on at the next step boundary.  One repeated STUCK_S
+    after the first dumps this process's stacks (a rank that does not reach its next step: that says where)."""
 
     def __init__(self) -> None:
         self.signum, self.since = 0, 0.0
@@ -76,29 +63,24 @@ class StopRequest:
 @contextlib.contextmanager
 def handling(names: list[str]):
     """Within: the signals `names` set the yielded StopRequest instead of ending the process."""
-    request, previous = StopRequest(), {}
-    for sig in signal_numbers(names):
-        previous[sig] = signal.signal(sig, request.handle)
-    stopped = False
+    request = StopRequest()
+    previous = {sig: signal.signal(sig, request.handle) for sig in signal_numbers(names)}
     try:
         yield request
     except Agreed:
-        stopped = True
+        # Ended by agreement (stopped and checkpointed, or diverged): a late copy of the signal (torchrun ending
+        # the peers of the first rank to exit) must not turn this rank's exit status into a kill.
+        previous = dict.fromkeys(previous, signal.SIG_IGN)
         raise
     finally:
-        for sig, handler in previous.items():
-            # Ended by agreement (stopped and checkpointed, or diverged): a late copy of the signal (torchrun
-            # ending the peers of the first rank to exit) must not turn this rank's exit status into a kill.  A handler installed
-            # outside Python (faulthandler) reads as None: the default then.
-            if stopped:
-                handler = signal.SIG_IGN
+        for sig, handler in previous.items():  # one installed outside Python (faulthandler) reads as None
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What every rank does after a step: stop (the signal's number, 0: go on), checkpoint first or not,
-    or stop as diverged (rectrain.train.lifecycle.divergence: no checkpoint then)."""
+    """What every rank does after a step: stop (the signal's number, 0: go on), checkpoint first or not, or
+    stop as diverged (no checkpoint then)."""
 
     signum: int = 0
     checkpoint: bool = False
