@@ -169,18 +169,36 @@ def _holds_string(value) -> bool:
     return isinstance(value, list) and any(_holds_string(v) for v in value)
 
 
+def _defaulting(validator_class):
+    """`validator_class` that also sets each property's schema default where the instance lacks it, as
+    Snakemake's `validate(..., set_default=True)` does (both follow jsonschema's FAQ). Not Snakemake's
+    validate itself: it parses the schema file again at every call with a pure-Python YAML reader,
+    0.23 CPU-s each - four per rank start, one per run at every Snakefile parse (bench/RESULTS.md,
+    "Where a start's CPU goes") - where load_schema parses it once."""
+    check_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        for name, sub in properties.items():
+            if "default" in sub and isinstance(instance, dict):
+                instance.setdefault(name, sub["default"])
+        yield from check_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+_DefaultingValidator = _defaulting(jsonschema.Draft202012Validator)
+
+
 # Every block by nature: the schema validates and completes the config as one document.
 def fill_defaults(config: dict, schema_path=SCHEMA_PATH) -> dict:
     """Validate against the schema and fill its defaults in place (the schema is the only home of a
     default); raise ConfigError naming every bad key."""
-    from snakemake.utils import validate
-
     schema = load_schema(schema_path)
     coerce_strings(config, schema)
     try:
-        validate(config, str(schema_path), set_default=True)
-    except Exception as exc:  # WorkflowError; re-described below key by key
-        lines = describe_errors(config, schema) or [str(exc)]
+        _DefaultingValidator(schema).validate(config)
+    except jsonschema.ValidationError as exc:  # re-described below key by key
+        lines = describe_errors(config, schema) or [exc.message]
         raise ConfigError(format_problems(lines)) from None
     expand_paths(config, schema)
     return config
