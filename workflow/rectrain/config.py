@@ -172,9 +172,9 @@ def _holds_string(value) -> bool:
 def _defaulting(validator_class):
     """`validator_class` that also sets each property's schema default where the instance lacks it, as
     Snakemake's `validate(..., set_default=True)` does (both follow jsonschema's FAQ). Not Snakemake's
-    validate itself: it parses the schema file again at every call with a pure-Python YAML reader,
-    0.23 CPU-s each - four per rank start, one per run at every Snakefile parse (bench/RESULTS.md,
-    "Where a start's CPU goes") - where load_schema parses it once."""
+    validate itself: it parses the schema file again at every call with a pure-Python YAML reader (a
+    one-process tiny training spent 0.3 of its 3.1 CPU-s there; bench/RESULTS.md, "The test suite's wall
+    time for issue 48"), where load_schema parses it once."""
     check_properties = validator_class.VALIDATORS["properties"]
 
     def set_defaults(validator, properties, instance, schema):
