@@ -93,6 +93,45 @@ def refusal(model, **kw) -> str:
     return line
 
 
+def checked_remembering(passed, model, **kw) -> None:
+    train = settings.train(train_block(model, **kw))
+    check_model(train.network, train.resolution.image_size, "no/classes.tsv", passed)
+
+
+def test_a_passed_check_is_remembered_and_the_same_model_is_not_built_again(user_dir, monkeypatch):
+    passed = user_dir / ".snakemake" / "rectrain" / "model-checks.json"
+    checked_remembering(passed, "net.py:tiny")
+    assert len(json.loads(passed.read_text())) == 1
+    monkeypatch.setattr(models, "build", built_again)
+    checked_remembering(passed, "net.py:tiny")
+    with pytest.raises(AssertionError, match="built the model again"):  # another width: another check
+        checked_remembering(passed, "net.py:tiny", model_args={"width": 4})
+
+
+def built_again(*args, **kw):
+    raise AssertionError("a remembered check built the model again")
+
+
+@pytest.mark.parametrize("edited", ["net.py", "layers.py"])
+def test_an_edit_to_the_model_file_or_its_local_import_is_checked_again(user_dir, monkeypatch, edited):
+    """(Each Snakefile parse is a process of its own; in this one the model's module stays imported, so the
+    test sees the build being asked for again rather than its answer.)"""
+    passed = user_dir / "checks.json"
+    checked_remembering(passed, "net.py:tiny")
+    (user_dir / edited).write_text((user_dir / edited).read_text() + "\n# edited\n")
+    monkeypatch.setattr(models, "build", built_again)
+    with pytest.raises(AssertionError, match="built the model again"):
+        checked_remembering(passed, "net.py:tiny")
+
+
+def test_a_refused_check_is_never_remembered(user_dir):
+    passed = user_dir / "checks.json"
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="train.model"):
+            checked_remembering(passed, "net.py:broken")
+    assert not passed.exists()
+
+
 def test_a_relative_a_home_and_a_variable_path_resolve_to_the_same_file(user_dir, monkeypatch):
     monkeypatch.setenv("HOME", str(user_dir.parent))
     monkeypatch.setenv("NETS", str(user_dir))

@@ -14,7 +14,7 @@ from rectrain.snakefile.checks import check_config
 from rectrain.snakefile.datasets import refuse_demo_name_for_own_data
 from rectrain.snakefile.hooks import on_start, on_success, watch as watch_run
 from rectrain.snakefile.jobenv import export_operational, prepare_job_env
-from rectrain.snakefile.modelcheck import check_model
+from rectrain.snakefile.modelcheck import PASSED, check_model
 from rectrain.snakefile.params import block_params, index_classes_file, report_params
 from rectrain.snakefile.prestart import before_jobs
 from rectrain.snakefile.resources import run_slots, scheduled_gpus, train_rule_resources, train_threads
@@ -46,7 +46,12 @@ try:
     }
     TRAINS = {name: train_view(given["train"]) for name, given in RUNS.items()}
     for name, view in TRAINS.items():
-        check_model(view.network, view.resolution.image_size, f"results/{config['dataset']}/index/classes.tsv")
+        check_model(
+            view.network,
+            view.resolution.image_size,
+            f"results/{config['dataset']}/index/classes.tsv",
+            PASSED,
+        )
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
 # The configured run: results/report.html copies its report (the sweep's first run when it names none of its runs).

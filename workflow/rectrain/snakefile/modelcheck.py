@@ -5,10 +5,13 @@ fix (a torchvision name is checked by the train job, as before)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from importlib.metadata import version
 from pathlib import Path
 
-from rectrain import modelspec
+from rectrain import atomic, modelspec
 from rectrain.config import ConfigError
 from rectrain.modelspec import TORCHVISION_WEIGHTS as TORCHVISION
 from rectrain.safefs import not_a_file
@@ -35,10 +38,11 @@ def refuse_snakemake_patterns(key: str, value: str, paths: list[str]) -> None:
         )
 
 
-def check_model(network: TrainNetwork, image_size: int, classes_tsv: str | Path) -> None:
+def check_model(network: TrainNetwork, image_size: int, classes_tsv: str | Path, passed: Path | None = None) -> None:
     """Build train.model (`network`: the train block's network part) as the train job will, with the
     dataset's class count when the index has written it, and check its logits' shape at train.image_size;
-    a problem raises ConfigError.  train.init_weights, when a path, must be a file."""
+    a problem raises ConfigError.  train.init_weights, when a path, must be a file.  `passed`: a file
+    remembering the checks that passed (the Snakefile's, PASSED), so that a parse repeating one skips it."""
     init = network.init_weights
     if init is not None and not init.startswith(TORCHVISION) and (why := not_a_file(init)):
         raise ConfigError(
@@ -50,9 +54,40 @@ def check_model(network: TrainNetwork, image_size: int, classes_tsv: str | Path)
     if modelspec.parse(network.model).kind == "torchvision":
         return
     refuse_snakemake_patterns("train.model", network.model, modelspec.sources(network.model))
+    k = len(read_classes(classes_tsv)) if Path(classes_tsv).is_file() else PROBE_CLASSES
+    key = check_key(network, int(image_size), k)
+    if passed is not None and key in _read_passed(passed):
+        return
+    _build_and_check(network, int(image_size), k)
+    if passed is not None:
+        atomic.write_json(passed, sorted({*_read_passed(passed), key}))
+
+
+# Where the Snakefile keeps the checks that passed: a dry-run of a sweep or of your own model would
+# otherwise import torch and build each network at every parse (3 of a sweep's 4 CPU-s, bench/RESULTS.md,
+# "The test suite's wall time for issue 48").
+PASSED = Path(".snakemake") / "rectrain" / "model-checks.json"
+
+
+def check_key(network: TrainNetwork, image_size: int, classes: int) -> str:
+    """Everything the check's answer depends on, hashed: the model and its arguments, the image size, the
+    class count, the bytes of your own model's files and the torch and timm releases that build it."""
+    files = {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in modelspec.sources(network.model)}
+    given = [network.model, network.model_args, network.zero_init_residual, network.blurpool, image_size, classes]
+    text = json.dumps([given, files, version("torch"), version("timm")], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_passed(path: Path) -> set[str]:
+    try:
+        return set(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError):  # none yet, or torn by a crash: the checks run again
+        return set()
+
+
+def _build_and_check(network: TrainNetwork, image_size: int, k: int) -> None:
     from rectrain import model as models  # torch: only for a model that is not torchvision's
 
-    k = len(read_classes(classes_tsv)) if Path(classes_tsv).is_file() else PROBE_CLASSES
     try:
         net = models.build(
             network.model,
