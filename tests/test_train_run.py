@@ -73,7 +73,11 @@ def test_direct_run_relaunches_through_torchrun_and_writes_telemetry(data, tmp_p
     assert [e["resolution"] for e in epochs] == ["32", "32"], "no train.progressive: image_size every epoch"
     for e in epochs:
         steps_wall = sum(float(r["wall_s"]) for r in per_rank_epoch["0", e["epoch"]])
-        assert steps_wall == pytest.approx(float(e["wall_s"]), rel=0.05), "step times must account for the epoch"
+        # Outside every step: the last step's bookkeeping and the loader's end of epoch, 1-2 ms here idle;
+        # a CI box running 3 test workers on 2 cores once stretched it to 22 ms of a 0.44 s epoch.
+        assert steps_wall == pytest.approx(float(e["wall_s"]), rel=0.05, abs=0.05), (
+            "step times must account for the epoch"
+        )
         assert 0 <= float(e["val_single_view_top1"]) <= 1 and float(e["images_per_s"]) > 0
 
     system = rows(out / "system.csv")
