@@ -55,12 +55,13 @@ def check_model(network: TrainNetwork, image_size: int, classes_tsv: str | Path,
         return
     refuse_snakemake_patterns("train.model", network.model, modelspec.sources(network.model))
     k = len(read_classes(classes_tsv)) if Path(classes_tsv).is_file() else PROBE_CLASSES
-    key = check_key(network, int(image_size), k)
-    if passed is not None and key in _read_passed(passed):
+    if passed is None:
+        _build_and_check(network, int(image_size), k)
         return
-    _build_and_check(network, int(image_size), k)
-    if passed is not None:
-        atomic.write_json(passed, sorted({*_read_passed(passed), key}))
+    key, known = check_key(network, int(image_size), k), _read_passed(passed)
+    if key not in known:
+        _build_and_check(network, int(image_size), k)
+        atomic.write_json(passed, sorted(known | {key}))
 
 
 # Where the Snakefile keeps the checks that passed: a dry-run of a sweep or of your own model would

@@ -381,12 +381,16 @@ def why_not_reused(previous: BatchPlan, want: int, world_size: int, fits: int | 
 # --- the search: the largest batch a try_step takes, and what to say when it is too small --------------
 
 
+def process_fraction(device: torch.device) -> float:
+    """The share of the card this process may allocate (torch.cuda.set_per_process_memory_fraction, or
+    PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:f); 1.0 without CUDA or before torch 2.6."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    return getter(device) if getter and torch.cuda.is_available() else 1.0
+
+
 def usable_bytes(device: torch.device) -> int:
-    """Memory this process may allocate on the card: its total x the per-process fraction
-    (torch.cuda.set_per_process_memory_fraction, or PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:f)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
-    return int(total * (fraction(device) if fraction else 1.0))
+    """Memory this process may allocate on the card: its total x the per-process fraction."""
+    return int(torch.cuda.get_device_properties(device).total_memory * process_fraction(device))
 
 
 @dataclass(frozen=True)
@@ -631,8 +635,7 @@ def device_budget(device: torch.device, held, headroom: float = 1.0, mem_get_inf
     fraction.  `mem_get_info` is injectable for tests."""
     free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
     torch_held = torch.cuda.memory_reserved(device) if torch.cuda.is_available() else 0
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
-    cap = total * (fraction(device) if fraction and torch.cuda.is_available() else 1.0)
+    cap = total * process_fraction(device)
     return Budget(int(min(free + torch_held, cap)), tuple(r for r in held if r is not None), headroom)
 
 
