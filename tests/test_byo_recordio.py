@@ -200,9 +200,7 @@ def test_where_dali_cannot_decode_even_a_plain_jpeg_no_record_is_refused_for_its
     pairs, tmp_path, monkeypatch, caplog
 ):
     """A DALI that fails on everything (a broken install) must not refuse good records in its name."""
-    from rectrain.loaders import dali
-
-    monkeypatch.setattr(dali, "decode_errors", lambda images: ["Unrecognized image format."] * len(images))
+    monkeypatch.setattr(byo_recordio, "decode_errors", lambda images: ["Unrecognized image format."] * len(images))
     byo_recordio._dali_decode_errors.cache_clear()
     try:
         edited = rewritten(pairs, tmp_path, lambda i, h, img: (h, _saved("GIF", i) if i == 4 else img))

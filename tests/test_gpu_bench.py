@@ -13,7 +13,7 @@ from helpers.train_data import write_rec
 
 from rectrain.distributed import Dist
 from rectrain.recordio import IndexedRecordReader, unpack_record
-from rectrain.train.stepclock import StepClock
+from rectrain.stepclock import StepClock
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rectrain import model as models
 from rectrain.progress import Marks, Progress
-from rectrain.train.stepclock import StepClock
+from rectrain.stepclock import StepClock
 
 
 @dataclass

@@ -25,7 +25,6 @@ reused buffers and nothing past the epoch is decoded (DaliLoader._host_batches).
 
 from __future__ import annotations
 
-import re
 import weakref
 from dataclasses import dataclass
 
@@ -402,44 +401,3 @@ class DaliLoader:
             if self.spec.channels_last:
                 images = images.permute(0, 3, 1, 2)  # NHWC viewed as NCHW: channels_last, nothing copied
             yield images, labels.view(-1).to(device, torch.int64, non_blocking=True)
-
-
-# How many images one probe pipeline decodes at once; a batch that fails is decoded one by one.
-PROBE_BATCH = 64
-
-
-def decode_errors(images: list[bytes]) -> list[str | None]:
-    """DALI's image decoder on each image, on the CPU: None where it decodes, else DALI's reason ("GIF
-    images are not supported.").  The GPU's decoder sends every format but JPEG and JPEG 2000 to this
-    one (DALI's documentation); measured here with DALI 1.34: PNG, BMP, TIFF, simple WebP and CMYK or
-    progressive JPEG decode; GIF and extended WebP (alpha, animation) do not."""
-    out: list[str | None] = []
-    for start in range(0, len(images), PROBE_BATCH):
-        chunk = images[start : start + PROBE_BATCH]
-        if _probe(chunk) is None:
-            out += [None] * len(chunk)
-        else:
-            out += [_probe([image]) for image in chunk]
-    return out
-
-
-def _probe(images: list[bytes]) -> str | None:
-    """None when DALI's CPU decoder reads every image of this batch, else the reason it gives."""
-    arrays = [np.frombuffer(image, np.uint8) for image in images]
-
-    @pipeline_def(batch_size=len(arrays), num_threads=1, device_id=None, exec_async=False, exec_pipelined=False)
-    def probe():
-        return fn.decoders.image(fn.external_source(source=lambda: arrays, batch=True), device="cpu")
-
-    pipe = probe()
-    try:
-        pipe.build()
-        pipe.run()
-    except RuntimeError as err:
-        # DALI's message: "Critical error ... Error in thread 0: [source:line] [source:line] <reason>. File: ..."
-        line = next((ln for ln in str(err).splitlines() if "Error in thread" in ln), str(err).splitlines()[0])
-        reason = re.sub(r"\[[^\]]*\]\s*", "", line.split(":", 1)[-1]).split(". File:")[0].strip()
-        return reason if reason.endswith(".") else reason + "."
-    finally:
-        del pipe
-    return None

@@ -20,6 +20,7 @@ from rectrain.log import CONSOLE_LINE
 from rectrain.metrics import all_reduce as all_reduce_tally
 from rectrain.metrics import tally
 from rectrain.progress import Progress, RunProgress
+from rectrain.stepclock import StepClock
 from rectrain.storage import device_info, human_bytes
 from rectrain.train import calibrate, curves, early_warning
 from rectrain.train.lifecycle import checkpoint as ckpt
@@ -29,7 +30,6 @@ from rectrain.train.lifecycle.midepoch import MidEpoch, Position, run_state, sto
 from rectrain.train.lifecycle.stop import Agreement
 from rectrain.train.run import Run
 from rectrain.train.step import Step, run_steps
-from rectrain.train.stepclock import StepClock
 from rectrain.train.telemetry import EMA_VAL_COLUMNS, CsvLog
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ import torch
 from rectrain import model as models
 from rectrain.distributed import Dist
 from rectrain.progress import Progress
+from rectrain.stepclock import StepClock
 from rectrain.train.batchaug import hard_labels
-from rectrain.train.stepclock import StepClock
 
 
 @dataclass
