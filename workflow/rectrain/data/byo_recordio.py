@@ -305,7 +305,7 @@ def _dali_decode_errors():
 
 def check_dali_decodes(kept: list[tuple[str, bytes]]) -> None:
     """PairError for the first record kept as it is that DALI's decoder cannot read: the pipeline
-    trains with DALI, which would stop there mid-epoch (GIF, extended WebP: rectrain.loaders.dali)."""
+    trains with DALI, which would stop there mid-epoch (GIF, extended WebP: decode_errors)."""
     decode_errors = _dali_decode_errors() if kept else None
     if decode_errors is None:
         return
