@@ -213,3 +213,20 @@ def test_only_a_run_torchrun_must_start_relaunches_early_and_the_trainer_reports
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert direct.relaunches(argv) is relaunches
+
+
+def test_the_trainers_help_and_argument_errors_name_the_one_command_python_m_rectrain_train(capsys):
+    """The usage line a user copies is the command that trains, not the module that parses its options
+    (rectrain.train.direct, which `python -m` would run to no effect)."""
+    from rectrain.train import direct
+
+    with pytest.raises(SystemExit) as help_exit:
+        direct.main(["--help"])
+    assert help_exit.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m rectrain.train [-h] --config-json")
+    with pytest.raises(SystemExit) as error_exit:
+        direct.main(["--config-json", "{}"])
+    err = capsys.readouterr().err
+    assert error_exit.value.code == 2
+    assert "python -m rectrain.train: error: the following arguments are required: --rec, --idx" in err, err
+    assert "direct" not in err, err

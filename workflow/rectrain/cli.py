@@ -61,6 +61,7 @@ def main(
     config_required: bool = True,
     doc: str | None = None,
     interrupted: str | None = NOTHING_PUBLISHED,
+    command: str | None = None,
 ) -> int:
     """Run one stage's CLI; returns its exit code (0 when `run` returns None).
 
@@ -77,9 +78,11 @@ def main(
     config_required: without it --config-json defaults to '{}' (all defaults).
     doc: the --help description; default the docstring of run's module.
     interrupted: what a Ctrl-C (KeyboardInterrupt) leaves, said in one line on the log and the terminal
-      instead of a traceback (exit status 130); None lets it propagate (training stops on SIGINT itself)."""
+      instead of a traceback (exit status 130); None lets it propagate (training stops on SIGINT itself).
+    command: the module a user runs, `python -m <command>` in --help and argument errors; default the
+      module that defines `run` (a stage whose `run` lives elsewhere names its own)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser(block, arguments, run, doc, passthrough, config_required)
+    parser = _parser(block, arguments, run, doc, passthrough, config_required, command)
     args = parser.parse_known_args(argv)[0] if passthrough else parser.parse_args(argv)
     args.argv = argv
     stage_log.setup("" if bare else tag, elapsed=elapsed, console_tag=tag)
@@ -131,10 +134,10 @@ def typed(block: str, values: dict):
     return settings.whole(values) if block == WHOLE else settings.view(block, values)
 
 
-def _parser(block, arguments: Arguments, run: Run, doc, passthrough: bool, config_required: bool):
+def _parser(block, arguments: Arguments, run: Run, doc, passthrough: bool, config_required: bool, command):
     module = sys.modules.get(run.__module__)
     spec = getattr(module, "__spec__", None)
-    name = spec.name.removesuffix(".__main__") if spec else run.__module__
+    name = command or (spec.name.removesuffix(".__main__") if spec else run.__module__)
     parser = argparse.ArgumentParser(
         prog=f"python -m {name}",
         description=doc if doc is not None else getattr(module, "__doc__", None),

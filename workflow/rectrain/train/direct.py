@@ -96,4 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m rectrain.train`: a rank (under torchrun), a single process, or the process that starts
     torchrun. A stop signal is training's to handle (train.lifecycle.stop, supervise), not a Ctrl-C line."""
     errors = {cluster.ClusterError: 1, pairowner.PairChanged: 1}
-    return cli.main("train", "train", arguments, _run, argv, errors=errors, elapsed=True, interrupted=None, doc=DOC)
+    return cli.main(
+        "train",
+        "train",
+        arguments,
+        _run,
+        argv,
+        errors=errors,
+        elapsed=True,
+        interrupted=None,
+        doc=DOC,
+        command="rectrain.train",
+    )
