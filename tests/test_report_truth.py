@@ -110,7 +110,7 @@ def test_top5_of_five_classes_is_not_shown_as_a_result(small):
     assert "val top-5" not in section(html, "learning")
 
 
-def test_input_efficiency_above_one_is_capped_in_the_headline_and_explained_as_noise_with_the_spread(small):
+def test_input_efficiency_above_one_is_capped_in_the_headline_and_explained_as_noise_with_the_spread_then_the_calibration(small):
     _, html = small
     # steady 2 x 128 images per 0.5 s = 512 img/s against 2 x 194 calibrated
     assert f"{512 / 388:.2f}" == "1.32"
@@ -120,6 +120,7 @@ def test_input_efficiency_above_one_is_capped_in_the_headline_and_explained_as_n
     noise = throughput[throughput.index('id="efficiency-noise"') :]
     assert "Measured 1.32, shown as 1.00" in noise and "measurement noise" in noise
     assert "single epochs measured 1.32 to 1.32" in noise, "every synthetic epoch ran at the same speed"
+    assert "1.32).</span> Calibration: " in noise, "the next sentence starts after a space"
 
 
 def test_class_columns_are_named_for_what_they_hold(small, tmp_path):
