@@ -761,6 +761,19 @@ def test_with_few_classes_the_worst_and_the_best_classes_share_no_row(tmp_path):
     assert len(rows(worst)) == len(rows(best)) == 2 and not rows(worst) & rows(best)
 
 
+def test_classes_at_equal_accuracy_are_split_between_the_worst_and_the_best_not_listed_twice():
+    """The demo's 10 classes all at 100 %: the worst five and the best five are ten different classes."""
+    from rectrain.report.build import class_views
+
+    table = pd.DataFrame(
+        {"label": range(10), "wnid": [f"n{i:08d}" for i in range(10)], "accuracy": 1.0, "images": 12}
+    ).assign(most_confused_count=0)
+    views = class_views(table, 10)
+    assert views["worst"]["label"].tolist() == [0, 1, 2, 3, 4] and views["best"]["label"].tolist() == [5, 6, 7, 8, 9]
+    ranked = class_views(table.assign(accuracy=[0.5, 1.0, 0.9, 1.0, 0.2, 1.0, 0.9, 0.7, 1.0, 0.1]), 3)
+    assert ranked["worst"]["label"].tolist() == [9, 4, 0] and ranked["best"]["label"].tolist() == [1, 3, 5]
+
+
 def test_the_utilization_table_splits_the_busy_cpu_into_the_runs_processes_and_others(tmp_path):
     """system.csv's job_cpu_percent (the run's own processes) beside cpu_percent (the machine's); a
     system.csv written before the column existed shows no split."""

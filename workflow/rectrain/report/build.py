@@ -186,9 +186,12 @@ def class_views(table: pd.DataFrame, n: int) -> dict[str, pd.DataFrame]:
     images = pd.to_numeric(table["images"], errors="coerce")
     pairs = table.assign(count=count, share=count / images.where(images > 0))
     ends = min(n, len(table) // 2)  # with few classes, each half: the worst and the best never share a row
+    worst = table.sort_values(["accuracy", "label"]).head(ends)
+    # the best among the others: classes of equal accuracy (all at 100 %, say) are not listed as both
+    best = table.drop(worst.index).sort_values(["accuracy", "label"], ascending=[False, True]).head(ends)
     return {
-        "worst": table.sort_values(["accuracy", "label"]).head(ends),
-        "best": table.sort_values(["accuracy", "label"], ascending=[False, True]).head(ends),
+        "worst": worst,
+        "best": best,
         "confused": pairs[pairs["count"] > 0].sort_values(["count", "label"], ascending=[False, True]).head(n),
         "all": table.sort_values(["wnid", "label"]),
     }
