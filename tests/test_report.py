@@ -774,6 +774,16 @@ def test_classes_at_equal_accuracy_are_split_between_the_worst_and_the_best_not_
     assert ranked["worst"]["label"].tolist() == [9, 4, 0] and ranked["best"]["label"].tolist() == [1, 3, 5]
 
 
+def test_a_rotational_fast_storage_is_one_storage_warning_not_warning_twice():
+    from rectrain.report.build import storage_warnings
+    from rectrain.storage import ROTATIONAL_WARNING
+
+    said = ROTATIONAL_WARNING.format(path="/hdd/demo", device="sdb")
+    manifests = {split: {"storage": {"warning": said}} for split in ("train", "val")} | {"x": {"storage": None}}
+    assert storage_warnings(manifests) == [said.removeprefix("WARNING: ")]
+    assert storage_warnings(manifests)[0].startswith("fast_storage /hdd/demo is on a rotational disk (sdb)")
+
+
 def test_the_utilization_table_splits_the_busy_cpu_into_the_runs_processes_and_others(tmp_path):
     """system.csv's job_cpu_percent (the run's own processes) beside cpu_percent (the machine's); a
     system.csv written before the column existed shows no split."""

@@ -385,8 +385,10 @@ def time_to_accuracy(data: RunData, recipe: RecipeSettings, like_imagenet: bool)
 
 
 def storage_warnings(manifests: dict) -> list[str]:
-    """The packs' storage warnings, each once (both splits usually share one)."""
-    return list(dict.fromkeys(w for m in manifests.values() if (w := (m.get("storage") or {}).get("warning"))))
+    """The packs' storage warnings, each once (both splits usually share one), without the "WARNING: " that
+    marks them in the pack's log: the report's own label says it."""
+    warnings = (w for m in manifests.values() if (w := (m.get("storage") or {}).get("warning")))
+    return list(dict.fromkeys(w.removeprefix("WARNING: ") for w in warnings))
 
 
 def _plots(data: RunData, axis, views: dict) -> dict:
