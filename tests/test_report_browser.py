@@ -3,7 +3,9 @@ diagnosis is in the DOM, and data names stay text."""
 
 import base64
 import io
+import json
 import re
+from html import unescape
 
 import pytest
 from helpers.browser import CHROMIUM, NO_CHROMIUM, chromium
@@ -73,6 +75,38 @@ def test_rendered_throughput_section_leads_with_the_input_efficiency(report_file
     assert 'id="efficiency-headline"' in headline and "input efficiency" in headline
     assert "<b>0.72</b>" in headline and "128.0 img/s on real data / 177.8 img/s on synthetic data" in headline
     assert section.index("efficiency-headline") < section.index("<img")  # above the plots
+
+
+# Appended to a copy of the page: where each section's widest table ends against the section, and how wide
+# the page is against the window, as text the dumped DOM carries.
+WIDTHS_PROBE = """<script>
+addEventListener("load", () => {
+  const over = [...document.querySelectorAll("section")].map(s => [s.id,
+    Math.max(0, ...[...s.querySelectorAll("table")].map(t => t.getBoundingClientRect().right - s.getBoundingClientRect().right))]);
+  const out = document.createElement("pre"); out.id = "widths";
+  out.textContent = JSON.stringify({over: Object.fromEntries(over), page: document.documentElement.scrollWidth, window: innerWidth});
+  document.body.append(out);
+});
+</script>"""
+
+
+def test_a_long_rec_path_breaks_inside_the_data_table_and_the_page_never_scrolls_sideways(tmp_path):
+    paths = write_run(tmp_path)
+    for manifest in paths["pack"].glob("*.manifest.json"):
+        m = json.loads(manifest.read_text())
+        # no hyphen: a browser breaks a line at none of these characters unless told to
+        m["rec"] = f"/mnt/nvme0n1/rectrain_fast_storage/imagenet_2012_full_resized_256/{m['split']}.rec"
+        manifest.write_text(json.dumps(m))
+    data = load(paths["train"], paths["eval"], paths["pack"], paths["index"], [paths["benchmarks"]], "demo")
+    page = tmp_path / "report.html"
+    page.write_text(report_html(data, {"dataset": "demo", "report": dict(REPORT_CFG)}, repo=tmp_path) + WIDTHS_PROBE)
+    dom = chromium(
+        tmp_path, "--window-size=1280,1000", "--virtual-time-budget=5000", "--dump-dom", page.as_uri()
+    ).stdout
+    widths = json.loads(unescape(re.search(r'<pre id="widths">(.*?)</pre>', dom).group(1)))
+    assert "imagenet_2012_full_resized_256/train.rec" in unescape(re.sub(r"<[^>]+>", "", dom))
+    assert widths["over"]["data"] <= 0, widths
+    assert widths["page"] <= widths["window"], widths
 
 
 # Issue 12's page limit at full ImageNet-run size; its time limits (build, render) are measured by
