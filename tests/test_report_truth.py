@@ -110,7 +110,7 @@ def test_top5_of_five_classes_is_not_shown_as_a_result(small):
     assert "val top-5" not in section(html, "learning")
 
 
-def test_input_efficiency_above_one_is_capped_in_the_headline_and_explained_as_noise_with_the_spread_then_the_calibration(small):
+def test_efficiency_above_one_is_capped_in_the_headline_then_noise_with_the_spread_then_the_calibration(small):
     _, html = small
     # steady 2 x 128 images per 0.5 s = 512 img/s against 2 x 194 calibrated
     assert f"{512 / 388:.2f}" == "1.32"
