@@ -82,7 +82,7 @@ def main(
     command: the module a user runs, `python -m <command>` in --help and argument errors; default the
       module that defines `run` (a stage whose `run` lives elsewhere names its own)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser(block, arguments, run, doc, passthrough, config_required, command)
+    parser = _parser(block, arguments, run, doc, passthrough, config_required, command=command)
     args = parser.parse_known_args(argv)[0] if passthrough else parser.parse_args(argv)
     args.argv = argv
     stage_log.setup("" if bare else tag, elapsed=elapsed, console_tag=tag)
@@ -134,7 +134,7 @@ def typed(block: str, values: dict):
     return settings.whole(values) if block == WHOLE else settings.view(block, values)
 
 
-def _parser(block, arguments: Arguments, run: Run, doc, passthrough: bool, config_required: bool, command):
+def _parser(block, arguments: Arguments, run: Run, doc, passthrough: bool, config_required: bool, *, command):
     module = sys.modules.get(run.__module__)
     spec = getattr(module, "__spec__", None)
     name = command or (spec.name.removesuffix(".__main__") if spec else run.__module__)
