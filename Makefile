@@ -12,10 +12,10 @@ PYTEST_ARGS ?=
 # Test workers (pytest-xdist) for make test and make check: three on the 2-core CI machine, whose suite
 # waits a third of its time (schedulers, job start-ups, provoked timeouts): measured 1,012 s of pytest
 # on 3 against 1,142 s on 2; 4 workers were slower again, 857 s against 809 s on 3 (bench/RESULTS.md,
-# 2026-12-03). tests/conftest.py keeps each module on one worker and
-# starts the longest first.
+# 2026-12-03). tests/conftest.py keeps each module on one worker and orders the modules longest first;
+# --no-loadscope-reorder keeps that order (xdist would hand out the modules with the most tests first).
 TEST_WORKERS ?= 3
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 # make run: your config file(s), the target, and extra Snakemake options (e.g. SNAKEMAKE_ARGS=-n).
 CONFIG ?=
 TARGET ?= results/report.html

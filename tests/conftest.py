@@ -57,12 +57,11 @@ def pytest_terminal_summary(terminalreporter):
 # tests' scheduler cycles, a pipeline's job start-ups, the timeouts that tests provoke - which the other
 # worker fills with work.
 SHARED_GROUPS = {"test_slurm.py": "slurm", "test_slurm_requeue.py": "slurm"}
-# The groups that take longest (the --durations table of a CI log), meant to start first so no worker is
-# left with a long module at the end; the SLURM pair first of all, as it mostly waits. But xdist's
-# loadgroup scheduler hands out the groups with the most tests first (LoadScopeScheduling sorts its work
-# queue by test count), so this order only breaks ties: in a 3-worker run of 2026-12-03 the SLURM pair
-# started at 198 s. The workers still ended within 42 s of each other (749, 755, 791 s), the suite
-# being CPU-bound; a scheduler of our own (pytest_xdist_make_scheduler) was not tried.
+# The groups that take longest (the --durations table of a CI log), started first so no worker is left
+# with a long module at the end; the SLURM pair first of all, as it mostly waits. xdist's loadgroup
+# scheduler would hand out the groups with the most tests first (LoadScopeScheduling sorts its work queue
+# by test count): in a 3-worker run of 2026-12-03 the SLURM pair started at 198 s. The Makefile's
+# --no-loadscope-reorder makes it keep this order (bench/RESULTS.md, "The test suite's wall time").
 LONGEST_FIRST = [
     "slurm",
     "test_pipeline_e2e.py",
